@@ -1,0 +1,204 @@
+"""Configuration: golden files parse to the expected values; one test per validation rule."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+
+from tiered_ckpt.config import Config, load_config
+from tiered_ckpt.errors import ConfigError
+
+DATA = Path(__file__).parent / "data" / "config"
+
+
+def _tiers(*tiers: dict, **top) -> dict:
+    return {"tiers": list(tiers), **top}
+
+
+LOCAL = {"name": "disk", "kind": "local", "path": "/tmp/x"}
+
+
+def _err(cfg: dict, env: dict | None = None) -> str:
+    with pytest.raises(ConfigError) as info:
+        load_config(cfg, env=env or {})
+    return str(info.value)
+
+
+# ----- golden files ----------------------------------------------------------------------------------------------------
+def test_full_golden_file():
+    cfg = load_config(DATA / "full.yaml", env={"S3_ENDPOINT": "http://127.0.0.1:9000"})
+    assert cfg.source == str(DATA / "full.yaml")
+    assert cfg.run_id == "gpt-16b" and cfg.layout == "megatron"
+    assert cfg.drain.mode == "thread" and cfg.drain.close_timeout_s == 300.0
+    assert cfg.load.copy is True and cfg.events.jsonl == "/tmp/events.jsonl"
+    hbm, host, nvme, s3 = cfg.tiers
+    assert (hbm.kind, hbm.enabled, hbm.options.max_bytes, hbm.options.device) == ("gpu", "auto", 8 << 30, "cuda")
+    assert (host.slots, host.when_full, host.options.path) == (2, "skip", "/dev/shm/tiered_ckpt")
+    assert (nvme.every, nvme.keep, nvme.options.path) == (1, 2, "/local/ckpt")
+    assert s3.options.url == "s3://bucket/gpt-16b"
+    assert s3.options.options == {"endpoint_url": "http://127.0.0.1:9000"}
+    assert (s3.every, s3.keep) == (10, 5)
+    assert (s3.compression.codec, s3.compression.level, s3.compression.threads) == ("zstd", 3, 2)
+    assert (s3.retry.attempts, s3.retry.initial_s, s3.retry.max_s, s3.retry.deadline_s) == (8, 0.5, 30.0, 900.0)
+
+
+def test_minimal_golden_file_defaults():
+    cfg = load_config(DATA / "minimal.yaml")
+    assert cfg.run_id == "default" and cfg.layout == "rank_sharded" and cfg.drain.mode == "process"
+    (disk,) = cfg.tiers
+    assert (disk.every, disk.keep, disk.enabled, disk.compression) == (1, None, True, None)
+    assert disk.retry.attempts == 5
+
+
+def test_env_defaults_and_values():
+    cfg = load_config(DATA / "env_default.yaml", env={})
+    assert cfg.run_id == "fallback-run" and cfg.tiers[0].options.path == "/tmp/ckpt/run"
+    cfg = load_config(DATA / "env_default.yaml", env={"RUN_NAME": "r1", "CKPT_ROOT": "/data"})
+    assert cfg.run_id == "r1" and cfg.tiers[0].options.path == "/data/run"
+
+
+def test_dict_and_config_accepted_and_frozen():
+    cfg = load_config(_tiers(LOCAL))
+    assert load_config(cfg) is cfg
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.run_id = "x"  # type: ignore[misc]
+    assert isinstance(cfg, Config)
+
+
+# ----- one test per rule -----------------------------------------------------------------------------------------------
+def test_missing_env_var_names_key_path_and_variable():
+    msg = _err(_tiers({**LOCAL, "path": "${NOPE_NOT_SET}/x"}))
+    assert "tiers[0].path" in msg and "NOPE_NOT_SET" in msg
+
+
+def test_unknown_top_level_key():
+    msg = _err(_tiers(LOCAL, retention=3))
+    assert "retention: unknown key" in msg
+
+
+def test_unknown_tier_key_names_index():
+    msg = _err(_tiers(LOCAL, {"name": "b", "kind": "local", "path": "/x", "evry": 2}))
+    assert "tiers[1].evry: unknown key" in msg
+
+
+def test_unknown_nested_key():
+    msg = _err(_tiers({**LOCAL, "retry": {"attempts": 3, "backoff": 2}}))
+    assert "tiers[0].retry.backoff: unknown key" in msg
+
+
+def test_tiers_missing_or_empty():
+    assert "tiers: expected a non-empty list of tiers, got nothing" in _err({})
+    assert "tiers: expected a non-empty list" in _err({"tiers": []})
+
+
+def test_tier_not_a_mapping():
+    assert "tiers[0]: expected a mapping" in _err({"tiers": ["local"]})
+
+
+def test_tier_name_and_kind_required():
+    assert "tiers[0].name: required key is missing" in _err(_tiers({"kind": "local", "path": "/x"}))
+    assert "tiers[0].kind: required key is missing" in _err(_tiers({"name": "a", "path": "/x"}))
+
+
+def test_tier_name_characters():
+    assert 'tiers[0].name: expected letters' in _err(_tiers({**LOCAL, "name": "a b/c"}))
+
+
+def test_unknown_kind_lists_known_kinds():
+    msg = _err(_tiers({"name": "a", "kind": "tape"}))
+    assert "tiers[0].kind" in msg and "unknown tier kind 'tape'" in msg and "local" in msg
+
+
+def test_duplicate_tier_name():
+    msg = _err(_tiers(LOCAL, {**LOCAL, "path": "/y"}))
+    assert 'tiers[1].name: duplicate tier name "disk" (also tiers[0])' in msg
+
+
+def test_every_must_be_positive_integer():
+    assert 'tiers[0].every: expected a positive integer, got "ten"' in _err(_tiers({**LOCAL, "every": "ten"}))
+    assert "tiers[0].every: expected a positive integer, got 0" in _err(_tiers({**LOCAL, "every": 0}))
+    assert "got True" in _err(_tiers({**LOCAL, "every": True}))
+
+
+def test_keep_must_be_positive_or_null():
+    assert "tiers[0].keep: expected a positive integer" in _err(_tiers({**LOCAL, "keep": -1}))
+    assert load_config(_tiers({**LOCAL, "keep": None})).tiers[0].keep is None
+
+
+def test_slots_only_on_memory_tiers():
+    assert "tiers[0].slots: only memory tiers hold slots" in _err(_tiers({**LOCAL, "slots": 2}))
+
+
+def test_enabled_values():
+    assert "tiers[0].enabled: expected true or false or one of 'auto'" in _err(_tiers({**LOCAL, "enabled": "yes"}))
+
+
+def test_when_full_values():
+    assert "tiers[0].when_full: expected one of 'wait', 'skip'" in _err(_tiers({**LOCAL, "when_full": "drop"}))
+
+
+def test_compression_rules():
+    assert "tiers[0].compression.codec: expected one of" in _err(_tiers({**LOCAL, "compression": {"codec": "lz4"}}))
+    assert "level: expected an integer from -7 to 22, got 40" in _err(
+        _tiers({**LOCAL, "compression": {"level": 40}}))
+
+
+def test_retry_attempts_positive():
+    assert "tiers[0].retry.attempts: expected a positive integer" in _err(_tiers({**LOCAL, "retry": {"attempts": 0}}))
+
+
+def test_durations():
+    assert load_config(_tiers({**LOCAL, "retry": {"deadline_s": "2m"}})).tiers[0].retry.deadline_s == 120.0
+    assert "expected a duration such as 30s" in _err(_tiers({**LOCAL, "retry": {"max_s": "soon"}}))
+
+
+def test_sizes():
+    gpu = {"name": "g", "kind": "gpu", "device": "cpu", "max_bytes": "512 MiB"}
+    assert load_config(_tiers(gpu)).tiers[0].options.max_bytes == 512 << 20
+    assert "tiers[0].max_bytes: expected a byte size" in _err(_tiers({**gpu, "max_bytes": "8 parsecs"}))
+
+
+def test_kind_required_option():
+    assert "tiers[0].path: required key is missing" in _err(_tiers({"name": "d", "kind": "local"}))
+
+
+def test_run_id_characters():
+    assert 'run_id: expected letters' in _err(_tiers(LOCAL, run_id="../../etc"))
+
+
+def test_unknown_layout():
+    assert 'layout: unknown layout "zarr"' in _err(_tiers(LOCAL, layout="zarr"))
+
+
+def test_drain_mode_values():
+    assert "drain.mode: expected one of 'process', 'thread'" in _err(_tiers(LOCAL, drain={"mode": "fork"}))
+
+
+def test_yaml_syntax_error_names_file_and_line(tmp_path):
+    p = tmp_path / "bad.yaml"
+    p.write_text("tiers:\n  - {name: a, kind: local\n")
+    with pytest.raises(ConfigError) as info:
+        load_config(p)
+    assert str(p) in str(info.value) and "line" in str(info.value)
+
+
+def test_file_errors_name_the_file(tmp_path):
+    p = tmp_path / "t.yaml"
+    p.write_text("tiers:\n  - {name: disk, kind: local, path: /x, every: ten}\n")
+    with pytest.raises(ConfigError) as info:
+        load_config(p)
+    assert str(info.value) == f'{p}: tiers[0].every: expected a positive integer, got "ten"'
+
+
+def test_missing_file():
+    with pytest.raises(ConfigError, match="cannot read the configuration"):
+        load_config("/nonexistent/tiers.yaml")
+
+
+def test_top_level_must_be_mapping(tmp_path):
+    p = tmp_path / "list.yaml"
+    p.write_text("- a\n- b\n")
+    with pytest.raises(ConfigError, match="expected a mapping at the top level"):
+        load_config(p)

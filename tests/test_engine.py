@@ -1,0 +1,225 @@
+"""The engine on one rank: tier combinations, commit, fallback, retention, slots and recovery."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+import uuid
+
+import pytest
+import torch
+from helpers import Recorder, assert_same, make_items
+
+from tiered_ckpt import CheckpointEngine, NoCheckpointError
+from tiered_ckpt.plugins import get_plugin_manager
+
+
+@pytest.fixture
+def recorder():
+    rec = Recorder()
+    pm = get_plugin_manager()
+    pm.register(rec)
+    yield rec
+    pm.unregister(rec)
+
+
+def tier(kind: str, name: str | None = None, **kw) -> dict:
+    return {"name": name or kind, "kind": kind, **kw}
+
+
+@pytest.fixture
+def tiers(tmp_path, shm_root):
+    mem_url = f"memory://tiered-ckpt-tests/{uuid.uuid4().hex}"
+    return {
+        "gpu": tier("gpu", device="cpu"),
+        "shm": tier("shm", path=str(shm_root)),
+        "local": tier("local", path=str(tmp_path / "local")),
+        "memory": tier("fsspec", "remote", url=mem_url),
+        "file": tier("fsspec", "shared", url=f"file://{tmp_path / 'shared'}"),
+    }
+
+
+def config(tiers: dict, *names: str, mode: str = "thread", **top) -> dict:
+    return {"run_id": f"t{uuid.uuid4().hex[:8]}", "drain": {"mode": mode}, "tiers": [tiers[n] for n in names], **top}
+
+
+COMBOS = [("shm",), ("shm", "local"), ("shm", "local", "memory"), ("local",), ("gpu", "shm", "local")]
+
+
+@pytest.mark.parametrize("names", COMBOS, ids=["+".join(c) for c in COMBOS])
+def test_round_trip_bit_exact_on_every_tier(tiers, names, recorder):
+    cfg = config(tiers, *names)
+    items = make_items(3)
+    with CheckpointEngine(cfg) as engine:
+        handle = engine.save(10, items)
+        assert handle.blocking_s > 0
+        handle.wait(timeout=60)
+        assert all(handle.results.values())
+        # Fastest tier first; then each tier alone by hiding the faster ones.
+        loaded = engine.load()
+        assert loaded.step == 10 and loaded.tier == engine.pipeline.order[0]
+        assert_same(items, loaded.items)
+        for name in engine.pipeline.order:
+            if name.startswith("_"):
+                continue
+            got = engine._load_from(name, 10, copy=True, map_location=None)[0]
+            assert_same(items, got)
+    commits = {e.tier for e in recorder.kinds("commit") if e.step == 10}
+    assert commits >= set(n for n in engine.pipeline.order[1:])
+
+
+def test_newest_step_wins_and_explicit_step(tiers):
+    with CheckpointEngine(config(tiers, "shm", "local")) as engine:
+        for step in (1, 2, 3):
+            engine.save(step, make_items(step)).wait(timeout=60)
+        assert engine.load().step == 3
+        old = engine.load(step=1)
+        assert old.tier == "local"  # two shm slots hold 2 and 3 only
+        assert_same(make_items(1), old.items)
+        with pytest.raises(NoCheckpointError, match="step 7"):
+            engine.load(step=7)
+
+
+def test_local_alone_stages_in_memory(tiers):
+    with CheckpointEngine(config(tiers, "local")) as engine:
+        assert engine.pipeline.order[0] == "_staging"
+        engine.save(5, make_items(5)).wait(timeout=60)
+    with CheckpointEngine(config(tiers, "local")) as engine:  # a new process: staging is empty
+        loaded = engine.load()
+        assert (loaded.step, loaded.tier) == (5, "local")
+        assert_same(make_items(5), loaded.items)
+
+
+def test_flipped_byte_falls_back_to_next_tier(tiers, tmp_path, recorder):
+    with CheckpointEngine(config(tiers, "local", "memory")) as engine:
+        engine.save(7, make_items(7)).wait(timeout=60)
+    path = next((tmp_path / "local").rglob("state.flat"))
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    path.write_bytes(bytes(data))
+    with CheckpointEngine(config(tiers, "local", "memory")) as engine:
+        loaded = engine.load()
+    assert (loaded.step, loaded.tier) == (7, "remote")
+    assert_same(make_items(7), loaded.items)
+    falls = recorder.kinds("fallback", "local")
+    assert falls and "checksum" in falls[0].message and "state.flat" in falls[0].message
+
+
+def test_corrupt_everywhere_raises_clear_error(tiers, tmp_path):
+    with CheckpointEngine(config(tiers, "local")) as engine:
+        engine.save(1, make_items(1)).wait(timeout=60)
+    path = next((tmp_path / "local").rglob("state.flat"))
+    path.write_bytes(path.read_bytes()[:-10])
+    with CheckpointEngine(config(tiers, "local")) as engine:
+        with pytest.raises(NoCheckpointError, match="size is"):
+            engine.load()
+
+
+def test_older_step_used_when_newest_is_corrupt(tiers, tmp_path, recorder):
+    with CheckpointEngine(config(tiers, "local")) as engine:
+        engine.save(1, make_items(1)).wait(timeout=60)
+        engine.save(2, make_items(2)).wait(timeout=60)
+    newest = next((tmp_path / "local" / "iter_0000002").rglob("state.flat"))
+    newest.unlink()
+    with CheckpointEngine(config(tiers, "local")) as engine:
+        loaded = engine.load()
+    assert loaded.step == 1 and loaded.fallbacks
+    assert_same(make_items(1), loaded.items)
+
+
+def test_retention_keeps_newest_and_removes_debris(tiers, tmp_path, recorder):
+    tiers["local"]["keep"] = 2
+    with CheckpointEngine(config(tiers, "shm", "local")) as engine:
+        for step in range(1, 6):
+            engine.save(step, make_items(step)).wait(timeout=60)
+        assert engine.available_steps()["local"] == [4, 5]
+    assert sorted(p.name for p in (tmp_path / "local").iterdir()) == [
+        "iter_0000004", "iter_0000005", "latest_checkpointed_iteration.txt"]
+    assert (tmp_path / "local" / "latest_checkpointed_iteration.txt").read_text() == "5"
+    assert [e.step for e in recorder.kinds("evict", "local")] == [1, 2, 3]
+
+
+def test_every_sends_every_nth_save(tiers):
+    tiers["memory"]["every"] = 3
+    with CheckpointEngine(config(tiers, "shm", "local", "memory")) as engine:
+        handles = [engine.save(s, make_items(s)) for s in range(1, 8)]
+        engine.wait(60)
+        assert [("remote" in h.due) for h in handles] == [True, False, False, True, False, False, True]
+        assert engine.available_steps()["remote"] == [1, 4, 7]
+
+
+def test_structure_change_replans_the_slot(tiers, recorder):
+    with CheckpointEngine(config(tiers, "shm", "local")) as engine:
+        engine.save(1, make_items(1)).wait(timeout=60)
+        bigger = make_items(2, scale=50)
+        bigger["state"]["extra"] = torch.arange(1000)
+        engine.save(2, bigger).wait(timeout=60)
+        assert recorder.kinds("replan")
+        assert_same(bigger, engine.load().items)
+        assert_same(make_items(1), engine.load(step=1).items)
+
+
+def test_prepare_preallocates_slots(tiers, shm_root):
+    with CheckpointEngine(config(tiers, "shm", "local")) as engine:
+        engine.prepare(make_items(0))
+        slots = sorted(p.name for p in Path(shm_root).rglob("slot_*.data"))
+        assert slots == ["slot_0.data", "slot_1.data"]
+        engine.save(1, make_items(1)).wait(timeout=60)
+
+
+def test_when_full_skip(tiers, recorder):
+    # A slow remote keeps the only slot busy; policy skip returns at once.
+    tiers["shm"]["slots"] = 1
+    tiers["shm"]["when_full"] = "skip"
+    with CheckpointEngine(config(tiers, "shm")) as engine:
+        first = engine.save(1, make_items(1))
+        engine.wait(30)
+        engine._slot_busy.add(0)  # simulate a drain that has not finished with the slot
+        skipped = engine.save(2, make_items(2))
+        assert skipped.skipped and recorder.kinds("skip")
+        engine._slot_released("shm", 0, 1)
+        assert not engine.save(3, make_items(3)).skipped
+        assert first.done()
+
+
+def test_loaded_views_are_zero_copy_when_asked(tiers):
+    with CheckpointEngine(config(tiers, "shm")) as engine:
+        engine.save(1, make_items(1)).wait(timeout=60)
+        viewed = engine.load(copy=False).items["state"]["model"]["embedding.weight"]
+        copied = engine.load(copy=True).items["state"]["model"]["embedding.weight"]
+        buf = engine.pipeline.entry_store._buffers
+        base = [b for b in buf.values()]
+        in_slot = any(b.data_ptr() <= viewed.data_ptr() < b.data_ptr() + b.numel() for b in base)
+        assert in_slot
+        assert not any(b.data_ptr() <= copied.data_ptr() < b.data_ptr() + b.numel() for b in base)
+
+
+def test_second_engine_same_run_id_fails_clearly(tiers):
+    cfg = config(tiers, "shm")
+    with CheckpointEngine(cfg):
+        with pytest.raises(Exception, match="already in use"):
+            CheckpointEngine(cfg)
+
+
+def test_process_mode_drains_and_commits(tiers, recorder):
+    cfg = config(tiers, "shm", "local", "memory", mode="process")
+    cfg["tiers"][2] = tiers["file"]  # memory:// is per process; a file:// tier is visible to the worker
+    with CheckpointEngine(cfg) as engine:
+        assert type(engine._drain).__name__ == "ProcessDrain"
+        h = engine.save(4, make_items(4))
+        h.wait(timeout=120)
+        assert h.results == {"local": True, "shared": True}
+        assert_same(make_items(4), engine._load_from("shared", 4, True, None)[0])
+    assert recorder.kinds("commit", "local") and recorder.kinds("drain", "shared")
+    assert os.path.exists(tiers["local"]["path"])
+
+
+def test_process_mode_with_gpu_entry_hops_through_shm(tiers):
+    cfg = config(tiers, "gpu", "shm", "local", mode="process")
+    with CheckpointEngine(cfg) as engine:
+        assert type(engine._drain).__name__ == "SplitDrain"
+        h = engine.save(9, make_items(9))
+        h.wait(timeout=120)
+        assert h.results == {"shm": True, "local": True}
+        assert_same(make_items(9), engine._load_from("local", 9, True, None)[0])
+        assert_same(make_items(9), engine._load_from("shm", 9, True, None)[0])

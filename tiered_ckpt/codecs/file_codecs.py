@@ -1,0 +1,100 @@
+"""File codecs: how one item becomes the bytes of one file on a file tier, and back.
+
+* ``flat`` — the snapshot's own format: a 16-byte prefix (magic + header length), the JSON header, padding to 64
+  bytes, then the tensor bytes exactly as they sit in the memory slot. Writing it is a straight copy of the slot
+  (no serialization work), and reading it can map tensors without copying.
+* ``torch`` — ``torch.save``'s zip format, for the files Megatron-LM must read (``model_optim_rng.pt``,
+  ``distrib_optim.pt``). Loading goes through the restricted unpickler (never arbitrary code).
+"""
+
+from __future__ import annotations
+
+import io
+import struct
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ..errors import DecodeError
+from ..tiers.base import Chunk, as_memoryview
+from . import flat
+
+FLAT_MAGIC = b"TCKFLAT1"
+_PREFIX = struct.Struct("<8sQ")
+ALIGN = 64
+
+
+@dataclass
+class ItemSource:
+    """One item, ready to be encoded: its flat header and the uint8 view of its tensor bytes (in a slot)."""
+
+    name: str
+    header: bytes
+    data: torch.Tensor
+
+    def materialize(self, copy: bool = False) -> Any:
+        return flat.restore(flat.decode_header(self.header), self.data, copy=copy)
+
+
+class FileCodec:
+    name = "abstract"
+    extension = "bin"
+
+    def encode(self, src: ItemSource) -> list[Chunk]:
+        raise NotImplementedError
+
+    def decode(self, blob: torch.Tensor, *, copy: bool = True, map_location: Any = None,
+               trust_pickles: bool = False, where: str = "") -> Any:
+        raise NotImplementedError
+
+
+class FlatFileCodec(FileCodec):
+    name = "flat"
+    extension = "flat"
+
+    def encode(self, src: ItemSource) -> list[Chunk]:
+        head = _PREFIX.pack(FLAT_MAGIC, len(src.header)) + src.header
+        pad = (-len(head)) % ALIGN
+        return [head + b"\0" * pad, src.data]
+
+    @staticmethod
+    def split(blob: torch.Tensor, where: str = "") -> tuple[bytes, torch.Tensor]:
+        """(header bytes, data view) of a flat file."""
+        if blob.numel() < _PREFIX.size:
+            raise DecodeError(f"{where}: too short for a flat checkpoint file ({blob.numel()} bytes)")
+        magic, hlen = _PREFIX.unpack(bytes(as_memoryview(blob[:_PREFIX.size])))
+        if magic != FLAT_MAGIC:
+            raise DecodeError(f"{where}: not a flat checkpoint file (magic {magic!r})")
+        end = _PREFIX.size + hlen
+        if end > blob.numel():
+            raise DecodeError(f"{where}: header length {hlen} runs past the end of the file")
+        header = bytes(as_memoryview(blob[_PREFIX.size:end]))
+        start = end + (-end) % ALIGN
+        return header, blob[start:]
+
+    def decode(self, blob: torch.Tensor, *, copy: bool = True, map_location: Any = None,
+               trust_pickles: bool = False, where: str = "") -> Any:
+        header, data = self.split(blob, where)
+        try:
+            info = flat.decode_header(header)
+        except DecodeError as exc:
+            raise DecodeError(f"{where}: {exc}") from None
+        return flat.restore(info, data, copy=copy, map_location=map_location)
+
+
+class TorchFileCodec(FileCodec):
+    name = "torch"
+    extension = "pt"
+
+    def encode(self, src: ItemSource) -> list[Chunk]:
+        buf = io.BytesIO()
+        torch.save(src.materialize(), buf)
+        return [buf.getbuffer()]
+
+    def decode(self, blob: torch.Tensor, *, copy: bool = True, map_location: Any = None,
+               trust_pickles: bool = False, where: str = "") -> Any:
+        from ..megatron.safe_load import load_bytes
+
+        return load_bytes(as_memoryview(blob), where=where, map_location=map_location or "cpu",
+                          trust_pickles=trust_pickles)

@@ -1,0 +1,202 @@
+"""The configuration: YAML file or dict → validated frozen dataclasses (DESIGN.md section 4).
+
+Common keys of a tier (name, kind, enabled, every, keep, slots, when_full, compression, retry) are checked here;
+every other key of a tier entry belongs to its kind and is checked against that kind's ``Options`` dataclass,
+found through the plugin registry, so third-party kinds get the same strictness.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+from .errors import ConfigError, PluginError
+from .validate import NonNegativeInt, PositiveInt, Seconds, build_dataclass, coerce
+
+_RUN_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
+_TIER_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
+_ENV_REF = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?::-([^}]*))?\}")
+
+
+@dataclass(frozen=True)
+class CompressionConfig:
+    codec: Literal["none", "zstd"] = "zstd"
+    level: int = 3
+    threads: int = 0  # zstd worker threads; 0 = compress on the calling thread, -1 = one per core
+    byte_grouping: bool = False  # regroup float bytes by significance before zstd (see docs/tiers.md)
+
+    def __post_init__(self) -> None:
+        if not -7 <= self.level <= 22:
+            raise ValueError(f"level: expected an integer from -7 to 22, got {self.level}")
+        if self.threads < -1:
+            raise ValueError(f"threads: expected -1, 0 or a positive integer, got {self.threads}")
+
+
+@dataclass(frozen=True)
+class RetryConfig:
+    attempts: PositiveInt = 5  # total tries, the first included
+    initial_s: Seconds = 0.5
+    max_s: Seconds = 30.0
+    deadline_s: Seconds = 900.0  # give up on a step for this tier after this long, whatever attempts remain
+
+
+@dataclass(frozen=True)
+class TierConfig:
+    name: str
+    kind: str
+    enabled: bool | Literal["auto"] = True
+    every: PositiveInt = 1  # this tier takes every n-th step saved
+    keep: PositiveInt | None = None  # committed steps kept; None = all (memory tiers: their slot count)
+    slots: PositiveInt | None = None  # memory tiers: snapshot buffers held (2 = double buffering)
+    when_full: Literal["wait", "skip"] = "wait"  # memory tiers: what save() does when every slot is draining
+    compression: CompressionConfig | None = None
+    retry: RetryConfig = field(default_factory=RetryConfig)
+    options: Any = None  # the kind's own Options dataclass instance
+
+
+@dataclass(frozen=True)
+class DrainConfig:
+    mode: Literal["process", "thread"] = "process"
+    # How long close() waits for pending drains before giving up (the shm snapshot stays loadable anyway).
+    close_timeout_s: Seconds = 600.0
+
+
+@dataclass(frozen=True)
+class LoadConfig:
+    copy: bool = False  # False: tensors loaded from shm are zero-copy views of the snapshot
+    verify: bool = True  # check checksums against the manifest
+    trust_pickles: bool = False  # allow arbitrary pickles in legacy files (logged); never the default
+
+
+@dataclass(frozen=True)
+class EventsConfig:
+    jsonl: str | None = None  # write one JSON line per event to this file ("-" for stderr)
+    log: bool = False  # also log each event at INFO through the ``tiered_ckpt.events`` logger
+
+
+@dataclass(frozen=True)
+class Config:
+    tiers: tuple[TierConfig, ...]
+    run_id: str = "default"
+    layout: str = "rank_sharded"
+    drain: DrainConfig = field(default_factory=DrainConfig)
+    load: LoadConfig = field(default_factory=LoadConfig)
+    events: EventsConfig = field(default_factory=EventsConfig)
+    source: str | None = None  # where it was read from, for messages
+
+    def tier(self, name: str) -> TierConfig:
+        for t in self.tiers:
+            if t.name == name:
+                return t
+        raise KeyError(name)
+
+
+_COMMON_TIER_KEYS = {"name", "kind", "enabled", "every", "keep", "slots", "when_full", "compression", "retry"}
+
+
+def expand_env(value: Any, path: str = "", source: str | None = None, env: dict[str, str] | None = None) -> Any:
+    """Replace ``${VAR}`` and ``${VAR:-default}`` in every string, recursively."""
+    env = os.environ if env is None else env
+    if isinstance(value, str):
+        def sub(m: re.Match[str]) -> str:
+            name, default = m.group(1), m.group(2)
+            if name in env:
+                return env[name]
+            if default is not None:
+                return default
+            raise ConfigError(f"environment variable {name} is not set (write ${{{name}:-default}} for a default)",
+                              source=source, key_path=path or "<root>")
+        return _ENV_REF.sub(sub, value)
+    if isinstance(value, dict):
+        return {k: expand_env(v, f"{path}.{k}" if path else str(k), source, env) for k, v in value.items()}
+    if isinstance(value, list):
+        return [expand_env(v, f"{path}[{i}]", source, env) for i, v in enumerate(value)]
+    return value
+
+
+def _tier_config(raw: Any, index: int, registries: Any, source: str | None) -> TierConfig:
+    path = f"tiers[{index}]"
+    if not isinstance(raw, dict):
+        raise ConfigError(f"expected a mapping with at least name and kind, got {raw!r}", source=source,
+                          key_path=path)
+    for key in ("name", "kind"):
+        if key not in raw:
+            raise ConfigError("required key is missing (expected a string)", source=source,
+                              key_path=f"{path}.{key}")
+    name = coerce(str, raw["name"], f"{path}.name", source)
+    if not _TIER_NAME.match(name):
+        raise ConfigError(f'expected letters, digits, "_", "-" or "." (at most 64), got "{name}"',
+                          source=source, key_path=f"{path}.name")
+    kind = coerce(str, raw["kind"], f"{path}.kind", source)
+    try:
+        tier_cls = registries.tiers.get(kind)
+    except PluginError as exc:
+        raise ConfigError(str(exc), source=source, key_path=f"{path}.kind") from None
+    common = {k: v for k, v in raw.items() if k in _COMMON_TIER_KEYS}
+    own = {k: v for k, v in raw.items() if k not in _COMMON_TIER_KEYS}
+    options = build_dataclass(tier_cls.Options, own, path, source)
+    tc = build_dataclass(TierConfig, common, path, source)
+    if tc.slots is not None and not tier_cls.capabilities.memory:
+        raise ConfigError(f"only memory tiers hold slots; kind {kind!r} does not", source=source,
+                          key_path=f"{path}.slots")
+    return TierConfig(**{**tc.__dict__, "options": options})
+
+
+def load_config(config: Any, *, registries: Any = None, env: dict[str, str] | None = None) -> Config:
+    """A YAML path, a YAML string of a mapping is not accepted (ambiguous with paths): a path, a dict or a Config."""
+    if isinstance(config, Config):
+        return config
+    source = None
+    if isinstance(config, (str, os.PathLike)):
+        source = str(config)
+        try:
+            text = Path(config).read_text()
+        except OSError as exc:
+            raise ConfigError(f"cannot read the configuration: {exc.strerror or exc}", source=source) from None
+        try:
+            config = yaml.safe_load(text)
+        except yaml.YAMLError as exc:
+            mark = getattr(exc, "problem_mark", None)
+            where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+            raise ConfigError(f"not valid YAML{where}: {getattr(exc, 'problem', exc)}", source=source) from None
+    if not isinstance(config, dict):
+        raise ConfigError(f"expected a mapping at the top level, got {type(config).__name__}", source=source,
+                          key_path="<root>")
+    if registries is None:
+        from .plugins import get_plugin_manager
+
+        registries = get_plugin_manager().registries
+    raw = expand_env(config, source=source, env=env)
+    raw_tiers = raw.get("tiers")
+    if not isinstance(raw_tiers, list) or not raw_tiers:
+        got = "nothing" if raw_tiers is None else repr(raw_tiers)
+        raise ConfigError(f"expected a non-empty list of tiers, got {got}", source=source, key_path="tiers")
+    tiers = tuple(_tier_config(t, i, registries, source) for i, t in enumerate(raw_tiers))
+    seen: dict[str, int] = {}
+    for i, t in enumerate(tiers):
+        if t.name in seen:
+            raise ConfigError(f'duplicate tier name "{t.name}" (also tiers[{seen[t.name]}])', source=source,
+                              key_path=f"tiers[{i}].name")
+        seen[t.name] = i
+    rest = {k: v for k, v in raw.items() if k != "tiers"}
+    cfg = build_dataclass(Config, {**rest, "tiers": []}, "", source) if "source" not in rest else None
+    if cfg is None:
+        raise ConfigError("unknown key", source=source, key_path="source")
+    if not _RUN_ID.match(cfg.run_id):
+        raise ConfigError(f'expected letters, digits, "_", "-" or "." (at most 128), got "{cfg.run_id}"',
+                          source=source, key_path="run_id")
+    if cfg.layout not in registries.layouts:
+        known = ", ".join(registries.layouts) or "none"
+        raise ConfigError(f'unknown layout "{cfg.layout}" (known: {known})', source=source, key_path="layout")
+    return Config(**{**cfg.__dict__, "tiers": tiers, "source": source})
+
+
+__all__ = [
+    "CompressionConfig", "Config", "DrainConfig", "EventsConfig", "LoadConfig", "RetryConfig", "TierConfig",
+    "load_config", "expand_env", "NonNegativeInt",
+]

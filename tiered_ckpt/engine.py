@@ -1,0 +1,328 @@
+"""The engine: one per rank. ``save`` blocks only for a memory-speed copy; ``load`` returns the newest verified step.
+
+Where does a save block? :meth:`CheckpointEngine.save` — planning the items, waiting for a free slot (policy
+``wait``), and copying into it. Everything after (encode, checksum, write, commit, retention) is the drain's.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import threading
+import time
+import weakref
+from typing import Any
+
+from . import events as ev
+from .codecs import flat
+from .config import Config, TierConfig, load_config
+from .drain import DrainRequest, DrainRuntime
+from .errors import (
+    CorruptionError,
+    DecodeError,
+    NoCheckpointError,
+    TierError,
+    TieredCkptError,
+)
+from .file_store import FileStore
+from .handles import LoadResult, SaveHandle
+from .locking import RunLock
+from .memory_store import MemoryStore, SlotItem, SlotMeta, plan_items
+from .parallel import ParallelLayout, RankCoords, detect, local_rank
+from .pipeline import Pipeline, build_pipeline
+from .plugins import PluginManager, get_plugin_manager
+
+log = logging.getLogger(__name__)
+_live: weakref.WeakSet[CheckpointEngine] = weakref.WeakSet()
+
+
+class CheckpointEngine:
+    """Tiered checkpointing for one rank. See DESIGN.md section 9 for the contract."""
+
+    def __init__(self, config: Any, parallel: ParallelLayout | RankCoords | None = None, *,
+                 rank: int | None = None, plugin_manager: PluginManager | None = None):
+        self.pm = plugin_manager or get_plugin_manager()
+        self.config: Config = load_config(config, registries=self.pm.registries)
+        self.coords = detect(parallel, rank)
+        self._lock = RunLock(self.config.run_id, self.coords.rank)
+        self._lock.acquire()
+        self._observers = _attach_observers(self.pm, self.config)
+        try:
+            self.pipeline: Pipeline = build_pipeline(self.config, self.pm, self.coords, local_rank(), self._emit)
+        except BaseException:
+            self._detach()
+            raise
+        self._closed = False
+        self._ordinal = 0
+        self._handles: dict[int, SaveHandle] = {}
+        self._fingerprints: tuple[str, ...] | None = None
+        self._cond = threading.Condition()
+        entry = self.pipeline.entry_store
+        self._slot_step: dict[int, int] = {s: m.step for s, m in entry.metas().items()} if self._entry_persists else {}
+        self._slot_busy: set[int] = set()
+        self.recovered: list[SaveHandle] = []
+        self._drain = self.pipeline.start_drain(self._tier_done, self._slot_released)
+        _live.add(self)
+        self._recover()
+
+    # ----- events ----------------------------------------------------------------------------------------------------
+    def _emit(self, event: ev.Event) -> None:
+        self.pm.emit(event)
+
+    def _detach(self) -> None:
+        for obs in self._observers:
+            self.pm.unregister(obs)
+        self._observers = []
+        self._lock.release()
+
+    @property
+    def _entry_persists(self) -> bool:
+        return self.pipeline.entry_store.tier.capabilities.survives_process
+
+    # ----- drain callbacks ---------------------------------------------------------------------------------------------
+    def _tier_done(self, step: int, tier: str, ok: bool, error: str | None) -> None:
+        with self._cond:
+            handle = self._handles.get(step)
+        if handle is not None:
+            handle._resolve(tier, ok, error)
+            if handle.done():
+                with self._cond:
+                    if self._handles.get(step) is handle:
+                        del self._handles[step]
+
+    def _slot_released(self, tier: str, slot: int, step: int) -> None:
+        if tier != self.pipeline.entry:
+            return
+        with self._cond:
+            self._slot_busy.discard(slot)
+            self._cond.notify_all()
+
+    # ----- saving --------------------------------------------------------------------------------------------------------
+    def prepare(self, template: dict[str, Any]) -> None:
+        """Allocate and pre-fault every slot for items shaped like ``template``, so even the first save is fast."""
+        _, total = plan_items(template)
+        store = self.pipeline.entry_store
+        for slot in range(store.nslots):
+            store.buffer(slot, total)
+        self.pipeline.prepare_memory_tiers(total)
+
+    def _acquire_slot(self, step: int) -> tuple[int | None, float]:
+        store = self.pipeline.entry_store
+        policy = self.pipeline.entry_cfg.when_full
+        t0 = time.perf_counter()
+        waited = False
+        with self._cond:
+            while True:
+                free = [s for s in range(store.nslots) if s not in self._slot_busy]
+                if free:
+                    # An empty slot first, then the one holding the oldest step.
+                    slot = min(free, key=lambda s: (s in self._slot_step, self._slot_step.get(s, -1)))
+                    self._slot_busy.add(slot)
+                    break
+                if policy == "skip":
+                    self._emit(ev.Event(ev.SKIP, step=step, rank=self.coords.rank, tier=self.pipeline.entry,
+                                        message="every slot is still draining; save skipped (when_full: skip)"))
+                    return None, 0.0
+                if not waited:
+                    waited = True
+                    log.info("step %d waits for a free slot on tier %r", step, self.pipeline.entry)
+                self._cond.wait(0.5)
+        wait_s = time.perf_counter() - t0
+        if waited:
+            self._emit(ev.Event(ev.SLOT_WAIT, step=step, rank=self.coords.rank, tier=self.pipeline.entry,
+                                seconds=wait_s, message="every slot was still draining; save() waited"))
+        return slot, wait_s
+
+    def save(self, step: int, items: dict[str, Any]) -> SaveHandle:
+        """Snapshot ``items`` (item name → state dict) into the fastest tier; drain the rest in the background."""
+        if self._closed:
+            raise TieredCkptError("save() on a closed engine")
+        if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+            raise ValueError(f"step must be a non-negative integer, got {step!r}")
+        if not isinstance(items, dict) or not items or not all(isinstance(k, str) and k for k in items):
+            raise ValueError("items must be a non-empty dict of item name (str) → state")
+        t0 = time.perf_counter()
+        placed, total = plan_items(items)
+        fingerprints = tuple(p.fingerprint for _, p, _ in placed)
+        if self._fingerprints is not None and fingerprints != self._fingerprints:
+            self._emit(ev.Event(ev.REPLAN, step=step, rank=self.coords.rank, tier=self.pipeline.entry, nbytes=total,
+                                message="the items' structure changed; the snapshot layout was re-planned"))
+        self._fingerprints = fingerprints
+        self._ordinal += 1
+        due = self.pipeline.due_tiers(self._ordinal)
+        slot, _ = self._acquire_slot(step)
+        if slot is None:
+            return SaveHandle(step, time.perf_counter() - t0, self.pipeline.entry, (), skipped=True)
+        store = self.pipeline.entry_store
+        try:
+            store.invalidate(slot)  # the slot's old step is gone from here on
+            self._slot_step.pop(slot, None)
+            buf = store.buffer(slot, total)
+            for _, plan, offset in placed:
+                flat.copy_into(plan, buf[offset:offset + plan.total_bytes])
+            meta = SlotMeta(step=step, rank=self.coords.rank, slot=slot, total_bytes=total,
+                            items=[SlotItem(name, off, p.total_bytes, flat.encode_header(p).decode())
+                                   for name, p, off in placed],
+                            layout=self.config.layout, coords=self.coords.to_dict(),
+                            parallel=self.coords.layout.to_dict(), run_id=self.config.run_id)
+            store.publish(meta)
+        except BaseException:
+            with self._cond:
+                self._slot_busy.discard(slot)
+                self._cond.notify_all()
+            raise
+        blocking = time.perf_counter() - t0
+        self._slot_step[slot] = step
+        handle = SaveHandle(step, blocking, self.pipeline.entry, due)
+        with self._cond:
+            self._handles[step] = handle
+        self._emit(ev.Event(ev.SNAPSHOT, step=step, rank=self.coords.rank, tier=self.pipeline.entry,
+                            seconds=blocking, nbytes=total, detail={"slot": slot, "due": list(due)}))
+        self._drain.submit(DrainRequest(step=step, source=self.pipeline.entry, slot=slot, due=due,
+                                        created=handle.created))
+        return handle
+
+    def _recover(self) -> None:
+        """Drain snapshots a previous process left in shared memory to the tiers they never reached."""
+        if not self._entry_persists:
+            return
+        metas = sorted(self.pipeline.entry_store.metas().values(), key=lambda m: m.step)
+        if not metas:
+            return
+        file_stores = self.pipeline.file_stores()
+        committed = {name: set(fs.committed_steps()) for name, fs in file_stores.items()}
+        for meta in metas:
+            due = tuple(n for n in self.pipeline.order[1:] if n in file_stores
+                        and meta.step not in committed[n] and max(committed[n], default=-1) < meta.step)
+            if not due:
+                continue
+            with self._cond:
+                self._slot_busy.add(meta.slot)
+            handle = SaveHandle(meta.step, 0.0, self.pipeline.entry, due)
+            with self._cond:
+                self._handles[meta.step] = handle
+            self.recovered.append(handle)
+            self._emit(ev.Event(ev.RECOVER, step=meta.step, rank=self.coords.rank, tier=self.pipeline.entry,
+                                nbytes=meta.total_bytes, detail={"due": list(due), "slot": meta.slot},
+                                message="a snapshot left in memory by an earlier process is drained"))
+            self._drain.submit(DrainRequest(step=meta.step, source=self.pipeline.entry, slot=meta.slot, due=due,
+                                            created=meta.created, recover=True))
+
+    # ----- loading ---------------------------------------------------------------------------------------------------------
+    def available_steps(self) -> dict[str, list[int]]:
+        """Per tier (fastest first): the steps this rank could load from it."""
+        out: dict[str, list[int]] = {}
+        for name in self.pipeline.order:
+            store = self.pipeline.stores[name]
+            try:
+                if isinstance(store, MemoryStore):
+                    out[name] = sorted({m.step for m in store.metas().values()})
+                else:
+                    out[name] = store.committed_steps()
+            except TierError as exc:
+                log.warning("cannot list tier %r: %s", name, exc)
+                out[name] = []
+        return out
+
+    def load(self, step: int | None = None, *, copy: bool | None = None, map_location: Any = None) -> LoadResult:
+        """The newest complete step (or ``step``), from the fastest tier holding a verified copy."""
+        copy = self.config.load.copy if copy is None else copy
+        available = self.available_steps()
+        steps = sorted({s for v in available.values() for s in v}, reverse=True)
+        if step is not None:
+            steps = [step]
+        fallbacks: list[str] = []
+        for s in steps:
+            for name in self.pipeline.order:
+                if s not in available.get(name, []):
+                    continue
+                t0 = time.perf_counter()
+                try:
+                    items, verified, nbytes = self._load_from(name, s, copy, map_location)
+                except (CorruptionError, DecodeError, TierError, OSError) as exc:
+                    why = f"tier {name!r} step {s}: {exc}"
+                    fallbacks.append(why)
+                    self._emit(ev.Event(ev.FALLBACK, step=s, rank=self.coords.rank, tier=name, message=str(exc),
+                                        detail={"key": getattr(exc, "key", None)}))
+                    log.warning("load: %s; trying the next tier", why)
+                    continue
+                seconds = time.perf_counter() - t0
+                self._emit(ev.Event(ev.LOAD, step=s, rank=self.coords.rank, tier=name, seconds=seconds,
+                                    nbytes=nbytes, detail={"verified": verified}))
+                return LoadResult(s, items, name, verified, seconds, nbytes, fallbacks)
+        if step is not None:
+            raise NoCheckpointError(f"no tier holds a loadable copy of step {step} for rank {self.coords.rank}"
+                                    + (f" ({'; '.join(fallbacks)})" if fallbacks else ""))
+        raise NoCheckpointError(f"no tier holds a loadable checkpoint for rank {self.coords.rank}"
+                                + (f" ({'; '.join(fallbacks)})" if fallbacks else ""))
+
+    def _load_from(self, name: str, step: int, copy: bool, map_location: Any) -> tuple[dict, bool, int]:
+        store = self.pipeline.stores[name]
+        verify = self.config.load.verify
+        if isinstance(store, MemoryStore):
+            metas = [m for m in store.metas().values() if m.step == step]
+            if not metas:
+                raise TierError(f"step {step} left the slots while loading", tier=name)
+            meta = max(metas, key=lambda m: m.created)
+            items = store.load(meta, copy=copy, map_location=map_location, verify=verify)
+            verified = verify and all(it.checksum for it in meta.items)
+            return items, verified, meta.total_bytes
+        manifest = store.read_manifest(step)
+        if manifest.world_size != self.coords.world_size:
+            raise TierError(f"step {step} was saved by {manifest.world_size} ranks, this job has "
+                            f"{self.coords.world_size}", tier=name)
+        items = store.load_rank(manifest, self.coords.rank, verify=verify, copy=copy, map_location=map_location,
+                                trust_pickles=self.config.load.trust_pickles)
+        return items, verify, sum(f.size for f in manifest.files_of(self.coords.rank))
+
+    # ----- lifecycle ---------------------------------------------------------------------------------------------------------
+    def wait(self, timeout: float | None = None) -> None:
+        """Wait until every save so far has drained (committed or failed) on every due tier."""
+        if not self._drain.wait_idle(timeout):
+            raise TimeoutError(f"drain still busy after {timeout} s")
+
+    def close(self, timeout: float | None = None) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        timeout = self.config.drain.close_timeout_s if timeout is None else timeout
+        try:
+            if not self._drain.close(timeout):
+                log.warning("close(): drains still pending after %.0f s; the shm snapshot stays for recovery",
+                            timeout)
+        finally:
+            self.pipeline.close()
+            self._detach()
+            _live.discard(self)
+
+    def __enter__(self) -> CheckpointEngine:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def tier_config(self, name: str) -> TierConfig:
+        return self.config.tier(name)
+
+
+def _attach_observers(pm: PluginManager, config: Config) -> list[Any]:
+    from .observers import JsonLinesObserver, LoggingObserver
+
+    observers: list[Any] = []
+    if config.events.jsonl:
+        observers.append(JsonLinesObserver(config.events.jsonl))
+    if config.events.log:
+        observers.append(LoggingObserver())
+    for obs in observers:
+        pm.register(obs)
+    return observers
+
+
+@atexit.register
+def _close_all() -> None:
+    # Runs before multiprocessing joins its children, so the drain worker gets its stop message.
+    for engine in list(_live):
+        try:
+            engine.close()
+        except Exception:
+            log.exception("closing a checkpoint engine at exit failed")

@@ -1,0 +1,100 @@
+"""Every error tiered_ckpt raises on purpose derives from :class:`TieredCkptError`.
+
+Messages always say *where* (file, key path, rank, tier) and *what* was wrong, so a user reading a log line of a
+512-rank job can act on it without a debugger.
+"""
+
+from __future__ import annotations
+
+
+class TieredCkptError(Exception):
+    """Base class of the library's own errors."""
+
+
+class ConfigError(TieredCkptError, ValueError):
+    """The configuration is invalid. The message names the source, the key path, what was expected and found."""
+
+    def __init__(self, message: str, *, source: str | None = None, key_path: str | None = None):
+        self.source = source
+        self.key_path = key_path
+        prefix = ""
+        if source:
+            prefix += f"{source}: "
+        if key_path:
+            prefix += f"{key_path}: "
+        super().__init__(prefix + message)
+
+
+class PluginError(TieredCkptError):
+    """A plugin could not be loaded, or two plugins claim the same name."""
+
+
+class EncodeError(TieredCkptError, TypeError):
+    """A value in a state dict cannot be encoded without pickle. The message names its key path."""
+
+
+class DecodeError(TieredCkptError, ValueError):
+    """A snapshot header or file is malformed."""
+
+
+class TierError(TieredCkptError):
+    """An operation on a tier failed. ``tier`` names the tier, ``key`` the object involved."""
+
+    def __init__(self, message: str, *, tier: str | None = None, key: str | None = None):
+        self.tier = tier
+        self.key = key
+        where = []
+        if tier:
+            where.append(f"tier {tier!r}")
+        if key:
+            where.append(f"key {key!r}")
+        super().__init__((", ".join(where) + ": " if where else "") + message)
+
+
+class TransientTierError(TierError):
+    """A failure worth retrying: timeouts, throttling, 5xx answers, connection resets."""
+
+
+class PermanentTierError(TierError):
+    """A failure that retrying cannot fix: permission denied, disk full, bad configuration."""
+
+
+class BlobNotFoundError(TierError, KeyError):
+    """The requested key does not exist on the tier."""
+
+    def __str__(self) -> str:  # KeyError would repr() the message
+        return Exception.__str__(self)
+
+
+class CapacityError(PermanentTierError):
+    """A memory tier has no room for the requested allocation (checked before allocating, never a SIGBUS)."""
+
+
+class CorruptionError(TieredCkptError):
+    """Stored bytes do not match their manifest (checksum or size), or a manifest is malformed."""
+
+    def __init__(self, message: str, *, tier: str | None = None, key: str | None = None):
+        self.tier = tier
+        self.key = key
+        where = []
+        if tier:
+            where.append(f"tier {tier!r}")
+        if key:
+            where.append(f"file {key!r}")
+        super().__init__((", ".join(where) + ": " if where else "") + message)
+
+
+class NoCheckpointError(TieredCkptError, FileNotFoundError):
+    """No tier holds a complete, verifiable checkpoint (for the requested step)."""
+
+
+class UnsafePickleError(TieredCkptError):
+    """A checkpoint file would execute code when unpickled; refused unless ``trust_pickles`` is set."""
+
+
+class LayoutMismatchError(TieredCkptError):
+    """The checkpoint's parallel layout cannot be loaded with the current one (names what changed)."""
+
+
+class RunLockedError(TieredCkptError):
+    """Another live engine on this node holds the same run_id and rank."""

@@ -1,0 +1,270 @@
+"""The commit protocol on a file tier (DESIGN.md section 6), written once above the tier primitives.
+
+Per step and rank: each item's file is written under its layout path (the tier makes the write atomic), its
+checksum computed while the bytes stream out; then the rank manifest. The committing rank writes the checkpoint
+manifest once every rank's manifest is there, then the tracker. Retention runs only after a commit and never
+removes the newest committed step. A step without its checkpoint manifest does not exist.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+
+from . import events as ev
+from .checksum import ALGORITHM, HashingStream
+from .codecs.file_codecs import FileCodec, ItemSource
+from .compression import compress_chunks, decompress_to_tensor
+from .config import TierConfig
+from .errors import BlobNotFoundError, CorruptionError, DecodeError, TierError
+from .layouts.base import Layout
+from .manifest import (
+    CheckpointManifest,
+    FileEntry,
+    RankManifest,
+    dump_checkpoint,
+    dump_rank,
+    load_checkpoint,
+    load_rank,
+)
+from .parallel import RankCoords
+from .retry import call_with_retry
+from .tiers.base import Chunk, Tier, as_memoryview
+
+log = logging.getLogger(__name__)
+Emit = Callable[[ev.Event], None]
+
+
+class _Counting:
+    """Counts the bytes of a chunk stream (the raw size before compression)."""
+
+    def __init__(self, chunks: Iterable[Chunk]):
+        self._chunks = chunks
+        self.nbytes = 0
+
+    def __iter__(self):
+        for c in self._chunks:
+            mv = as_memoryview(c)
+            self.nbytes += len(mv)
+            yield mv
+
+
+class FileStore:
+    """One file tier seen through a layout, with this tier's compression and retry policy."""
+
+    def __init__(self, tier: Tier, cfg: TierConfig, layout: Layout, codecs: dict[str, FileCodec],
+                 emit: Emit, run_id: str = "default"):
+        self.tier = tier
+        self.cfg = cfg
+        self.layout = layout
+        self.codecs = codecs
+        self.emit = emit
+        self.run_id = run_id
+
+    @property
+    def name(self) -> str:
+        return self.tier.name
+
+    # ----- retries -----------------------------------------------------------------------------------------------
+    def _retry(self, fn: Callable[[], Any], step: int | None, rank: int, what: str) -> Any:
+        def on_retry(attempt: int, exc: BaseException, sleep: float) -> None:
+            self.emit(ev.Event(ev.RETRY, step=step, rank=rank, tier=self.name, seconds=sleep,
+                               message=f"{what}: attempt {attempt} failed: {exc}", detail={"attempt": attempt}))
+
+        return call_with_retry(fn, self.cfg.retry, on_retry)
+
+    # ----- writing -------------------------------------------------------------------------------------------------
+    def _write_file(self, key: str, make_chunks: Callable[[], Iterable[Chunk]], step: int, rank: int
+                    ) -> tuple[int, str, int]:
+        """Write one file with retries; returns (stored size, checksum, raw size)."""
+        compression = self.cfg.compression if self.cfg.compression and self.cfg.compression.codec == "zstd" else None
+
+        def attempt() -> tuple[int, str, int]:
+            raw = _Counting(make_chunks())
+            stored = compress_chunks(raw, compression) if compression else raw
+            stream = HashingStream(stored)
+            self.tier.write_blob(key, stream)
+            return stream.nbytes, f"{ALGORITHM}:{stream.hexdigest}", raw.nbytes
+
+        return self._retry(attempt, step, rank, f"write {key}")
+
+    @property
+    def compression_name(self) -> str | None:
+        c = self.cfg.compression
+        return c.codec if c and c.codec != "none" else None
+
+    def write_rank(self, step: int, coords: RankCoords, sources: list[ItemSource]) -> RankManifest:
+        entries = []
+        for src in sources:
+            codec = self.codecs[self.layout.codec_for(src.name)]
+            key = self.layout.item_key(step, src.name, coords, codec.extension)
+            if key is None:
+                continue
+            size, checksum, raw = self._write_file(key, lambda src=src, codec=codec: codec.encode(src), step,
+                                                   coords.rank)
+            entries.append(FileEntry(key=key, item=src.name, rank=coords.rank, codec=codec.name, size=size,
+                                     checksum=checksum, compression=self.compression_name, raw_size=raw))
+        return self._publish_rank(step, coords, entries)
+
+    def _publish_rank(self, step: int, coords: RankCoords, entries: list[FileEntry]) -> RankManifest:
+        manifest = RankManifest(step=step, rank=coords.rank, layout=self.layout.name, coords=coords.to_dict(),
+                                parallel=coords.layout.to_dict(), files=tuple(entries), run_id=self.run_id)
+        key = self.layout.rank_manifest_key(step, coords.rank)
+        self._retry(lambda: self.tier.publish(key, dump_rank(manifest)), step, coords.rank, f"publish {key}")
+        return manifest
+
+    def copy_rank_from(self, source: FileStore, step: int, coords: RankCoords) -> RankManifest:
+        """Copy this rank's files of ``step`` from another file tier, verifying each against its manifest."""
+        rank_manifest = source.read_rank_manifest(step, coords.rank)
+        entries = []
+        for entry in rank_manifest.files:
+            blob = source._retry(lambda e=entry: source.tier.read_blob(e.key), step, coords.rank, f"read {entry.key}")
+            source.verify(entry, blob)
+            if entry.compression == self.compression_name:
+                make = lambda blob=blob: [blob]  # noqa: E731 - same bytes, re-hashed on the way out
+                size, checksum, raw = self._write_file(entry.key, make, step, coords.rank)
+                raw = entry.raw_size if entry.raw_size is not None else raw
+            else:  # this tier compresses differently: transcode through the raw bytes
+                plain = source.decode_stored(entry, blob)
+                size, checksum, raw = self._write_file(entry.key, lambda p=plain: [p], step, coords.rank)
+            if checksum != entry.checksum and entry.compression == self.compression_name:
+                self.tier.delete(entry.key)
+                raise CorruptionError("bytes changed while copying between tiers", tier=self.name, key=entry.key)
+            entries.append(FileEntry(key=entry.key, item=entry.item, rank=entry.rank, codec=entry.codec,
+                                     size=size, checksum=checksum, compression=self.compression_name,
+                                     raw_size=raw, meta=entry.meta))
+        return self._publish_rank(step, coords, entries)
+
+    # ----- committing ----------------------------------------------------------------------------------------------
+    def rank_manifests(self, step: int) -> dict[int, str]:
+        found = {}
+        for key in self.tier.list(self.layout.rank_manifest_prefix(step)):
+            parsed = self.layout.parse_rank_manifest_key(key)
+            if parsed and parsed[0] == step:
+                found[parsed[1]] = key
+        return found
+
+    def try_commit(self, step: int, coords: RankCoords, *, wait_s: float = 0.0, poll_s: float = 0.05
+                   ) -> CheckpointManifest | None:
+        """As the committing rank: once every rank's manifest is present, write the checkpoint manifest and tracker.
+
+        Waits up to ``wait_s`` for the other ranks; returns None (not committed) if they do not all arrive.
+        """
+        world = coords.world_size
+        deadline = time.monotonic() + wait_s
+        while True:
+            present = self._retry(lambda: self.rank_manifests(step), step, coords.rank, "list rank manifests")
+            if len(present) >= world and all(r in present for r in range(world)):
+                break
+            if time.monotonic() >= deadline:
+                return None
+            time.sleep(poll_s)
+        files: list[FileEntry] = []
+        for r in range(world):
+            files.extend(self.read_rank_manifest(step, r).files)
+        manifest = CheckpointManifest(step=step, layout=self.layout.name, parallel=coords.layout.to_dict(),
+                                      files=tuple(files), run_id=self.run_id)
+        key = self.layout.manifest_key(step)
+        self._retry(lambda: self.tier.publish(key, dump_checkpoint(manifest)), step, coords.rank, f"publish {key}")
+        self._update_tracker(step, coords.rank)
+        return manifest
+
+    def read_tracker(self) -> int | None:
+        try:
+            text = bytes(as_memoryview(self.tier.read_blob(self.layout.tracker))).decode().strip()
+        except (BlobNotFoundError, UnicodeDecodeError):
+            return None
+        return int(text) if text.isdigit() else None
+
+    def _update_tracker(self, step: int, rank: int) -> None:
+        current = self.read_tracker()
+        if current is not None and current > step:
+            return  # never move the tracker backwards (a late, older commit)
+        self._retry(lambda: self.tier.publish(self.layout.tracker, str(step).encode()), step, rank,
+                    f"publish {self.layout.tracker}")
+
+    # ----- discovering and reading -----------------------------------------------------------------------------------
+    def committed_steps(self) -> list[int]:
+        return sorted({s for s in map(self.layout.parse_manifest_key, self.tier.list("")) if s is not None})
+
+    def read_manifest(self, step: int) -> CheckpointManifest:
+        key = self.layout.manifest_key(step)
+        return load_checkpoint(as_memoryview(self.tier.read_blob(key)).tobytes(), key, self.name)
+
+    def read_rank_manifest(self, step: int, rank: int) -> RankManifest:
+        key = self.layout.rank_manifest_key(step, rank)
+        return load_rank(as_memoryview(self.tier.read_blob(key)).tobytes(), key, self.name)
+
+    def verify(self, entry: FileEntry, blob: torch.Tensor) -> None:
+        if blob.numel() != entry.size:
+            raise CorruptionError(f"size is {blob.numel()} bytes, the manifest says {entry.size}",
+                                  tier=self.name, key=entry.key)
+        algorithm = entry.checksum.split(":", 1)[0]
+        if algorithm != ALGORITHM:
+            raise CorruptionError(f"unknown checksum algorithm {algorithm!r}", tier=self.name, key=entry.key)
+        from .checksum import digest
+
+        if f"{ALGORITHM}:{digest(blob)}" != entry.checksum:
+            raise CorruptionError("checksum mismatch: the file's bytes differ from what was written",
+                                  tier=self.name, key=entry.key)
+
+    def decode_stored(self, entry: FileEntry, blob: torch.Tensor) -> torch.Tensor:
+        if entry.compression is None:
+            return blob
+        if entry.compression != "zstd":
+            raise CorruptionError(f"unknown compression {entry.compression!r}", tier=self.name, key=entry.key)
+        if entry.raw_size is None:
+            raise CorruptionError("compressed file without raw_size in the manifest", tier=self.name, key=entry.key)
+        return decompress_to_tensor(blob, entry.raw_size, where=entry.key, tier=self.name)
+
+    def load_rank(self, manifest: CheckpointManifest, rank: int, *, verify: bool = True, copy: bool = True,
+                  map_location: Any = None, trust_pickles: bool = False) -> dict[str, Any]:
+        items: dict[str, Any] = {}
+        for entry in manifest.files_of(rank):
+            blob = self._retry(lambda e=entry: self.tier.read_blob(e.key), manifest.step, rank, f"read {entry.key}")
+            if verify:
+                self.verify(entry, blob)
+            raw = self.decode_stored(entry, blob)
+            try:
+                codec = self.codecs[entry.codec]
+            except KeyError:
+                raise CorruptionError(f"unknown codec {entry.codec!r}", tier=self.name, key=entry.key) from None
+            try:
+                items[entry.item] = codec.decode(raw, copy=copy, map_location=map_location,
+                                                 trust_pickles=trust_pickles, where=entry.key)
+            except DecodeError as exc:
+                raise CorruptionError(str(exc), tier=self.name, key=entry.key) from None
+        return items
+
+    # ----- retention --------------------------------------------------------------------------------------------------
+    def retain(self, keep: int | None, pinned: set[int], rank: int) -> list[int]:
+        """Delete committed steps beyond the newest ``keep`` (never the newest, never a pinned one), and the
+        debris of uncommitted steps older than the newest committed one."""
+        keys = self.tier.list("")
+        committed = sorted({s for s in map(self.layout.parse_manifest_key, keys) if s is not None})
+        if not committed:
+            return []
+        newest = committed[-1]
+        doomed = []
+        if keep is not None:
+            doomed = [s for s in committed[:-keep] if s != newest and s not in pinned]
+        present = {self.layout.parse_step_dir(k.split("/", 1)[0]) for k in keys}
+        debris = sorted(s for s in present if s is not None and s < newest and s not in committed and s not in pinned)
+        doomed += debris
+        removed = []
+        for step in doomed:
+            t0 = time.perf_counter()
+            try:
+                # Un-commit first: a crash midway leaves debris, never a committed step with missing files.
+                self.tier.delete(self.layout.manifest_key(step))
+                self.tier.delete_prefix(self.layout.step_dir(step))
+            except TierError as exc:
+                log.warning("retention on tier %r could not remove step %d: %s", self.name, step, exc)
+                continue
+            removed.append(step)
+            self.emit(ev.Event(ev.EVICT, step=step, rank=rank, tier=self.name, seconds=time.perf_counter() - t0))
+        return removed

@@ -1,0 +1,82 @@
+"""Layout policies: where each (step, item, rank) lives on a file tier, and how steps are found again.
+
+Both built-in layouts share Megatron-LM's step directories (``iter_0000010``), its tracker file, and
+``mp_rank_*/model_optim_rng.pt``; they differ in where the distributed optimizer's state goes. Items that are not
+Megatron's go to ``iter_XXXXXXX/rank_RRRRR/<item>.<ext>`` in both.
+"""
+
+from __future__ import annotations
+
+import re
+
+from ..parallel import RankCoords
+
+TRACKER = "latest_checkpointed_iteration.txt"
+META_DIR = "tiered_ckpt"  # inside each step directory: manifests
+_STEP_DIR = re.compile(r"^iter_(\d{7,})$")
+_MANIFEST = re.compile(r"^iter_(\d{7,})/" + META_DIR + r"/manifest\.json$")
+_RANK_MANIFEST = re.compile(r"^iter_(\d{7,})/" + META_DIR + r"/rank_(\d{5,})\.json$")
+
+MODEL_ITEM = "model_optim_rng"
+OPTIM_ITEM = "distrib_optim"
+
+
+def model_parallel_dir(coords: RankCoords) -> str:
+    """Megatron's ``mp_rank_TT[_PPP][_EEE]``: the pp suffix when PP > 1, the ep suffix when EP > 1."""
+    name = f"mp_rank_{coords.tp:02d}"
+    if coords.layout.pp > 1:
+        name += f"_{coords.pp:03d}"
+    if coords.layout.ep > 1:
+        name += f"_{coords.ep:03d}"
+    return name
+
+
+class Layout:
+    """The parts every layout shares. Subclasses decide where Megatron's optimizer state goes."""
+
+    name = "base"
+    tracker = TRACKER
+
+    def step_dir(self, step: int) -> str:
+        return f"iter_{step:07d}"
+
+    def parse_step_dir(self, name: str) -> int | None:
+        m = _STEP_DIR.match(name)
+        return int(m.group(1)) if m else None
+
+    def manifest_key(self, step: int) -> str:
+        return f"{self.step_dir(step)}/{META_DIR}/manifest.json"
+
+    def rank_manifest_key(self, step: int, rank: int) -> str:
+        return f"{self.step_dir(step)}/{META_DIR}/rank_{rank:05d}.json"
+
+    def rank_manifest_prefix(self, step: int) -> str:
+        return f"{self.step_dir(step)}/{META_DIR}/"
+
+    @staticmethod
+    def parse_manifest_key(key: str) -> int | None:
+        m = _MANIFEST.match(key)
+        return int(m.group(1)) if m else None
+
+    @staticmethod
+    def parse_rank_manifest_key(key: str) -> tuple[int, int] | None:
+        m = _RANK_MANIFEST.match(key)
+        return (int(m.group(1)), int(m.group(2))) if m else None
+
+    def codec_for(self, item: str) -> str:
+        """Megatron's files are torch pickles (Megatron must read them); other items use the fast flat format."""
+        return "torch" if item in (MODEL_ITEM, OPTIM_ITEM) else "flat"
+
+    def item_key(self, step: int, item: str, coords: RankCoords, extension: str) -> str | None:
+        """The file of ``item`` written by ``coords`` at ``step``, or None when this rank does not write it."""
+        if item == MODEL_ITEM:
+            # Megatron's model state is the same on every DP rank: DP rank 0 of each model-parallel group writes it.
+            if coords.dp != 0:
+                return None
+            return f"{self.step_dir(step)}/{model_parallel_dir(coords)}/{MODEL_ITEM}.pt"
+        if item == OPTIM_ITEM:
+            return self.optimizer_key(step, coords)
+        return f"{self.step_dir(step)}/rank_{coords.rank:05d}/{item}.{extension}"
+
+    def optimizer_key(self, step: int, coords: RankCoords) -> str | None:
+        raise NotImplementedError

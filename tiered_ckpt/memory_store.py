@@ -1,0 +1,161 @@
+"""Snapshot slots on a memory tier (gpu, shm): what a save copies into, and what a restart finds again.
+
+Per rank, slot ``i`` is two blobs: ``rank_RRRRR/slot_i.data`` (every item's tensor bytes, each item's region
+64-byte aligned) and ``rank_RRRRR/slot_i.json`` (the step, each item's flat header and region, checksums once
+the drain has computed them). The JSON is written last and deleted first: a slot without it holds nothing.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+
+from .codecs import flat
+from .codecs.file_codecs import ItemSource
+from .errors import BlobNotFoundError, CorruptionError, DecodeError
+from .tiers.base import Tier
+
+FORMAT = "tiered_ckpt.snapshot"
+VERSION = 1
+ALIGN = 64
+
+
+@dataclass
+class SlotItem:
+    name: str
+    offset: int
+    nbytes: int
+    header: str  # the flat codec's JSON header, as text
+    checksum: str | None = None  # of the item's data region, filled in by the drain
+
+
+@dataclass
+class SlotMeta:
+    step: int
+    rank: int
+    slot: int
+    items: list[SlotItem]
+    total_bytes: int
+    layout: str = ""
+    coords: dict[str, int] = field(default_factory=dict)
+    parallel: dict[str, Any] = field(default_factory=dict)
+    run_id: str = "default"
+    created: float = field(default_factory=time.time)
+
+    def to_json(self) -> bytes:
+        return json.dumps({"format": FORMAT, "version": VERSION, **asdict(self)}, sort_keys=True).encode()
+
+    @classmethod
+    def from_json(cls, data: bytes, where: str, tier: str) -> SlotMeta:
+        try:
+            d = json.loads(bytes(data).decode())
+            if d.pop("format") != FORMAT or d.pop("version") != VERSION:
+                raise ValueError("unknown format or version")
+            d["items"] = [SlotItem(**it) for it in d["items"]]
+            meta = cls(**d)
+            if meta.step < 0 or any(it.offset < 0 or it.nbytes < 0 or it.offset + it.nbytes > meta.total_bytes
+                                    for it in meta.items):
+                raise ValueError("step or item region out of range")
+            return meta
+        except Exception as exc:  # any malformation means: this slot holds nothing usable
+            raise CorruptionError(f"malformed snapshot record: {exc}", tier=tier, key=where) from None
+
+
+def plan_items(items: dict[str, Any]) -> tuple[list[tuple[str, flat.SnapshotPlan, int]], int]:
+    """Plan each item and place it in the slot: [(name, plan, offset)], total bytes."""
+    placed, offset = [], 0
+    for name, value in items.items():
+        plan = flat.plan_snapshot(value)
+        placed.append((name, plan, offset))
+        offset += plan.total_bytes + (-plan.total_bytes) % ALIGN
+    return placed, offset
+
+
+class MemoryStore:
+    """The slots of one rank on one memory tier."""
+
+    def __init__(self, tier: Tier, rank: int, nslots: int):
+        self.tier = tier
+        self.rank = rank
+        self.nslots = nslots
+        self._buffers: dict[int, torch.Tensor] = {}
+
+    def data_key(self, slot: int) -> str:
+        return f"rank_{self.rank:05d}/slot_{slot}.data"
+
+    def meta_key(self, slot: int) -> str:
+        return f"rank_{self.rank:05d}/slot_{slot}.json"
+
+    # ----- writing ---------------------------------------------------------------------------------------------
+    def buffer(self, slot: int, nbytes: int) -> torch.Tensor:
+        """The slot's writable buffer, allocated (and pre-faulted) once; grown when the items grew."""
+        buf = self._buffers.get(slot)
+        if buf is None or buf.numel() < nbytes:
+            buf = self.tier.allocate_slot(self.data_key(slot), nbytes)
+            self._buffers[slot] = buf
+        return buf
+
+    def invalidate(self, slot: int) -> None:
+        self.tier.delete(self.meta_key(slot))
+
+    def publish(self, meta: SlotMeta) -> None:
+        self.tier.publish(self.meta_key(meta.slot), meta.to_json())
+
+    # ----- reading ---------------------------------------------------------------------------------------------
+    def read_meta(self, slot: int) -> SlotMeta | None:
+        try:
+            raw = self.tier.read_blob(self.meta_key(slot))
+        except BlobNotFoundError:
+            return None
+        data = bytes(raw.cpu().numpy()) if raw.numel() else b""
+        return SlotMeta.from_json(data, self.meta_key(slot), self.tier.name)
+
+    def metas(self) -> dict[int, SlotMeta]:
+        """Every slot of this rank holding a complete snapshot (malformed records are skipped)."""
+        found = {}
+        for key in self.tier.list(f"rank_{self.rank:05d}/"):
+            name = key.rsplit("/", 1)[-1]
+            if not (name.startswith("slot_") and name.endswith(".json")):
+                continue
+            try:
+                slot = int(name[5:-5])
+                meta = self.read_meta(slot)
+            except (ValueError, CorruptionError):
+                continue
+            if meta is not None:
+                found[slot] = meta
+        return found
+
+    def data(self, meta: SlotMeta) -> torch.Tensor:
+        buf = self._buffers.get(meta.slot)
+        if buf is None or buf.numel() < meta.total_bytes:
+            buf = self.tier.read_blob(self.data_key(meta.slot))
+        if buf.numel() < meta.total_bytes:
+            raise CorruptionError(f"slot holds {buf.numel()} bytes, its record says {meta.total_bytes}",
+                                  tier=self.tier.name, key=self.data_key(meta.slot))
+        return buf
+
+    def item_sources(self, meta: SlotMeta) -> list[ItemSource]:
+        buf = self.data(meta)
+        return [ItemSource(it.name, it.header.encode(), buf[it.offset:it.offset + it.nbytes]) for it in meta.items]
+
+    def load(self, meta: SlotMeta, *, copy: bool, map_location: Any = None, verify: bool = True) -> dict[str, Any]:
+        from .checksum import ALGORITHM, digest
+
+        out = {}
+        for src, it in zip(self.item_sources(meta), meta.items):
+            if verify and it.checksum:
+                got = f"{ALGORITHM}:{digest(src.data)}"
+                if got != it.checksum:
+                    raise CorruptionError(f"snapshot of item {it.name!r} does not match its checksum",
+                                          tier=self.tier.name, key=self.data_key(meta.slot))
+            try:
+                info = flat.decode_header(src.header)
+                out[it.name] = flat.restore(info, src.data, copy=copy, map_location=map_location)
+            except DecodeError as exc:
+                raise CorruptionError(str(exc), tier=self.tier.name, key=self.meta_key(meta.slot)) from None
+        return out

@@ -1,0 +1,151 @@
+"""The configured tiers, instantiated: stores in pipeline order, the entry tier, and the choice of drain."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from . import events as ev
+from .codecs.file_codecs import FileCodec
+from .config import Config, TierConfig
+from .drain import DrainRuntime
+from .errors import ConfigError
+from .file_store import FileStore
+from .memory_store import MemoryStore
+from .parallel import RankCoords
+from .plugins import PluginManager
+from .tiers.base import Tier, TierContext
+
+log = logging.getLogger(__name__)
+
+STAGING = "_staging"  # in-process host buffers, when the fastest configured tier is not a memory tier
+DEFAULT_SLOTS = 2
+
+
+def tier_enabled(pm: PluginManager, cfg: TierConfig) -> bool:
+    cls = pm.registries.tiers.get(cfg.kind)
+    if cfg.enabled == "auto" or cfg.enabled is True:
+        resolve = getattr(cls, "resolve_enabled", None)
+        if resolve is None:
+            return True
+        return bool(resolve(cfg.enabled, cfg.options))
+    return False
+
+
+def make_store(pm: PluginManager, config: Config, cfg: TierConfig, coords: RankCoords, local_rank: int,
+               emit: Callable[[ev.Event], None]) -> MemoryStore | FileStore:
+    cls = pm.registries.tiers.get(cfg.kind)
+    context = TierContext(run_id=config.run_id, rank=coords.rank, local_rank=local_rank)
+    tier: Tier = cls(cfg.name, cfg.options, context)
+    if cls.capabilities.memory:
+        return MemoryStore(tier, coords.rank, cfg.slots or DEFAULT_SLOTS)
+    layout = pm.registries.layouts.get(config.layout)()
+    codecs: dict[str, FileCodec] = {name: c() for name, c, _ in pm.registries.codecs.items()}
+    return FileStore(tier, cfg, layout, codecs, emit, run_id=config.run_id)
+
+
+def staging_config(pm: PluginManager) -> TierConfig:
+    gpu = pm.registries.tiers.get("gpu")
+    return TierConfig(name=STAGING, kind="gpu", options=gpu.Options(device="cpu"), slots=DEFAULT_SLOTS)
+
+
+@dataclass
+class Pipeline:
+    config: Config
+    coords: RankCoords
+    pm: PluginManager
+    order: list[str]
+    cfgs: dict[str, TierConfig]
+    stores: dict[str, MemoryStore | FileStore]
+    emit: Callable[[ev.Event], None]
+    local_rank: int = 0
+    drain: object = field(default=None)
+
+    @property
+    def entry(self) -> str:
+        return self.order[0]
+
+    @property
+    def entry_store(self) -> MemoryStore:
+        store = self.stores[self.entry]
+        assert isinstance(store, MemoryStore)
+        return store
+
+    @property
+    def entry_cfg(self) -> TierConfig:
+        return self.cfgs[self.entry]
+
+    def file_stores(self) -> dict[str, FileStore]:
+        return {n: s for n, s in self.stores.items() if isinstance(s, FileStore)}
+
+    def due_tiers(self, ordinal: int) -> tuple[str, ...]:
+        """Tiers below the entry that take the ``ordinal``-th save (1-based): memory tiers always, file tiers
+        every ``every``-th save starting with the first, so a misconfigured tier shows up at once."""
+        due = []
+        for name in self.order[1:]:
+            store, cfg = self.stores[name], self.cfgs[name]
+            if isinstance(store, MemoryStore) or (ordinal - 1) % cfg.every == 0:
+                due.append(name)
+        return tuple(due)
+
+    def prepare_memory_tiers(self, nbytes: int) -> None:
+        for name in self.order[1:]:
+            store = self.stores[name]
+            if isinstance(store, MemoryStore):
+                for slot in range(store.nslots):
+                    store.buffer(slot, nbytes)
+
+    def start_drain(self, on_tier_done: Callable, on_slot_released: Callable):
+        shared = next((i for i, n in enumerate(self.order) if isinstance(self.stores[n], MemoryStore)
+                       and self.stores[n].tier.capabilities.survives_process), None)
+        if self.config.drain.mode == "process" and shared is not None:
+            from .worker import ProcessDrain, SplitDrain
+
+            if shared == 0:
+                self.drain = ProcessDrain(self.config, self.coords, self.order, self.local_rank, self.emit,
+                                          on_tier_done, on_slot_released)
+            else:
+                self.drain = SplitDrain(self, shared, on_tier_done, on_slot_released)
+        else:
+            if self.config.drain.mode == "process":
+                log.info("no shared-memory tier to hand the snapshot to a worker process: the drain runs as threads")
+            self.drain = DrainRuntime(self.stores, self.order, self.coords, self.emit, on_tier_done, on_slot_released)
+        return self.drain
+
+    def close(self) -> None:
+        for store in self.stores.values():
+            try:
+                store.tier.close()
+            except Exception:
+                log.exception("closing tier %r failed", store.tier.name)
+
+
+def build_stores(config: Config, pm: PluginManager, coords: RankCoords, local_rank: int, names: list[str],
+                 emit: Callable[[ev.Event], None]) -> dict[str, MemoryStore | FileStore]:
+    cfgs = {t.name: t for t in config.tiers}
+    return {n: make_store(pm, config, cfgs[n], coords, local_rank, emit) for n in names}
+
+
+def build_pipeline(config: Config, pm: PluginManager, coords: RankCoords, local_rank: int,
+                   emit: Callable[[ev.Event], None]) -> Pipeline:
+    cfgs: dict[str, TierConfig] = {}
+    for cfg in config.tiers:
+        if tier_enabled(pm, cfg):
+            cfgs[cfg.name] = cfg
+        else:
+            reason = "enabled: false" if cfg.enabled is False else "not available on this machine"
+            log.info("tier %r (%s) is off: %s", cfg.name, cfg.kind, reason)
+            emit(ev.Event(ev.TIER_DISABLED, rank=coords.rank, tier=cfg.name, message=reason))
+    if not cfgs:
+        raise ConfigError("every tier is disabled; enable at least one", source=config.source, key_path="tiers")
+    order = list(cfgs)
+    first_cls = pm.registries.tiers.get(cfgs[order[0]].kind)
+    if not first_cls.capabilities.memory:
+        # Saves must block only for a memory copy: stage in host memory of this process, then drain from there.
+        cfgs = {STAGING: staging_config(pm), **cfgs}
+        order.insert(0, STAGING)
+    stores = {}
+    for name in order:
+        stores[name] = make_store(pm, config, cfgs[name], coords, local_rank, emit)
+    return Pipeline(config, coords, pm, order, cfgs, stores, emit, local_rank)

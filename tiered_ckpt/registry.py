@@ -1,0 +1,53 @@
+"""Name → class registries for tier kinds, layouts and codecs."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Generic, TypeVar
+
+from .errors import PluginError
+
+T = TypeVar("T")
+
+
+class Registry(Generic[T]):
+    """A registry of named classes; each name has exactly one provider.
+
+    ``provider`` is set by the plugin manager to the name of the plugin whose hook is running, so conflicts can
+    name both sides.
+    """
+
+    def __init__(self, what: str):
+        self.what = what
+        self._entries: dict[str, tuple[type[T], str]] = {}
+        self.provider = "<direct>"
+
+    def add(self, name: str, cls: type[T]) -> None:
+        if not isinstance(name, str) or not name:
+            raise PluginError(f"{self.provider}: {self.what} name must be a non-empty string, got {name!r}")
+        if name in self._entries:
+            _, other = self._entries[name]
+            raise PluginError(
+                f"{self.what} {name!r} is provided by two plugins: {other!r} and {self.provider!r}; "
+                "uninstall one of them or rename its kind"
+            )
+        self._entries[name] = (cls, self.provider)
+
+    def get(self, name: str) -> type[T]:
+        try:
+            return self._entries[name][0]
+        except KeyError:
+            known = ", ".join(sorted(self._entries)) or "none"
+            raise PluginError(f"unknown {self.what} {name!r} (known: {known})") from None
+
+    def provider_of(self, name: str) -> str:
+        return self._entries[name][1]
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._entries
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(sorted(self._entries))
+
+    def items(self) -> list[tuple[str, type[T], str]]:
+        return [(n, c, p) for n, (c, p) in sorted(self._entries.items())]

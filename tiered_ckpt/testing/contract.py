@@ -1,0 +1,493 @@
+"""The tier contract suite: what every tier kind must do, as pytest tests.
+
+Subclass :class:`TierContract` in a test module and provide a ``tier`` fixture returning a fresh, empty tier::
+
+    from tiered_ckpt.testing import TierContract
+
+    class TestMyTier(TierContract):
+        @pytest.fixture
+        def tier(self, tmp_path):
+            tier = MyTier("mine", MyTier.Options(path=str(tmp_path)))
+            yield tier
+            tier.close()
+
+Every test applies to every tier, except those about a capability the tier says it lacks (slots need
+``capabilities.memory``, view semantics ``capabilities.zero_copy_read``): those are skipped with the capability as
+the reason. The semantics tested are the ones :mod:`tiered_ckpt.tiers.base` documents.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+import xxhash
+
+from ..errors import BlobNotFoundError, TierError
+from ..tiers.base import Tier, as_memoryview
+
+MiB = 1 << 20
+
+# Chunk types write_blob accepts, each with the bytes it stands for.
+CHUNK_KINDS: dict[str, Any] = {
+    "bytes": lambda: b"bytes|",
+    "bytearray": lambda: bytearray(b"bytearray|"),
+    "memoryview": lambda: memoryview(b"0123memoryview|")[4:],
+    "numpy_uint8": lambda: np.arange(11, dtype=np.uint8),
+    "numpy_float32": lambda: np.array([1.5, -2.0, 3.25], dtype=np.float32),
+    "numpy_2d": lambda: np.arange(12, dtype=np.int16).reshape(3, 4),
+    "tensor_uint8": lambda: torch.arange(7, dtype=torch.uint8),
+    "tensor_float32": lambda: torch.tensor([1.0, 2.5, -3.0]),
+    "tensor_bfloat16": lambda: torch.tensor([0.5, -1.25, 7.0], dtype=torch.bfloat16),
+    "tensor_int64_scalar": lambda: torch.tensor(123456789, dtype=torch.int64),
+    "tensor_2d": lambda: torch.arange(6, dtype=torch.int32).reshape(2, 3),
+    "tensor_noncontiguous": lambda: torch.arange(16, dtype=torch.int16).reshape(4, 4)[:, 1],
+    "tensor_requires_grad": lambda: torch.ones(3, requires_grad=True),
+}
+
+INVALID_KEYS = ["", "/abs/key", "../up", "a/../b", "a//b", "./a", "a/", "a\\b", "nul\x00byte"]
+
+
+def host_bytes(data: Any) -> bytes:
+    """The bytes of a chunk or of a ``read_blob`` result (any device)."""
+    return bytes(as_memoryview(data))
+
+
+def _digest(data: Any) -> str:
+    return xxhash.xxh3_128_hexdigest(as_memoryview(data))
+
+
+class TierContract:
+    """The contract tests; a subclass provides the ``tier`` fixture (a fresh, empty tier)."""
+
+    large_blob_bytes = 48 * MiB  # big enough to cross buffer, part and block sizes
+    publish_rounds = 40  # publishes while a reader polls
+
+    @pytest.fixture
+    def tier(self) -> Tier:  # pragma: no cover - subclasses override
+        raise NotImplementedError("subclasses of TierContract provide a `tier` fixture")
+
+    # ----- helpers -----------------------------------------------------------------------------------------------
+    @staticmethod
+    def read(tier: Tier, key: str) -> bytes:
+        return host_bytes(tier.read_blob(key))
+
+    @staticmethod
+    def require(tier: Tier, capability: str, why: str) -> None:
+        """Skip unless ``tier.capabilities.<capability>`` is true; the reason names the capability."""
+        if not getattr(tier.capabilities, capability):
+            pytest.skip(f"{tier.kind} tier: capabilities.{capability} is False ({why})")
+
+    # ----- write / read ------------------------------------------------------------------------------------------
+    @pytest.mark.parametrize("chunk_kind", sorted(CHUNK_KINDS))
+    def test_round_trip_of_each_chunk_type(self, tier: Tier, chunk_kind: str) -> None:
+        chunk = CHUNK_KINDS[chunk_kind]()
+        expected = host_bytes(chunk)
+        assert tier.write_blob(f"types/{chunk_kind}.bin", [chunk]) == len(expected)
+        out = tier.read_blob(f"types/{chunk_kind}.bin")
+        assert isinstance(out, torch.Tensor) and out.dtype == torch.uint8 and out.dim() == 1
+        assert host_bytes(out) == expected
+
+    @pytest.mark.parametrize("as_stream", [False, True], ids=["list", "generator"])
+    def test_round_trip_of_mixed_chunks(self, tier: Tier, as_stream: bool) -> None:
+        chunks = [make() for _, make in sorted(CHUNK_KINDS.items())]
+        expected = b"".join(host_bytes(c) for c in chunks)
+        source = (c for c in chunks) if as_stream else chunks
+        assert tier.write_blob("mixed/blob.bin", source) == len(expected)
+        assert self.read(tier, "mixed/blob.bin") == expected
+        assert tier.size("mixed/blob.bin") == len(expected)
+
+    def test_producer_may_reuse_its_buffer(self, tier: Tier) -> None:
+        buf = bytearray(64 * 1024)
+
+        def produce():
+            for i in range(5):
+                buf[:] = bytes([i + 1]) * len(buf)
+                yield buf
+
+        assert tier.write_blob("reuse.bin", produce()) == 5 * len(buf)
+        assert self.read(tier, "reuse.bin") == b"".join(bytes([i + 1]) * len(buf) for i in range(5))
+
+    @pytest.mark.parametrize("chunks", [[], [b""], "generator"], ids=["no_chunks", "empty_chunk", "empty_stream"])
+    def test_empty_blob(self, tier: Tier, chunks: Any) -> None:
+        source = iter(()) if chunks == "generator" else chunks
+        assert tier.write_blob("empty", source) == 0
+        assert tier.exists("empty")
+        assert tier.size("empty") == 0
+        out = tier.read_blob("empty")
+        assert out.dtype == torch.uint8 and out.numel() == 0
+        assert tier.list() == ["empty"]
+        assert tier.read_range("empty", 0, 0) == b""
+
+    def test_overwrite_replaces(self, tier: Tier) -> None:
+        tier.write_blob("k", [b"x" * 5000])
+        tier.write_blob("k", [b"short"])
+        assert self.read(tier, "k") == b"short"
+        assert tier.size("k") == 5
+        tier.write_blob("k", [b"y" * 7000])
+        assert self.read(tier, "k") == b"y" * 7000
+        assert tier.list() == ["k"]
+
+    @pytest.mark.parametrize("as_stream", [False, True], ids=["list", "generator"])
+    def test_large_blob(self, tier: Tier, as_stream: bool) -> None:
+        n = self.large_blob_bytes
+        data = torch.randint(0, 256, (n,), dtype=torch.uint8, generator=torch.Generator().manual_seed(n))
+        step = 7 * MiB + 3  # pieces that align with nothing
+        pieces = [data[i:i + step] for i in range(0, n, step)]
+        written = tier.write_blob("big/blob.bin", (p for p in pieces) if as_stream else pieces)
+        assert written == n
+        assert tier.size("big/blob.bin") == n
+        out = tier.read_blob("big/blob.bin")
+        assert out.numel() == n
+        assert _digest(out.cpu()) == _digest(data)
+        mid = n // 2 - 12345
+        assert tier.read_range("big/blob.bin", mid, 3 * MiB) == host_bytes(data[mid:mid + 3 * MiB])
+
+    def test_read_result_is_not_changed_by_a_later_write(self, tier: Tier) -> None:
+        tier.write_blob("k", [b"A" * 10000])
+        first = tier.read_blob("k")
+        tier.write_blob("k", [b"B" * 10000])
+        tier.publish("k", b"C" * 20000)
+        assert host_bytes(first) == b"A" * 10000
+        assert self.read(tier, "k") == b"C" * 20000
+
+    # ----- ranges, size, exists ----------------------------------------------------------------------------------
+    def test_read_range(self, tier: Tier) -> None:
+        blob = bytes(range(256)) * 4
+        tier.write_blob("r", [blob])
+        assert tier.read_range("r", 0, 10) == blob[:10]
+        assert tier.read_range("r", 1000, 24) == blob[1000:]
+        assert tier.read_range("r", 300, 0) == b""
+        assert isinstance(tier.read_range("r", 5, 5), bytes)
+        for offset, length in [(1020, 10), (1025, 0), (-1, 5), (0, -1)]:
+            with pytest.raises(TierError):
+                tier.read_range("r", offset, length)
+
+    def test_size_and_exists(self, tier: Tier) -> None:
+        assert not tier.exists("d/x")
+        tier.write_blob("d/x", [b"12345"])
+        assert tier.exists("d/x")
+        assert tier.size("d/x") == 5
+        assert not tier.exists("d"), "a directory-like prefix is not a blob"
+        with pytest.raises(BlobNotFoundError):
+            tier.size("d")
+
+    def test_missing_key(self, tier: Tier) -> None:
+        tier.write_blob("present", [b"x"])
+        for call in (lambda: tier.read_blob("absent"), lambda: tier.size("absent"),
+                     lambda: tier.read_range("absent", 0, 1), lambda: tier.read_blob("present/below"),
+                     lambda: tier.read_blob("no/such/dir/key")):
+            with pytest.raises(BlobNotFoundError) as info:
+                call()
+            assert isinstance(info.value, KeyError)
+        assert not tier.exists("absent")
+
+    @pytest.mark.parametrize("key", INVALID_KEYS, ids=repr)
+    def test_invalid_keys_are_rejected(self, tier: Tier, key: str) -> None:
+        consumed = []
+
+        def chunks():
+            consumed.append(True)
+            yield b"x"
+
+        calls = {
+            "write_blob": lambda: tier.write_blob(key, chunks()),
+            "publish": lambda: tier.publish(key, b"x"),
+            "read_blob": lambda: tier.read_blob(key),
+            "read_range": lambda: tier.read_range(key, 0, 1),
+            "size": lambda: tier.size(key),
+            "exists": lambda: tier.exists(key),
+            "delete": lambda: tier.delete(key),
+        }
+        if tier.capabilities.memory:
+            calls["allocate_slot"] = lambda: tier.allocate_slot(key, 16)
+        for name, call in calls.items():
+            with pytest.raises(ValueError):
+                call()
+                pytest.fail(f"{name}({key!r}) was accepted")
+        assert not consumed, "write_blob consumed chunks before checking the key"
+        assert tier.list() == []
+
+    @pytest.mark.parametrize("prefix", ["../", "/abs", "a/../b/", "./"])
+    def test_invalid_prefixes_are_rejected(self, tier: Tier, prefix: str) -> None:
+        with pytest.raises(ValueError):
+            tier.list(prefix)
+        with pytest.raises(ValueError):
+            tier.delete_prefix(prefix)
+
+    # ----- list --------------------------------------------------------------------------------------------------
+    KEYS = ["a/b/c", "a/b/c2", "a/b/d", "a/e", "ab/f", "z", "iter_0000010/mp_rank_00/model_optim_rng.pt",
+            "iter_0000002/mp_rank_00/model_optim_rng.pt", "dots.in.name/file-1_2.pt"]
+
+    def _fill(self, tier: Tier) -> None:
+        for key in reversed(self.KEYS):
+            tier.write_blob(key, [key.encode()])
+
+    def test_list_everything_sorted(self, tier: Tier) -> None:
+        assert tier.list() == []
+        self._fill(tier)
+        assert tier.list() == sorted(self.KEYS)
+        assert tier.list("") == sorted(self.KEYS)
+        for key in self.KEYS:
+            assert self.read(tier, key) == key.encode()
+
+    @pytest.mark.parametrize("prefix, expected", [
+        ("a/", ["a/b/c", "a/b/c2", "a/b/d", "a/e"]),
+        ("a", ["a/b/c", "a/b/c2", "a/b/d", "a/e", "ab/f"]),
+        ("a/b", ["a/b/c", "a/b/c2", "a/b/d"]),
+        ("a/b/c", ["a/b/c", "a/b/c2"]),
+        ("a/b/d", ["a/b/d"]),
+        ("iter_", ["iter_0000002/mp_rank_00/model_optim_rng.pt", "iter_0000010/mp_rank_00/model_optim_rng.pt"]),
+        ("iter_0000010/", ["iter_0000010/mp_rank_00/model_optim_rng.pt"]),
+        ("z", ["z"]),
+        ("nothing/", []),
+        ("q", []),
+        ("a/b/c/", []),
+    ])
+    def test_list_prefix(self, tier: Tier, prefix: str, expected: list[str]) -> None:
+        self._fill(tier)
+        assert tier.list(prefix) == expected
+
+    def test_write_in_progress_is_invisible(self, tier: Tier) -> None:
+        tier.write_blob("old", [b"old content"])
+        seen: dict[str, Any] = {}
+
+        def chunks():
+            yield b"n" * MiB
+            seen["list"] = tier.list()
+            seen["exists_new"] = tier.exists("new/blob")
+            seen["exists_old"] = tier.exists("old")
+            yield b"e" * MiB
+
+        def overwrite():
+            yield b"partial" * 1000
+            seen["old_during_overwrite"] = self.read(tier, "old")
+            seen["list_during_overwrite"] = tier.list()
+            yield b"rest"
+
+        tier.write_blob("new/blob", chunks())
+        assert seen == {"list": ["old"], "exists_new": False, "exists_old": True}
+        tier.write_blob("old", overwrite())
+        assert seen["old_during_overwrite"] == b"old content"
+        assert seen["list_during_overwrite"] == ["new/blob", "old"]
+        assert tier.list() == ["new/blob", "old"]
+
+    # ----- failure ------------------------------------------------------------------------------------------------
+    @staticmethod
+    def _failing(after_bytes: int):
+        class Boom(RuntimeError):
+            pass
+
+        def chunks():
+            yield b"p" * after_bytes
+            raise Boom("producer failed midway")
+
+        return chunks(), Boom
+
+    def test_failed_write_keeps_the_old_blob(self, tier: Tier) -> None:
+        tier.write_blob("ckpt/file.pt", [b"good" * 1000])
+        chunks, boom = self._failing(2 * MiB)
+        with pytest.raises(boom, match="producer failed midway"):
+            tier.write_blob("ckpt/file.pt", chunks)
+        assert self.read(tier, "ckpt/file.pt") == b"good" * 1000
+        assert tier.list() == ["ckpt/file.pt"]
+
+    def test_failed_first_write_leaves_nothing(self, tier: Tier) -> None:
+        chunks, boom = self._failing(MiB)
+        with pytest.raises(boom):
+            tier.write_blob("ckpt/new.pt", chunks)
+        assert not tier.exists("ckpt/new.pt")
+        assert tier.list() == []
+        with pytest.raises(BlobNotFoundError):
+            tier.read_blob("ckpt/new.pt")
+        tier.write_blob("ckpt/new.pt", [b"retry works"])  # nothing left in the way
+        assert self.read(tier, "ckpt/new.pt") == b"retry works"
+
+    # ----- delete ------------------------------------------------------------------------------------------------
+    def test_delete(self, tier: Tier) -> None:
+        tier.write_blob("x/one", [b"1"])
+        tier.write_blob("x/two", [b"2"])
+        tier.delete("x/one")
+        assert not tier.exists("x/one")
+        with pytest.raises(BlobNotFoundError):
+            tier.read_blob("x/one")
+        tier.delete("x/one")  # missing: not an error
+        tier.delete("never/existed")
+        tier.delete("x")  # a directory-like prefix is not a blob: nothing happens
+        assert tier.list() == ["x/two"]
+        assert self.read(tier, "x/two") == b"2"
+        tier.delete("x/two")
+        assert tier.list() == []
+        tier.write_blob("x/one", [b"again"])  # the emptied directory does not get in the way
+        assert self.read(tier, "x/one") == b"again"
+
+    def test_delete_prefix(self, tier: Tier) -> None:
+        for key in ["a/x", "a/y/z", "a/y/w/v", "ab/w", "b"]:
+            tier.write_blob(key, [key.encode()])
+        tier.delete_prefix("a")
+        assert tier.list() == ["ab/w", "b"]
+        tier.delete_prefix("missing/")
+        tier.delete_prefix("ab/")
+        assert tier.list() == ["b"]
+        tier.write_blob("a/y/z", [b"new"])
+        assert tier.list() == ["a/y/z", "b"]
+
+    # ----- publish -----------------------------------------------------------------------------------------------
+    def test_publish(self, tier: Tier) -> None:
+        tier.publish("latest_checkpointed_iteration.txt", b"10")
+        assert self.read(tier, "latest_checkpointed_iteration.txt") == b"10"
+        tier.publish("latest_checkpointed_iteration.txt", b"20")
+        assert self.read(tier, "latest_checkpointed_iteration.txt") == b"20"
+        tier.publish("iter_0000020/manifest.json", b"{}")
+        assert tier.list() == ["iter_0000020/manifest.json", "latest_checkpointed_iteration.txt"]
+
+    def test_publish_is_atomic_for_concurrent_readers(self, tier: Tier) -> None:
+        a, b = b"A" * (256 * 1024), b"B" * (384 * 1024)
+        tier.publish("manifest.json", a)
+        done = threading.Event()
+        bad: list[str] = []
+        reads = [0]
+
+        def reader() -> None:
+            while not done.is_set() or reads[0] == 0:
+                try:
+                    data = self.read(tier, "manifest.json")
+                except Exception as exc:  # any failure is a contract violation
+                    bad.append(f"read raised {exc!r}")
+                    return
+                if data != a and data != b:
+                    bad.append(f"saw {len(data)} bytes: {data[:8]!r}...{data[-8:]!r}")
+                    return
+                reads[0] += 1
+
+        thread = threading.Thread(target=reader, daemon=True)
+        thread.start()
+        try:
+            deadline = time.monotonic() + 10
+            for i in range(self.publish_rounds):
+                tier.publish("manifest.json", b if i % 2 == 0 else a)
+                if bad or time.monotonic() > deadline:
+                    break
+        finally:
+            done.set()
+            thread.join(30)
+        assert not bad, bad[0]
+        assert reads[0] > 0
+        assert tier.list() == ["manifest.json"]
+
+    def test_concurrent_writes_of_different_keys(self, tier: Tier) -> None:
+        errors: list[BaseException] = []
+
+        def work(t: int) -> None:
+            try:
+                for i in range(5):
+                    tier.write_blob(f"rank_{t:05d}/part{i}", [bytes([t * 10 + i]) * (64 * 1024 + t)])
+            except BaseException as exc:
+                errors.append(exc)
+
+        threads = [threading.Thread(target=work, args=(t,)) for t in range(4)]
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join(60)
+        assert not errors, errors[0]
+        assert len(tier.list()) == 20
+        for t in range(4):
+            for i in range(5):
+                assert self.read(tier, f"rank_{t:05d}/part{i}") == bytes([t * 10 + i]) * (64 * 1024 + t)
+
+    # ----- zero-copy reads ---------------------------------------------------------------------------------------
+    def test_zero_copy_read_sees_writes_into_the_slot(self, tier: Tier) -> None:
+        self.require(tier, "zero_copy_read", "reads are copies")
+        self.require(tier, "memory", "no slots to write into behind the reader's back")
+        slot = tier.allocate_slot("snap/zc", 3 * 4096 + 5)
+        slot.fill_(1)
+        view = tier.read_blob("snap/zc")
+        slot.fill_(7)
+        assert bool((view.cpu() == 7).all()), "read_blob returned a copy, not a view of the stored bytes"
+        slot[:4] = torch.tensor([1, 2, 3, 4], dtype=torch.uint8, device=slot.device)
+        assert view[:4].cpu().tolist() == [1, 2, 3, 4]
+
+    # ----- slots -------------------------------------------------------------------------------------------------
+    def test_non_memory_tiers_hold_no_slots(self, tier: Tier) -> None:
+        if tier.capabilities.memory:
+            pytest.skip(f"{tier.kind} tier: capabilities.memory is True (it holds slots; see the slot tests)")
+        with pytest.raises(TierError):
+            tier.allocate_slot("snap/0", 1024)
+
+    def test_slot_write_then_read(self, tier: Tier) -> None:
+        self.require(tier, "memory", "holds no slots")
+        slot = tier.allocate_slot("snap/0", 10_000)
+        assert isinstance(slot, torch.Tensor) and slot.dtype == torch.uint8 and slot.dim() == 1
+        assert slot.numel() >= 10_000
+        pattern = torch.arange(10_000, dtype=torch.int64).remainder(251).to(torch.uint8)
+        slot[:10_000] = pattern.to(slot.device)
+        assert tier.exists("snap/0")
+        assert tier.size("snap/0") == slot.numel()
+        assert tier.list() == ["snap/0"]
+        out = tier.read_blob("snap/0")
+        assert host_bytes(out[:10_000]) == host_bytes(pattern)
+        assert tier.read_range("snap/0", 100, 50) == host_bytes(pattern[100:150])
+
+    def test_slot_reuse_keeps_the_buffer(self, tier: Tier) -> None:
+        self.require(tier, "memory", "holds no slots")
+        first = tier.allocate_slot("snap/0", 64 * 1024)
+        first[:3] = torch.tensor([9, 8, 7], dtype=torch.uint8, device=first.device)
+        again = tier.allocate_slot("snap/0", 64 * 1024)
+        smaller = tier.allocate_slot("snap/0", 100)
+        assert again.data_ptr() == first.data_ptr() == smaller.data_ptr()
+        assert again.numel() == smaller.numel() == first.numel()
+        assert again[:3].cpu().tolist() == [9, 8, 7]
+
+    def test_slot_growth_reallocates(self, tier: Tier) -> None:
+        self.require(tier, "memory", "holds no slots")
+        tier.allocate_slot("snap/0", 4096)
+        grown = tier.allocate_slot("snap/0", 3 * MiB + 1)
+        assert grown.numel() >= 3 * MiB + 1
+        grown.fill_(5)
+        assert tier.size("snap/0") == grown.numel()
+        assert _digest(tier.read_blob("snap/0").cpu()) == _digest(grown.cpu())
+        assert tier.allocate_slot("snap/0", 3 * MiB).data_ptr() == grown.data_ptr()
+
+    def test_slots_are_independent(self, tier: Tier) -> None:
+        self.require(tier, "memory", "holds no slots")
+        s0 = tier.allocate_slot("snap/0", 8192)
+        s1 = tier.allocate_slot("snap/1", 8192)
+        s0.fill_(1)
+        s1.fill_(2)
+        assert bool((tier.read_blob("snap/0").cpu() == 1).all())
+        assert bool((tier.read_blob("snap/1").cpu() == 2).all())
+        assert tier.list("snap/") == ["snap/0", "snap/1"]
+
+    def test_write_blob_over_a_slot(self, tier: Tier) -> None:
+        self.require(tier, "memory", "holds no slots")
+        slot = tier.allocate_slot("snap/0", 8192)
+        slot.fill_(3)
+        tier.write_blob("snap/0", [b"replaced"])
+        assert self.read(tier, "snap/0") == b"replaced"
+        assert bool((slot.cpu() == 3).all()), "the detached buffer stays valid for whoever holds it"
+        fresh = tier.allocate_slot("snap/0", 8192)
+        assert fresh.numel() >= 8192
+        fresh.fill_(4)
+        assert bool((tier.read_blob("snap/0").cpu()[:8192] == 4).all())
+
+    def test_delete_a_slot(self, tier: Tier) -> None:
+        self.require(tier, "memory", "holds no slots")
+        tier.allocate_slot("snap/0", 8192).fill_(1)
+        tier.delete("snap/0")
+        assert not tier.exists("snap/0")
+        assert tier.list() == []
+        again = tier.allocate_slot("snap/0", 8192)
+        again.fill_(2)
+        assert bool((tier.read_blob("snap/0").cpu() == 2).all())
+        tier.delete_prefix("snap")
+        assert tier.list() == []
+
+    def test_slot_size_must_not_be_negative(self, tier: Tier) -> None:
+        self.require(tier, "memory", "holds no slots")
+        with pytest.raises(ValueError):
+            tier.allocate_slot("snap/0", -1)

@@ -1,0 +1,136 @@
+"""pytest fixtures for code that uses or extends tiered_ckpt (a ``pytest11`` plugin: installed, it is active).
+
+* ``shm_root``: a fresh directory under ``/dev/shm``, removed afterwards (``tmp_path`` where there is none).
+* ``tier_context``: a :class:`~tiered_ckpt.tiers.base.TierContext` with a unique ``run_id``.
+* ``tier_registry`` (session): every registered tier kind, built-ins and ``tiered_ckpt`` entry points.
+  Override it in a ``conftest.py`` to test a kind that is not installed.
+* ``make_tier(kind, *, name=None, context=None, **options)``: a tier of a registered kind, its options validated
+  like a configuration file's. Missing locations default to throw-away ones (``shm``: ``shm_root``; ``local``:
+  under ``tmp_path``; ``fsspec``: a unique ``memory://`` root; ``gpu``: ``cuda`` if present, else ``cpu``).
+  Every tier made is closed, and default ``memory://`` roots are emptied, when the test ends.
+
+This module is imported by pytest at start-up in every project that has tiered_ckpt installed, so it imports
+only the standard library and pytest; tiered_ckpt itself is imported inside the fixtures.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import os
+import shutil
+import tempfile
+import uuid
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+
+SHM_BASE = "/dev/shm"
+
+
+def build_tier_registry(*, load_entry_points: bool = True, extra_plugins: tuple[Any, ...] = ()) -> Any:
+    """A registry of every tier kind: the built-ins, the ``tiered_ckpt`` entry points and ``extra_plugins``.
+
+    Only the ``tiered_ckpt_register_tiers`` hook runs (layouts and codecs are not loaded), in the same order and
+    with the same conflict rules as :class:`tiered_ckpt.plugins.PluginManager`.
+    """
+    from importlib.metadata import entry_points
+
+    import pluggy
+
+    from tiered_ckpt import builtin, hookspecs
+    from tiered_ckpt.errors import PluginError
+    from tiered_ckpt.plugins import ENTRY_POINT_GROUP
+    from tiered_ckpt.registry import Registry
+
+    pm = pluggy.PluginManager(hookspecs.PROJECT)
+    pm.add_hookspecs(hookspecs)
+    pm.register(builtin, name="tiered_ckpt.builtin")
+    if load_entry_points:
+        for ep in entry_points(group=ENTRY_POINT_GROUP):
+            if pm.get_plugin(ep.name) is not None:
+                continue
+            try:
+                plugin = ep.load()
+            except Exception as exc:
+                raise PluginError(f"plugin {ep.name!r} ({ep.value}) failed to load: {exc}") from exc
+            pm.register(plugin, name=ep.name)
+    for plugin in extra_plugins:
+        pm.register(plugin)
+    registry = Registry("tier kind")
+    for impl in reversed(pm.hook.tiered_ckpt_register_tiers.get_hookimpls()):
+        registry.provider = impl.plugin_name
+        impl.function(registry=registry)
+    registry.provider = "<direct>"
+    return registry
+
+
+@pytest.fixture
+def shm_root(tmp_path: Any) -> Iterator[str]:
+    """A fresh directory on ``/dev/shm`` (tmpfs), removed after the test; under ``tmp_path`` where there is none."""
+    if os.path.isdir(SHM_BASE) and os.access(SHM_BASE, os.W_OK | os.X_OK):
+        path = tempfile.mkdtemp(prefix="tiered-ckpt-test-", dir=SHM_BASE)
+        try:
+            yield path
+        finally:
+            shutil.rmtree(path, ignore_errors=True)
+    else:
+        path = tmp_path / "shm"
+        path.mkdir()
+        yield str(path)
+
+
+@pytest.fixture
+def tier_context() -> Any:
+    """A :class:`~tiered_ckpt.tiers.base.TierContext` with a run_id no other test uses."""
+    from tiered_ckpt.tiers.base import TierContext
+
+    return TierContext(run_id=f"test-{uuid.uuid4().hex[:12]}")
+
+
+@pytest.fixture(scope="session")
+def tier_registry() -> Any:
+    """Every registered tier kind (override in a conftest.py to add kinds that are not installed)."""
+    return build_tier_registry()
+
+
+@pytest.fixture
+def make_tier(request: Any, tier_registry: Any, tier_context: Any, tmp_path: Any) -> Iterator[Callable[..., Any]]:
+    """Factory: ``make_tier("local", fsync=False)``, ``make_tier("shm", min_free="1GiB")``, ..."""
+    from tiered_ckpt.validate import build_dataclass
+
+    made: list[Any] = []
+    scratch_urls: list[tuple[Any, str]] = []
+    counter = itertools.count()
+
+    def make(kind: str, *, name: str | None = None, context: Any = None, **options: Any) -> Any:
+        cls = tier_registry.get(kind)
+        name = name or f"{kind}{next(counter)}"
+        options = {k: os.fspath(v) if isinstance(v, os.PathLike) else v for k, v in options.items()}
+        defaulted_url = False
+        if kind == "shm" and "path" not in options:
+            options["path"] = request.getfixturevalue("shm_root")
+        elif kind == "local" and "path" not in options:
+            options["path"] = str(tmp_path / name)
+        elif kind == "fsspec" and "url" not in options:
+            options["url"] = f"memory://tiered-ckpt-test/{uuid.uuid4().hex}"
+            defaulted_url = True
+        elif kind == "gpu" and "device" not in options:
+            import torch
+
+            options["device"] = "cuda" if torch.cuda.is_available() else "cpu"
+        opts = build_dataclass(cls.Options, options, f"make_tier({kind!r})", "make_tier")
+        tier = cls(name, opts, context or tier_context)
+        made.append(tier)
+        if defaulted_url:
+            scratch_urls.append((tier, options["url"]))
+        return tier
+
+    yield make
+    for tier in reversed(made):
+        with contextlib.suppress(Exception):
+            tier.close()
+    for tier, _url in scratch_urls:
+        with contextlib.suppress(Exception):
+            tier.fs.rm(tier.root, recursive=True)

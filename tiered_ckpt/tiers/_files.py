@@ -1,0 +1,302 @@
+"""What the file tiers (``local``, ``shm``) share: temporary names, atomic writes, listing, error mapping.
+
+A write goes to a temporary file in the target directory, then ``rename`` replaces the key in one step.
+Temporary names look like ``.{basename}.tmp-{16 hex digits}``: hidden, recognisable by :func:`is_temp_name`
+(listings skip them; ``gc`` finds the ones a crash left behind) and unlikely to collide with a real key.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import re
+import secrets
+import stat
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+
+from ..errors import BlobNotFoundError, PermanentTierError, TierError, TransientTierError
+from .base import as_memoryview, check_key, check_prefix
+
+TEMP_MARKER = ".tmp-"
+_TEMP_RE = re.compile(r"^\..+\.tmp-[0-9a-f]{16}$")
+# EBUSY and EREMOTEIO: what s3fs makes of HTTP 503 (SlowDown) and 500 (InternalError)
+_TRANSIENT_ERRNOS = {errno.EAGAIN, errno.EBUSY, errno.ETIMEDOUT, errno.ESTALE, errno.EINTR, errno.EREMOTEIO}
+_FULL_ERRNOS = {errno.ENOSPC, errno.EDQUOT}
+_MAX_IOV = 512  # chunks per writev call (IOV_MAX is 1024 on Linux)
+_WRITE_MAX = 1 << 30  # bytes per write call (Linux caps one write at 2 GiB - 4 KiB)
+
+
+def temp_name(basename: str) -> str:
+    return f".{basename}{TEMP_MARKER}{secrets.token_hex(8)}"
+
+
+def is_temp_name(name: str) -> bool:
+    """True for the last path component of a temporary file of a write in progress (or a crashed one)."""
+    return bool(_TEMP_RE.match(name.rsplit("/", 1)[-1]))
+
+
+def tier_error(exc: OSError, *, tier: str, key: str | None, op: str, path: str,
+               full_error: type[TierError] = PermanentTierError, missing_ok: bool = False) -> TierError:
+    """The tier error for an ``OSError`` raised by ``op`` on ``path`` (raise it ``from exc``)."""
+    code = exc.errno
+    what = f"{op} {path}: {exc.strerror or exc}"
+    if code in (errno.ENOENT, errno.ENOTDIR, errno.EISDIR) and missing_ok:
+        return BlobNotFoundError("no such blob", tier=tier, key=key)
+    if code in _FULL_ERRNOS:
+        return full_error(f"disk full ({errno.errorcode[code]}): {what}", tier=tier, key=key)
+    if code in _TRANSIENT_ERRNOS:
+        return TransientTierError(what, tier=tier, key=key)
+    return PermanentTierError(what, tier=tier, key=key)
+
+
+def fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def make_dirs(root: str, rel_dir: str, mode: int) -> list[str]:
+    """Create ``root/rel_dir`` and missing parents below ``root`` (which exists); return the ones created."""
+    if not rel_dir:
+        return []
+    missing = []
+    path = os.path.join(root, rel_dir)
+    while path != root and not os.path.isdir(path):
+        missing.append(path)
+        path = os.path.dirname(path)
+    created = []
+    for d in reversed(missing):
+        try:
+            os.mkdir(d, mode)
+            created.append(d)
+        except FileExistsError:
+            if not os.path.isdir(d):
+                raise
+    return created
+
+
+def remove_empty_dirs(root: str, rel_dir: str) -> None:
+    """Remove ``root/rel_dir`` and its parents below ``root`` while they are empty."""
+    while rel_dir:
+        try:
+            os.rmdir(os.path.join(root, rel_dir))
+        except OSError:
+            return
+        rel_dir = os.path.dirname(rel_dir)
+
+
+def _write_all(fd: int, views: list[memoryview]) -> None:
+    """Write every view (no copies), handling short writes."""
+    views = [v for v in views if len(v)]
+    while views:
+        batch = views[:_MAX_IOV]
+        if len(batch) == 1:
+            n = os.write(fd, batch[0][:_WRITE_MAX])
+        else:
+            n = os.writev(fd, batch)
+        while views and n >= len(views[0]):
+            n -= len(views.pop(0))
+        if n:
+            views[0] = views[0][n:]
+
+
+def write_chunks(fd: int, chunks: Iterable[Any], fail: Callable[[OSError], Exception],
+                 check: Callable[[int, int], None] | None = None) -> int:
+    """Write ``chunks`` to ``fd``; ``check(written_so_far, next_len)`` may raise before a chunk is written.
+
+    A list or tuple is written with ``writev`` in batches; any other iterable chunk by chunk, each written
+    before the next is requested (producers may reuse their buffer). An ``OSError`` of the writes themselves
+    becomes ``fail(exc)``; whatever the producer raises propagates unchanged.
+    """
+    if isinstance(chunks, (list, tuple)):
+        views = [as_memoryview(c) for c in chunks]
+        total = sum(len(v) for v in views)
+        if check is not None:
+            check(0, total)
+        try:
+            _write_all(fd, views)
+        except OSError as exc:
+            raise fail(exc) from exc
+        return total
+    written = 0
+    for chunk in chunks:
+        mv = as_memoryview(chunk)
+        if check is not None:
+            check(written, len(mv))
+        try:
+            _write_all(fd, [mv])
+        except OSError as exc:
+            raise fail(exc) from exc
+        written += len(mv)
+    return written
+
+
+class FileStore:
+    """Blobs as files under ``root``; ``local`` and ``shm`` configure it (modes, fsync, capacity check)."""
+
+    def __init__(self, tier: str, root: str, *, file_mode: int, dir_mode: int, fsync: bool,
+                 full_error: type[TierError] = PermanentTierError):
+        self.tier = tier
+        self.root = root
+        self.file_mode = file_mode
+        self.dir_mode = dir_mode
+        self.fsync = fsync
+        self.full_error = full_error
+
+    def path(self, key: str) -> str:
+        return os.path.join(self.root, check_key(key))
+
+    def error(self, exc: OSError, key: str | None, op: str, path: str, missing_ok: bool = False) -> TierError:
+        return tier_error(exc, tier=self.tier, key=key, op=op, path=path, full_error=self.full_error,
+                          missing_ok=missing_ok)
+
+    def write(self, key: str, chunks: Iterable[Any], check: Callable[[int, int], None] | None = None) -> int:
+        """Temp file in the target directory, write, (fsync), rename, (fsync the directory and new dirs)."""
+        final = self.path(key)
+        rel_dir, base = os.path.split(key)
+        directory = os.path.join(self.root, rel_dir)
+        tmp = os.path.join(directory, temp_name(base))
+        for attempt in (1, 2):
+            try:
+                created = make_dirs(self.root, rel_dir, self.dir_mode)
+                fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, self.file_mode)
+                break
+            except FileNotFoundError as exc:  # a concurrent delete pruned the directory just created
+                if attempt == 2:
+                    raise self.error(exc, key, "create", tmp) from exc
+            except OSError as exc:
+                raise self.error(exc, key, "create", tmp) from exc
+        try:
+            try:
+                nbytes = write_chunks(fd, chunks, lambda exc: self.error(exc, key, "write", tmp), check)
+                if self.fsync:
+                    try:
+                        os.fsync(fd)
+                    except OSError as exc:
+                        raise self.error(exc, key, "fsync", tmp) from exc
+            finally:
+                os.close(fd)
+            try:
+                os.rename(tmp, final)
+            except OSError as exc:
+                raise self.error(exc, key, "rename into", final) from exc
+        except BaseException:
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass
+            raise
+        if self.fsync:
+            try:
+                fsync_dir(directory)
+                for d in reversed(created):  # each new directory is an entry in its parent
+                    fsync_dir(os.path.dirname(d))
+            except OSError as exc:
+                raise self.error(exc, key, "fsync the directory of", final) from exc
+        return nbytes
+
+    def read_into_tensor(self, key: str) -> torch.Tensor:
+        """The whole file, read with ``readinto`` straight into a new tensor (one copy, no Python buffers)."""
+        path = self.path(key)
+        try:
+            with open(path, "rb", buffering=0) as f:
+                size = os.fstat(f.fileno()).st_size
+                out = torch.empty(size, dtype=torch.uint8)
+                if size == 0:
+                    return out
+                mv = memoryview(out.numpy())
+                pos = 0
+                while pos < size:
+                    n = f.readinto(mv[pos:pos + _WRITE_MAX])
+                    if not n:
+                        raise PermanentTierError(f"{path} shrank while being read ({pos} of {size} bytes)",
+                                                 tier=self.tier, key=key)
+                    pos += n
+                return out
+        except OSError as exc:
+            raise self.error(exc, key, "read", path, missing_ok=True) from exc
+
+    def read_range(self, key: str, offset: int, length: int) -> bytes:
+        path = self.path(key)
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        except OSError as exc:
+            raise self.error(exc, key, "open", path, missing_ok=True) from exc
+        try:
+            size = os.fstat(fd).st_size
+            if offset < 0 or length < 0 or offset + length > size:
+                raise TierError(f"range {offset}+{length} is outside the blob of {size} bytes",
+                                tier=self.tier, key=key)
+            parts = []
+            while length:
+                data = os.pread(fd, min(length, _WRITE_MAX), offset)
+                if not data:
+                    raise PermanentTierError(f"{path} shrank while being read", tier=self.tier, key=key)
+                parts.append(data)
+                offset += len(data)
+                length -= len(data)
+            return b"".join(parts) if len(parts) != 1 else parts[0]
+        except OSError as exc:
+            raise self.error(exc, key, "read", path, missing_ok=True) from exc
+        finally:
+            os.close(fd)
+
+    def size(self, key: str) -> int:
+        path = self.path(key)
+        try:
+            st = os.stat(path)
+        except OSError as exc:
+            raise self.error(exc, key, "stat", path, missing_ok=True) from exc
+        if not stat.S_ISREG(st.st_mode):
+            raise BlobNotFoundError("no such blob (a directory)", tier=self.tier, key=key)
+        return st.st_size
+
+    def exists(self, key: str) -> bool:
+        return os.path.isfile(self.path(key))
+
+    def list(self, prefix: str) -> list[str]:
+        check_prefix(prefix)
+        rel_dir = prefix.rsplit("/", 1)[0] if "/" in prefix else ""
+        top = os.path.join(self.root, rel_dir) if rel_dir else self.root
+        keys = []
+        for dirpath, dirnames, filenames in os.walk(top):
+            rel = os.path.relpath(dirpath, self.root)
+            rel = "" if rel == "." else rel + "/"
+            if rel and not (rel.startswith(prefix) or prefix.startswith(rel)):
+                dirnames.clear()
+                continue
+            for name in filenames:
+                key = rel + name
+                if key.startswith(prefix) and not is_temp_name(name):
+                    keys.append(key)
+        return sorted(keys)
+
+    def delete(self, key: str) -> None:
+        path = self.path(key)
+        try:
+            os.unlink(path)
+        except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
+            return
+        except OSError as exc:
+            if exc.errno == errno.EPERM and os.path.isdir(path):  # unlink() of a directory on Linux
+                return
+            raise self.error(exc, key, "delete", path) from exc
+        remove_empty_dirs(self.root, os.path.dirname(key))
+
+    def delete_prefix(self, prefix: str) -> None:
+        """Every key under the directory ``prefix``, then the directories left empty."""
+        prefix = check_prefix(prefix.rstrip("/") + "/")
+        for key in self.list(prefix):
+            self.delete(key)
+        top = os.path.join(self.root, prefix.rstrip("/"))
+        for dirpath, _, _ in sorted(os.walk(top, topdown=False), key=lambda e: -len(e[0])):
+            try:
+                os.rmdir(dirpath)
+            except OSError:
+                pass
+        remove_empty_dirs(self.root, os.path.dirname(prefix.rstrip("/")))

@@ -1,0 +1,215 @@
+"""The tier contract: a handful of storage primitives. Everything else is written once above them.
+
+A tier stores *blobs* under *keys*: relative, ``/``-separated paths such as
+``iter_0000010/mp_rank_00/model_optim_rng.pt``. The commit protocol, retention, checksums, compression and
+retries live in the engine and call only these primitives, so a new kind of storage is one small class (and
+``tiered_ckpt.testing`` checks it).
+
+Semantics every tier guarantees (the contract suite tests each):
+
+* ``write_blob(key, chunks)`` stores the concatenation of ``chunks`` under ``key``, replacing any previous
+  blob. A reader never sees a partially written blob under ``key``: either the old one, the new one or (on
+  failure) nothing new. Returns the number of bytes written. ``chunks`` is consumed in order and each chunk is
+  written (or copied) before the next one is requested, so a producer may reuse one buffer for every chunk. An
+  exception raised by the producer propagates unchanged, after the tier removed what it had written.
+* ``read_blob(key)`` returns the whole blob as a 1-D ``torch.uint8`` tensor (on the tier's device). Tiers
+  whose ``capabilities.zero_copy_read`` is true return a view of the stored bytes instead of a copy. A tensor
+  returned by ``read_blob`` is not changed by a later ``write_blob``/``publish`` of the same key (they replace
+  the blob); writes into a *slot* (below) are visible through zero-copy views of it.
+* ``read_range(key, offset, length)`` returns ``bytes`` of one part of the blob; a range outside the blob is a
+  :class:`~tiered_ckpt.errors.TierError`.
+* ``size``, ``exists``, ``list(prefix)``, ``delete`` (a missing key is not an error) and ``delete_prefix``.
+  ``list(prefix)`` returns every key that starts with ``prefix``, as a plain string prefix the way object
+  stores list (``list("iter_")`` matches ``iter_0000010/x.pt``; end the prefix with ``/`` to list one
+  directory), recursively and sorted. Temporary names of writes in progress are never listed.
+* ``publish(key, data)`` stores a small object atomically (manifests, trackers): same visibility rule as
+  ``write_blob``; separate because some media have a cheaper path for small objects.
+* Missing keys raise :class:`~tiered_ckpt.errors.BlobNotFoundError`; transient failures
+  :class:`~tiered_ckpt.errors.TransientTierError` (or an exception the retry policy classifies as transient);
+  anything else is permanent.
+
+Memory tiers (``capabilities.memory``) also hold *slots*: buffers allocated and pre-faulted once, then reused
+by every save (``allocate_slot``), so the blocking copy never pays for page faults.
+
+Capabilities may depend on the options (an ``fsspec`` tier on ``memory://`` is volatile, one on ``s3://`` is
+not): ``Tier.capabilities_for(options)`` answers for a configuration, ``tier.capabilities`` for a constructed
+tier.
+"""
+
+from __future__ import annotations
+
+import getpass
+import os
+import socket
+from abc import ABC, abstractmethod
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import torch
+
+from ..errors import TierError
+
+Chunk = Any  # bytes, bytearray, memoryview, numpy array or a 1-D uint8 torch tensor (any device)
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    memory: bool = False  # holds snapshot slots (gpu, shm)
+    node_local: bool = True  # each node sees its own copy (False: one shared store for the whole job)
+    survives_process: bool = True  # a blob outlives the process that wrote it
+    survives_node: bool = False  # a blob outlives the loss of the node
+    atomic_rename: bool = True  # write_blob/publish use rename (False: object stores, where puts are atomic)
+    zero_copy_read: bool = False
+
+
+@dataclass(frozen=True)
+class TierContext:
+    """Who is using the tier: used to namespace memory tiers and lock files."""
+
+    run_id: str = "default"
+    rank: int = 0
+    local_rank: int = 0
+    user: str = field(default_factory=lambda: _user_name())
+    host: str = field(default_factory=socket.gethostname)
+
+
+def _user_name() -> str:
+    try:
+        return getpass.getuser()
+    except Exception:  # no passwd entry in some containers
+        return f"uid{os.getuid()}"
+
+
+@dataclass(frozen=True)
+class NoOptions:
+    """For kinds that take no options of their own."""
+
+
+def check_key(key: str) -> str:
+    """Keys are relative ``/`` paths without ``..``, empty or absolute parts (manifests are data, not code).
+    """
+    if not isinstance(key, str) or not key:
+        raise ValueError(f"invalid key {key!r}: expected a non-empty relative path")
+    if key.startswith("/") or "\\" in key or "\x00" in key:
+        raise ValueError(f"invalid key {key!r}: absolute paths, backslashes and NUL are not allowed")
+    for part in key.split("/"):
+        if part in ("", ".", ".."):
+            raise ValueError(f"invalid key {key!r}: empty, '.' and '..' path components are not allowed")
+    return key
+
+
+def check_prefix(prefix: str) -> str:
+    """A prefix is empty (everything) or a key, optionally ending in ``/``."""
+    if prefix == "":
+        return prefix
+    check_key(prefix.rstrip("/"))
+    return prefix
+
+
+def as_memoryview(chunk: Chunk) -> memoryview:
+    """A flat byte view of a host chunk, without copying."""
+    if isinstance(chunk, torch.Tensor):
+        if chunk.device.type != "cpu":
+            chunk = chunk.cpu()
+        # reshape before view: a 0-d tensor cannot be viewed as bytes of another element size
+        chunk = chunk.detach().contiguous().reshape(-1).view(torch.uint8)
+        if chunk.numel() == 0:
+            return memoryview(b"")
+        return memoryview(chunk.numpy()).cast("B")
+    mv = memoryview(chunk)
+    if mv.format == "B" and mv.ndim == 1:
+        return mv
+    if not mv.c_contiguous:
+        raise ValueError(f"a chunk must be C-contiguous to be written without a copy, got a "
+                         f"{type(chunk).__name__} with strides {mv.strides}")
+    return mv.cast("B")
+
+
+def bytes_to_tensor(data: bytes | bytearray | memoryview) -> torch.Tensor:
+    """A uint8 tensor over ``data`` (zero-copy for writable buffers; read-only ones are copied once)."""
+    if len(data) == 0:
+        return torch.empty(0, dtype=torch.uint8)
+    if isinstance(data, bytes) or (isinstance(data, memoryview) and data.readonly):
+        data = bytearray(data)
+    return torch.frombuffer(data, dtype=torch.uint8)
+
+
+class Tier(ABC):
+    """Base class of every tier kind. Subclasses set ``kind``, ``capabilities`` and ``Options``."""
+
+    kind: ClassVar[str] = "abstract"
+    capabilities: ClassVar[Capabilities] = Capabilities()
+    Options: ClassVar[type] = NoOptions
+
+    def __init__(self, name: str, options: Any = None, context: TierContext | None = None):
+        self.name = name
+        self.options = options if options is not None else self.Options()
+        self.context = context or TierContext()
+
+    @classmethod
+    def capabilities_for(cls, options: Any) -> Capabilities:
+        """The capabilities of a tier of this kind built with ``options`` (default: the class's).
+
+        Kinds whose capabilities depend on the options override this and set ``self.capabilities`` to the same
+        value in ``__init__``; code holding a tier reads ``tier.capabilities``.
+        """
+        return cls.capabilities
+
+    # ----- blob primitives ----------------------------------------------------------------------------------
+    @abstractmethod
+    def write_blob(self, key: str, chunks: Iterable[Chunk]) -> int: ...
+
+    @abstractmethod
+    def read_blob(self, key: str) -> torch.Tensor: ...
+
+    def read_range(self, key: str, offset: int, length: int) -> bytes:
+        data = self.read_blob(key)
+        if offset < 0 or length < 0 or offset + length > data.numel():
+            raise TierError(f"range {offset}+{length} is outside the blob of {data.numel()} bytes",
+                            tier=self.name, key=key)
+        return bytes(as_memoryview(data[offset:offset + length]))
+
+    @abstractmethod
+    def size(self, key: str) -> int: ...
+
+    @abstractmethod
+    def exists(self, key: str) -> bool: ...
+
+    @abstractmethod
+    def list(self, prefix: str = "") -> list[str]: ...
+
+    @abstractmethod
+    def delete(self, key: str) -> None: ...
+
+    def delete_prefix(self, prefix: str) -> None:
+        """Delete every key under ``prefix`` (a directory-like prefix; a trailing ``/`` is implied)."""
+        prefix = check_prefix(prefix.rstrip("/") + "/")
+        for key in self.list(prefix):
+            self.delete(key)
+
+    def publish(self, key: str, data: bytes) -> None:
+        self.write_blob(key, [data])
+
+    # ----- memory tiers -------------------------------------------------------------------------------------
+    def allocate_slot(self, key: str, nbytes: int) -> torch.Tensor:
+        """A writable, pre-faulted 1-D uint8 buffer of at least ``nbytes`` stored as blob ``key``.
+
+        An existing slot of sufficient size is reused (the same memory; its content is unspecified), a smaller
+        one replaced. The returned tensor is the whole slot, so ``size(key)`` equals its ``numel()``, which
+        may exceed ``nbytes`` after a reuse. Writes into it are visible to ``read_blob(key)`` without another
+        call. A ``write_blob``/``publish``/``delete`` of ``key`` detaches the slot (the old buffer stays valid
+        for whoever holds it). Fails with :class:`~tiered_ckpt.errors.CapacityError` before allocating when
+        there is no room. Only memory tiers implement this.
+        """
+        raise TierError(f"kind {self.kind!r} holds no slots", tier=self.name, key=key)
+
+    def describe(self) -> str:
+        """One line for logs and ``tiered-ckpt ls``: where this tier keeps its blobs."""
+        return f"{self.kind}"
+
+    def close(self) -> None:  # noqa: B027 - optional hook, deliberately not abstract
+        """Release handles (mappings, connections). Stored blobs stay."""
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} {self.name!r} {self.describe()}>"

@@ -1,0 +1,332 @@
+"""``shm``: blobs as files on a memory filesystem (``/dev/shm``); they survive the training process, not the
+node.
+
+Files live under ``{path}/{user}/{run_id}/``: the per-user directory is created 0700 (and refused if another
+user owns it), files 0600. The tier checks, when built, that ``path`` is on tmpfs or ramfs and logs a loud
+warning if not: a disk-backed "shm" turns a memory-speed snapshot into a disk write.
+
+* **Capacity.** Before anything is allocated (``write_blob``, ``allocate_slot``) the free space of the
+  filesystem (``statvfs``), less ``min_free``, is checked, and :class:`~tiered_ckpt.errors.CapacityError`
+  names the tier, the key, the bytes needed and the bytes free. Slots are then reserved with
+  ``posix_fallocate``, which fails with ENOSPC instead of letting a later page fault raise SIGBUS.
+* **Slots** (``allocate_slot``) are files mapped ``MAP_SHARED`` and pre-faulted (``posix_fallocate`` allocates
+  the tmpfs pages, ``MADV_POPULATE_WRITE`` or one write per page maps them), so the blocking copy of a save
+  runs at memory speed instead of paying a page fault per 4 KiB (measured here: 0.7-2.8 GB/s into fresh pages,
+  13-20 GB/s into pre-faulted ones). The mapping is kept and reused while the file is unchanged and large
+  enough; a slot grows in place.
+* **Reads** are zero-copy: the file is mapped copy-on-write (``MAP_PRIVATE``, read+write). Torch gets a
+  writable buffer (no warning), nothing is copied until someone writes, and a caller that modifies a loaded
+  tensor in place changes only its private pages, never the snapshot, which may be the only copy not yet
+  drained. Pages it has not written keep following the file, so writes into a slot are visible through earlier
+  reads of it. (Under strict overcommit, ``vm.overcommit_memory=2``, a private writable mapping is charged in
+  full: load with copies there.)
+* **Writes** of whole blobs go to a temporary file in the same directory, then ``rename`` (no fsync: tmpfs has
+  no disk to sync).
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import mmap
+import os
+import re
+import stat
+import threading
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+
+from ..errors import BlobNotFoundError, CapacityError, PermanentTierError
+from ..validate import Size
+from ._files import FileStore, make_dirs
+from .base import Capabilities, Chunk, Tier, TierContext, check_key, check_prefix
+
+log = logging.getLogger(__name__)
+
+MEMORY_FILESYSTEMS = ("tmpfs", "ramfs")
+_MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)  # Linux >= 5.14; Python < 3.13 lacks the name
+
+
+@dataclass(frozen=True)
+class ShmOptions:
+    path: str = "/dev/shm/tiered_ckpt"  # on tmpfs; blobs go to {path}/{user}/{run_id}/
+    min_free: Size = 0  # headroom left free on the filesystem for everybody else
+
+
+def _unescape(field: str) -> str:
+    return re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), field)
+
+
+def _mount_table() -> list[tuple[str, str]]:
+    """(mount point, filesystem type) of every mount, in mount order."""
+    try:
+        with open("/proc/self/mountinfo") as f:
+            out = []
+            for line in f:
+                left, sep, right = line.partition(" - ")
+                if sep and len(left.split()) >= 5 and right.split():
+                    out.append((_unescape(left.split()[4]), right.split()[0]))
+            return out
+    except OSError:
+        pass
+    try:
+        with open("/proc/mounts") as f:
+            return [(_unescape(p[1]), p[2]) for p in (line.split() for line in f) if len(p) >= 3]
+    except OSError:
+        return []
+
+
+def filesystem_type(path: str) -> str:
+    """The type (``tmpfs``, ``ext4``, ...) of the filesystem holding ``path`` (or its nearest existing
+    parent), by the longest mount-point prefix; ``"unknown"`` where the mount table cannot be read."""
+    path, tail = os.path.abspath(path), ""
+    while not os.path.exists(path) and path != os.path.dirname(path):  # resolve links in what exists
+        path, name = os.path.split(path)
+        tail = os.path.join(name, tail) if tail else name
+    path = os.path.join(os.path.realpath(path), tail) if tail else os.path.realpath(path)
+    best, best_len = "unknown", -1
+    for mount_point, fstype in _mount_table():
+        mp = mount_point.rstrip("/") or "/"
+        if (mp == "/" or path == mp or path.startswith(mp + "/")) and len(mp) >= best_len:
+            best, best_len = fstype, len(mp)  # equal length: a later mount hides an earlier one
+    return best
+
+
+def _fmt(n: int) -> str:
+    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if abs(n) >= scale:
+            return f"{n / scale:.2f} {unit} ({n} bytes)"
+    return f"{n} bytes"
+
+
+@dataclass
+class _Slot:
+    mm: mmap.mmap
+    tensor: torch.Tensor
+    dev: int
+    ino: int
+
+    def release(self) -> None:
+        """Forget the slot. Never ``mm.close()``: tensors from ``torch.frombuffer`` hold a reference to the mmap
+        object but no buffer export, so closing it would unmap memory they still point to (a segfault). The
+        mapping goes away when the last tensor over it does."""
+        self.tensor = None  # type: ignore[assignment]
+        self.mm = None  # type: ignore[assignment]
+
+
+class ShmTier(Tier):
+    kind = "shm"
+    capabilities = Capabilities(memory=True, node_local=True, survives_process=True, survives_node=False,
+                                atomic_rename=True, zero_copy_read=True)
+    Options = ShmOptions
+
+    def __init__(self, name: str, options: ShmOptions | None = None, context: TierContext | None = None):
+        super().__init__(name, options, context)
+        base = os.path.abspath(self.options.path)
+        self.filesystem_type = filesystem_type(base)
+        if self.filesystem_type not in MEMORY_FILESYSTEMS:
+            log.warning(
+                "tier %r: shm path %s is on a %s filesystem, not tmpfs or ramfs. Snapshots there are disk "
+                "writes, not memory copies: a save that should block for a second can block for a minute "
+                "(DLRover users saw 50 s saves this way). Point `path` at a tmpfs mount such as /dev/shm.",
+                name, base, self.filesystem_type)
+        user, run_id = self.context.user, self.context.run_id
+        for what, value in (("user", user), ("run_id", run_id)):
+            if "/" in value or check_key(value) != value:
+                raise PermanentTierError(f"{what} {value!r} cannot name a directory", tier=name)
+        self.root = os.path.join(base, user, run_id)
+        self._prepare_dirs(base, user)
+        self.store = FileStore(name, self.root, file_mode=0o600, dir_mode=0o700, fsync=False,
+                               full_error=CapacityError)
+        self._slots: dict[str, _Slot] = {}
+        self._lock = threading.Lock()
+
+    # ----- directories --------------------------------------------------------------------------------------
+    def _prepare_dirs(self, base: str, user: str) -> None:
+        try:
+            if not os.path.isdir(base):
+                os.makedirs(base, exist_ok=True)
+                try:  # shared by every user of the node, like /tmp: sticky and world-writable
+                    os.chmod(base, 0o1777)
+                except OSError:
+                    pass
+            user_dir = os.path.join(base, user)
+            try:
+                os.mkdir(user_dir, 0o700)
+            except FileExistsError:
+                pass
+            st = os.lstat(user_dir)
+            if not stat.S_ISDIR(st.st_mode):
+                raise PermanentTierError(
+                    f"{user_dir} is not a directory (a symlink or a file); refusing to use it",
+                    tier=self.name)
+            if st.st_uid != os.geteuid():
+                raise PermanentTierError(
+                    f"{user_dir} belongs to uid {st.st_uid}, not to this user (uid {os.geteuid()}); refusing "
+                    "to keep checkpoints where another user can read or replace them", tier=self.name)
+            if stat.S_IMODE(st.st_mode) & 0o077:
+                log.warning("tier %r: %s was mode %o; setting it to 0700", self.name, user_dir,
+                            stat.S_IMODE(st.st_mode))
+                os.chmod(user_dir, 0o700)
+            try:
+                os.mkdir(self.root, 0o700)
+            except FileExistsError:
+                if not os.path.isdir(self.root):
+                    raise PermanentTierError(f"{self.root} is not a directory", tier=self.name) from None
+        except OSError as exc:
+            raise PermanentTierError(f"cannot prepare {self.root}: {exc.strerror or exc}",
+                                     tier=self.name) from exc
+
+    # ----- capacity -----------------------------------------------------------------------------------------
+    def free_bytes(self) -> int:
+        """Bytes that may still be allocated: free space of the filesystem less ``min_free``."""
+        st = os.statvfs(self.root)
+        return st.f_bavail * st.f_frsize - self.options.min_free
+
+    def _check_room(self, key: str, needed: int) -> None:
+        if needed <= 0:
+            return
+        free = self.free_bytes()
+        if needed > free:
+            headroom = f", keeping min_free {_fmt(self.options.min_free)}" if self.options.min_free else ""
+            raise CapacityError(
+                f"needs {_fmt(needed)} but only {_fmt(max(free, 0))} are free on {self.root} "
+                f"({self.filesystem_type}{headroom}); enlarge the tmpfs, free space, or hold fewer slots",
+                tier=self.name, key=key)
+
+    # ----- blob primitives ----------------------------------------------------------------------------------
+    def write_blob(self, key: str, chunks: Iterable[Chunk]) -> int:
+        check_key(key)
+        nbytes = self.store.write(key, chunks, check=lambda _written, n: self._check_room(key, n))
+        self._drop_slot(key)
+        return nbytes
+
+    def read_blob(self, key: str) -> torch.Tensor:
+        path = self.store.path(key)
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        except OSError as exc:
+            raise self.store.error(exc, key, "open", path, missing_ok=True) from exc
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                raise BlobNotFoundError("no such blob (a directory)", tier=self.name, key=key)
+            if st.st_size == 0:
+                return torch.empty(0, dtype=torch.uint8)
+            mm = mmap.mmap(fd, st.st_size, access=mmap.ACCESS_COPY)  # MAP_PRIVATE, PROT_READ|PROT_WRITE
+        except OSError as exc:
+            raise self.store.error(exc, key, "map", path) from exc
+        finally:
+            os.close(fd)
+        return torch.frombuffer(mm, dtype=torch.uint8)  # keeps mm alive as long as the tensor
+
+    def read_range(self, key: str, offset: int, length: int) -> bytes:
+        return self.store.read_range(key, offset, length)
+
+    def size(self, key: str) -> int:
+        return self.store.size(key)
+
+    def exists(self, key: str) -> bool:
+        return self.store.exists(key)
+
+    def list(self, prefix: str = "") -> list[str]:
+        return self.store.list(prefix)
+
+    def delete(self, key: str) -> None:
+        check_key(key)
+        self._drop_slot(key)
+        self.store.delete(key)
+
+    def delete_prefix(self, prefix: str) -> None:
+        prefix = check_prefix(prefix.rstrip("/") + "/")
+        with self._lock:
+            for key in [k for k in self._slots if k.startswith(prefix)]:
+                self._slots.pop(key).release()
+        self.store.delete_prefix(prefix)
+
+    # ----- slots --------------------------------------------------------------------------------------------
+    def allocate_slot(self, key: str, nbytes: int) -> torch.Tensor:
+        check_key(key)
+        if nbytes < 0:
+            raise ValueError(f"nbytes must be >= 0, got {nbytes}")
+        path = self.store.path(key)
+        with self._lock:
+            slot = self._slots.get(key)
+            if slot is not None:
+                if slot.tensor.numel() >= nbytes and self._same_file(path, slot):
+                    return slot.tensor
+                self._slots.pop(key).release()
+            try:
+                make_dirs(self.root, os.path.dirname(key), 0o700)
+                fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
+            except OSError as exc:
+                raise self.store.error(exc, key, "create", path) from exc
+            try:
+                st = os.fstat(fd)
+                size = max(nbytes, st.st_size)
+                if size == 0:
+                    return torch.empty(0, dtype=torch.uint8)
+                self._check_room(key, size - st.st_blocks * 512)  # what the file does not hold yet
+                self._reserve(fd, key, path, st.st_size, size)
+                mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+            except OSError as exc:
+                raise self.store.error(exc, key, "map", path) from exc
+            finally:
+                os.close(fd)
+            tensor = torch.frombuffer(mm, dtype=torch.uint8)
+            _prefault(mm, tensor)
+            self._slots[key] = _Slot(mm, tensor, st.st_dev, st.st_ino)
+            return tensor
+
+    def _reserve(self, fd: int, key: str, path: str, old_size: int, size: int) -> None:
+        """Grow the file to ``size`` and allocate every page now: ENOSPC here, never SIGBUS later."""
+        if size > old_size:
+            os.ftruncate(fd, size)
+        try:
+            os.posix_fallocate(fd, 0, size)
+        except OSError as exc:
+            if size > old_size:
+                os.ftruncate(fd, old_size)
+            if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+                raise CapacityError(
+                    f"cannot reserve {_fmt(size)} for a slot on {self.root} ({self.filesystem_type}): "
+                    f"{exc.strerror}; {_fmt(max(self.free_bytes(), 0))} free",
+                    tier=self.name, key=key) from exc
+            if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
+                raise
+
+    @staticmethod
+    def _same_file(path: str, slot: _Slot) -> bool:
+        try:
+            st = os.stat(path)
+        except OSError:
+            return False
+        return (st.st_dev, st.st_ino) == (slot.dev, slot.ino)
+
+    def _drop_slot(self, key: str) -> None:
+        with self._lock:
+            slot = self._slots.pop(key, None)
+        if slot is not None:
+            slot.release()
+
+    def describe(self) -> str:
+        return f"shm {self.root} ({self.filesystem_type})"
+
+    def close(self) -> None:
+        with self._lock:
+            slots, self._slots = list(self._slots.values()), {}
+        for slot in slots:
+            slot.release()
+
+
+def _prefault(mm: mmap.mmap, tensor: torch.Tensor) -> None:
+    """Map every page of a shared mapping writable now, keeping the content."""
+    try:
+        mm.madvise(_MADV_POPULATE_WRITE)
+        return
+    except (OSError, ValueError, AttributeError):  # kernel < 5.14
+        pass
+    pages = tensor[:: mmap.PAGESIZE]
+    pages.copy_(pages.clone())  # one write per page, of the byte already there

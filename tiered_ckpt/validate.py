@@ -1,0 +1,208 @@
+"""Build frozen dataclasses from plain YAML/JSON data, with errors that name the key path.
+
+One small validator serves the top-level config and every tier kind's own ``Options`` dataclass, so a third-party
+tier gets the same strict checking (unknown keys are errors) by declaring typed fields.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import types
+import typing
+from typing import Any, Literal, NewType, Union
+
+from .errors import ConfigError
+
+# A byte count: an int, or a string with a unit ("8GiB", "512 MB", "1e9").
+Size = NewType("Size", int)
+# Integers with a sign constraint; the message says which.
+PositiveInt = NewType("PositiveInt", int)
+NonNegativeInt = NewType("NonNegativeInt", int)
+# A duration in seconds: a number, or a string with a unit ("30s", "5m", "250ms").
+Seconds = NewType("Seconds", float)
+
+_SIZE_UNITS = {
+    "": 1, "b": 1,
+    "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3, "gb": 1000**3, "t": 1000**4, "tb": 1000**4,
+    "kib": 1024, "mib": 1024**2, "gib": 1024**3, "tib": 1024**4,
+}
+_SECONDS_UNITS = {"": 1.0, "s": 1.0, "ms": 1e-3, "m": 60.0, "min": 60.0, "h": 3600.0}
+_NUMBER_UNIT = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([a-zA-Z]*)\s*$")
+
+
+def parse_size(value: Any) -> int:
+    """``8GiB`` → 8589934592. Raises ValueError with a readable reason."""
+    if isinstance(value, bool):
+        raise ValueError("expected a byte size (e.g. 8GiB), got a boolean")
+    if isinstance(value, int):
+        if value < 0:
+            raise ValueError(f"expected a non-negative byte size, got {value}")
+        return value
+    if isinstance(value, str):
+        m = _NUMBER_UNIT.match(value)
+        if m and m.group(2).lower() in _SIZE_UNITS:
+            return int(float(m.group(1)) * _SIZE_UNITS[m.group(2).lower()])
+    raise ValueError(f"expected a byte size such as 512MiB or 8GiB, got {value!r}")
+
+
+def parse_seconds(value: Any) -> float:
+    if isinstance(value, bool):
+        raise ValueError("expected a duration (e.g. 30s), got a boolean")
+    if isinstance(value, (int, float)):
+        if value < 0:
+            raise ValueError(f"expected a non-negative duration, got {value}")
+        return float(value)
+    if isinstance(value, str):
+        m = _NUMBER_UNIT.match(value)
+        if m and m.group(2).lower() in _SECONDS_UNITS:
+            return float(m.group(1)) * _SECONDS_UNITS[m.group(2).lower()]
+    raise ValueError(f"expected a duration such as 30s or 5m, got {value!r}")
+
+
+def _describe(value: Any) -> str:
+    if isinstance(value, str):
+        return f'"{value}"'
+    if isinstance(value, (dict, list)):
+        return f"a {type(value).__name__}"
+    return repr(value)
+
+
+def _type_name(tp: Any) -> str:
+    if tp is Size:
+        return "a byte size"
+    if tp is PositiveInt:
+        return "a positive integer"
+    if tp is NonNegativeInt:
+        return "a non-negative integer"
+    if tp is Seconds:
+        return "a duration"
+    if tp is bool:
+        return "true or false"
+    if tp is int:
+        return "an integer"
+    if tp is float:
+        return "a number"
+    if tp is str:
+        return "a string"
+    origin = typing.get_origin(tp)
+    if origin is Literal:
+        return "one of " + ", ".join(repr(a) for a in typing.get_args(tp))
+    if origin in (list, tuple):
+        return "a list"
+    if origin is dict:
+        return "a mapping"
+    if dataclasses.is_dataclass(tp):
+        return "a mapping"
+    return getattr(tp, "__name__", str(tp))
+
+
+def coerce(tp: Any, value: Any, path: str, source: str | None) -> Any:
+    """Check ``value`` against the annotation ``tp``; return the converted value or raise ConfigError."""
+
+    def fail(expected: str | None = None, detail: str | None = None) -> ConfigError:
+        msg = detail or f"expected {expected or _type_name(tp)}, got {_describe(value)}"
+        return ConfigError(msg, source=source, key_path=path)
+
+    origin = typing.get_origin(tp)
+    if tp is Any:
+        return value
+    if origin in (Union, types.UnionType):
+        args = typing.get_args(tp)
+        if value is None and type(None) in args:
+            return None
+        non_none = [a for a in args if a is not type(None)]
+        errors = []
+        for arg in non_none:
+            try:
+                return coerce(arg, value, path, source)
+            except ConfigError as exc:
+                errors.append(exc)
+        if len(non_none) == 1:
+            raise errors[0]
+        raise fail(" or ".join(_type_name(a) for a in non_none))
+    if tp is Size:
+        try:
+            return parse_size(value)
+        except ValueError as exc:
+            raise fail(detail=str(exc)) from None
+    if tp is Seconds:
+        try:
+            return parse_seconds(value)
+        except ValueError as exc:
+            raise fail(detail=str(exc)) from None
+    if origin is Literal:
+        if value in typing.get_args(tp) and not (isinstance(value, bool) and True not in typing.get_args(tp)):
+            return value
+        raise fail()
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        raise fail()
+    if tp in (int, PositiveInt, NonNegativeInt):
+        if isinstance(value, int) and not isinstance(value, bool):
+            if (tp is PositiveInt and value <= 0) or (tp is NonNegativeInt and value < 0):
+                raise fail()
+            return value
+        raise fail()
+    if tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        raise fail()
+    if tp is str:
+        if isinstance(value, str):
+            return value
+        raise fail()
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise fail()
+        ktp, vtp = typing.get_args(tp) or (Any, Any)
+        # A plain dict, not a read-only proxy: configs travel to the drain worker process by pickle.
+        return {coerce(ktp, k, f"{path}.{k}", source): coerce(vtp, v, f"{path}.{k}", source) for k, v in value.items()}
+    if origin in (list, tuple):
+        if not isinstance(value, (list, tuple)):
+            raise fail()
+        (etp,) = typing.get_args(tp)[:1] or (Any,)
+        return tuple(coerce(etp, v, f"{path}[{i}]", source) for i, v in enumerate(value))
+    if dataclasses.is_dataclass(tp):
+        if isinstance(value, tp):
+            return value
+        return build_dataclass(tp, value, path, source)
+    raise TypeError(f"validator does not support annotation {tp!r} at {path}")
+
+
+def build_dataclass(cls: type, data: Any, path: str = "", source: str | None = None) -> Any:
+    """Validate ``data`` (a mapping) into ``cls``. Unknown keys and missing required keys are errors."""
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"expected a mapping, got {_describe(data)}", source=source, key_path=path or "<root>")
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
+    unknown = [k for k in data if k not in fields]
+    if unknown:
+        known = ", ".join(sorted(fields))
+        key = unknown[0]
+        raise ConfigError(
+            f"unknown key (allowed here: {known})", source=source, key_path=_join(path, str(key))
+        )
+    kwargs = {}
+    for name, f in fields.items():
+        sub = _join(path, name)
+        if name in data:
+            kwargs[name] = coerce(hints[name], data[name], sub, source)
+        elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+            raise ConfigError(f"required key is missing (expected {_type_name(hints[name])})",
+                              source=source, key_path=sub)
+    try:
+        return cls(**kwargs)
+    except ConfigError as exc:
+        if exc.source is None and source is not None:
+            raise ConfigError(str(exc), source=source) from None
+        raise
+    except (ValueError, TypeError) as exc:  # a dataclass __post_init__ check
+        raise ConfigError(str(exc), source=source, key_path=path or "<root>") from None
+
+
+def _join(path: str, key: str) -> str:
+    return f"{path}.{key}" if path else key

@@ -1,0 +1,235 @@
+"""The drain worker process: the drain runs here so its Python work never competes with training for the GIL.
+
+It is started with ``spawn`` (never ``fork``: a forked copy of a CUDA or multi-threaded training process is
+unsafe), builds its own tier objects from the configuration, and reads the shared-memory snapshot directly — no
+tensor ever travels through a pipe. Only small messages do: requests in, events and outcomes out. If the
+training process dies, the worker finishes the drains it has, then exits.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing as mp
+import os
+import queue
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import replace
+from typing import TYPE_CHECKING, Any
+
+from . import events as ev
+from .config import Config
+from .drain import DrainRequest, DrainRuntime
+from .parallel import RankCoords
+
+if TYPE_CHECKING:
+    from .pipeline import Pipeline
+
+log = logging.getLogger(__name__)
+
+
+def worker_main(config: Config, coords: RankCoords, order: list[str], local_rank: int,
+                requests: Any, results: Any, parent_pid: int) -> None:
+    import torch
+
+    torch.set_num_threads(1)  # leave the cores to training
+    from .pipeline import build_stores
+    from .plugins import PluginManager
+
+    def emit(event: ev.Event) -> None:
+        results.put(("event", event))
+
+    try:
+        pm = PluginManager()
+        stores = build_stores(config, pm, coords, local_rank, order, emit)
+        runtime = DrainRuntime(
+            stores, order, coords, emit,
+            on_tier_done=lambda step, tier, ok, err: results.put(("tier_done", step, tier, ok, err)),
+            on_slot_released=lambda tier, slot, step: results.put(("slot_released", tier, slot, step)),
+            on_job_done=lambda req, res, slots: results.put(("job_done", req.step, req.created)),
+        )
+    except BaseException as exc:
+        results.put(("fatal", f"{type(exc).__name__}: {exc}"))
+        return
+    results.put(("ready", os.getpid()))
+    while True:
+        try:
+            req = requests.get(timeout=1.0)
+        except queue.Empty:
+            if os.getppid() != parent_pid:  # orphaned: finish what we have, then go
+                break
+            continue
+        if req is None:
+            break
+        runtime.submit(req)
+    runtime.close()
+    for store in stores.values():
+        store.tier.close()
+    results.put(("closed", os.getpid()))
+
+
+class ProcessDrain:
+    """The training-process side of the worker: submits requests, relays events and outcomes."""
+
+    def __init__(self, config: Config, coords: RankCoords, order: list[str], local_rank: int,
+                 emit: Callable[[ev.Event], None], on_tier_done: Callable, on_slot_released: Callable):
+        self.config, self.coords, self.order, self.local_rank = config, coords, order, local_rank
+        self.emit = emit
+        self.on_tier_done = on_tier_done
+        self.on_slot_released = on_slot_released
+        self._cond = threading.Condition()
+        self._outstanding: dict[tuple[int, float], tuple[DrainRequest, set[str], bool]] = {}
+        self._proc: Any = None
+        self._closing = False
+        self._start()
+
+    def _start(self) -> None:
+        ctx = mp.get_context("spawn")
+        self._requests = ctx.Queue()
+        self._results = ctx.Queue()
+        self._proc = ctx.Process(target=worker_main, name=f"tiered_ckpt-drain-{self.coords.rank}",
+                                 args=(self.config, self.coords, self.order, self.local_rank, self._requests,
+                                       self._results, os.getpid()), daemon=False)
+        self._proc.start()
+        self._listener = threading.Thread(target=self._listen, args=(self._proc, self._results),
+                                          name="tiered_ckpt-drain-listener", daemon=True)
+        self._listener.start()
+
+    def submit(self, req: DrainRequest) -> None:
+        with self._cond:
+            if self._proc is None or not self._proc.is_alive():
+                log.warning("the drain worker is not running; starting a new one")
+                self._start()
+            self._outstanding[(req.step, req.created)] = (req, set(req.due), False)
+        self._requests.put(req)
+
+    def _listen(self, proc: Any, results: Any) -> None:
+        while True:
+            try:
+                msg = results.get(timeout=0.5)
+            except queue.Empty:
+                if not proc.is_alive():
+                    self._worker_died(proc)
+                    return
+                continue
+            except (EOFError, OSError):
+                self._worker_died(proc)
+                return
+            kind = msg[0]
+            if kind == "event":
+                self.emit(msg[1])
+            elif kind == "tier_done":
+                _, step, tier, ok, err = msg
+                with self._cond:
+                    for (s, _), (_req, left, _rel) in self._outstanding.items():
+                        if s == step:
+                            left.discard(tier)
+                self.on_tier_done(step, tier, ok, err)
+            elif kind == "slot_released":
+                _, tier, slot, step = msg
+                with self._cond:
+                    for key, (req, left, _rel) in list(self._outstanding.items()):
+                        if req.step == step and req.slot == slot:
+                            self._outstanding[key] = (req, left, True)
+                self.on_slot_released(tier, slot, step)
+            elif kind == "job_done":
+                with self._cond:
+                    self._outstanding.pop((msg[1], msg[2]), None)
+                    self._cond.notify_all()
+            elif kind == "fatal":
+                log.error("the drain worker could not start: %s", msg[1])
+                self._worker_died(proc, msg[1])
+                return
+            elif kind == "closed":
+                return
+
+    def _worker_died(self, proc: Any, why: str | None = None) -> None:
+        reason = why or f"the drain worker exited (code {proc.exitcode})"
+        with self._cond:
+            lost = list(self._outstanding.values())
+            self._outstanding.clear()
+            self._cond.notify_all()
+        if lost and not self._closing:
+            log.error("%s with %d drains pending; they are reported failed (the shm snapshot stays loadable)",
+                      reason, len(lost))
+        for req, left, released in lost:
+            for tier in req.due:
+                if tier in left:
+                    self.on_tier_done(req.step, tier, False, reason)
+            if not released:
+                self.on_slot_released(req.source, req.slot, req.step)
+
+    def wait_idle(self, timeout: float | None = None) -> bool:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._cond:
+            while self._outstanding:
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    return False
+                self._cond.wait(left if left is not None else 1.0)
+        return True
+
+    def close(self, timeout: float | None = None) -> bool:
+        idle = self.wait_idle(timeout)
+        self._closing = True
+        if self._proc is not None and self._proc.is_alive():
+            self._requests.put(None)
+            self._proc.join(timeout=None if idle else 5.0)
+            if self._proc.is_alive():
+                self._proc.terminate()
+                self._proc.join(5.0)
+        return idle
+
+
+class SplitDrain:
+    """In-process memory tiers (gpu) hop to shm in threads here; the worker drains shm onwards."""
+
+    def __init__(self, pipeline: Pipeline, shared: int, on_tier_done: Callable, on_slot_released: Callable):
+        order = pipeline.order
+        self.near_names = order[:shared + 1]
+        self.shared = order[shared]
+        self.on_tier_done = on_tier_done
+        self._rest: dict[tuple[int, float], tuple[str, ...]] = {}
+        self._lock = threading.Lock()
+        self.local = DrainRuntime({n: pipeline.stores[n] for n in self.near_names}, self.near_names,
+                                  pipeline.coords, pipeline.emit, on_tier_done, on_slot_released,
+                                  on_job_done=self._forward)
+        self.proc = ProcessDrain(pipeline.config, pipeline.coords, order[shared:], pipeline.local_rank,
+                                 pipeline.emit, on_tier_done, self._far_slot_released)
+
+    def submit(self, req: DrainRequest) -> None:
+        near = tuple(t for t in req.due if t in self.near_names)
+        rest = tuple(t for t in req.due if t not in self.near_names)
+        with self._lock:
+            self._rest[(req.step, req.created)] = rest
+        self.local.submit(replace(req, due=near))
+
+    def _forward(self, req: DrainRequest, results: dict[str, bool], slots: dict[str, int]) -> None:
+        with self._lock:
+            rest = self._rest.pop((req.step, req.created), ())
+        if not rest:
+            return
+        if results.get(self.shared):
+            self.local.pin(self.shared, req.step)  # released when the worker is done reading it
+            self.proc.submit(DrainRequest(step=req.step, source=self.shared, slot=slots[self.shared], due=rest,
+                                          created=req.created, recover=req.recover))
+        else:
+            for tier in rest:
+                self.on_tier_done(req.step, tier, False, f"the snapshot never reached tier {self.shared!r}")
+
+    def _far_slot_released(self, tier: str, slot: int, step: int) -> None:
+        if tier == self.shared:
+            self.local.unpin(tier, step)
+
+    def wait_idle(self, timeout: float | None = None) -> bool:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        if not self.local.wait_idle(timeout):
+            return False
+        left = None if deadline is None else max(0.0, deadline - time.monotonic())
+        return self.proc.wait_idle(left)
+
+    def close(self, timeout: float | None = None) -> bool:
+        idle = self.wait_idle(timeout)
+        self.local.close(0 if not idle else None)
+        return self.proc.close(0 if not idle else None) and idle
