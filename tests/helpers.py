@@ -37,7 +37,8 @@ def assert_same(a, b, path="items"):
     if isinstance(a, torch.Tensor):
         assert isinstance(b, torch.Tensor), path
         assert a.dtype == b.dtype and a.shape == b.shape, path
-        assert torch.equal(a.reshape(-1).contiguous().view(torch.uint8), b.reshape(-1).contiguous().view(torch.uint8)), path
+        raw_a, raw_b = (t.reshape(-1).contiguous().view(torch.uint8) for t in (a, b))
+        assert torch.equal(raw_a, raw_b), path
     elif isinstance(a, np.ndarray):
         assert isinstance(b, np.ndarray) and a.dtype == b.dtype and a.shape == b.shape, path
         assert a.tobytes() == b.tobytes(), path
@@ -47,7 +48,7 @@ def assert_same(a, b, path="items"):
             assert_same(a[k], b[k], f"{path}[{k!r}]")
     elif isinstance(a, (list, tuple)):
         assert type(a) is type(b) and len(a) == len(b), path
-        for i, (x, y) in enumerate(zip(a, b)):
+        for i, (x, y) in enumerate(zip(a, b, strict=True)):
             assert_same(x, y, f"{path}[{i}]")
     elif isinstance(a, argparse.Namespace):
         assert isinstance(b, argparse.Namespace), path

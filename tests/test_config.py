@@ -26,7 +26,7 @@ def _err(cfg: dict, env: dict | None = None) -> str:
     return str(info.value)
 
 
-# ----- golden files ----------------------------------------------------------------------------------------------------
+# ----- golden files ---------------------------------------------------------------------------------------
 def test_full_golden_file():
     cfg = load_config(DATA / "full.yaml", env={"S3_ENDPOINT": "http://127.0.0.1:9000"})
     assert cfg.source == str(DATA / "full.yaml")
@@ -67,7 +67,7 @@ def test_dict_and_config_accepted_and_frozen():
     assert isinstance(cfg, Config)
 
 
-# ----- one test per rule -----------------------------------------------------------------------------------------------
+# ----- one test per rule ----------------------------------------------------------------------------------
 def test_missing_env_var_names_key_path_and_variable():
     msg = _err(_tiers({**LOCAL, "path": "${NOPE_NOT_SET}/x"}))
     assert "tiers[0].path" in msg and "NOPE_NOT_SET" in msg

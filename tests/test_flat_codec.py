@@ -65,7 +65,13 @@ def float_bits(x: float) -> int:
 
 
 def tensor_bytes(t: torch.Tensor) -> bytes:
-    return t.detach().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+    if not t.numel():
+        return b""
+    t = t.detach()
+    if t.dtype.itemsize == 1:  # sub-byte and float8 dtypes may lack a copy kernel
+        t = t.view(torch.uint8)
+    dense = torch.empty(t.shape, dtype=t.dtype).copy_(t)  # canonical strides, even on size-1 dims
+    return dense.reshape(-1).view(torch.uint8).numpy().tobytes()
 
 
 def assert_same(a, b, memo=None, path="items"):
@@ -161,7 +167,9 @@ def tensors(draw):
     if dtype == torch.bool:
         raw &= 1
     t = raw.view(dtype).reshape(shape)  # random bits: NaN payloads, subnormals, -0.0, ...
-    how = draw(st.sampled_from(["plain", "transpose", "stride", "expand", "slice", "parameter", "grad"]))
+    how = draw(
+        st.sampled_from(["plain", "transpose", "stride", "expand", "slice", "parameter", "grad", "conj"])
+    )
     if how == "transpose" and t.dim() >= 2:
         t = t.transpose(0, 1)
     elif how == "stride" and t.dim() >= 1:
@@ -175,6 +183,8 @@ def tensors(draw):
         t = torch.nn.Parameter(t.clone(), requires_grad=grad)
     elif how == "grad" and dtype in (torch.float32, torch.float64):
         t = t.clone().requires_grad_(True)
+    elif how == "conj" and dtype.is_complex:
+        t = t.conj()  # a lazy view: copy_ materializes it
     return t
 
 
@@ -197,7 +207,10 @@ def arrays(draw):
 
 
 np_scalars = arrays().map(lambda a: a.reshape(-1)[0] if a.size else np.zeros((), a.dtype)[()])
-floats = st.floats(allow_nan=True, allow_infinity=True) | st.sampled_from([-0.0, 0.0, math.inf, -math.inf])
+NANS = [struct.unpack("<d", struct.pack("<Q", bits))[0] for bits in (0x7FF0000000000001, 0xFFF8000000000123)]
+floats = st.floats(allow_nan=True, allow_infinity=True) | st.sampled_from(
+    [-0.0, 0.0, math.inf, -math.inf, *NANS]
+)
 ints = st.integers() | st.integers(-(2**300), 2**300) | st.sampled_from([2**53, 2**63, -(2**64) - 1])
 blobs = st.binary(max_size=40) | st.builds(
     lambda n, b: bytes([b]) * n,
@@ -413,12 +426,18 @@ def test_namedtuple_defaultdict_and_memmap_narrowing(tmp_path):
     assert type(out["m"]) is np.ndarray and out["m"].tolist() == [1.0, 2.0, 3.0]
 
 
-def test_odd_strings_and_big_ints():
-    items = {"\ud800lone": "\udfff", "émoji 🎉": "ü", "big": [2**63, -(2**63) - 1, 10**400, 2**53 - 1]}
+def test_odd_strings_big_ints_and_nan_payloads():
+    items = {
+        "\ud800lone": "\udfff",
+        "émoji 🎉": "ü",
+        "big": [2**63, -(2**63) - 1, 10**400, 2**53 - 1],
+        "nans": NANS + [complex(NANS[0], -0.0)],
+    }
     out, *_ = roundtrip(items)
     assert_same(items, out)
 
 
+@pytest.mark.filterwarnings("ignore:ComplexHalf support is experimental")
 def test_every_available_dtype_including_sub_byte_ones():
     # every storable dtype the CPU build can hold, through raw bytes
     names = [
@@ -693,10 +712,21 @@ def test_tied_tensors_are_stored_once_and_restored_as_one_object():
     p = torch.nn.Parameter(torch.randn(16))
     same_view = w.view(16, 8)  # another object, same storage/offset/shape/stride/dtype
     other_view = w[1:]
-    items = {"emb": w, "out": w, "alias": same_view, "p1": p, "p2": [p], "slice": other_view}
+    c = torch.randn(4, dtype=torch.complex64)
+    items = {
+        "emb": w,
+        "out": w,
+        "alias": same_view,
+        "p1": p,
+        "p2": [p],
+        "slice": other_view,
+        "c": c,
+        "c_conj": c.conj(),
+    }
     out, plan, buf, _ = roundtrip(items)
-    assert plan.total_bytes == 16 * 8 * 4 + 64 + 15 * 8 * 4 + 32  # w, p (padded), w[1:] (own slot)
-    assert len(plan.tensors) == 3
+    assert plan.total_bytes == 16 * 8 * 4 + 64 + 15 * 8 * 4 + 32 + 64 + 64  # w, p, w[1:], c, c.conj()
+    assert len(plan.tensors) == 5
+    assert torch.equal(out["c_conj"], c.conj()) and not torch.equal(out["c_conj"], c)
     assert out["emb"] is out["out"] is out["alias"]
     assert out["p1"] is out["p2"][0]
     assert out["slice"] is not out["emb"] and torch.equal(out["slice"], w[1:])
@@ -727,11 +757,11 @@ def test_fingerprint_tracks_the_layout_only():
     fp = _fp(base)
     assert fp == _fp(
         {
-            "m": {"w": torch.randn(4, 4), "b": torch.ones(4)},
+            "m": {"w": torch.randn(4, 4), "b": torch.ones(4).requires_grad_()},
             "it": 99,
             "args": argparse.Namespace(lr=0.5, extra="x"),
         }
-    )
+    )  # values, non-tensor leaves and requires_grad do not move any slot
     assert fp != _fp({"m": {"w": torch.zeros(4, 4), "c": torch.zeros(4)}, "it": 1})  # key renamed
     assert fp != _fp({"m": {"w": torch.zeros(4, 5), "b": torch.zeros(4)}, "it": 1})  # shape
     assert fp != _fp(

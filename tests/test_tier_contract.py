@@ -8,10 +8,6 @@ import pytest
 
 from tiered_ckpt.testing.contract import TierContract
 
-# The pytest11 entry point provides these fixtures once tiered-ckpt is installed; importing them keeps this
-# module runnable from a bare source tree too (a module-level fixture simply shadows the plugin's).
-from tiered_ckpt.testing.pytest_plugin import make_tier, shm_root, tier_context, tier_registry  # noqa: F401
-
 
 class TestGpuTierOnCpu(TierContract):
     @pytest.fixture

@@ -21,9 +21,6 @@ from tiered_ckpt.errors import (
     TransientTierError,
 )
 from tiered_ckpt.testing.contract import TierContract, host_bytes
-
-# Provided by the pytest11 entry point once tiered-ckpt is installed; imported for a bare source tree.
-from tiered_ckpt.testing.pytest_plugin import make_tier, shm_root, tier_context, tier_registry  # noqa: F401
 from tiered_ckpt.tiers import _files, gpu, shm
 from tiered_ckpt.tiers.base import TierContext, as_memoryview
 from tiered_ckpt.tiers.fsspec_tier import FsspecOptions, FsspecTier
@@ -48,7 +45,7 @@ def failing_chunks(nbytes: int):
     raise RuntimeError("producer failed")
 
 
-# ----- registry and options ---------------------------------------------------------------------------------------
+# ----- registry and options -------------------------------------------------------------------------------
 def test_builtin_kinds_are_registered(tier_registry):
     for kind, cls in [("gpu", GpuTier), ("shm", ShmTier), ("local", LocalTier), ("fsspec", FsspecTier)]:
         assert tier_registry.get(kind) is cls
@@ -74,11 +71,12 @@ def test_options_are_validated(cls, data, message):
 def test_options_parse_units():
     assert build_dataclass(ShmTier.Options, {"min_free": "2GiB"}).min_free == 2 << 30
     assert build_dataclass(GpuTier.Options, {"max_bytes": "8GiB", "device": "cpu"}).max_bytes == 8 << 30
-    opts = build_dataclass(FsspecTier.Options, {"url": "memory://x", "block_size": "5MiB", "options": {"a": 1}})
+    opts = build_dataclass(FsspecTier.Options,
+                           {"url": "memory://x", "block_size": "5MiB", "options": {"a": 1}})
     assert opts.block_size == 5 * MiB and dict(opts.options) == {"a": 1}
 
 
-# ----- gpu ------------------------------------------------------------------------------------------------------
+# ----- gpu ------------------------------------------------------------------------------------------------
 def test_gpu_reads_are_the_stored_tensor(make_tier):
     tier = make_tier("gpu", device="cpu")
     tier.write_blob("k", [b"abc"])
@@ -127,6 +125,7 @@ def test_gpu_checks_free_cuda_memory_before_allocating(monkeypatch):
 def test_gpu_availability_and_resolve_enabled(monkeypatch, caplog):
     cpu = GpuOptions(device="cpu")
     assert GpuTier.availability(cpu)[0] is True
+    assert GpuTier.resolve_enabled("auto", cpu) is True
     assert resolve_enabled(True, cpu) is True and resolve_enabled("auto", cpu) is True
     assert resolve_enabled(False, GpuOptions()) is False
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
@@ -136,7 +135,7 @@ def test_gpu_availability_and_resolve_enabled(monkeypatch, caplog):
         assert resolve_enabled("auto", GpuOptions(), name="hbm") is False
     assert [r.levelno for r in caplog.records] == [logging.INFO]
     assert "hbm" in caplog.text and "enabled: auto" in caplog.text
-    with pytest.raises(ConfigError, match="enabled is true but the device cannot be used: CUDA is not available"):
+    with pytest.raises(ConfigError, match="enabled is true but the device cannot be used: CUDA is not"):
         resolve_enabled(True, GpuOptions(device="cuda:0"), name="hbm")
 
 
@@ -157,7 +156,7 @@ class TestGpuTierOnCuda(TierContract):
         assert slot.is_cuda
 
 
-# ----- shm ------------------------------------------------------------------------------------------------------
+# ----- shm ------------------------------------------------------------------------------------------------
 @pytest.mark.skipif(not os.path.isdir("/dev/shm"), reason="no /dev/shm on this machine")
 def test_shm_filesystem_type_of_dev_shm():
     assert filesystem_type("/dev/shm") in shm.MEMORY_FILESYSTEMS
@@ -165,7 +164,8 @@ def test_shm_filesystem_type_of_dev_shm():
 
 
 def test_shm_filesystem_type_uses_the_longest_mount_prefix(monkeypatch):
-    table = [("/", "ext4"), ("/dev/shm", "tmpfs"), ("/data", "xfs"), ("/data/fast", "tmpfs"), ("/data", "nfs")]
+    table = [("/", "ext4"), ("/dev/shm", "tmpfs"), ("/data", "xfs"), ("/data/fast", "tmpfs"),
+             ("/data", "nfs")]
     monkeypatch.setattr(shm, "_mount_table", lambda: table)
     assert filesystem_type("/dev/shm/x") == "tmpfs"
     assert filesystem_type("/dev/shmx") == "ext4"
@@ -182,8 +182,8 @@ def test_shm_mountinfo_parsing(monkeypatch, tmp_path):
         "30 22 0:26 / /dev/shm rw,nosuid,nodev shared:5 - tmpfs tmpfs rw,size=1g\n"
         "31 22 0:27 / /mnt/with\\040space rw master:7 - ramfs none rw\n")
     real_open = open
-    monkeypatch.setattr("builtins.open", lambda p, *a, **k: real_open(info if p == "/proc/self/mountinfo" else p,
-                                                                       *a, **k))
+    monkeypatch.setattr("builtins.open",
+                        lambda p, *a, **k: real_open(info if p == "/proc/self/mountinfo" else p, *a, **k))
     assert shm._mount_table() == [("/", "ext4"), ("/dev/shm", "tmpfs"), ("/mnt/with space", "ramfs")]
 
 
@@ -311,7 +311,7 @@ def test_shm_failed_write_leaves_no_temporary_file(make_tier):
     assert raw_files(tier.root) == []
 
 
-# ----- local ----------------------------------------------------------------------------------------------------
+# ----- local ----------------------------------------------------------------------------------------------
 def _record_fsyncs(monkeypatch) -> list[str]:
     synced: list[str] = []
     real = os.fsync
@@ -330,7 +330,8 @@ def test_local_fsyncs_file_directory_and_new_parents(make_tier, tmp_path, monkey
     tier.write_blob("iter_0000010/mp_rank_00/model_optim_rng.pt", [b"data"])
     root = tier.root
     assert synced[0].startswith(os.path.join(root, "iter_0000010/mp_rank_00/.model_optim_rng.pt.tmp-"))
-    assert synced[1:] == [os.path.join(root, "iter_0000010/mp_rank_00"), os.path.join(root, "iter_0000010"), root]
+    assert synced[1:] == [os.path.join(root, "iter_0000010/mp_rank_00"), os.path.join(root, "iter_0000010"),
+                          root]
     synced.clear()
     tier.publish("latest_checkpointed_iteration.txt", b"10")
     assert len(synced) == 2 and synced[1] == root
@@ -413,7 +414,7 @@ def test_local_reads_into_one_buffer(make_tier, tmp_path):
     assert not tier.capabilities.zero_copy_read
 
 
-# ----- fsspec ---------------------------------------------------------------------------------------------------
+# ----- fsspec ---------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("url, atomic_rename, survives_process, node_local", [
     ("memory://x/y", False, False, True),
     ("s3://bucket/run", False, True, False),
@@ -520,7 +521,7 @@ def test_fsspec_other_library_errors_pass_through(make_tier, monkeypatch):
         tier.size("k")
 
 
-# ----- fsspec on S3 (moto) --------------------------------------------------------------------------------------
+# ----- fsspec on S3 (moto) --------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def s3_endpoint():
     pytest.importorskip("s3fs")
@@ -531,7 +532,8 @@ def s3_endpoint():
     server.start()
     host, port = server.get_host_and_port()
     endpoint = f"http://{host}:{port}"
-    env = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}
+    env = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
+           "AWS_DEFAULT_REGION": "us-east-1"}
     saved = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
     boto3.client("s3", endpoint_url=endpoint).create_bucket(Bucket="contract-bucket")
@@ -558,7 +560,7 @@ class TestFsspecS3Contract(TierContract):
         assert tier.fs.list_multipart_uploads("contract-bucket") == [], "an aborted upload was left behind"
 
 
-# ----- shared helpers -------------------------------------------------------------------------------------------
+# ----- shared helpers -------------------------------------------------------------------------------------
 def test_as_memoryview_rejects_non_contiguous_buffers():
     import numpy as np
 
@@ -583,3 +585,13 @@ def test_tier_context_is_threadsafe_to_share(make_tier, tier_context):
         t.join()
     assert sorted(sizes) == [4096, 8192, 12288, 16384]
     assert isinstance(tier.context, TierContext)
+
+
+def test_make_tier_defaults_to_throwaway_locations(make_tier, shm_root, tmp_path):
+    assert make_tier("shm").root.startswith(shm_root)
+    assert make_tier("local").root.startswith(str(tmp_path))
+    remote = make_tier("fsspec")
+    assert remote.options.url.startswith("memory://") and remote.list() == []
+    assert make_tier("gpu").device.type in ("cpu", "cuda")
+    with pytest.raises(ConfigError, match=r"make_tier\('local'\)\.fsync: expected true or false"):
+        make_tier("local", fsync="no")

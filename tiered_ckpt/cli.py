@@ -27,7 +27,7 @@ def _print_table(rows: list[list[Any]], headers: list[str]) -> None:
     cells = [headers] + [[str(c) for c in r] for r in rows]
     widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
     for i, r in enumerate(cells):
-        print("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip())
+        print("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip())
         if i == 0:
             print("  ".join("-" * w for w in widths))
 
@@ -75,7 +75,7 @@ def _unavailable(pm: Any, cfg: TierConfig) -> bool:
         return True
 
 
-# ----- commands ----------------------------------------------------------------------------------------------------------
+# ----- commands -------------------------------------------------------------------------------------------
 def cmd_plugins(args: argparse.Namespace) -> int:
     regs = get_plugin_manager().registries
     rows = []

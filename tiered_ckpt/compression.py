@@ -30,7 +30,8 @@ def compress_chunks(chunks: Iterable[Chunk], cfg: CompressionConfig) -> Iterator
         yield tail
 
 
-def decompress_to_tensor(blob: torch.Tensor, raw_size: int, *, where: str = "", tier: str | None = None) -> torch.Tensor:
+def decompress_to_tensor(blob: torch.Tensor, raw_size: int, *, where: str = "",
+                         tier: str | None = None) -> torch.Tensor:
     """Decompress a whole stored blob into a fresh uint8 tensor of exactly ``raw_size`` bytes."""
     out = torch.empty(raw_size, dtype=torch.uint8)
     dest = as_memoryview(out) if raw_size else memoryview(bytearray(0))

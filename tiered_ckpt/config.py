@@ -141,7 +141,7 @@ def _tier_config(raw: Any, index: int, registries: Any, source: str | None) -> T
     own = {k: v for k, v in raw.items() if k not in _COMMON_TIER_KEYS}
     options = build_dataclass(tier_cls.Options, own, path, source)
     tc = build_dataclass(TierConfig, common, path, source)
-    if tc.slots is not None and not tier_cls.capabilities.memory:
+    if tc.slots is not None and not tier_cls.capabilities_for(options).memory:
         raise ConfigError(f"only memory tiers hold slots; kind {kind!r} does not", source=source,
                           key_path=f"{path}.slots")
     return TierConfig(**{**tc.__dict__, "options": options})

@@ -77,7 +77,7 @@ class DrainRuntime:
         }
         self._closed = False
 
-    # ----- pins: a pinned (tier, step) is never evicted or overwritten ------------------------------------------------
+    # ----- pins: a pinned (tier, step) is never evicted or overwritten -------------------------------------
     def pin(self, tier: str, step: int) -> None:
         with self._cond:
             self._pins[(tier, step)] += 1
@@ -93,7 +93,7 @@ class DrainRuntime:
         with self._cond:
             return {s for (t, s) in self._pins if t == tier}
 
-    # ----- submitting ------------------------------------------------------------------------------------------------
+    # ----- submitting --------------------------------------------------------------------------------------
     def submit(self, req: DrainRequest) -> None:
         if self._closed:
             raise RuntimeError("the drain is closed")
@@ -137,7 +137,7 @@ class DrainRuntime:
             th.join(timeout=1.0 if not idle else None)
         return idle
 
-    # ----- the work ----------------------------------------------------------------------------------------------------
+    # ----- the work ----------------------------------------------------------------------------------------
     def _tier_loop(self, tier: str, q: queue.Queue) -> None:
         while True:
             job = q.get()
@@ -246,15 +246,12 @@ class DrainRuntime:
 
     def _write_file_tier(self, source: str, store: FileStore, job: _Job, t0: float) -> None:
         req = job.req
+        mem_source = None
         if isinstance(self.stores[source], MemoryStore):
             mem, meta = self._memory_meta(source, job)
             sources = mem.item_sources(meta)
-            if any(it.checksum is None for it in meta.items) and mem.tier.capabilities.survives_process:
-                # Record the snapshot's checksums so a restart can verify what it loads from memory.
-                for it, src in zip(meta.items, sources):
-                    it.checksum = f"{ALGORITHM}:{digest(src.data)}"
-                mem.publish(meta)
             manifest = store.write_rank(req.step, self.coords, sources)
+            mem_source = (mem, meta, sources)
         else:
             upper = self.stores[source]
             assert isinstance(upper, FileStore)
@@ -262,8 +259,10 @@ class DrainRuntime:
         nbytes = sum(f.size for f in manifest.files)
         self.emit(ev.Event(ev.DRAIN, step=req.step, rank=self.coords.rank, tier=store.name,
                            seconds=time.perf_counter() - t0, nbytes=nbytes, detail={"source": source}))
-        if self.coords.rank != 0:
-            return  # rank 0 commits the step for everyone (multi-rank: see FileStore.try_commit)
+        if self.coords.rank != 0:  # rank 0 commits the step for everyone (see FileStore.try_commit)
+            if mem_source is not None:
+                self._record_snapshot_checksums(*mem_source)
+            return
         committed = store.try_commit(req.step, self.coords, wait_s=self.commit_wait_s)
         if committed is None:
             raise TierError(f"step {req.step} not committed: not every rank's files arrived within "
@@ -272,3 +271,17 @@ class DrainRuntime:
                            seconds=time.time() - req.created, nbytes=committed.total_bytes))
         keep = store.cfg.keep
         store.retain(keep, self.pinned_steps(store.name) - {req.step}, self.coords.rank)
+        if mem_source is not None:
+            self._record_snapshot_checksums(*mem_source)
+
+    @staticmethod
+    def _record_snapshot_checksums(mem: MemoryStore, meta: SlotMeta, sources: list) -> None:
+        """After the commit (off the time-to-durable path): checksums of the snapshot, so that a restart can
+        verify what it loads from memory."""
+        if all(it.checksum for it in meta.items) or not mem.tier.capabilities.survives_process:
+            return
+        for it, src in zip(meta.items, sources, strict=True):
+            it.checksum = f"{ALGORITHM}:{digest(src.data)}"
+        current = mem.read_meta(meta.slot)
+        if current is not None and current.step == meta.step and current.created == meta.created:
+            mem.publish(meta)

@@ -16,15 +16,14 @@ from typing import Any
 from . import events as ev
 from .codecs import flat
 from .config import Config, TierConfig, load_config
-from .drain import DrainRequest, DrainRuntime
+from .drain import DrainRequest
 from .errors import (
     CorruptionError,
     DecodeError,
     NoCheckpointError,
-    TierError,
     TieredCkptError,
+    TierError,
 )
-from .file_store import FileStore
 from .handles import LoadResult, SaveHandle
 from .locking import RunLock
 from .memory_store import MemoryStore, SlotItem, SlotMeta, plan_items
@@ -65,7 +64,7 @@ class CheckpointEngine:
         _live.add(self)
         self._recover()
 
-    # ----- events ----------------------------------------------------------------------------------------------------
+    # ----- events ------------------------------------------------------------------------------------------
     def _emit(self, event: ev.Event) -> None:
         self.pm.emit(event)
 
@@ -79,7 +78,7 @@ class CheckpointEngine:
     def _entry_persists(self) -> bool:
         return self.pipeline.entry_store.tier.capabilities.survives_process
 
-    # ----- drain callbacks ---------------------------------------------------------------------------------------------
+    # ----- drain callbacks ---------------------------------------------------------------------------------
     def _tier_done(self, step: int, tier: str, ok: bool, error: str | None) -> None:
         with self._cond:
             handle = self._handles.get(step)
@@ -97,7 +96,7 @@ class CheckpointEngine:
             self._slot_busy.discard(slot)
             self._cond.notify_all()
 
-    # ----- saving --------------------------------------------------------------------------------------------------------
+    # ----- saving ------------------------------------------------------------------------------------------
     def prepare(self, template: dict[str, Any]) -> None:
         """Allocate and pre-fault every slot for items shaped like ``template``, so even the first save is fast."""
         _, total = plan_items(template)
@@ -208,7 +207,7 @@ class CheckpointEngine:
             self._drain.submit(DrainRequest(step=meta.step, source=self.pipeline.entry, slot=meta.slot, due=due,
                                             created=meta.created, recover=True))
 
-    # ----- loading ---------------------------------------------------------------------------------------------------------
+    # ----- loading -----------------------------------------------------------------------------------------
     def available_steps(self) -> dict[str, list[int]]:
         """Per tier (fastest first): the steps this rank could load from it."""
         out: dict[str, list[int]] = {}
@@ -275,7 +274,7 @@ class CheckpointEngine:
                                 trust_pickles=self.config.load.trust_pickles)
         return items, verify, sum(f.size for f in manifest.files_of(self.coords.rank))
 
-    # ----- lifecycle ---------------------------------------------------------------------------------------------------------
+    # ----- lifecycle ---------------------------------------------------------------------------------------
     def wait(self, timeout: float | None = None) -> None:
         """Wait until every save so far has drained (committed or failed) on every due tier."""
         if not self._drain.wait_idle(timeout):

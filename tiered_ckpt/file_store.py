@@ -69,7 +69,7 @@ class FileStore:
     def name(self) -> str:
         return self.tier.name
 
-    # ----- retries -----------------------------------------------------------------------------------------------
+    # ----- retries -----------------------------------------------------------------------------------------
     def _retry(self, fn: Callable[[], Any], step: int | None, rank: int, what: str) -> Any:
         def on_retry(attempt: int, exc: BaseException, sleep: float) -> None:
             self.emit(ev.Event(ev.RETRY, step=step, rank=rank, tier=self.name, seconds=sleep,
@@ -77,7 +77,7 @@ class FileStore:
 
         return call_with_retry(fn, self.cfg.retry, on_retry)
 
-    # ----- writing -------------------------------------------------------------------------------------------------
+    # ----- writing -----------------------------------------------------------------------------------------
     def _write_file(self, key: str, make_chunks: Callable[[], Iterable[Chunk]], step: int, rank: int
                     ) -> tuple[int, str, int]:
         """Write one file with retries; returns (stored size, checksum, raw size)."""
@@ -139,7 +139,7 @@ class FileStore:
                                      raw_size=raw, meta=entry.meta))
         return self._publish_rank(step, coords, entries)
 
-    # ----- committing ----------------------------------------------------------------------------------------------
+    # ----- committing --------------------------------------------------------------------------------------
     def rank_manifests(self, step: int) -> dict[int, str]:
         found = {}
         for key in self.tier.list(self.layout.rank_manifest_prefix(step)):
@@ -187,7 +187,7 @@ class FileStore:
         self._retry(lambda: self.tier.publish(self.layout.tracker, str(step).encode()), step, rank,
                     f"publish {self.layout.tracker}")
 
-    # ----- discovering and reading -----------------------------------------------------------------------------------
+    # ----- discovering and reading -------------------------------------------------------------------------
     def committed_steps(self) -> list[int]:
         return sorted({s for s in map(self.layout.parse_manifest_key, self.tier.list("")) if s is not None})
 
@@ -240,7 +240,7 @@ class FileStore:
                 raise CorruptionError(str(exc), tier=self.name, key=entry.key) from None
         return items
 
-    # ----- retention --------------------------------------------------------------------------------------------------
+    # ----- retention ---------------------------------------------------------------------------------------
     def retain(self, keep: int | None, pinned: set[int], rank: int) -> list[int]:
         """Delete committed steps beyond the newest ``keep`` (never the newest, never a pinned one), and the
         debris of uncommitted steps older than the newest committed one."""

@@ -64,7 +64,7 @@ def memory_steps(store: MemoryStore, ranks: list[int] | None = None) -> list[Ste
     out = []
     for rank in ranks if ranks is not None else memory_ranks(store):
         view = MemoryStore(store.tier, rank, store.nslots)
-        for slot, meta in sorted(view.metas().items()):
+        for _, meta in sorted(view.metas().items()):
             out.append(StepInfo(store.name, meta.step, "snapshot", meta.total_bytes, now - meta.created,
                                 len(meta.items), [rank]))
     return sorted(out, key=lambda s: (s.step, s.ranks))

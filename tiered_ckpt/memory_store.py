@@ -90,7 +90,7 @@ class MemoryStore:
     def meta_key(self, slot: int) -> str:
         return f"rank_{self.rank:05d}/slot_{slot}.json"
 
-    # ----- writing ---------------------------------------------------------------------------------------------
+    # ----- writing -----------------------------------------------------------------------------------------
     def buffer(self, slot: int, nbytes: int) -> torch.Tensor:
         """The slot's writable buffer, allocated (and pre-faulted) once; grown when the items grew."""
         buf = self._buffers.get(slot)
@@ -105,7 +105,7 @@ class MemoryStore:
     def publish(self, meta: SlotMeta) -> None:
         self.tier.publish(self.meta_key(meta.slot), meta.to_json())
 
-    # ----- reading ---------------------------------------------------------------------------------------------
+    # ----- reading -----------------------------------------------------------------------------------------
     def read_meta(self, slot: int) -> SlotMeta | None:
         try:
             raw = self.tier.read_blob(self.meta_key(slot))
@@ -147,7 +147,7 @@ class MemoryStore:
         from .checksum import ALGORITHM, digest
 
         out = {}
-        for src, it in zip(self.item_sources(meta), meta.items):
+        for src, it in zip(self.item_sources(meta), meta.items, strict=True):
             if verify and it.checksum:
                 got = f"{ALGORITHM}:{digest(src.data)}"
                 if got != it.checksum:

@@ -38,7 +38,7 @@ def make_store(pm: PluginManager, config: Config, cfg: TierConfig, coords: RankC
     cls = pm.registries.tiers.get(cfg.kind)
     context = TierContext(run_id=config.run_id, rank=coords.rank, local_rank=local_rank)
     tier: Tier = cls(cfg.name, cfg.options, context)
-    if cls.capabilities.memory:
+    if tier.capabilities.memory:
         return MemoryStore(tier, coords.rank, cfg.slots or DEFAULT_SLOTS)
     layout = pm.registries.layouts.get(config.layout)()
     codecs: dict[str, FileCodec] = {name: c() for name, c, _ in pm.registries.codecs.items()}
@@ -140,8 +140,8 @@ def build_pipeline(config: Config, pm: PluginManager, coords: RankCoords, local_
     if not cfgs:
         raise ConfigError("every tier is disabled; enable at least one", source=config.source, key_path="tiers")
     order = list(cfgs)
-    first_cls = pm.registries.tiers.get(cfgs[order[0]].kind)
-    if not first_cls.capabilities.memory:
+    first = cfgs[order[0]]
+    if not pm.registries.tiers.get(first.kind).capabilities_for(first.options).memory:
         # Saves must block only for a memory copy: stage in host memory of this process, then drain from there.
         cfgs = {STAGING: staging_config(pm), **cfgs}
         order.insert(0, STAGING)

@@ -420,7 +420,10 @@ class _Planner:
         n = t.numel()
         requires_grad = t.requires_grad
         device = t.device
-        key = (t.data_ptr(), dtype, shape, t.stride(), device, kind, requires_grad) if n else ("id", id(t))
+        if n:  # same memory, read the same way (conj/neg views are lazy: not the same values)
+            key = (t.data_ptr(), dtype, shape, t.stride(), device, kind, requires_grad, t.is_conj(), t.is_neg())
+        else:
+            key = ("id", id(t))
         idx = self.seen.get(key)
         if idx is None:
             src = t.view(torch.uint8) if dtype in _RAW_COPY_DTYPES else t
@@ -1162,8 +1165,9 @@ def restore(
 ) -> Any:
     """Rebuild the items from a decoded header and the snapshot's buffer (a 1-D uint8 tensor, CPU or device).
 
-    ``copy=False``: tensors are zero-copy views into ``buffer`` (numpy arrays too, when ``buffer`` is on the
-    CPU); ``copy=True``: every tensor and array owns its memory. Tensors land on ``buffer``'s device unless
+    ``copy=False``: tensors share ``buffer``'s memory, zero-copy (numpy arrays too, when ``buffer`` is on the
+    CPU), each through its own storage object starting at its slot; ``copy=True``: every tensor and array owns
+    its memory. ``buffer`` must outlive the restored values when ``copy=False``. Tensors land on ``buffer``'s device unless
     ``map_location`` names another (then they are copies whatever ``copy`` says). Tensors stored once are
     restored as one object. Raises :class:`DecodeError` if ``buffer`` is smaller than ``info.total_bytes``.
     """

@@ -8,8 +8,8 @@ distributed optimizer shards every *bucket* of a buffer evenly over the data-par
 2. each param start is rounded up to a multiple of 64 elements;
 3. a param marked ``shared_embedding`` gets a bucket of its own. Megatron marks the tied word embedding (first
    stage) and output layer (last stage) only when PP > 1; with PP = 1 they share buckets like any param;
-4. a bucket closes once ``param_end - bucket_start >= bucket_size`` (``bucket_size=None``: one bucket, save
-   (3));
+4. a bucket closes once ``param_end - bucket_start >= bucket_size`` (with ``bucket_size=None`` only rule 3
+   splits a buffer);
 5. a closing bucket keeps ``U_b = param_end - bucket_start`` (64-alignment gaps included) and is padded to
    ``N_b``, the next multiple of ``lcm(DP, 128)`` (``lcm(DP, 128, 65536)`` with
    ``--ddp-pad-buckets-for-high-nccl-busbw``). The next bucket starts at the padded end.

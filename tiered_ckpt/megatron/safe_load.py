@@ -32,18 +32,23 @@ from typing import Any
 
 import torch
 
-from ..errors import DecodeError, UnsafePickleError
+from ..errors import DecodeError, TieredCkptError, UnsafePickleError
 from . import _standins
 
 log = logging.getLogger(__name__)
 
+# Public here: undo the placeholder modules that pickling a stand-in registers (see _standins).
+remove_stand_in_modules = _standins.remove_stand_in_modules
+
 _GLOBAL_IN_MESSAGE = re.compile(r"GLOBAL ([\w.]+)")
 # Messages of torch's weights-only unpickler that mean "this would run code we do not allow".
+# Anything else it refuses (say, "Unsupported operand" for opcodes of pickle protocols > 2) is reported as
+# unsafe too: it cannot be loaded safely, and trust_pickles=True may load it.
 _UNSAFE_MARKERS = ("Unsupported global", "unsupported GLOBAL", "Trying to call reduce", "Can only build",
                    "Can only create new object", "Can only append", "Can only set", "Can only extend",
                    "is blocked")
 _DECODE_MARKERS = ("PytorchStreamReader", "failed finding central directory", "not a valid zip",
-                   "invalid load key", "pickle data was truncated", "Ran out of input", "Unsupported operand")
+                   "invalid load key", "pickle data was truncated", "Ran out of input")
 
 
 def load(
@@ -86,34 +91,42 @@ def _load(open_source: Any, where: str, *, map_location: Any, trust_pickles: boo
     except UnsafePickleError as exc:
         if not trust_pickles:
             raise
-        log.warning("%s: loading with full unpickling (trust_pickles=True), although it names globals "
-                    "outside the safe allow-list: %s", where, ", ".join(getattr(exc, "globals", [])) or exc)
-        return torch.load(open_source(), map_location=map_location, weights_only=False,
-                          pickle_module=_standins.trusting_pickle_module(), mmap=mmap)
+        found = getattr(exc, "globals", [])
+        log.warning("%s: full unpickling because trust_pickles=True; the safe loader refused it (%s)", where,
+                    "globals outside the allow-list: " + ", ".join(found) if found else exc)
+        with _decode_errors(where):
+            return torch.load(open_source(), map_location=map_location, weights_only=False,
+                              pickle_module=_standins.trusting_pickle_module(), mmap=mmap)
 
 
 def _safe_load(f: Any, where: str, *, map_location: Any, mmap: bool) -> Any:
-    with allow_megatron_globals():
+    with allow_megatron_globals(), _decode_errors(where):
         try:
             return torch.load(f, map_location=map_location, weights_only=True, mmap=mmap)
         except pickle.UnpicklingError as exc:
             raise _translate(exc, where, f) from None
-        except (FileNotFoundError, PermissionError, IsADirectoryError):
-            raise
-        except RuntimeError as exc:  # also raised for reasons unrelated to the file (map_location=cuda, ...)
-            if any(m in str(exc) for m in _DECODE_MARKERS):
-                raise DecodeError(f"{where}: not a readable torch file: {_first_line(exc)}") from exc
-            raise
-        except (EOFError, ValueError, KeyError, IndexError, OSError, zipfile.BadZipFile, struct.error) as exc:
-            # What torch's readers raise on garbage or truncated files (KeyError, OSError EINVAL, ...)
-            kind = type(exc).__name__
-            raise DecodeError(f"{where}: not a readable torch file: {kind}: {_first_line(exc)}") from exc
+
+
+@contextmanager
+def _decode_errors(where: str) -> Iterator[None]:
+    """Turn what torch's readers raise on garbage or truncated files into DecodeError naming the file."""
+    try:
+        yield
+    except (TieredCkptError, FileNotFoundError, PermissionError, IsADirectoryError):
+        raise
+    except RuntimeError as exc:  # also raised for reasons unrelated to the file (map_location=cuda, ...)
+        if any(m in str(exc) for m in _DECODE_MARKERS):
+            raise DecodeError(f"{where}: not a readable torch file: {_first_line(exc)}") from exc
+        raise
+    except (EOFError, ValueError, KeyError, IndexError, OSError, zipfile.BadZipFile, struct.error) as exc:
+        kind = type(exc).__name__  # KeyError, OSError EINVAL, EOFError, ... depending on where it breaks
+        raise DecodeError(f"{where}: not a readable torch file: {kind}: {_first_line(exc)}") from exc
 
 
 def _translate(exc: pickle.UnpicklingError, where: str, f: Any) -> Exception:
     """Map torch's weights-only failure to UnsafePickleError (with every offending global we can find)."""
     text = str(exc)
-    reason = text.split("WeightsUnpickler error:", 1)[-1].strip().splitlines()[0] if text else repr(exc)
+    reason = (text.split("WeightsUnpickler error:", 1)[-1].strip().splitlines() or [repr(exc)])[0]
     if not any(m in text for m in _UNSAFE_MARKERS):
         if any(m in text for m in _DECODE_MARKERS):
             return DecodeError(f"{where}: not a readable torch file: {reason}")

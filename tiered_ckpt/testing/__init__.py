@@ -2,8 +2,8 @@
 
 * :class:`TierContract` (``tiered_ckpt.testing.contract``): subclass it and provide a ``tier`` fixture; every
   built-in kind and every plugin kind runs it.
-* ``tiered_ckpt.testing.pytest_plugin`` (registered as a ``pytest11`` entry point, so installed projects get it
-  automatically): the fixtures ``shm_root``, ``tier_context``, ``tier_registry`` and ``make_tier``.
+* ``tiered_ckpt.testing.pytest_plugin`` (registered as a ``pytest11`` entry point, so installed projects get
+  it automatically): the fixtures ``shm_root``, ``tier_context``, ``tier_registry`` and ``make_tier``.
 
 This package is imported when pytest loads the plugin, so it imports nothing heavy itself: ``TierContract``
 (which needs torch and numpy) is loaded on first access.

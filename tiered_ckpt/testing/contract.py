@@ -1,6 +1,7 @@
 """The tier contract suite: what every tier kind must do, as pytest tests.
 
-Subclass :class:`TierContract` in a test module and provide a ``tier`` fixture returning a fresh, empty tier::
+Subclass :class:`TierContract` in a test module and provide a ``tier`` fixture returning a fresh, empty
+tier::
 
     from tiered_ckpt.testing import TierContract
 
@@ -12,8 +13,8 @@ Subclass :class:`TierContract` in a test module and provide a ``tier`` fixture r
             tier.close()
 
 Every test applies to every tier, except those about a capability the tier says it lacks (slots need
-``capabilities.memory``, view semantics ``capabilities.zero_copy_read``): those are skipped with the capability as
-the reason. The semantics tested are the ones :mod:`tiered_ckpt.tiers.base` documents.
+``capabilities.memory``, view semantics ``capabilities.zero_copy_read``): those are skipped with the
+capability as the reason. The semantics tested are the ones :mod:`tiered_ckpt.tiers.base` documents.
 """
 
 from __future__ import annotations
@@ -71,7 +72,7 @@ class TierContract:
     def tier(self) -> Tier:  # pragma: no cover - subclasses override
         raise NotImplementedError("subclasses of TierContract provide a `tier` fixture")
 
-    # ----- helpers -----------------------------------------------------------------------------------------------
+    # ----- helpers -----------------------------------------------------------------------------------------
     @staticmethod
     def read(tier: Tier, key: str) -> bytes:
         return host_bytes(tier.read_blob(key))
@@ -82,7 +83,7 @@ class TierContract:
         if not getattr(tier.capabilities, capability):
             pytest.skip(f"{tier.kind} tier: capabilities.{capability} is False ({why})")
 
-    # ----- write / read ------------------------------------------------------------------------------------------
+    # ----- write / read ------------------------------------------------------------------------------------
     @pytest.mark.parametrize("chunk_kind", sorted(CHUNK_KINDS))
     def test_round_trip_of_each_chunk_type(self, tier: Tier, chunk_kind: str) -> None:
         chunk = CHUNK_KINDS[chunk_kind]()
@@ -112,7 +113,8 @@ class TierContract:
         assert tier.write_blob("reuse.bin", produce()) == 5 * len(buf)
         assert self.read(tier, "reuse.bin") == b"".join(bytes([i + 1]) * len(buf) for i in range(5))
 
-    @pytest.mark.parametrize("chunks", [[], [b""], "generator"], ids=["no_chunks", "empty_chunk", "empty_stream"])
+    @pytest.mark.parametrize("chunks", [[], [b""], "generator"],
+                             ids=["no_chunks", "empty_chunk", "empty_stream"])
     def test_empty_blob(self, tier: Tier, chunks: Any) -> None:
         source = iter(()) if chunks == "generator" else chunks
         assert tier.write_blob("empty", source) == 0
@@ -155,7 +157,7 @@ class TierContract:
         assert host_bytes(first) == b"A" * 10000
         assert self.read(tier, "k") == b"C" * 20000
 
-    # ----- ranges, size, exists ----------------------------------------------------------------------------------
+    # ----- ranges, size, exists ----------------------------------------------------------------------------
     def test_read_range(self, tier: Tier) -> None:
         blob = bytes(range(256)) * 4
         tier.write_blob("r", [blob])
@@ -219,7 +221,7 @@ class TierContract:
         with pytest.raises(ValueError):
             tier.delete_prefix(prefix)
 
-    # ----- list --------------------------------------------------------------------------------------------------
+    # ----- list --------------------------------------------------------------------------------------------
     KEYS = ["a/b/c", "a/b/c2", "a/b/d", "a/e", "ab/f", "z", "iter_0000010/mp_rank_00/model_optim_rng.pt",
             "iter_0000002/mp_rank_00/model_optim_rng.pt", "dots.in.name/file-1_2.pt"]
 
@@ -241,7 +243,8 @@ class TierContract:
         ("a/b", ["a/b/c", "a/b/c2", "a/b/d"]),
         ("a/b/c", ["a/b/c", "a/b/c2"]),
         ("a/b/d", ["a/b/d"]),
-        ("iter_", ["iter_0000002/mp_rank_00/model_optim_rng.pt", "iter_0000010/mp_rank_00/model_optim_rng.pt"]),
+        ("iter_", ["iter_0000002/mp_rank_00/model_optim_rng.pt",
+                   "iter_0000010/mp_rank_00/model_optim_rng.pt"]),
         ("iter_0000010/", ["iter_0000010/mp_rank_00/model_optim_rng.pt"]),
         ("z", ["z"]),
         ("nothing/", []),
@@ -276,7 +279,7 @@ class TierContract:
         assert seen["list_during_overwrite"] == ["new/blob", "old"]
         assert tier.list() == ["new/blob", "old"]
 
-    # ----- failure ------------------------------------------------------------------------------------------------
+    # ----- failure -----------------------------------------------------------------------------------------
     @staticmethod
     def _failing(after_bytes: int):
         class Boom(RuntimeError):
@@ -307,7 +310,7 @@ class TierContract:
         tier.write_blob("ckpt/new.pt", [b"retry works"])  # nothing left in the way
         assert self.read(tier, "ckpt/new.pt") == b"retry works"
 
-    # ----- delete ------------------------------------------------------------------------------------------------
+    # ----- delete ------------------------------------------------------------------------------------------
     def test_delete(self, tier: Tier) -> None:
         tier.write_blob("x/one", [b"1"])
         tier.write_blob("x/two", [b"2"])
@@ -336,7 +339,7 @@ class TierContract:
         tier.write_blob("a/y/z", [b"new"])
         assert tier.list() == ["a/y/z", "b"]
 
-    # ----- publish -----------------------------------------------------------------------------------------------
+    # ----- publish -----------------------------------------------------------------------------------------
     def test_publish(self, tier: Tier) -> None:
         tier.publish("latest_checkpointed_iteration.txt", b"10")
         assert self.read(tier, "latest_checkpointed_iteration.txt") == b"10"
@@ -400,7 +403,7 @@ class TierContract:
             for i in range(5):
                 assert self.read(tier, f"rank_{t:05d}/part{i}") == bytes([t * 10 + i]) * (64 * 1024 + t)
 
-    # ----- zero-copy reads ---------------------------------------------------------------------------------------
+    # ----- zero-copy reads ----------------------------------------------------------------------------------
     def test_zero_copy_read_sees_writes_into_the_slot(self, tier: Tier) -> None:
         self.require(tier, "zero_copy_read", "reads are copies")
         self.require(tier, "memory", "no slots to write into behind the reader's back")
@@ -412,7 +415,7 @@ class TierContract:
         slot[:4] = torch.tensor([1, 2, 3, 4], dtype=torch.uint8, device=slot.device)
         assert view[:4].cpu().tolist() == [1, 2, 3, 4]
 
-    # ----- slots -------------------------------------------------------------------------------------------------
+    # ----- slots -------------------------------------------------------------------------------------------
     def test_non_memory_tiers_hold_no_slots(self, tier: Tier) -> None:
         if tier.capabilities.memory:
             pytest.skip(f"{tier.kind} tier: capabilities.memory is True (it holds slots; see the slot tests)")

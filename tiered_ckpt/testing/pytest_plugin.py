@@ -4,10 +4,10 @@
 * ``tier_context``: a :class:`~tiered_ckpt.tiers.base.TierContext` with a unique ``run_id``.
 * ``tier_registry`` (session): every registered tier kind, built-ins and ``tiered_ckpt`` entry points.
   Override it in a ``conftest.py`` to test a kind that is not installed.
-* ``make_tier(kind, *, name=None, context=None, **options)``: a tier of a registered kind, its options validated
-  like a configuration file's. Missing locations default to throw-away ones (``shm``: ``shm_root``; ``local``:
-  under ``tmp_path``; ``fsspec``: a unique ``memory://`` root; ``gpu``: ``cuda`` if present, else ``cpu``).
-  Every tier made is closed, and default ``memory://`` roots are emptied, when the test ends.
+* ``make_tier(kind, *, name=None, context=None, **options)``: a tier of a registered kind, its options
+  validated like a configuration file's. Missing locations default to throw-away ones (``shm``: ``shm_root``;
+  ``local``: under ``tmp_path``; ``fsspec``: a unique ``memory://`` root; ``gpu``: ``cuda`` if present, else
+  ``cpu``). Every tier made is closed, and default ``memory://`` roots are emptied, when the test ends.
 
 This module is imported by pytest at start-up in every project that has tiered_ckpt installed, so it imports
 only the standard library and pytest; tiered_ckpt itself is imported inside the fixtures.
@@ -30,45 +30,16 @@ SHM_BASE = "/dev/shm"
 
 
 def build_tier_registry(*, load_entry_points: bool = True, extra_plugins: tuple[Any, ...] = ()) -> Any:
-    """A registry of every tier kind: the built-ins, the ``tiered_ckpt`` entry points and ``extra_plugins``.
+    """A registry of every tier kind: the built-ins, the ``tiered_ckpt`` entry points and ``extra_plugins``,
+    with the same order and conflict rules as the library's own plugin manager (it is that manager's)."""
+    from tiered_ckpt.plugins import PluginManager
 
-    Only the ``tiered_ckpt_register_tiers`` hook runs (layouts and codecs are not loaded), in the same order and
-    with the same conflict rules as :class:`tiered_ckpt.plugins.PluginManager`.
-    """
-    from importlib.metadata import entry_points
-
-    import pluggy
-
-    from tiered_ckpt import builtin, hookspecs
-    from tiered_ckpt.errors import PluginError
-    from tiered_ckpt.plugins import ENTRY_POINT_GROUP
-    from tiered_ckpt.registry import Registry
-
-    pm = pluggy.PluginManager(hookspecs.PROJECT)
-    pm.add_hookspecs(hookspecs)
-    pm.register(builtin, name="tiered_ckpt.builtin")
-    if load_entry_points:
-        for ep in entry_points(group=ENTRY_POINT_GROUP):
-            if pm.get_plugin(ep.name) is not None:
-                continue
-            try:
-                plugin = ep.load()
-            except Exception as exc:
-                raise PluginError(f"plugin {ep.name!r} ({ep.value}) failed to load: {exc}") from exc
-            pm.register(plugin, name=ep.name)
-    for plugin in extra_plugins:
-        pm.register(plugin)
-    registry = Registry("tier kind")
-    for impl in reversed(pm.hook.tiered_ckpt_register_tiers.get_hookimpls()):
-        registry.provider = impl.plugin_name
-        impl.function(registry=registry)
-    registry.provider = "<direct>"
-    return registry
+    return PluginManager(load_entry_points=load_entry_points, extra_plugins=extra_plugins).registries.tiers
 
 
 @pytest.fixture
 def shm_root(tmp_path: Any) -> Iterator[str]:
-    """A fresh directory on ``/dev/shm`` (tmpfs), removed after the test; under ``tmp_path`` where there is none."""
+    """A fresh directory on ``/dev/shm`` (tmpfs), removed after the test (under ``tmp_path`` if none)."""
     if os.path.isdir(SHM_BASE) and os.access(SHM_BASE, os.W_OK | os.X_OK):
         path = tempfile.mkdtemp(prefix="tiered-ckpt-test-", dir=SHM_BASE)
         try:
@@ -96,7 +67,8 @@ def tier_registry() -> Any:
 
 
 @pytest.fixture
-def make_tier(request: Any, tier_registry: Any, tier_context: Any, tmp_path: Any) -> Iterator[Callable[..., Any]]:
+def make_tier(request: Any, tier_registry: Any, tier_context: Any,
+              tmp_path: Any) -> Iterator[Callable[..., Any]]:
     """Factory: ``make_tier("local", fsync=False)``, ``make_tier("shm", min_free="1GiB")``, ..."""
     from tiered_ckpt.validate import build_dataclass
 

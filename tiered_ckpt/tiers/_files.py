@@ -136,7 +136,7 @@ def write_chunks(fd: int, chunks: Iterable[Any], fail: Callable[[OSError], Excep
     return written
 
 
-class FileStore:
+class BlobFiles:
     """Blobs as files under ``root``; ``local`` and ``shm`` configure it (modes, fsync, capacity check)."""
 
     def __init__(self, tier: str, root: str, *, file_mode: int, dir_mode: int, fsync: bool,

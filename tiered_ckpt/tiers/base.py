@@ -156,7 +156,7 @@ class Tier(ABC):
         """
         return cls.capabilities
 
-    # ----- blob primitives ----------------------------------------------------------------------------------
+    # ----- blob primitives ---------------------------------------------------------------------------------
     @abstractmethod
     def write_blob(self, key: str, chunks: Iterable[Chunk]) -> int: ...
 
@@ -191,7 +191,7 @@ class Tier(ABC):
     def publish(self, key: str, data: bytes) -> None:
         self.write_blob(key, [data])
 
-    # ----- memory tiers -------------------------------------------------------------------------------------
+    # ----- memory tiers ------------------------------------------------------------------------------------
     def allocate_slot(self, key: str, nbytes: int) -> torch.Tensor:
         """A writable, pre-faulted 1-D uint8 buffer of at least ``nbytes`` stored as blob ``key``.
 

@@ -101,7 +101,7 @@ class FsspecTier(Tier):
         self._rename = self.capabilities.atomic_rename
         self._open_kw = {"block_size": options.block_size} if options.block_size else {}
 
-    # ----- helpers ------------------------------------------------------------------------------------------
+    # ----- helpers -----------------------------------------------------------------------------------------
     def _path(self, key: str) -> str:
         return f"{self.root}/{check_key(key)}"
 
@@ -141,7 +141,7 @@ class FsspecTier(Tier):
             total += len(mv)
         return total
 
-    # ----- blob primitives ----------------------------------------------------------------------------------
+    # ----- blob primitives ---------------------------------------------------------------------------------
     def write_blob(self, key: str, chunks: Iterable[Chunk]) -> int:
         path = self._path(key)
         if self._rename:

@@ -98,9 +98,15 @@ class GpuTier(Tier):
 
     @classmethod
     def availability(cls, options: GpuOptions) -> tuple[bool, str]:
+        """Whether ``options.device`` can be used in this process, and why (or why not)."""
         return availability(options)
 
-    # ----- accounting ---------------------------------------------------------------------------------------
+    @staticmethod
+    def resolve_enabled(enabled: bool | str, options: GpuOptions, *, name: str = "gpu") -> bool:
+        """:func:`resolve_enabled` (module level), reachable from the class the registry returns."""
+        return resolve_enabled(enabled, options, name=name)
+
+    # ----- accounting --------------------------------------------------------------------------------------
     def held_bytes(self) -> int:
         return sum(t.numel() for t in list(self._blobs.values()))
 
@@ -139,7 +145,7 @@ class GpuTier(Tier):
             mv = memoryview(bytearray(mv))
         return torch.frombuffer(mv, dtype=torch.uint8)
 
-    # ----- blob primitives ----------------------------------------------------------------------------------
+    # ----- blob primitives ---------------------------------------------------------------------------------
     def write_blob(self, key: str, chunks: Iterable[Chunk]) -> int:
         check_key(key)
         old = self._blobs.get(key)
@@ -202,7 +208,7 @@ class GpuTier(Tier):
         with self._lock:
             self._blobs.pop(key, None)
 
-    # ----- slots --------------------------------------------------------------------------------------------
+    # ----- slots -------------------------------------------------------------------------------------------
     def allocate_slot(self, key: str, nbytes: int) -> torch.Tensor:
         check_key(key)
         if nbytes < 0:

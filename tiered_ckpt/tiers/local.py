@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import PermanentTierError
-from ._files import FileStore
+from ._files import BlobFiles
 from .base import Capabilities, Chunk, Tier, TierContext, check_key
 
 
@@ -49,31 +49,31 @@ class LocalTier(Tier):
                                      tier=name) from exc
         if not os.path.isdir(self.root):
             raise PermanentTierError(f"{self.root} is not a directory", tier=name)
-        self.store = FileStore(name, self.root, file_mode=0o644, dir_mode=0o755, fsync=options.fsync)
+        self.files = BlobFiles(name, self.root, file_mode=0o644, dir_mode=0o755, fsync=options.fsync)
 
     def write_blob(self, key: str, chunks: Iterable[Chunk]) -> int:
-        return self.store.write(check_key(key), chunks)
+        return self.files.write(check_key(key), chunks)
 
     def read_blob(self, key: str) -> torch.Tensor:
-        return self.store.read_into_tensor(key)
+        return self.files.read_into_tensor(key)
 
     def read_range(self, key: str, offset: int, length: int) -> bytes:
-        return self.store.read_range(key, offset, length)
+        return self.files.read_range(key, offset, length)
 
     def size(self, key: str) -> int:
-        return self.store.size(key)
+        return self.files.size(key)
 
     def exists(self, key: str) -> bool:
-        return self.store.exists(key)
+        return self.files.exists(key)
 
     def list(self, prefix: str = "") -> list[str]:
-        return self.store.list(prefix)
+        return self.files.list(prefix)
 
     def delete(self, key: str) -> None:
-        self.store.delete(key)
+        self.files.delete(key)
 
     def delete_prefix(self, prefix: str) -> None:
-        self.store.delete_prefix(prefix)
+        self.files.delete_prefix(prefix)
 
     def describe(self) -> str:
         return f"local {self.root}" + ("" if self.options.fsync else " (fsync off)")

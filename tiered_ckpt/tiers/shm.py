@@ -40,7 +40,7 @@ import torch
 
 from ..errors import BlobNotFoundError, CapacityError, PermanentTierError
 from ..validate import Size
-from ._files import FileStore, make_dirs
+from ._files import BlobFiles, make_dirs
 from .base import Capabilities, Chunk, Tier, TierContext, check_key, check_prefix
 
 log = logging.getLogger(__name__)
@@ -109,9 +109,9 @@ class _Slot:
     ino: int
 
     def release(self) -> None:
-        """Forget the slot. Never ``mm.close()``: tensors from ``torch.frombuffer`` hold a reference to the mmap
-        object but no buffer export, so closing it would unmap memory they still point to (a segfault). The
-        mapping goes away when the last tensor over it does."""
+        """Forget the slot. Never ``mm.close()``: tensors from ``torch.frombuffer`` hold a reference to the
+        mmap object but no buffer export, so closing it would unmap memory they still point to (a segfault).
+        The mapping goes away when the last tensor over it does."""
         self.tensor = None  # type: ignore[assignment]
         self.mm = None  # type: ignore[assignment]
 
@@ -138,12 +138,12 @@ class ShmTier(Tier):
                 raise PermanentTierError(f"{what} {value!r} cannot name a directory", tier=name)
         self.root = os.path.join(base, user, run_id)
         self._prepare_dirs(base, user)
-        self.store = FileStore(name, self.root, file_mode=0o600, dir_mode=0o700, fsync=False,
+        self.files = BlobFiles(name, self.root, file_mode=0o600, dir_mode=0o700, fsync=False,
                                full_error=CapacityError)
         self._slots: dict[str, _Slot] = {}
         self._lock = threading.Lock()
 
-    # ----- directories --------------------------------------------------------------------------------------
+    # ----- directories -------------------------------------------------------------------------------------
     def _prepare_dirs(self, base: str, user: str) -> None:
         try:
             if not os.path.isdir(base):
@@ -179,7 +179,7 @@ class ShmTier(Tier):
             raise PermanentTierError(f"cannot prepare {self.root}: {exc.strerror or exc}",
                                      tier=self.name) from exc
 
-    # ----- capacity -----------------------------------------------------------------------------------------
+    # ----- capacity ----------------------------------------------------------------------------------------
     def free_bytes(self) -> int:
         """Bytes that may still be allocated: free space of the filesystem less ``min_free``."""
         st = os.statvfs(self.root)
@@ -196,19 +196,19 @@ class ShmTier(Tier):
                 f"({self.filesystem_type}{headroom}); enlarge the tmpfs, free space, or hold fewer slots",
                 tier=self.name, key=key)
 
-    # ----- blob primitives ----------------------------------------------------------------------------------
+    # ----- blob primitives ---------------------------------------------------------------------------------
     def write_blob(self, key: str, chunks: Iterable[Chunk]) -> int:
         check_key(key)
-        nbytes = self.store.write(key, chunks, check=lambda _written, n: self._check_room(key, n))
+        nbytes = self.files.write(key, chunks, check=lambda _written, n: self._check_room(key, n))
         self._drop_slot(key)
         return nbytes
 
     def read_blob(self, key: str) -> torch.Tensor:
-        path = self.store.path(key)
+        path = self.files.path(key)
         try:
             fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
         except OSError as exc:
-            raise self.store.error(exc, key, "open", path, missing_ok=True) from exc
+            raise self.files.error(exc, key, "open", path, missing_ok=True) from exc
         try:
             st = os.fstat(fd)
             if not stat.S_ISREG(st.st_mode):
@@ -217,41 +217,41 @@ class ShmTier(Tier):
                 return torch.empty(0, dtype=torch.uint8)
             mm = mmap.mmap(fd, st.st_size, access=mmap.ACCESS_COPY)  # MAP_PRIVATE, PROT_READ|PROT_WRITE
         except OSError as exc:
-            raise self.store.error(exc, key, "map", path) from exc
+            raise self.files.error(exc, key, "map", path) from exc
         finally:
             os.close(fd)
         return torch.frombuffer(mm, dtype=torch.uint8)  # keeps mm alive as long as the tensor
 
     def read_range(self, key: str, offset: int, length: int) -> bytes:
-        return self.store.read_range(key, offset, length)
+        return self.files.read_range(key, offset, length)
 
     def size(self, key: str) -> int:
-        return self.store.size(key)
+        return self.files.size(key)
 
     def exists(self, key: str) -> bool:
-        return self.store.exists(key)
+        return self.files.exists(key)
 
     def list(self, prefix: str = "") -> list[str]:
-        return self.store.list(prefix)
+        return self.files.list(prefix)
 
     def delete(self, key: str) -> None:
         check_key(key)
         self._drop_slot(key)
-        self.store.delete(key)
+        self.files.delete(key)
 
     def delete_prefix(self, prefix: str) -> None:
         prefix = check_prefix(prefix.rstrip("/") + "/")
         with self._lock:
             for key in [k for k in self._slots if k.startswith(prefix)]:
                 self._slots.pop(key).release()
-        self.store.delete_prefix(prefix)
+        self.files.delete_prefix(prefix)
 
-    # ----- slots --------------------------------------------------------------------------------------------
+    # ----- slots -------------------------------------------------------------------------------------------
     def allocate_slot(self, key: str, nbytes: int) -> torch.Tensor:
         check_key(key)
         if nbytes < 0:
             raise ValueError(f"nbytes must be >= 0, got {nbytes}")
-        path = self.store.path(key)
+        path = self.files.path(key)
         with self._lock:
             slot = self._slots.get(key)
             if slot is not None:
@@ -262,7 +262,7 @@ class ShmTier(Tier):
                 make_dirs(self.root, os.path.dirname(key), 0o700)
                 fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
             except OSError as exc:
-                raise self.store.error(exc, key, "create", path) from exc
+                raise self.files.error(exc, key, "create", path) from exc
             try:
                 st = os.fstat(fd)
                 size = max(nbytes, st.st_size)
@@ -272,7 +272,7 @@ class ShmTier(Tier):
                 self._reserve(fd, key, path, st.st_size, size)
                 mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
             except OSError as exc:
-                raise self.store.error(exc, key, "map", path) from exc
+                raise self.files.error(exc, key, "map", path) from exc
             finally:
                 os.close(fd)
             tensor = torch.frombuffer(mm, dtype=torch.uint8)

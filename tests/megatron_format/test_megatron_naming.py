@@ -28,7 +28,7 @@ from tiered_ckpt.megatron.naming import (
     write_tracker,
 )
 
-# ----- step directories and tracker -------------------------------------------------------------------------
+# ----- step directories and tracker ------------------------------------------------------------------------
 
 
 def test_iteration_dirs() -> None:
@@ -86,7 +86,7 @@ def test_write_tracker(tmp_path: Path) -> None:
         read_tracker(tmp_path)
 
 
-# ----- rank directories -------------------------------------------------------------------------------------
+# ----- rank directories -----------------------------------------------------------------------------------
 
 
 def test_rank_dir_names() -> None:
@@ -166,7 +166,7 @@ def test_scan_checks_the_grid() -> None:
     assert scan_rank_dirs(["mp_rank_00", "mp_rank_01"]).tp_size == 2
 
 
-# ----- rank order, groups, writers --------------------------------------------------------------------------
+# ----- rank order, groups, writers ------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize(("config", "reload_dp"), [(c, None) for c in CONFIGS] + list(RELOADS))

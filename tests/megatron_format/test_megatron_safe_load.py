@@ -271,6 +271,19 @@ def test_trust_pickles_loads_with_a_warning(tmp_path: Path, caplog: pytest.LogCa
     assert not caplog.records
 
 
+def test_pickle_protocol_above_two_needs_trust(tmp_path: Path) -> None:
+    """torch's weights-only unpickler lacks protocol 4's opcodes: refused as unsafe, loadable when trusted."""
+    path = tmp_path / "p4.pt"
+    torch.save({"w": torch.ones(3)}, path, pickle_protocol=4)
+    with (
+        pytest.raises(UnsafePickleError, match="Unsupported operand"),
+        pytest.warns(UserWarning, match="protocol 4"),
+    ):
+        safe_load.load(path)
+    with pytest.warns(UserWarning, match="protocol 4"):  # torch's own warning
+        assert torch.equal(safe_load.load(path, trust_pickles=True)["w"], torch.ones(3))
+
+
 def test_unreadable_files_are_decode_errors(tmp_path: Path) -> None:
     cases = {
         "garbage.pt": b"hello world" * 20,

@@ -298,8 +298,8 @@ def test_hypothesis_padding_holds_zeros(config: str) -> None:
 @pytest.mark.parametrize(("config", "subdir"), all_dirs())
 def test_hypothesis_per_param_world_offset(config: str, subdir: str) -> None:
     """CONFIRMED: a param at buffer [s, e) of bucket b is at world offset s - sum_{b'<b}(N_b' - U_b'); the
-    main
-    params found there equal the model weights Megatron stored in model_optim_rng.pt (fp32 run: exactly)."""
+    main params found there equal the model weights Megatron stored in model_optim_rng.pt (fp32 run:
+    exactly)."""
     t = truth(config)
     rank = mp_dirs(t)[subdir][0]
     pp = t["rank_map"][str(rank)]["pp"]
@@ -321,13 +321,12 @@ def test_hypothesis_per_param_world_offset(config: str, subdir: str) -> None:
 
 
 def test_hypothesis_alignment_gaps_are_zero_after_merge() -> None:
-    """The fixtures' params are all multiples of 64 elements, so they have no 64-alignment gaps: this checks on
-    a
-    synthetic buffer that gaps come out as zeros (as Megatron's zero-filled local shards make them)."""
+    """NOT TESTABLE on the fixtures (every param is a multiple of 64 elements, so there are no 64-alignment
+    gaps): on a synthetic buffer, gaps come out as zeros (as Megatron's zero-filled local shards make
+    them)."""
     key = (torch.bfloat16, torch.float32)
-    geo = geometry_from_sizes(
-        [(key, [384], [138])], dp_size=3
-    )  # a (10 at 128..138), b (15 at 64..79), c (64)
+    # c (64 elements at 0..64), b (15 at 64..79), a (10 at 128..138): a gap at 79..128
+    geo = geometry_from_sizes([(key, [384], [138])], dp_size=3)
     shards = []
     for r in range(3):
         s = {}
