@@ -17,7 +17,9 @@ import torch
 
 from . import events as ev
 from .checksum import ALGORITHM, HashingStream
-from .codecs.file_codecs import FileCodec, ItemSource
+from .codecs import flat
+from .codecs.byte_grouping import grouped_chunks, ungroup_
+from .codecs.file_codecs import FileCodec, FlatFileCodec, ItemSource
 from .compression import compress_chunks, decompress_to_tensor
 from .config import TierConfig
 from .errors import BlobNotFoundError, CorruptionError, DecodeError, TierError
@@ -53,6 +55,20 @@ class _Counting:
             yield mv
 
 
+def regroup(raw: torch.Tensor, grouped: bool, want: bool) -> Iterable[Chunk]:
+    """The raw bytes of a flat file with byte grouping switched to ``want``."""
+    if grouped == want:
+        return [raw]
+    header, data = FlatFileCodec.split(raw)
+    info = flat.decode_header(header)
+    prefix = raw[:raw.numel() - data.numel()]
+    if want:
+        return [prefix, *grouped_chunks(info, data)]
+    data = data.clone()
+    ungroup_(info, data)
+    return [prefix, data]
+
+
 class FileStore:
     """One file tier seen through a layout, with this tier's compression and retry policy."""
 
@@ -78,10 +94,10 @@ class FileStore:
         return call_with_retry(fn, self.cfg.retry, on_retry)
 
     # ----- writing -----------------------------------------------------------------------------------------
-    def _write_file(self, key: str, make_chunks: Callable[[], Iterable[Chunk]], step: int, rank: int
-                    ) -> tuple[int, str, int]:
+    def _write_file(self, key: str, make_chunks: Callable[[], Iterable[Chunk]], step: int, rank: int,
+                    compress: bool = True) -> tuple[int, str, int]:
         """Write one file with retries; returns (stored size, checksum, raw size)."""
-        compression = self.cfg.compression if self.cfg.compression and self.cfg.compression.codec == "zstd" else None
+        compression = self.cfg.compression if compress and self.compression_name == "zstd" else None
 
         def attempt() -> tuple[int, str, int]:
             raw = _Counting(make_chunks())
@@ -91,6 +107,11 @@ class FileStore:
             return stream.nbytes, f"{ALGORITHM}:{stream.hexdigest}", raw.nbytes
 
         return self._retry(attempt, step, rank, f"write {key}")
+
+    @property
+    def byte_grouping(self) -> bool:
+        c = self.cfg.compression
+        return bool(c and c.codec == "zstd" and c.byte_grouping)
 
     @property
     def compression_name(self) -> str | None:
@@ -104,10 +125,12 @@ class FileStore:
             key = self.layout.item_key(step, src.name, coords, codec.extension)
             if key is None:
                 continue
-            size, checksum, raw = self._write_file(key, lambda src=src, codec=codec: codec.encode(src), step,
-                                                   coords.rank)
+            grouping = self.byte_grouping and codec.supports_byte_grouping
+            size, checksum, raw = self._write_file(
+                key, lambda src=src, codec=codec, g=grouping: codec.encode(src, byte_grouping=g), step, coords.rank)
             entries.append(FileEntry(key=key, item=src.name, rank=coords.rank, codec=codec.name, size=size,
-                                     checksum=checksum, compression=self.compression_name, raw_size=raw))
+                                     checksum=checksum, compression=self.compression_name, raw_size=raw,
+                                     meta={"byte_grouping": True} if grouping else {}))
         return self._publish_rank(step, coords, entries)
 
     def _publish_rank(self, step: int, coords: RankCoords, entries: list[FileEntry]) -> RankManifest:
@@ -118,25 +141,34 @@ class FileStore:
         return manifest
 
     def copy_rank_from(self, source: FileStore, step: int, coords: RankCoords) -> RankManifest:
-        """Copy this rank's files of ``step`` from another file tier, verifying each against its manifest."""
+        """Copy this rank's files of ``step`` from another file tier, verifying each against its manifest.
+
+        Identical storage (same compression and byte grouping) is copied byte for byte and must hash the same;
+        otherwise the file is transcoded through its raw bytes.
+        """
         rank_manifest = source.read_rank_manifest(step, coords.rank)
         entries = []
         for entry in rank_manifest.files:
             blob = source._retry(lambda e=entry: source.tier.read_blob(e.key), step, coords.rank, f"read {entry.key}")
             source.verify(entry, blob)
-            if entry.compression == self.compression_name:
-                make = lambda blob=blob: [blob]  # noqa: E731 - same bytes, re-hashed on the way out
-                size, checksum, raw = self._write_file(entry.key, make, step, coords.rank)
-                raw = entry.raw_size if entry.raw_size is not None else raw
-            else:  # this tier compresses differently: transcode through the raw bytes
+            grouped = bool(entry.meta.get("byte_grouping"))
+            want_grouped = self.byte_grouping and self.codecs[entry.codec].supports_byte_grouping
+            if entry.compression == self.compression_name and grouped == want_grouped:
+                size, checksum, _ = self._write_file(entry.key, lambda b=blob: [b], step, coords.rank, compress=False)
+                if checksum != entry.checksum:
+                    self.tier.delete(entry.key)
+                    raise CorruptionError("bytes changed while copying between tiers", tier=self.name,
+                                          key=entry.key)
+                raw = entry.raw_size
+            else:
                 plain = source.decode_stored(entry, blob)
-                size, checksum, raw = self._write_file(entry.key, lambda p=plain: [p], step, coords.rank)
-            if checksum != entry.checksum and entry.compression == self.compression_name:
-                self.tier.delete(entry.key)
-                raise CorruptionError("bytes changed while copying between tiers", tier=self.name, key=entry.key)
+                make = lambda p=plain, g=grouped, w=want_grouped: regroup(p, g, w)  # noqa: E731
+                size, checksum, raw = self._write_file(entry.key, make, step, coords.rank)
+            meta = {**entry.meta, "byte_grouping": True} if want_grouped else {
+                k: v for k, v in entry.meta.items() if k != "byte_grouping"}
             entries.append(FileEntry(key=entry.key, item=entry.item, rank=entry.rank, codec=entry.codec,
                                      size=size, checksum=checksum, compression=self.compression_name,
-                                     raw_size=raw, meta=entry.meta))
+                                     raw_size=raw, meta=meta))
         return self._publish_rank(step, coords, entries)
 
     # ----- committing --------------------------------------------------------------------------------------
@@ -229,13 +261,16 @@ class FileStore:
             if verify:
                 self.verify(entry, blob)
             raw = self.decode_stored(entry, blob)
+            if entry.meta.get("byte_grouping") and entry.compression is None:
+                raw = raw.clone()  # un-grouping works in place; never on the tier's own bytes
             try:
                 codec = self.codecs[entry.codec]
             except KeyError:
                 raise CorruptionError(f"unknown codec {entry.codec!r}", tier=self.name, key=entry.key) from None
             try:
                 items[entry.item] = codec.decode(raw, copy=copy, map_location=map_location,
-                                                 trust_pickles=trust_pickles, where=entry.key)
+                                                 trust_pickles=trust_pickles, where=entry.key,
+                                                 byte_grouping=bool(entry.meta.get("byte_grouping")))
             except DecodeError as exc:
                 raise CorruptionError(str(exc), tier=self.name, key=entry.key) from None
         return items

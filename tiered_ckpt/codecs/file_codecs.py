@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import io
 import struct
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,6 +20,7 @@ import torch
 from ..errors import DecodeError
 from ..tiers.base import Chunk, as_memoryview
 from . import flat
+from .byte_grouping import grouped_chunks, ungroup_
 
 FLAT_MAGIC = b"TCKFLAT1"
 _PREFIX = struct.Struct("<8sQ")
@@ -41,22 +43,29 @@ class FileCodec:
     name = "abstract"
     extension = "bin"
 
-    def encode(self, src: ItemSource) -> list[Chunk]:
+    supports_byte_grouping = False
+
+    def encode(self, src: ItemSource, *, byte_grouping: bool = False) -> Iterable[Chunk]:
         raise NotImplementedError
 
     def decode(self, blob: torch.Tensor, *, copy: bool = True, map_location: Any = None,
-               trust_pickles: bool = False, where: str = "") -> Any:
+               trust_pickles: bool = False, where: str = "", byte_grouping: bool = False) -> Any:
         raise NotImplementedError
 
 
 class FlatFileCodec(FileCodec):
     name = "flat"
     extension = "flat"
+    supports_byte_grouping = True
 
-    def encode(self, src: ItemSource) -> list[Chunk]:
+    def encode(self, src: ItemSource, *, byte_grouping: bool = False) -> Iterable[Chunk]:
         head = _PREFIX.pack(FLAT_MAGIC, len(src.header)) + src.header
         pad = (-len(head)) % ALIGN
-        return [head + b"\0" * pad, src.data]
+        yield head + b"\0" * pad
+        if byte_grouping:
+            yield from grouped_chunks(flat.decode_header(src.header), src.data)
+        else:
+            yield src.data
 
     @staticmethod
     def split(blob: torch.Tensor, where: str = "") -> tuple[bytes, torch.Tensor]:
@@ -74,12 +83,14 @@ class FlatFileCodec(FileCodec):
         return header, blob[start:]
 
     def decode(self, blob: torch.Tensor, *, copy: bool = True, map_location: Any = None,
-               trust_pickles: bool = False, where: str = "") -> Any:
+               trust_pickles: bool = False, where: str = "", byte_grouping: bool = False) -> Any:
         header, data = self.split(blob, where)
         try:
             info = flat.decode_header(header)
         except DecodeError as exc:
             raise DecodeError(f"{where}: {exc}") from None
+        if byte_grouping:
+            ungroup_(info, data)
         return flat.restore(info, data, copy=copy, map_location=map_location)
 
 
@@ -87,13 +98,13 @@ class TorchFileCodec(FileCodec):
     name = "torch"
     extension = "pt"
 
-    def encode(self, src: ItemSource) -> list[Chunk]:
+    def encode(self, src: ItemSource, *, byte_grouping: bool = False) -> Iterable[Chunk]:
         buf = io.BytesIO()
         torch.save(src.materialize(), buf)
         return [buf.getbuffer()]
 
     def decode(self, blob: torch.Tensor, *, copy: bool = True, map_location: Any = None,
-               trust_pickles: bool = False, where: str = "") -> Any:
+               trust_pickles: bool = False, where: str = "", byte_grouping: bool = False) -> Any:
         from ..megatron.safe_load import load_bytes
 
         return load_bytes(as_memoryview(blob), where=where, map_location=map_location or "cpu",

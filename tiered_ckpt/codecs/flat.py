@@ -421,7 +421,8 @@ class _Planner:
         requires_grad = t.requires_grad
         device = t.device
         if n:  # same memory, read the same way (conj/neg views are lazy: not the same values)
-            key = (t.data_ptr(), dtype, shape, t.stride(), device, kind, requires_grad, t.is_conj(), t.is_neg())
+            key = (t.data_ptr(), dtype, shape, t.stride(), device, kind, requires_grad, t.is_conj(),
+                   t.is_neg())
         else:
             key = ("id", id(t))
         idx = self.seen.get(key)
@@ -1166,10 +1167,11 @@ def restore(
     """Rebuild the items from a decoded header and the snapshot's buffer (a 1-D uint8 tensor, CPU or device).
 
     ``copy=False``: tensors share ``buffer``'s memory, zero-copy (numpy arrays too, when ``buffer`` is on the
-    CPU), each through its own storage object starting at its slot; ``copy=True``: every tensor and array owns
-    its memory. ``buffer`` must outlive the restored values when ``copy=False``. Tensors land on ``buffer``'s device unless
-    ``map_location`` names another (then they are copies whatever ``copy`` says). Tensors stored once are
-    restored as one object. Raises :class:`DecodeError` if ``buffer`` is smaller than ``info.total_bytes``.
+    CPU), each through its own storage object starting at its slot, so the memory under ``buffer`` (an mmap,
+    say) must stay mapped while they are in use; ``copy=True``: every tensor and array owns its memory.
+    Tensors land on ``buffer``'s device unless ``map_location`` names another (then they are copies whatever
+    ``copy`` says). Tensors stored once are restored as one object. Raises :class:`DecodeError` if ``buffer``
+    is smaller than ``info.total_bytes``.
     """
     if not isinstance(info, HeaderInfo):
         raise TypeError(f"restore() needs the HeaderInfo from decode_header(), got {_type_name(info)}")

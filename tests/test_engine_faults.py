@@ -1,0 +1,136 @@
+"""The engine when storage misbehaves: retries, permanent failures, a training process killed mid-drain."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import uuid
+
+import pytest
+from helpers import Recorder, assert_same, make_items
+
+from tiered_ckpt import CheckpointEngine, SaveError
+from tiered_ckpt.plugins import get_plugin_manager
+
+FAST_RETRY = {"attempts": 6, "initial_s": 0.01, "max_s": 0.05, "deadline_s": 30}
+
+
+@pytest.fixture
+def recorder():
+    rec = Recorder()
+    pm = get_plugin_manager()
+    pm.register(rec)
+    yield rec
+    pm.unregister(rec)
+
+
+def _config(shm_root, tmp_path, *extra: dict, run_id: str | None = None) -> dict:
+    return {
+        "run_id": run_id or f"f{uuid.uuid4().hex[:8]}",
+        "drain": {"mode": "thread"},
+        "tiers": [{"name": "shm", "kind": "shm", "path": str(shm_root)},
+                  {"name": "local", "kind": "local", "path": str(tmp_path / "local")}, *extra],
+    }
+
+
+def _faulty(name: str, path, **faults) -> dict:
+    return {"name": name, "kind": "faulty", "inner": {"kind": "local", "path": str(path)}, "retry": FAST_RETRY,
+            **faults}
+
+
+def test_transient_failures_are_retried_then_committed(shm_root, tmp_path, recorder):
+    flaky = _faulty("flaky", tmp_path / "flaky", transient_errors=3)
+    with CheckpointEngine(_config(shm_root, tmp_path, flaky)) as engine:
+        handle = engine.save(1, make_items(1))
+        handle.wait(timeout=60)
+        assert handle.results == {"local": True, "flaky": True}
+        retries = recorder.kinds("retry", "flaky")
+        assert len(retries) == 3
+        assert all("attempt" in e.message for e in retries)
+        assert_same(make_items(1), engine._load_from("flaky", 1, True, None)[0])
+
+
+def test_permanent_failure_spares_the_other_tiers(shm_root, tmp_path, recorder):
+    broken = _faulty("broken", tmp_path / "broken", permanent_error=True)
+    with CheckpointEngine(_config(shm_root, tmp_path, broken)) as engine:
+        handle = engine.save(1, make_items(1))
+        with pytest.raises(SaveError) as info:
+            handle.wait(timeout=60)
+        assert list(info.value.failures) == ["broken"]
+        assert handle.results == {"local": True, "broken": False}
+        assert not recorder.kinds("retry", "broken")  # permanent: not retried
+        assert recorder.kinds("commit_failed", "broken")
+        assert engine.available_steps() == {"shm": [1], "local": [1], "broken": []}
+        # Training goes on: the next save is unaffected and lands on the healthy tiers.
+        second = engine.save(2, make_items(2))
+        with pytest.raises(SaveError):
+            second.wait(timeout=60)
+        second.wait(tier="local", timeout=60)
+        assert engine.load().step == 2
+
+
+def test_deadline_bounds_the_retries(shm_root, tmp_path, recorder):
+    slow = _faulty("slow", tmp_path / "slow", transient_errors=1000,
+                   retry={"attempts": 1000, "initial_s": 0.01, "max_s": 0.02, "deadline_s": 0.3})
+    with CheckpointEngine(_config(shm_root, tmp_path, slow)) as engine:
+        handle = engine.save(1, make_items(1))
+        with pytest.raises(SaveError, match="slow"):
+            handle.wait(timeout=60)
+        assert 1 <= len(recorder.kinds("retry", "slow")) < 1000
+
+
+def test_zstd_tier_round_trip_and_transcoding(shm_root, tmp_path):
+    packed = {"name": "packed", "kind": "local", "path": str(tmp_path / "packed"),
+              "compression": {"codec": "zstd", "level": 3}}
+    plain_after = {"name": "plain", "kind": "local", "path": str(tmp_path / "plain")}
+    cfg = _config(shm_root, tmp_path, packed, plain_after)
+    cfg["tiers"] = [cfg["tiers"][0], packed, plain_after]  # shm -> zstd tier -> plain tier copies from it
+    with CheckpointEngine(cfg) as engine:
+        engine.save(1, make_items(1)).wait(timeout=60)
+        packed_m = engine.pipeline.stores["packed"].read_manifest(1)
+        plain_m = engine.pipeline.stores["plain"].read_manifest(1)
+        (pf,), (qf,) = packed_m.files, plain_m.files
+        assert pf.compression == "zstd" and pf.size < pf.raw_size
+        assert qf.compression is None and qf.size == pf.raw_size
+        for name in ("packed", "plain"):
+            assert_same(make_items(1), engine._load_from(name, 1, True, None)[0])
+
+
+KILLED_SCRIPT = textwrap.dedent("""
+    import json, os, signal, sys
+    sys.path.insert(0, {tests!r})
+    from helpers import make_items
+    from tiered_ckpt import CheckpointEngine
+    cfg = json.loads({cfg!r})
+    engine = CheckpointEngine(cfg)
+    engine.save(3, make_items(3))
+    print("SAVED", flush=True)
+    os.kill(os.getpid(), signal.SIGKILL)
+""")
+
+
+def test_killed_after_save_recovers_from_shm_and_drains(shm_root, tmp_path, recorder):
+    run_id = f"k{uuid.uuid4().hex[:8]}"
+    # The killed process drains to a tier slow enough that it never gets there.
+    slow_local = _faulty("local", tmp_path / "local", latency_s=60)
+    cfg = _config(shm_root, tmp_path, run_id=run_id)
+    cfg["tiers"][1] = slow_local
+    script = KILLED_SCRIPT.format(tests=os.path.dirname(__file__), cfg=json.dumps(cfg))
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr
+    assert "SAVED" in proc.stdout
+    assert not (tmp_path / "local" / "iter_0000003").exists()
+
+    with CheckpointEngine(_config(shm_root, tmp_path, run_id=run_id)) as engine:
+        assert [h.step for h in engine.recovered] == [3]
+        assert recorder.kinds("recover")
+        loaded = engine.load()
+        assert (loaded.step, loaded.tier) == (3, "shm")
+        assert_same(make_items(3), loaded.items)
+        engine.recovered[0].wait(timeout=60)
+        assert engine.available_steps()["local"] == [3]
+        assert_same(make_items(3), engine._load_from("local", 3, True, None)[0])
