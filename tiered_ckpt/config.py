@@ -64,6 +64,8 @@ class DrainConfig:
     mode: Literal["process", "thread"] = "process"
     # How long close() waits for pending drains before giving up (the shm snapshot stays loadable anyway).
     close_timeout_s: Seconds = 600.0
+    # How long the committing rank waits for every rank's files of a step before declaring it not committed.
+    commit_timeout_s: Seconds = 120.0
 
 
 @dataclass(frozen=True)

@@ -56,7 +56,7 @@ class DrainRuntime:
                  on_tier_done: Callable[[int, str, bool, str | None], None],
                  on_slot_released: Callable[[str, int, int], None],
                  on_job_done: Callable[[DrainRequest, dict[str, bool], dict[str, int]], None] | None = None,
-                 commit_wait_s: float = 120.0):
+                 commit_wait_s: float = 120.0, node_ranks: list[int] | None = None):
         self.stores = stores
         self.order = order
         self.coords = coords
@@ -65,6 +65,7 @@ class DrainRuntime:
         self.on_slot_released = on_slot_released
         self.on_job_done = on_job_done
         self.commit_wait_s = commit_wait_s
+        self.node_ranks = sorted(node_ranks or [coords.rank])
         self._cond = threading.Condition()
         self._pins: Counter[tuple[str, int]] = Counter()
         self._pending = 0
@@ -259,11 +260,13 @@ class DrainRuntime:
         nbytes = sum(f.size for f in manifest.files)
         self.emit(ev.Event(ev.DRAIN, step=req.step, rank=self.coords.rank, tier=store.name,
                            seconds=time.perf_counter() - t0, nbytes=nbytes, detail={"source": source}))
-        if self.coords.rank != 0:  # rank 0 commits the step for everyone (see FileStore.try_commit)
+        # A shared tier is committed by global rank 0 for the job; a node-local one by each node's first rank.
+        ranks = self.node_ranks if store.tier.capabilities.node_local else list(range(self.coords.world_size))
+        if self.coords.rank != ranks[0]:
             if mem_source is not None:
                 self._record_snapshot_checksums(*mem_source)
             return
-        committed = store.try_commit(req.step, self.coords, wait_s=self.commit_wait_s)
+        committed = store.try_commit(req.step, self.coords, ranks, wait_s=self.commit_wait_s)
         if committed is None:
             raise TierError(f"step {req.step} not committed: not every rank's files arrived within "
                             f"{self.commit_wait_s:.0f} s", tier=store.name)

@@ -16,10 +16,12 @@ from typing import Any
 from . import events as ev
 from .codecs import flat
 from .config import Config, TierConfig, load_config
+from .distributed import Coordinator
 from .drain import DrainRequest
 from .errors import (
     CorruptionError,
     DecodeError,
+    LayoutMismatchError,
     NoCheckpointError,
     TieredCkptError,
     TierError,
@@ -47,7 +49,9 @@ class CheckpointEngine:
         self._lock.acquire()
         self._observers = _attach_observers(self.pm, self.config)
         try:
-            self.pipeline: Pipeline = build_pipeline(self.config, self.pm, self.coords, local_rank(), self._emit)
+            self.coordinator = Coordinator.create(self.coords)
+            self.pipeline: Pipeline = build_pipeline(self.config, self.pm, self.coords, local_rank(), self._emit,
+                                                     self.coordinator.node_ranks)
         except BaseException:
             self._detach()
             raise
@@ -209,7 +213,7 @@ class CheckpointEngine:
 
     # ----- loading -----------------------------------------------------------------------------------------
     def available_steps(self) -> dict[str, list[int]]:
-        """Per tier (fastest first): the steps this rank could load from it."""
+        """Per tier (fastest first): the committed steps holding this rank's part."""
         out: dict[str, list[int]] = {}
         for name in self.pipeline.order:
             store = self.pipeline.stores[name]
@@ -217,43 +221,67 @@ class CheckpointEngine:
                 if isinstance(store, MemoryStore):
                     out[name] = sorted({m.step for m in store.metas().values()})
                 else:
-                    out[name] = store.committed_steps()
-            except TierError as exc:
+                    out[name] = store.steps_for_rank(self.coords.rank)
+            except (TierError, OSError) as exc:
                 log.warning("cannot list tier %r: %s", name, exc)
                 out[name] = []
         return out
 
     def load(self, step: int | None = None, *, copy: bool | None = None, map_location: Any = None) -> LoadResult:
-        """The newest complete step (or ``step``), from the fastest tier holding a verified copy."""
+        """The newest step every rank can read (or ``step``), each rank from its fastest tier holding a verified
+        copy. With several ranks this is collective: every rank must call it, and all resume at the same step."""
         copy = self.config.load.copy if copy is None else copy
         available = self.available_steps()
-        steps = sorted({s for v in available.values() for s in v}, reverse=True)
-        if step is not None:
-            steps = [step]
+        mine = {s for steps in available.values() for s in steps}
+        rejected: set[int] = set()
         fallbacks: list[str] = []
-        for s in steps:
-            for name in self.pipeline.order:
-                if s not in available.get(name, []):
-                    continue
-                t0 = time.perf_counter()
-                try:
-                    items, verified, nbytes = self._load_from(name, s, copy, map_location)
-                except (CorruptionError, DecodeError, TierError, OSError) as exc:
-                    why = f"tier {name!r} step {s}: {exc}"
-                    fallbacks.append(why)
-                    self._emit(ev.Event(ev.FALLBACK, step=s, rank=self.coords.rank, tier=name, message=str(exc),
-                                        detail={"key": getattr(exc, "key", None)}))
-                    log.warning("load: %s; trying the next tier", why)
-                    continue
-                seconds = time.perf_counter() - t0
-                self._emit(ev.Event(ev.LOAD, step=s, rank=self.coords.rank, tier=name, seconds=seconds,
-                                    nbytes=nbytes, detail={"verified": verified}))
-                return LoadResult(s, items, name, verified, seconds, nbytes, fallbacks)
-        if step is not None:
-            raise NoCheckpointError(f"no tier holds a loadable copy of step {step} for rank {self.coords.rank}"
-                                    + (f" ({'; '.join(fallbacks)})" if fallbacks else ""))
-        raise NoCheckpointError(f"no tier holds a loadable checkpoint for rank {self.coords.rank}"
-                                + (f" ({'; '.join(fallbacks)})" if fallbacks else ""))
+        while True:
+            chosen = self.coordinator.agree_on_step(mine - rejected, step)
+            if chosen is None:
+                what = f"step {step}" if step is not None else "a checkpoint"
+                detail = f" ({'; '.join(fallbacks)})" if fallbacks else ""
+                raise NoCheckpointError(f"no step that every rank can load: rank {self.coords.rank} found no "
+                                        f"loadable copy of {what} on any tier{detail}")
+            result = self._load_step(chosen, available, copy, map_location, fallbacks)
+            if self.coordinator.all_succeeded(result is not None):
+                assert result is not None
+                return result
+            # Some rank could not read its part of this step anywhere: everyone moves to an older one together.
+            rejected.add(chosen)
+            if step is not None:
+                raise NoCheckpointError(f"step {step} cannot be loaded by every rank ({'; '.join(fallbacks)})")
+
+    def _load_step(self, step: int, available: dict[str, list[int]], copy: bool, map_location: Any,
+                   fallbacks: list[str]) -> LoadResult | None:
+        for name in self.pipeline.order:
+            if step not in available.get(name, []):
+                continue
+            t0 = time.perf_counter()
+            try:
+                items, verified, nbytes = self._load_from(name, step, copy, map_location)
+            except (CorruptionError, DecodeError, TierError, OSError) as exc:
+                fallbacks.append(f"tier {name!r} step {step}: {exc}")
+                self._emit(ev.Event(ev.FALLBACK, step=step, rank=self.coords.rank, tier=name, message=str(exc),
+                                    detail={"key": getattr(exc, "key", None)}))
+                log.warning("load: tier %r step %d: %s; trying the next tier", name, step, exc)
+                continue
+            seconds = time.perf_counter() - t0
+            self._emit(ev.Event(ev.LOAD, step=step, rank=self.coords.rank, tier=name, seconds=seconds,
+                                nbytes=nbytes, detail={"verified": verified}))
+            return LoadResult(step, items, name, verified, seconds, nbytes, list(fallbacks))
+        return None
+
+    def _check_layout(self, saved: dict[str, Any], step: int, tier: str) -> None:
+        """Refuse a checkpoint saved with another parallel layout, naming what changed."""
+        current = self.coords.layout.to_dict()
+        changed = [f"{dim.upper()} {saved.get(dim, 1)} → {current[dim]}" for dim in ("tp", "pp", "dp", "ep", "cp")
+                   if saved.get(dim, 1) != current[dim]]
+        if saved.get("world_size", 1) != current["world_size"] and not changed:
+            changed.append(f"world size {saved.get('world_size')} → {current['world_size']}")
+        if changed:
+            raise LayoutMismatchError(
+                f"step {step} on tier {tier!r} was saved with another parallel layout ({', '.join(changed)}); "
+                "items saved per rank cannot be re-split (the Megatron layouts re-split DP changes)")
 
     def _load_from(self, name: str, step: int, copy: bool, map_location: Any) -> tuple[dict, bool, int]:
         store = self.pipeline.stores[name]
@@ -263,13 +291,13 @@ class CheckpointEngine:
             if not metas:
                 raise TierError(f"step {step} left the slots while loading", tier=name)
             meta = max(metas, key=lambda m: m.created)
+            if meta.parallel:
+                self._check_layout(meta.parallel, step, name)
             items = store.load(meta, copy=copy, map_location=map_location, verify=verify)
             verified = verify and all(it.checksum for it in meta.items)
             return items, verified, meta.total_bytes
-        manifest = store.read_manifest(step)
-        if manifest.world_size != self.coords.world_size:
-            raise TierError(f"step {step} was saved by {manifest.world_size} ranks, this job has "
-                            f"{self.coords.world_size}", tier=name)
+        manifest = store.read_manifest(step, cached=True)
+        self._check_layout(manifest.parallel, step, name)
         items = store.load_rank(manifest, self.coords.rank, verify=verify, copy=copy, map_location=map_location,
                                 trust_pickles=self.config.load.trust_pickles)
         return items, verify, sum(f.size for f in manifest.files_of(self.coords.rank))

@@ -69,6 +69,10 @@ def regroup(raw: torch.Tensor, grouped: bool, want: bool) -> Iterable[Chunk]:
     return [prefix, data]
 
 
+def _short(ranks: list[int]) -> str:
+    return ", ".join(map(str, ranks[:8])) + (f" and {len(ranks) - 8} more" if len(ranks) > 8 else "")
+
+
 class FileStore:
     """One file tier seen through a layout, with this tier's compression and retry policy."""
 
@@ -80,6 +84,7 @@ class FileStore:
         self.codecs = codecs
         self.emit = emit
         self.run_id = run_id
+        self._manifests: dict[int, CheckpointManifest] = {}  # committed manifests are immutable: cache them
 
     @property
     def name(self) -> str:
@@ -180,28 +185,31 @@ class FileStore:
                 found[parsed[1]] = key
         return found
 
-    def try_commit(self, step: int, coords: RankCoords, *, wait_s: float = 0.0, poll_s: float = 0.05
-                   ) -> CheckpointManifest | None:
-        """As the committing rank: once every rank's manifest is present, write the checkpoint manifest and tracker.
-
-        Waits up to ``wait_s`` for the other ranks; returns None (not committed) if they do not all arrive.
-        """
-        world = coords.world_size
+    def try_commit(self, step: int, coords: RankCoords, ranks: list[int] | None = None, *, wait_s: float = 0.0,
+                   poll_s: float = 0.05) -> CheckpointManifest | None:
+        """As the committing rank: once every rank of ``ranks`` (default: the whole job) has its manifest here,
+        write the checkpoint manifest, then the tracker. Waits up to ``wait_s``; None means not committed."""
+        ranks = list(range(coords.world_size)) if ranks is None else sorted(ranks)
         deadline = time.monotonic() + wait_s
         while True:
             present = self._retry(lambda: self.rank_manifests(step), step, coords.rank, "list rank manifests")
-            if len(present) >= world and all(r in present for r in range(world)):
+            missing = [r for r in ranks if r not in present]
+            if not missing:
                 break
             if time.monotonic() >= deadline:
+                log.warning("tier %r: step %d not committed: no files from rank(s) %s after %.0f s", self.name, step,
+                            _short(missing), wait_s)
                 return None
             time.sleep(poll_s)
         files: list[FileEntry] = []
-        for r in range(world):
+        for r in ranks:
             files.extend(self.read_rank_manifest(step, r).files)
+        scope = "job" if len(ranks) == coords.world_size else "node"
         manifest = CheckpointManifest(step=step, layout=self.layout.name, parallel=coords.layout.to_dict(),
-                                      files=tuple(files), run_id=self.run_id)
+                                      files=tuple(files), run_id=self.run_id, extra={"ranks": ranks, "scope": scope})
         key = self.layout.manifest_key(step)
         self._retry(lambda: self.tier.publish(key, dump_checkpoint(manifest)), step, coords.rank, f"publish {key}")
+        self._manifests[step] = manifest
         self._update_tracker(step, coords.rank)
         return manifest
 
@@ -223,9 +231,28 @@ class FileStore:
     def committed_steps(self) -> list[int]:
         return sorted({s for s in map(self.layout.parse_manifest_key, self.tier.list("")) if s is not None})
 
-    def read_manifest(self, step: int) -> CheckpointManifest:
+    def read_manifest(self, step: int, *, cached: bool = False) -> CheckpointManifest:
+        if cached and step in self._manifests:
+            return self._manifests[step]
         key = self.layout.manifest_key(step)
-        return load_checkpoint(as_memoryview(self.tier.read_blob(key)).tobytes(), key, self.name)
+        manifest = load_checkpoint(as_memoryview(self.tier.read_blob(key)).tobytes(), key, self.name)
+        self._manifests[step] = manifest
+        return manifest
+
+    def steps_for_rank(self, rank: int) -> list[int]:
+        """Committed steps that hold this rank's part (a node-local tier's manifest covers only its node)."""
+        steps = self.committed_steps()
+        for stale in set(self._manifests) - set(steps):
+            del self._manifests[stale]
+        out = []
+        for step in steps:
+            try:
+                manifest = self.read_manifest(step, cached=True)
+            except (CorruptionError, BlobNotFoundError):
+                continue  # listed as committed, unreadable: load() will report it if it is chosen
+            if rank in manifest.extra.get("ranks", range(manifest.world_size)):
+                out.append(step)
+        return out
 
     def read_rank_manifest(self, step: int, rank: int) -> RankManifest:
         key = self.layout.rank_manifest_key(step, rank)

@@ -60,6 +60,7 @@ class Pipeline:
     stores: dict[str, MemoryStore | FileStore]
     emit: Callable[[ev.Event], None]
     local_rank: int = 0
+    node_ranks: list[int] = field(default_factory=list)
     drain: object = field(default=None)
 
     @property
@@ -103,15 +104,19 @@ class Pipeline:
             from .worker import ProcessDrain, SplitDrain
 
             if shared == 0:
-                self.drain = ProcessDrain(self.config, self.coords, self.order, self.local_rank, self.emit,
-                                          on_tier_done, on_slot_released)
+                self.drain = ProcessDrain(self.config, self.coords, self.order, self.local_rank, self.node_ranks,
+                                          self.emit, on_tier_done, on_slot_released)
             else:
                 self.drain = SplitDrain(self, shared, on_tier_done, on_slot_released)
         else:
             if self.config.drain.mode == "process":
                 log.info("no shared-memory tier to hand the snapshot to a worker process: the drain runs as threads")
-            self.drain = DrainRuntime(self.stores, self.order, self.coords, self.emit, on_tier_done, on_slot_released)
+            self.drain = DrainRuntime(self.stores, self.order, self.coords, self.emit, on_tier_done, on_slot_released,
+                                      **self.drain_options())
         return self.drain
+
+    def drain_options(self) -> dict:
+        return {"commit_wait_s": self.config.drain.commit_timeout_s, "node_ranks": self.node_ranks}
 
     def close(self) -> None:
         for store in self.stores.values():
@@ -128,7 +133,7 @@ def build_stores(config: Config, pm: PluginManager, coords: RankCoords, local_ra
 
 
 def build_pipeline(config: Config, pm: PluginManager, coords: RankCoords, local_rank: int,
-                   emit: Callable[[ev.Event], None]) -> Pipeline:
+                   emit: Callable[[ev.Event], None], node_ranks: list[int] | None = None) -> Pipeline:
     cfgs: dict[str, TierConfig] = {}
     for cfg in config.tiers:
         if tier_enabled(pm, cfg):
@@ -148,4 +153,4 @@ def build_pipeline(config: Config, pm: PluginManager, coords: RankCoords, local_
     stores = {}
     for name in order:
         stores[name] = make_store(pm, config, cfgs[name], coords, local_rank, emit)
-    return Pipeline(config, coords, pm, order, cfgs, stores, emit, local_rank)
+    return Pipeline(config, coords, pm, order, cfgs, stores, emit, local_rank, node_ranks or [coords.rank])

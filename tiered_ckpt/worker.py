@@ -29,7 +29,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
-def worker_main(config: Config, coords: RankCoords, order: list[str], local_rank: int,
+def worker_main(config: Config, coords: RankCoords, order: list[str], local_rank: int, node_ranks: list[int],
                 requests: Any, results: Any, parent_pid: int) -> None:
     import torch
 
@@ -48,6 +48,7 @@ def worker_main(config: Config, coords: RankCoords, order: list[str], local_rank
             on_tier_done=lambda step, tier, ok, err: results.put(("tier_done", step, tier, ok, err)),
             on_slot_released=lambda tier, slot, step: results.put(("slot_released", tier, slot, step)),
             on_job_done=lambda req, res, slots: results.put(("job_done", req.step, req.created)),
+            commit_wait_s=config.drain.commit_timeout_s, node_ranks=node_ranks,
         )
     except BaseException as exc:
         results.put(("fatal", f"{type(exc).__name__}: {exc}"))
@@ -72,9 +73,10 @@ def worker_main(config: Config, coords: RankCoords, order: list[str], local_rank
 class ProcessDrain:
     """The training-process side of the worker: submits requests, relays events and outcomes."""
 
-    def __init__(self, config: Config, coords: RankCoords, order: list[str], local_rank: int,
+    def __init__(self, config: Config, coords: RankCoords, order: list[str], local_rank: int, node_ranks: list[int],
                  emit: Callable[[ev.Event], None], on_tier_done: Callable, on_slot_released: Callable):
         self.config, self.coords, self.order, self.local_rank = config, coords, order, local_rank
+        self.node_ranks = node_ranks
         self.emit = emit
         self.on_tier_done = on_tier_done
         self.on_slot_released = on_slot_released
@@ -89,8 +91,8 @@ class ProcessDrain:
         self._requests = ctx.Queue()
         self._results = ctx.Queue()
         self._proc = ctx.Process(target=worker_main, name=f"tiered_ckpt-drain-{self.coords.rank}",
-                                 args=(self.config, self.coords, self.order, self.local_rank, self._requests,
-                                       self._results, os.getpid()), daemon=False)
+                                 args=(self.config, self.coords, self.order, self.local_rank, self.node_ranks,
+                                       self._requests, self._results, os.getpid()), daemon=False)
         self._proc.start()
         self._listener = threading.Thread(target=self._listen, args=(self._proc, self._results),
                                           name="tiered_ckpt-drain-listener", daemon=True)
@@ -194,9 +196,9 @@ class SplitDrain:
         self._lock = threading.Lock()
         self.local = DrainRuntime({n: pipeline.stores[n] for n in self.near_names}, self.near_names,
                                   pipeline.coords, pipeline.emit, on_tier_done, on_slot_released,
-                                  on_job_done=self._forward)
+                                  on_job_done=self._forward, **pipeline.drain_options())
         self.proc = ProcessDrain(pipeline.config, pipeline.coords, order[shared:], pipeline.local_rank,
-                                 pipeline.emit, on_tier_done, self._far_slot_released)
+                                 pipeline.node_ranks, pipeline.emit, on_tier_done, self._far_slot_released)
 
     def submit(self, req: DrainRequest) -> None:
         near = tuple(t for t in req.due if t in self.near_names)

@@ -200,9 +200,8 @@ def test_ops_choose_the_primitives(faulty):
 def test_latency(faulty):
     tier = faulty(latency_s="60ms", ops=["read_blob"])
     tier.write_blob("k", [b"v"])
-    start = time.perf_counter()
     tier.write_blob("k2", [b"v"])
-    assert time.perf_counter() - start < 0.05
+    assert tier.control.stats["injected"] == 0  # writes are not among the ops: no delay injected
     start = time.perf_counter()
     tier.read_blob("k")
     assert time.perf_counter() - start >= 0.06

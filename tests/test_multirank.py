@@ -1,0 +1,120 @@
+"""Multi-rank jobs on gloo over loopback: all-ranks commit, one consistent restore step, node-local vs shared tiers."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import uuid
+from pathlib import Path
+
+import pytest
+
+WORKER = Path(__file__).with_name("multirank_worker.py")
+pytestmark = pytest.mark.slow
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_ranks(world: int, spec: dict, node_of: dict[int, str] | None = None, timeout: float = 240) -> dict[int, dict]:
+    """Start ``world`` ranks, wait for all, and return each rank's last JSON line (rank → result)."""
+    port = free_port()
+    procs = {}
+    for rank in range(world):
+        env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank),
+               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1"}
+        if node_of:
+            env["TIERED_CKPT_NODE"] = node_of[rank]
+        procs[rank] = subprocess.Popen([sys.executable, str(WORKER), json.dumps(spec)], env=env,
+                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    results = {}
+    for rank, p in procs.items():
+        out, err = p.communicate(timeout=timeout)
+        lines = [ln for ln in out.splitlines() if ln.startswith("{")]
+        killed = p.returncode == -signal.SIGKILL
+        assert lines and (p.returncode == 0 or killed), f"rank {rank} exited {p.returncode}:\n{err[-3000:]}"
+        results[rank] = {**json.loads(lines[-1]), "killed": killed}
+    return results
+
+
+def committed(root: Path) -> list[int]:
+    return sorted(int(p.parent.parent.name[5:]) for p in root.glob("iter_*/tiered_ckpt/manifest.json"))
+
+
+def tiers(shm: Path, local: Path, shared: Path, **local_opts) -> list[dict]:
+    return [{"name": "shm", "kind": "shm", "path": str(shm)},
+            {"name": "local", "kind": "local", "path": str(local), **local_opts},
+            {"name": "shared", "kind": "fsspec", "url": f"file://{shared}"}]
+
+
+def job_config(tier_list: list[dict], run_id: str) -> dict:
+    return {"run_id": run_id, "drain": {"mode": "thread", "commit_timeout_s": 4}, "tiers": tier_list}
+
+
+@pytest.mark.parametrize("world", [4, 8])
+def test_rank_killed_mid_drain_then_consistent_restore(tmp_path, shm_root, world):
+    run_id = f"m{uuid.uuid4().hex[:8]}"
+    shm, local, shared = Path(shm_root), tmp_path / "local", tmp_path / "shared"
+    cfg = job_config(tiers(shm, local, shared), run_id)
+    victim = world - 2
+    first = run_ranks(world, {"config": cfg, "save": [1, 2, 3], "kill_rank": victim, "kill_step": 3})
+    assert first[victim]["killed"]
+    # The committing rank gives up on the step the victim never drained: committed on no tier below shm.
+    assert "not committed" in first[0]["save_errors"]["3"]
+    for root in (shared, local):
+        assert committed(root) == [1, 2]
+
+    # Restart: every rank still has step 3 in shared memory: all resume there, and it is drained.
+    second = run_ranks(world, {"config": cfg, "load": True})
+    assert {r["step"] for r in second.values()} == {3}
+    assert {r["tier"] for r in second.values()} == {"shm"}
+    assert all(r["recovered"] for r in second.values())
+    assert committed(shared) == [1, 2, 3] and committed(local) == [1, 2, 3]
+
+    # The victim's node is lost (its shm is gone) before step 4 drains anywhere: everyone agrees on step 3.
+    third = run_ranks(world, {"config": cfg, "save": [4], "kill_rank": victim, "kill_step": 4})
+    assert third[victim]["killed"]
+    shutil.rmtree(shm / next(p.name for p in shm.iterdir()) / run_id / f"rank_{victim:05d}")
+    fourth = run_ranks(world, {"config": cfg, "load": True})
+    assert {r["step"] for r in fourth.values()} == {3}
+    assert fourth[victim]["tier"] in ("local", "shared")
+
+
+def test_two_nodes_node_local_commit_and_restore_from_shared(tmp_path):
+    run_id = f"n{uuid.uuid4().hex[:8]}"
+    shared = tmp_path / "shared"
+    node_of = {0: "nodeA", 1: "nodeA", 2: "nodeB", 3: "nodeB"}
+    roots = {n: (tmp_path / n / "shm", tmp_path / n / "local") for n in ("nodeA", "nodeB")}
+    for shm, _ in roots.values():
+        shm.mkdir(parents=True)
+    configs = {str(r): job_config(tiers(*roots[node_of[r]], shared), run_id) for r in range(4)}
+    first = run_ranks(4, {"configs": configs, "save": [1, 2]}, node_of)
+    assert all("save_errors" not in r for r in first.values()), first
+    for node in ("nodeA", "nodeB"):  # each node committed its own ranks on its local tier
+        manifest = json.loads((roots[node][1] / "iter_0000002" / "tiered_ckpt" / "manifest.json").read_text())
+        assert manifest["extra"] == {"ranks": [r for r, n in node_of.items() if n == node], "scope": "node"}
+    manifest = json.loads((shared / "iter_0000002" / "tiered_ckpt" / "manifest.json").read_text())
+    assert manifest["extra"] == {"ranks": [0, 1, 2, 3], "scope": "job"}
+
+    for path in roots["nodeB"]:  # node B is replaced: its memory and disk are empty
+        shutil.rmtree(path)
+        path.mkdir(parents=True)
+    second = run_ranks(4, {"configs": configs, "load": True}, node_of)
+    assert {r["step"] for r in second.values()} == {2}
+    assert [second[r]["tier"] for r in range(4)] == ["shm", "shm", "shared", "shared"]
+
+
+def test_tp_change_is_refused_naming_tp(tmp_path, shm_root):
+    cfg = job_config(tiers(Path(shm_root), tmp_path / "local", tmp_path / "shared"), f"t{uuid.uuid4().hex[:8]}")
+    run_ranks(4, {"config": cfg, "save": [1], "parallel": {"tp": 2, "dp": 2}})
+    again = run_ranks(4, {"config": cfg, "load": True, "parallel": {"tp": 1, "dp": 4}})
+    for r in again.values():
+        assert "LayoutMismatchError" in r["error"] and "TP 2 → 1" in r["error"], r
