@@ -521,43 +521,20 @@ def test_fsspec_other_library_errors_pass_through(make_tier, monkeypatch):
         tier.size("k")
 
 
-# ----- fsspec on S3 (moto) --------------------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def s3_endpoint():
-    pytest.importorskip("s3fs")
-    server_mod = pytest.importorskip("moto.server")
-    import boto3
-
-    server = server_mod.ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-    server.start()
-    host, port = server.get_host_and_port()
-    endpoint = f"http://{host}:{port}"
-    env = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
-           "AWS_DEFAULT_REGION": "us-east-1"}
-    saved = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    boto3.client("s3", endpoint_url=endpoint).create_bucket(Bucket="contract-bucket")
-    yield endpoint
-    server.stop()
-    for k, v in saved.items():
-        if v is None:
-            os.environ.pop(k, None)
-        else:
-            os.environ[k] = v
-
-
+# ----- fsspec on S3 (moto, over HTTP: the s3_server / s3_bucket fixtures of tiered_ckpt.testing) -------------
 class TestFsspecS3Contract(TierContract):
-    """The object-store write path (autocommit=False, commit/discard) against s3fs and a moto server."""
+    """The S3 transfer path (single PUT, parallel multipart, ranged reads) against s3fs and a moto server."""
 
     large_blob_bytes = 12 * MiB  # still several 5 MiB multipart parts
     publish_rounds = 10
 
     @pytest.fixture
-    def tier(self, make_tier, s3_endpoint):
-        tier = make_tier("fsspec", url=f"s3://contract-bucket/{uuid.uuid4().hex}",
-                         options={"endpoint_url": s3_endpoint}, block_size="5MiB")
+    def tier(self, make_tier, s3_server, s3_bucket):
+        tier = make_tier("fsspec", url=f"s3://{s3_bucket}/{uuid.uuid4().hex}",
+                         options=s3_server.storage_options(), part_size="5MiB", max_concurrency=2)
         yield tier
-        assert tier.fs.list_multipart_uploads("contract-bucket") == [], "an aborted upload was left behind"
+        uploads = s3_server.client().list_multipart_uploads(Bucket=s3_bucket).get("Uploads", [])
+        assert uploads == [], "an aborted upload was left behind"
 
 
 # ----- shared helpers -------------------------------------------------------------------------------------

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 from typing import Any
 
@@ -91,12 +92,25 @@ def cmd_plugins(args: argparse.Namespace) -> int:
 
 
 def cmd_ls(args: argparse.Namespace) -> int:
-    from .inventory import file_steps, memory_steps
+    from .housekeeping import _run_is_live, find_stale_runs
+    from .inventory import StepInfo, file_steps, memory_steps
 
-    _, stores = _stores(args)
+    config, stores = _stores(args)
     infos = []
     for store in stores.values():
-        infos.extend(memory_steps(store) if isinstance(store, MemoryStore) else file_steps(store))
+        if isinstance(store, MemoryStore):
+            stale = not _run_is_live(config.run_id)
+            for info in memory_steps(store):
+                info.state = "snapshot (stale: no live engine)" if stale else "snapshot"
+                infos.append(info)
+            base = os.path.dirname(store.tier.root) if hasattr(store.tier, "root") else None
+            if base:  # other runs' snapshots left in the same shared memory
+                for run in find_stale_runs(os.path.dirname(base)):
+                    if run.run_id != config.run_id:
+                        infos.append(StepInfo(store.name, -1, f"stale run {run.run_id!r}", run.nbytes, run.age_s,
+                                              0, run.ranks))
+        else:
+            infos.extend(file_steps(store))
     if args.json:
         print(json.dumps([i.to_dict() for i in infos], indent=1))
         return EXIT_OK
@@ -176,6 +190,39 @@ def cmd_verify(args: argparse.Namespace) -> int:
     return EXIT_FAILED if bad else EXIT_OK
 
 
+def cmd_gc(args: argparse.Namespace) -> int:
+    from .housekeeping import find_debris, find_stale_runs, remove_debris, remove_stale_run
+
+    found: list[dict] = []
+    if args.stale:
+        for run in find_stale_runs(args.shm_path):
+            found.append({"what": "stale run", **run.to_dict()})
+            if args.delete:
+                remove_stale_run(run)
+    if args.target or args.config:
+        _, stores = _stores(args)
+        for store in stores.values():
+            if isinstance(store, FileStore):
+                debris = find_debris(store)
+                found += [d.to_dict() for d in debris]
+                if args.delete:
+                    remove_debris(store, debris)
+    elif not args.stale:
+        raise ConfigError("give a checkpoint directory or URL, --config tiers.yaml, or --stale")
+    if args.json:
+        print(json.dumps({"deleted": args.delete, "found": found}, indent=1))
+        return EXIT_OK
+    verb = "removed" if args.delete else "would remove"
+    for f in found:
+        where = f.get("path") or f"tier {f['tier']!r}: {f['key']}"
+        print(f"{verb}  {f['what']}  {where}  ({human_bytes(f['bytes'])})")
+    if not found:
+        print("nothing to remove")
+    elif not args.delete:
+        print("dry run: nothing was removed; add --delete to remove these")
+    return EXIT_OK
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tiered-ckpt", description=__doc__.split("\n")[0])
     parser.add_argument("-v", "--verbose", action="count", default=0, help="log more (-vv for debug)")
@@ -200,6 +247,11 @@ def build_parser() -> argparse.ArgumentParser:
     p = add("verify", cmd_verify, "re-hash every file against the manifest; exit 1 on any mismatch")
     p.add_argument("--step", type=int, help="default: the newest committed step")
     p.add_argument("--all", action="store_true", help="every committed step")
+    p = add("gc", cmd_gc, "find debris (partial steps, temporary files) and dead runs' shared memory; "
+                          "a dry run unless --delete")
+    p.add_argument("--stale", action="store_true", help="also look for shared memory of runs with no live engine")
+    p.add_argument("--shm-path", default="/dev/shm/tiered_ckpt", help="the shm tier's path (default: %(default)s)")
+    p.add_argument("--delete", action="store_true", help="remove what is found (default: only list it)")
     return parser
 
 

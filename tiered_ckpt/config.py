@@ -70,7 +70,7 @@ class DrainConfig:
 
 @dataclass(frozen=True)
 class LoadConfig:
-    copy: bool = False  # False: tensors loaded from shm are zero-copy views of the snapshot
+    copy: bool = True  # False: tensors loaded from shm are zero-copy views of the snapshot (see docs)
     verify: bool = True  # check checksums against the manifest
     trust_pickles: bool = False  # allow arbitrary pickles in legacy files (logged); never the default
 

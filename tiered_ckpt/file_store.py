@@ -295,7 +295,9 @@ class FileStore:
             except KeyError:
                 raise CorruptionError(f"unknown codec {entry.codec!r}", tier=self.name, key=entry.key) from None
             try:
-                items[entry.item] = codec.decode(raw, copy=copy, map_location=map_location,
+                # Bytes read from a file tier are this process's own: views into them are already a copy.
+                private = raw is not blob or not self.tier.capabilities.zero_copy_read
+                items[entry.item] = codec.decode(raw, copy=copy and not private, map_location=map_location,
                                                  trust_pickles=trust_pickles, where=entry.key,
                                                  byte_grouping=bool(entry.meta.get("byte_grouping")))
             except DecodeError as exc:

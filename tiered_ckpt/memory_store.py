@@ -17,6 +17,7 @@ import torch
 from .codecs import flat
 from .codecs.file_codecs import ItemSource
 from .errors import BlobNotFoundError, CorruptionError, DecodeError
+from .hostmem import private_copy
 from .tiers.base import Tier
 
 FORMAT = "tiered_ckpt.snapshot"
@@ -83,6 +84,10 @@ class MemoryStore:
         self.rank = rank
         self.nslots = nslots
         self._buffers: dict[int, torch.Tensor] = {}
+
+    @property
+    def name(self) -> str:
+        return self.tier.name
 
     def data_key(self, slot: int) -> str:
         return f"rank_{self.rank:05d}/slot_{slot}.data"
@@ -155,7 +160,11 @@ class MemoryStore:
                                           tier=self.tier.name, key=self.data_key(meta.slot))
             try:
                 info = flat.decode_header(src.header)
-                out[it.name] = flat.restore(info, src.data, copy=copy, map_location=map_location)
+                data = src.data
+                if copy and data.device.type == "cpu" and map_location is None:
+                    # One populated buffer and one memcpy, then views into our own copy.
+                    data, copy = private_copy(data), False
+                out[it.name] = flat.restore(info, data, copy=copy, map_location=map_location)
             except DecodeError as exc:
                 raise CorruptionError(str(exc), tier=self.tier.name, key=self.meta_key(meta.slot)) from None
         return out

@@ -25,6 +25,8 @@ Not testable on those fixtures: zeros in the 64-alignment gaps (their params are
 chained ``[None, expert_state]`` lists (no MoE), Megatron's older layouts (refused here with DecodeError).
 
 Everything runs bucket by bucket (:func:`iter_merge`, :func:`iter_split`): peak extra memory is one bucket.
+Their inputs may be lazy (:class:`~.torch_zip.LazyTensor` shards or world tensors, read by range when sliced),
+so a whole checkpoint is never in memory.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ import torch
 
 from ..errors import DecodeError, LayoutMismatchError
 from .geometry import BufferGeometry, OptimizerGeometry
+from .torch_zip import is_tensor_like
 
 BUCKETS_COALESCED = "buckets_coalesced"
 NUMEL_UNPADDED = "numel_unpadded"
@@ -135,8 +138,8 @@ def _get_shard(rank_shards: Mapping[str, torch.Tensor], name: str, n: int, dp_ra
         t = rank_shards[name]
     except KeyError:
         raise LayoutMismatchError(f"DP rank {dp_rank}: no local shard {name!r}") from None
-    if not isinstance(t, torch.Tensor) or t.dim() != 1 or t.numel() != n:
-        found = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+    if not is_tensor_like(t) or t.dim() != 1 or t.numel() != n:
+        found = tuple(t.shape) if is_tensor_like(t) else type(t).__name__
         raise LayoutMismatchError(f"DP rank {dp_rank}: shard {name!r} is {found}, expected ({n},) (N_b / DP)")
     return t
 
@@ -237,8 +240,8 @@ def _buffer_state(
         )
     for key in keys:
         t = entry.get(key)
-        if not isinstance(t, torch.Tensor) or t.dim() != 1 or t.numel() != numel:
-            found = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+        if not is_tensor_like(t) or t.dim() != 1 or t.numel() != numel:
+            found = tuple(t.shape) if is_tensor_like(t) else type(t).__name__
             raise LayoutMismatchError(f"{where}[{key!r}]: {found}, expected a ({numel},) tensor")
     return entry
 

@@ -8,6 +8,8 @@
   validated like a configuration file's. Missing locations default to throw-away ones (``shm``: ``shm_root``;
   ``local``: under ``tmp_path``; ``fsspec``: a unique ``memory://`` root; ``gpu``: ``cuda`` if present, else
   ``cpu``). Every tier made is closed, and default ``memory://`` roots are emptied, when the test ends.
+* ``s3_server`` (session), ``s3_bucket``, ``s3_fault_proxy``: moto's S3 server over HTTP on a free loopback
+  port, a fresh bucket per test, and a fault-injecting proxy in front of it (``tiered_ckpt.testing.s3``).
 
 This module is imported by pytest at start-up in every project that has tiered_ckpt installed, so it imports
 only the standard library and pytest; tiered_ckpt itself is imported inside the fixtures.
@@ -25,6 +27,8 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
+
+from .s3 import s3_bucket, s3_fault_proxy, s3_server  # noqa: F401 - fixtures; moto is imported inside them
 
 SHM_BASE = "/dev/shm"
 

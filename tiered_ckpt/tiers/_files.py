@@ -7,6 +7,7 @@ Temporary names look like ``.{basename}.tmp-{16 hex digits}``: hidden, recognisa
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import re
@@ -275,6 +276,20 @@ class BlobFiles:
                 if key.startswith(prefix) and not is_temp_name(name):
                     keys.append(key)
         return sorted(keys)
+
+    def temp_files(self) -> list[str]:
+        """Relative paths of temporary files (writes that never finished: a crash, a full disk)."""
+        found = []
+        for dirpath, _, filenames in os.walk(self.root):
+            rel = os.path.relpath(dirpath, self.root)
+            found += [name if rel == "." else f"{rel}/{name}" for name in filenames if is_temp_name(name)]
+        return sorted(found)
+
+    def remove_temp_file(self, rel: str) -> None:
+        if not is_temp_name(os.path.basename(rel)):
+            raise ValueError(f"{rel!r} is not a temporary file")
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(os.path.join(self.root, rel))
 
     def delete(self, key: str) -> None:
         path = self.path(key)

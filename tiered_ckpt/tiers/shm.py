@@ -47,6 +47,8 @@ log = logging.getLogger(__name__)
 
 MEMORY_FILESYSTEMS = ("tmpfs", "ramfs")
 _MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)  # Linux >= 5.14; Python < 3.13 lacks the name
+_MADV_POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22)
+_POPULATE_READ_MIN = 1 << 20  # below this, faulting pages in on first touch costs nothing worth a syscall
 
 
 @dataclass(frozen=True)
@@ -216,6 +218,13 @@ class ShmTier(Tier):
             if st.st_size == 0:
                 return torch.empty(0, dtype=torch.uint8)
             mm = mmap.mmap(fd, st.st_size, access=mmap.ACCESS_COPY)  # MAP_PRIVATE, PROT_READ|PROT_WRITE
+            if st.st_size >= _POPULATE_READ_MIN:
+                # Map every page in one call: a reader (the drain worker hashing and writing a snapshot) would
+                # otherwise take one page fault per 4 KiB.
+                try:
+                    mm.madvise(_MADV_POPULATE_READ)
+                except OSError:
+                    pass  # kernel < 5.14: pages fault in on first touch instead
         except OSError as exc:
             raise self.files.error(exc, key, "map", path) from exc
         finally:

@@ -1,0 +1,148 @@
+"""The command line: every command, its --json output and its exit codes."""
+
+from __future__ import annotations
+
+import json
+import os
+import uuid
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import make_items
+
+from tiered_ckpt import CheckpointEngine
+from tiered_ckpt.cli import EXIT_FAILED, EXIT_NOT_FOUND, EXIT_OK, EXIT_USAGE, build_parser, main
+
+
+def run(capsys, *argv: str) -> tuple[int, str]:
+    code = main(list(argv))
+    return code, capsys.readouterr().out
+
+
+@pytest.fixture
+def ckpt(tmp_path, shm_root):
+    """A local tier with committed steps 1 and 2, and a partial step 3 (files but no manifest)."""
+    root = tmp_path / "ckpt"
+    cfg = {"run_id": f"c{uuid.uuid4().hex[:8]}", "drain": {"mode": "thread"},
+           "tiers": [{"name": "shm", "kind": "shm", "path": str(shm_root)},
+                     {"name": "disk", "kind": "local", "path": str(root)}]}
+    with CheckpointEngine(cfg) as engine:
+        for step in (1, 2):
+            engine.save(step, make_items(step)).wait(timeout=60)
+    (root / "iter_0000003" / "rank_00000").mkdir(parents=True)
+    (root / "iter_0000003" / "rank_00000" / "state.flat").write_bytes(b"x" * 100)
+    return root, cfg
+
+
+def test_every_command_has_help(capsys):
+    parser = build_parser()
+    commands = parser._subparsers._group_actions[0].choices
+    assert {"plugins", "ls", "inspect", "verify", "gc"} <= set(commands)
+    for name in commands:
+        with pytest.raises(SystemExit) as info:
+            main([name, "--help"])
+        assert info.value.code == 0
+        assert "usage: tiered-ckpt " + name in capsys.readouterr().out
+
+
+def test_plugins_lists_every_kind_with_its_provider(capsys):
+    code, out = run(capsys, "plugins", "--json")
+    rows = {(r["type"], r["name"]): r["provider"] for r in json.loads(out)}
+    assert code == EXIT_OK
+    for kind in ("gpu", "shm", "local", "fsspec"):
+        assert rows[("tier", kind)] == "tiered_ckpt.builtin"
+    assert rows[("tier", "faulty")] == "faults"
+    assert rows[("layout", "megatron")] == rows[("layout", "rank_sharded")] == "tiered_ckpt.builtin"
+    code, out = run(capsys, "plugins")
+    assert "faulty" in out and "faults" in out
+
+
+def test_ls_shows_committed_and_partial(ckpt, capsys):
+    root, _ = ckpt
+    code, out = run(capsys, "ls", str(root), "--json")
+    rows = json.loads(out)
+    assert code == EXIT_OK
+    assert [(r["step"], r["state"]) for r in rows] == [(1, "committed"), (2, "committed"), (3, "partial")]
+    assert rows[0]["bytes"] > 0 and rows[0]["ranks"] == [0]
+    code, out = run(capsys, "ls", str(root))
+    assert "partial" in out and "committed" in out
+
+
+def test_ls_with_config_lists_memory_snapshots(ckpt, capsys, tmp_path):
+    _, cfg = ckpt
+    path = tmp_path / "tiers.json"
+    path.write_text(json.dumps(cfg))  # JSON is YAML
+    code, out = run(capsys, "ls", "--config", str(path), "--json")
+    states = {(r["tier"], r["step"]): r["state"] for r in json.loads(out)}
+    assert code == EXIT_OK
+    assert states[("shm", 2)].startswith("snapshot (stale")  # the engine is closed: nothing live owns it
+    assert states[("disk", 2)] == "committed"
+
+
+def test_inspect(ckpt, capsys):
+    root, _ = ckpt
+    code, out = run(capsys, "inspect", str(root), "--json")
+    m = json.loads(out)
+    assert code == EXIT_OK and m["step"] == 2 and m["files"][0]["key"] == "iter_0000002/rank_00000/state.flat"
+    code, out = run(capsys, "inspect", str(root), "--step", "1")
+    assert "step 1" in out and "xxh3_128:" in out
+    assert run(capsys, "inspect", str(root), "--step", "3")[0] == EXIT_NOT_FOUND
+
+
+def test_verify_passes_then_fails_on_corruption(ckpt, capsys):
+    root, _ = ckpt
+    code, out = run(capsys, "verify", str(root), "--all", "--json")
+    assert code == EXIT_OK and [r["ok"] for r in json.loads(out)] == [True, True]
+    path = root / "iter_0000002" / "rank_00000" / "state.flat"
+    data = bytearray(path.read_bytes())
+    data[-1] ^= 0xFF
+    path.write_bytes(bytes(data))
+    code, out = run(capsys, "verify", str(root))
+    assert code == EXIT_FAILED and "checksum mismatch" in out and "state.flat" in out
+
+
+def test_gc_dry_run_then_delete(ckpt, capsys):
+    root, _ = ckpt
+    temp = root / "iter_0000002" / ".state.flat.tmp-0123456789abcdef"
+    temp.write_bytes(b"half")
+    code, out = run(capsys, "gc", str(root), "--json")
+    found = json.loads(out)["found"]
+    assert code == EXIT_OK
+    assert {(f["what"], f["key"]) for f in found} == {("temporary file", str(temp.relative_to(root)))}
+    assert temp.exists()
+    # Step 3 is newer than every committed step: it may still be in flight, so it is not debris.
+    (root / "iter_0000000" / "rank_00000").mkdir(parents=True)
+    (root / "iter_0000000" / "rank_00000" / "state.flat").write_bytes(b"old")
+    code, out = run(capsys, "gc", str(root))
+    assert "would remove  partial step" in out and "dry run" in out
+    code, out = run(capsys, "gc", str(root), "--delete")
+    assert code == EXIT_OK and not temp.exists() and not (root / "iter_0000000").exists()
+    assert (root / "iter_0000003").exists() and (root / "iter_0000002").exists()
+
+
+def test_gc_stale_runs(shm_root, tmp_path, capsys):
+    def cfg(run_id):
+        return {"run_id": run_id, "drain": {"mode": "thread"},
+                "tiers": [{"name": "shm", "kind": "shm", "path": str(shm_root)}]}
+    dead, live = f"dead{uuid.uuid4().hex[:6]}", f"live{uuid.uuid4().hex[:6]}"
+    with CheckpointEngine(cfg(dead)) as engine:
+        engine.save(1, {"state": {"w": torch.ones(1000)}})
+    with CheckpointEngine(cfg(live)) as engine:
+        engine.save(1, {"state": {"w": torch.ones(10)}})
+        code, out = run(capsys, "gc", "--stale", "--shm-path", str(shm_root), "--json")
+        runs = {f["run_id"] for f in json.loads(out)["found"]}
+        assert dead in runs and live not in runs
+        assert run(capsys, "gc", "--stale", "--shm-path", str(shm_root), "--delete")[0] == EXIT_OK
+        user_dir = next(Path(shm_root).iterdir())
+        assert not (user_dir / dead).exists() and (user_dir / live).exists()
+
+
+def test_usage_errors_exit_2(capsys, tmp_path):
+    assert main(["ls"]) == EXIT_USAGE
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("tiers: [{name: a, kind: local, path: /x, every: ten}]\n")
+    assert main(["ls", "--config", str(bad)]) == EXIT_USAGE
+    assert "tiers[0].every" in capsys.readouterr().err
+    assert main(["inspect", str(tmp_path / "empty")]) == EXIT_NOT_FOUND
+    assert os.path.exists(tmp_path)

@@ -1,0 +1,647 @@
+"""``torch.save``'s zip format, written as a stream and read range by range, so that no file is ever held whole.
+
+Megatron's ``distrib_optim.pt`` holds one tensor per state key for the whole model-parallel shard, and
+``torch.save`` needs every tensor in memory before it writes a byte. Here a tensor may be a
+:class:`StreamedTensor` whose bytes are produced piece by piece (one bucket at a time) while the file is
+written, and a file on a tier can be opened lazily (:func:`open_lazy`): only its pickle is read, tensors
+come back as :class:`LazyTensor` and are read range by range with ``Tier.read_range``.
+
+The writer reproduces ``torch.save`` byte for byte (checked against Megatron's own files, whose sha256 is in
+``tests/data/megatron``): records ``data.pkl``, ``.format_version``, ``.storage_alignment``, ``byteorder``,
+``data/<i>``, ``version``, ``.data/serialization_id``; every record stored, its data aligned to 64 bytes by
+an ``FB`` extra field, CRC32 and sizes in a data descriptor after the data (what miniz's streaming writer
+emits, so one pass suffices), zip64 end records always, zip64 extra fields from 4 GiB on. The serialization
+id mirrors PyTorch's (a hash of the record names in ``std::unordered_set`` order, and of the CRCs); it is
+informational, PyTorch never checks it.
+"""
+
+from __future__ import annotations
+
+import collections
+import io
+import pickle
+import struct
+import zlib
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ..errors import DecodeError
+from ..tiers.base import as_memoryview, bytes_to_tensor
+
+ALIGNMENT = 64
+PICKLE_PROTOCOL = 2  # torch.save's default
+_U32 = 0xFFFFFFFF
+MAX_PICKLE_BYTES = 256 << 20  # a data.pkl larger than this is not a checkpoint we read lazily
+
+
+# ------------------------------------------------------------------------------------------------------------
+# tensors whose bytes come later
+
+
+@dataclass
+class StreamedTensor:
+    """A tensor to write: dtype, shape and a producer of its bytes.
+
+    ``produce()`` yields CPU tensors (or byte buffers) whose bytes, concatenated, are the tensor's
+    ``numel * itemsize`` bytes in C order. It is called once, when the writer reaches this tensor's record.
+    """
+
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    produce: Callable[[], Iterable[Any]]
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for s in self.shape:
+            n *= s
+        return n
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * _itemsize(self.dtype)
+
+    def __reduce_ex__(self, protocol: int) -> Any:
+        raise pickle.PicklingError("StreamedTensor is written by iter_torch_save only")
+
+
+class _StorageRef:
+    __slots__ = ("pid",)
+
+    def __init__(self, pid: tuple):
+        self.pid = pid
+
+
+class _TensorReduce:
+    """What ``Tensor.__reduce_ex__`` emits for a plain CPU tensor: ``_rebuild_tensor_v2(storage, offset, size,
+    stride, False, OrderedDict())``."""
+
+    __slots__ = ("ref", "shape", "stride", "offset")
+
+    def __init__(self, ref: _StorageRef, shape: tuple[int, ...], stride: tuple[int, ...] | None = None,
+                 offset: int = 0):
+        self.ref, self.shape, self.offset = ref, shape, offset
+        self.stride = _contiguous_strides(shape) if stride is None else stride
+
+    def __reduce_ex__(self, protocol: int) -> Any:
+        return (torch._utils._rebuild_tensor_v2,
+                (self.ref, self.offset, tuple(self.shape), tuple(self.stride), False, collections.OrderedDict()))
+
+
+def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    stride, acc = [], 1
+    for s in reversed(shape):
+        stride.append(acc)
+        acc *= s
+    return tuple(reversed(stride))
+
+
+_DICTS = (dict, collections.OrderedDict)  # containers walked (Megatron's model state is an OrderedDict)
+_STORAGE, _CPU = "storage", "cpu"
+
+
+def _same_dict(like: dict, items: Iterable[tuple[Any, Any]]) -> dict:
+    """A dict of ``like``'s type with ``items``, keeping instance attributes (a state dict's ``_metadata``)."""
+    out = type(like)(items)
+    if type(like) is not dict and vars(like):
+        out.__dict__.update(vars(like))
+    return out  # one object each: the pickle memoizes them as torch's does
+
+
+def _storage_type(dtype: torch.dtype) -> Any:
+    name = torch.storage._dtype_to_storage_type_map().get(dtype)
+    if name is None:
+        raise pickle.PicklingError(f"no storage type for dtype {dtype}")
+    return getattr(torch, name)
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+class _Storages:
+    """Storage keys in first-seen order, as torch.save numbers them; a storage shared by several real tensors
+    is written once (torch.save's behaviour, so re-saving a loaded file gives the same bytes)."""
+
+    def __init__(self) -> None:
+        self.streams: list[StreamedTensor] = []
+        self._keys: dict[int, tuple[str, torch.dtype, Any]] = {}
+
+    def ref(self, stream: StreamedTensor) -> _StorageRef:
+        key = str(len(self.streams))
+        self.streams.append(stream)
+        return _StorageRef((_STORAGE, _storage_type(stream.dtype), key, _CPU, stream.numel))
+
+    def tensor(self, t: torch.Tensor) -> _TensorReduce:
+        t = t.detach()
+        if t.device.type != "cpu":
+            t = t.cpu()
+        storage = t.untyped_storage()
+        item = t.element_size()
+        found = self._keys.get(storage._cdata)
+        if found is None:
+            numel = storage.nbytes() // item
+            raw = torch.empty(0, dtype=torch.uint8).set_(storage, 0, (storage.nbytes(),), (1,))
+            self.streams.append(StreamedTensor(t.dtype, (numel,), lambda raw=raw: [raw]))
+            found = self._keys[storage._cdata] = (str(len(self.streams) - 1), t.dtype, storage)
+        key, dtype, _ = found
+        if dtype != t.dtype:
+            raise pickle.PicklingError("cannot save tensors that view the same storage as different dtypes")
+        pid = (_STORAGE, _storage_type(dtype), key, _CPU, storage.nbytes() // item)
+        return _TensorReduce(_StorageRef(pid), tuple(t.shape), tuple(t.stride()), t.storage_offset())
+
+
+def _prepare(obj: Any, st: _Storages, memo: dict[int, Any] | None = None) -> Any:
+    """``obj`` with every tensor replaced by its pickled form. Containers without tensors are kept as the very
+    same objects, and a container seen twice maps to one copy, so the pickle memoizes as torch.save's does."""
+    if isinstance(obj, torch.Tensor):
+        return st.tensor(obj)
+    if isinstance(obj, StreamedTensor):
+        return _TensorReduce(st.ref(obj), obj.shape)
+    kind = type(obj)
+    if kind not in _DICTS and kind is not list and kind is not tuple:
+        return obj
+    memo = {} if memo is None else memo
+    if id(obj) in memo:
+        return memo[id(obj)]
+    if kind in _DICTS:
+        items = [(k, _prepare(v, st, memo)) for k, v in obj.items()]
+        changed = any(new is not old for (_, new), old in zip(items, obj.values(), strict=True))
+        out = _same_dict(obj, items) if changed else obj
+    else:
+        values = [_prepare(v, st, memo) for v in obj]
+        changed = any(new is not old for new, old in zip(values, obj, strict=True))
+        out = kind(values) if changed else obj
+    memo[id(obj)] = out
+    return out
+
+
+class _Pickler(pickle.Pickler):
+    def persistent_id(self, obj: Any) -> Any:
+        return obj.pid if isinstance(obj, _StorageRef) else None
+
+
+def pickle_with_streams(obj: Any) -> tuple[bytes, list[StreamedTensor]]:
+    """``data.pkl`` of ``obj`` and the tensors in storage order. Containers are dicts, lists and tuples (the
+    rest is pickled as is, so anything torch.save accepts without tensors inside custom objects)."""
+    st = _Storages()
+    prepared = _prepare(obj, st)
+    buf = io.BytesIO()
+    _Pickler(buf, protocol=PICKLE_PROTOCOL).dump(prepared)
+    return buf.getvalue(), st.streams
+
+
+# ------------------------------------------------------------------------------------------------------------
+# the writer
+
+
+@dataclass
+class _Entry:
+    name: bytes
+    offset: int
+    size: int
+    crc: int
+
+
+@dataclass
+class _ZipStream:
+    archive: str
+    offset: int = 0
+    entries: list[_Entry] = field(default_factory=list)
+
+    def record(self, name: str, chunks: Iterable[Any], size: int) -> Iterator[Any]:
+        full = f"{self.archive}/{name}".encode()
+        big = size >= _U32 or self.offset >= _U32
+        zip64 = b""
+        if big:
+            fields = (struct.pack("<QQ", size, size) if size >= _U32 else b"") + (
+                struct.pack("<Q", self.offset) if self.offset >= _U32 else b"")
+            zip64 = struct.pack("<HH", 1, len(fields)) + fields
+        start = self.offset + 30 + len(full) + len(zip64) + 4
+        pad = -start % ALIGNMENT
+        extra = zip64 + b"FB" + struct.pack("<H", pad) + b"Z" * pad
+        head = struct.pack("<IHHHHHIIIHH", 0x04034B50, 0, 0x0808, 0, 0, 0, 0, 0, 0, len(full), len(extra))
+        yield head + full + extra
+        crc, n = 0, 0
+        for chunk in chunks:
+            mv = as_memoryview(chunk)
+            crc = zlib.crc32(mv, crc)
+            n += len(mv)
+            if n > size:
+                raise ValueError(f"record {name}: more than the announced {size} bytes")
+            if len(mv):
+                yield mv
+        if n != size:
+            raise ValueError(f"record {name}: {n} bytes produced, {size} announced")
+        if size >= _U32:
+            yield struct.pack("<IIQQ", 0x08074B50, crc, size, size)
+        else:
+            yield struct.pack("<IIII", 0x08074B50, crc, size, size)
+        self.entries.append(_Entry(full, self.offset, size, crc))
+        self.offset += len(head) + len(full) + len(extra) + size + (24 if size >= _U32 else 16)
+
+    def finish(self) -> bytes:
+        out = io.BytesIO()
+        for e in self.entries:
+            fields = b""
+            if e.size >= _U32:
+                fields += struct.pack("<QQ", e.size, e.size)
+            if e.offset >= _U32:
+                fields += struct.pack("<Q", e.offset)
+            extra = struct.pack("<HH", 1, len(fields)) + fields if fields else b""
+            out.write(struct.pack("<IHHHHHHIIIHHHHHII", 0x02014B50, 0, 0, 0x0808, 0, 0, 0, e.crc,
+                                  min(e.size, _U32), min(e.size, _U32), len(e.name), len(extra), 0, 0, 0, 0,
+                                  min(e.offset, _U32)))
+            out.write(e.name + extra)
+        cd_size, cd_offset, n = out.tell(), self.offset, len(self.entries)
+        eocd64 = self.offset + cd_size
+        out.write(struct.pack("<IQHHIIQQQQ", 0x06064B50, 44, 0x031E, 0x2D, 0, 0, n, n, cd_size, cd_offset))
+        out.write(struct.pack("<IIQI", 0x07064B50, 0, eocd64, 1))
+        out.write(struct.pack("<IHHHHIIH", 0x06054B50, 0, 0, min(n, 0xFFFF), min(n, 0xFFFF),
+                              min(cd_size, _U32), min(cd_offset, _U32), 0))
+        return out.getvalue()
+
+
+def iter_torch_save(obj: Any, *, archive: str = "archive") -> Iterator[Any]:
+    """The bytes of ``torch.save(obj, f)`` as a stream of chunks, tensors' data produced as it is written.
+
+    ``archive`` is the zip's top directory: torch.save names it after the file (``distrib_optim`` for
+    ``distrib_optim.pt``) or ``archive`` for a buffer. Pass a writer of chunks (``Tier.write_blob``) the
+    result; peak memory is the largest piece a :class:`StreamedTensor` yields.
+    """
+    if sys_byteorder() != "little":  # pragma: no cover - we only run on little-endian hosts
+        raise RuntimeError("only little-endian hosts are supported")
+    pkl, streams = pickle_with_streams(obj)
+    z = _ZipStream(archive)
+    records = [("data.pkl", [pkl], len(pkl)), (".format_version", [b"1"], 1),
+               (".storage_alignment", [str(ALIGNMENT).encode()], 2), ("byteorder", [b"little"], 6)]
+    for name, chunks, size in records:
+        yield from z.record(name, chunks, size)
+    for i, s in enumerate(streams):
+        yield from z.record(f"data/{i}", _lazy(s.produce), s.nbytes)
+    yield from z.record("version", [b"3\n"], 2)
+    written = [e.name.decode().split("/", 1)[1] for e in z.entries]
+    sid = serialization_id(written, [e.crc for e in z.entries]).encode()
+    yield from z.record(".data/serialization_id", [sid], len(sid))
+    yield z.finish()
+
+
+def _lazy(produce: Callable[[], Iterable[Any]]) -> Iterator[Any]:
+    yield from produce()
+
+
+def sys_byteorder() -> str:
+    import sys
+
+    return sys.byteorder
+
+
+# PyTorch's serialization id: the record names hashed with libstdc++'s std::hash (MurmurHash64A-like, seed
+# 0xc70f6907) and combined with c10::hash_combine in the iteration order of the std::unordered_set holding
+# them; then the CRCs combined in write order. Printed as two zero-padded 20-digit numbers.
+_M64 = (1 << 64) - 1
+_MUL = (0xC6A4A793 << 32) + 0x5BD1E995
+_FAST_BUCKETS = (2, 2, 2, 3, 5, 5, 7, 7, 11, 11, 11, 11, 13, 13)
+# libstdc++'s bucket counts as the set doubles (checked against torch.save up to 1200 records).
+_PRIME_BUCKETS = (13, 29, 59, 127, 257, 541, 1109, 2357, 5087, 10273, 20753, 42043)
+
+
+def _std_hash(data: bytes) -> int:
+    def mix(v: int) -> int:
+        return v ^ (v >> 47)
+
+    n = len(data)
+    h = (0xC70F6907 ^ (n * _MUL)) & _M64
+    aligned = n & ~7
+    for i in range(0, aligned, 8):
+        h ^= (mix((int.from_bytes(data[i:i + 8], "little") * _MUL) & _M64) * _MUL) & _M64
+        h = (h * _MUL) & _M64
+    if n & 7:
+        h ^= int.from_bytes(data[aligned:], "little")
+        h = (h * _MUL) & _M64
+    return mix((mix(h) * _MUL) & _M64)
+
+
+def _combine(seed: int, value: int) -> int:
+    return (seed ^ ((value + 0x9E3779B9 + ((seed << 6) & _M64) + (seed >> 2)) & _M64)) & _M64
+
+
+def _unordered_set_order(names: list[str]) -> list[str]:
+    """Iteration order of a libstdc++ ``std::unordered_set<std::string>`` after inserting ``names``."""
+    nbuckets, next_resize = 1, 0
+    runs: list[list[tuple[int, str]]] = []  # the node list as runs of equal bucket, first run first
+
+    def place(nodes: list[tuple[int, str]]) -> list[list[tuple[int, str]]]:
+        out: list[list[tuple[int, str]]] = []
+        where: dict[int, list[tuple[int, str]]] = {}
+        for node in nodes:
+            b = node[0] % nbuckets
+            if b in where:
+                where[b].insert(0, node)
+            else:
+                where[b] = [node]
+                out.insert(0, where[b])
+        return out
+
+    count = 0
+    for name in names:
+        h = _std_hash(name.encode())
+        if count + 1 > next_resize:
+            wanted = max(count + 1, 0 if next_resize else 11)
+            if wanted >= nbuckets:
+                target = max(wanted + 1, nbuckets * 2)
+                if target < len(_FAST_BUCKETS):
+                    nbuckets = _FAST_BUCKETS[target]
+                else:
+                    nbuckets = next((p for p in _PRIME_BUCKETS if p >= target), 0)
+                    if not nbuckets:
+                        raise OverflowError("too many records to mirror torch's serialization id")
+                next_resize = nbuckets
+                runs = place([node for run in runs for node in run])
+            else:
+                next_resize = nbuckets
+        b = h % nbuckets
+        for run in runs:
+            if run[0][0] % nbuckets == b:
+                run.insert(0, (h, name))
+                break
+        else:
+            runs.insert(0, [(h, name)])
+        count += 1
+    return [name for run in runs for _, name in run]
+
+
+def serialization_id(names: list[str], crcs: list[int]) -> str:
+    """PyTorch's ``.data/serialization_id`` for records ``names`` (in write order) with CRCs ``crcs``."""
+    try:
+        ordered = _unordered_set_order(names)
+    except OverflowError:
+        ordered = sorted(names)  # still a deterministic id; torch never checks it
+    h = 0
+    for name in ordered:
+        h = _combine(h, _std_hash(name.encode()))
+    c = 0
+    for crc in crcs:
+        c = _combine(c, crc)
+    return f"{h:020d}{c:020d}"
+
+
+# ------------------------------------------------------------------------------------------------------------
+# the lazy reader
+
+
+class RangeReader:
+    """What the lazy reader needs from where a file lives: its size and byte ranges (a Tier and a key)."""
+
+    def __init__(self, tier: Any, key: str, *, where: str | None = None):
+        self.tier, self.key = tier, key
+        self.where = where or key
+        self.bytes_read = 0
+
+    def size(self) -> int:
+        return self.tier.size(self.key)
+
+    def read(self, offset: int, length: int) -> bytes:
+        data = self.tier.read_range(self.key, offset, length)
+        self.bytes_read += length
+        return data
+
+
+@dataclass
+class _Record:
+    header_offset: int
+    size: int
+    data_offset: int | None = None
+
+
+class LazyArray:
+    """Something shaped like a 1-D tensor whose elements are read when sliced: ``t[a:b]`` gives a tensor."""
+
+    dtype: torch.dtype
+    shape: torch.Size
+
+    def dim(self) -> int:
+        return len(self.shape)
+
+    def numel(self) -> int:
+        return self.shape.numel()
+
+    def __len__(self) -> int:
+        return self.shape[0] if self.shape else 1
+
+    def __getitem__(self, index: slice) -> torch.Tensor:
+        raise NotImplementedError
+
+
+class LazyTensor(LazyArray):
+    """A tensor inside a torch zip file, read when sliced: ``t[a:b]`` reads only those elements.
+
+    Slicing works on the flattened tensor (it must be contiguous in its storage, as every tensor of
+    Megatron's and our files is); :meth:`load` reads it whole with its shape.
+    """
+
+    def __init__(self, file: LazyTorchFile, record: str, dtype: torch.dtype, shape: tuple[int, ...],
+                 stride: tuple[int, ...], storage_offset: int):
+        self.file, self.record, self.dtype = file, record, dtype
+        self.shape, self._stride, self._offset = torch.Size(shape), stride, storage_offset
+
+    def __repr__(self) -> str:
+        return f"LazyTensor({self.file.where}:{self.record}, {self.dtype}, {tuple(self.shape)})"
+
+    def _contiguous(self) -> bool:
+        expected, acc = [], 1
+        for s in reversed(self.shape):
+            expected.append(acc)
+            acc *= s
+        return all(s == e or n == 1 for s, e, n in zip(self._stride, reversed(expected), self.shape,
+                                                        strict=True))
+
+    def __getitem__(self, index: slice) -> torch.Tensor:
+        if not isinstance(index, slice) or index.step not in (None, 1):
+            raise TypeError("a LazyTensor supports only contiguous slices t[a:b] of its flattened elements")
+        if not self._contiguous():
+            raise DecodeError(f"{self.file.where}: {self.record} is not contiguous; load() it instead")
+        start, stop, _ = index.indices(self.numel())
+        stop = max(start, stop)
+        return self.file.read_elements(self.record, self.dtype, self._offset + start, stop - start)
+
+    def load(self) -> torch.Tensor:
+        if self.numel() == 0:
+            return torch.empty(self.shape, dtype=self.dtype)
+        span = 1 + sum((s - 1) * st for s, st in zip(self.shape, self._stride, strict=True))
+        flat = self.file.read_elements(self.record, self.dtype, self._offset, span)
+        return flat.as_strided(self.shape, self._stride).clone() if not self._contiguous() else flat.view(
+            self.shape)
+
+
+class LazyTorchFile:
+    """A torch zip file opened for range reads: :attr:`obj` is its content with :class:`LazyTensor`s."""
+
+    def __init__(self, reader: RangeReader):
+        self.reader = reader
+        self.where = reader.where
+        self.size = reader.size()
+        self.records = self._central_directory()
+        pkl_names = [n for n in self.records if n.endswith("/data.pkl") and n.count("/") == 1]
+        if len(pkl_names) != 1:
+            raise DecodeError(f"{self.where}: not a torch file (no single <archive>/data.pkl record)")
+        self.prefix = pkl_names[0].rsplit("/", 1)[0]
+        order = self.records.get(f"{self.prefix}/byteorder")
+        if order is not None and self._read_record(f"{self.prefix}/byteorder") != b"little":
+            raise DecodeError(f"{self.where}: big-endian torch files are not supported")
+        self.obj = self._unpickle(self._read_record(pkl_names[0], limit=MAX_PICKLE_BYTES))
+
+    # ----- zip structure ------------------------------------------------------------------------------------
+    def _central_directory(self) -> dict[str, _Record]:
+        size = self.size
+        if size < 22:
+            raise DecodeError(f"{self.where}: not a torch file ({size} bytes)")
+        tail_len = min(size, (64 << 10) + 22 + 20)
+        tail = self.reader.read(size - tail_len, tail_len)
+        pos = tail.rfind(b"PK\x05\x06")
+        if pos < 0 or pos + 22 > len(tail):
+            raise DecodeError(f"{self.where}: not a torch file (no zip end record)")
+        _, _, _, _, entries, cd_size, cd_offset, _ = struct.unpack("<IHHHHIIH", tail[pos:pos + 22])
+        if pos >= 20 and tail[pos - 20:pos - 16] == b"PK\x06\x07":
+            eocd64 = struct.unpack("<IIQI", tail[pos - 20:pos])[2]
+            rec = self.reader.read(eocd64, 56)
+            if rec[:4] != b"PK\x06\x06":
+                raise DecodeError(f"{self.where}: bad zip64 end record")
+            entries, cd_size, cd_offset = struct.unpack("<QQQ", rec[32:56])
+        if cd_offset + cd_size > size:
+            raise DecodeError(f"{self.where}: zip central directory runs past the end of the file")
+        cd = self.reader.read(cd_offset, cd_size)
+        records: dict[str, _Record] = {}
+        p = 0
+        for _ in range(entries):
+            if cd[p:p + 4] != b"PK\x01\x02":
+                raise DecodeError(f"{self.where}: corrupt zip central directory")
+            (method, csize, usize, nlen, xlen, clen, hoff) = (
+                struct.unpack("<H", cd[p + 10:p + 12])[0], *struct.unpack("<II", cd[p + 20:p + 28]),
+                *struct.unpack("<HHH", cd[p + 28:p + 34]), struct.unpack("<I", cd[p + 42:p + 46])[0])
+            name = cd[p + 46:p + 46 + nlen].decode("utf-8", "replace")
+            extra = cd[p + 46 + nlen:p + 46 + nlen + xlen]
+            usize, csize, hoff = _zip64_fields(extra, usize, csize, hoff)
+            if method != 0 or csize != usize:
+                raise DecodeError(f"{self.where}: record {name} is compressed; torch files store records")
+            records[name] = _Record(hoff, usize)
+            p += 46 + nlen + xlen + clen
+        return records
+
+    def _data_offset(self, name: str) -> _Record:
+        rec = self.records[name]
+        if rec.data_offset is None:
+            head = self.reader.read(rec.header_offset, 30)
+            if head[:4] != b"PK\x03\x04":
+                raise DecodeError(f"{self.where}: corrupt local header of {name}")
+            nlen, xlen = struct.unpack("<HH", head[26:30])
+            rec.data_offset = rec.header_offset + 30 + nlen + xlen
+            if rec.data_offset + rec.size > self.size:
+                raise DecodeError(f"{self.where}: record {name} runs past the end of the file")
+        return rec
+
+    def _read_record(self, name: str, limit: int | None = None) -> bytes:
+        rec = self._data_offset(name)
+        if limit is not None and rec.size > limit:
+            raise DecodeError(f"{self.where}: {name} is {rec.size} bytes, more than {limit}")
+        return self.reader.read(rec.data_offset, rec.size)
+
+    def read_elements(self, record: str, dtype: torch.dtype, start: int, count: int) -> torch.Tensor:
+        """``count`` elements of ``dtype`` from element ``start`` of a record (a fresh CPU tensor)."""
+        item = _itemsize(dtype)
+        rec = self._data_offset(record)
+        if start < 0 or (start + count) * item > rec.size:
+            raise DecodeError(f"{self.where}: elements [{start}, {start + count}) outside {record}")
+        if count == 0:
+            return torch.empty(0, dtype=dtype)
+        data = self.reader.read(rec.data_offset + start * item, count * item)
+        return bytes_to_tensor(data).view(dtype)
+
+    # ----- the pickle ---------------------------------------------------------------------------------------
+    def _unpickle(self, pkl: bytes) -> Any:
+        from torch import _weights_only_unpickler
+
+        from .safe_load import allow_megatron_globals
+
+        storages: dict[int, tuple[str, torch.dtype]] = {}
+        keep: list[Any] = []
+
+        def persistent_load(pid: Any) -> Any:
+            if not isinstance(pid, tuple) or len(pid) != 5 or pid[0] != "storage":
+                raise DecodeError(f"{self.where}: unexpected persistent id {pid!r:.80}")
+            _, storage_type, key, _location, numel = pid
+            dtype = torch.uint8 if storage_type is torch.UntypedStorage else storage_type.dtype
+            name = f"{self.prefix}/data/{key}"
+            if name not in self.records:
+                raise DecodeError(f"{self.where}: the pickle refers to a missing record {name}")
+            untyped = torch.UntypedStorage(numel * _itemsize(dtype), device="meta")
+            keep.append(untyped)
+            storages[untyped._cdata] = (name, dtype)
+            return torch.storage.TypedStorage(wrap_storage=untyped, dtype=dtype, _internal=True)
+
+        with allow_megatron_globals():
+            unpickler = _weights_only_unpickler.Unpickler(io.BytesIO(pkl), encoding="utf-8")
+            unpickler.persistent_load = persistent_load
+            try:
+                obj = unpickler.load()
+            except pickle.UnpicklingError as exc:
+                raise DecodeError(f"{self.where}: refused by the weights-only unpickler: {exc}") from None
+        return self._lazify(obj, storages)
+
+    def _lazify(self, obj: Any, storages: dict[int, tuple[str, torch.dtype]]) -> Any:
+        if isinstance(obj, torch.Tensor):
+            name, _ = storages[obj.untyped_storage()._cdata]
+            return LazyTensor(self, name, obj.dtype, tuple(obj.shape), tuple(obj.stride()), obj.storage_offset())
+        if type(obj) in _DICTS:
+            return _same_dict(obj, ((k, self._lazify(v, storages)) for k, v in obj.items()))
+        if type(obj) is list:
+            return [self._lazify(v, storages) for v in obj]
+        if type(obj) is tuple:
+            return tuple(self._lazify(v, storages) for v in obj)
+        return obj
+
+
+def _zip64_fields(extra: bytes, usize: int, csize: int, offset: int) -> tuple[int, int, int]:
+    p = 0
+    while p + 4 <= len(extra):
+        tag, n = struct.unpack("<HH", extra[p:p + 4])
+        if tag == 1:
+            body, q = extra[p + 4:p + 4 + n], 0
+            if usize == _U32:
+                usize, q = struct.unpack("<Q", body[q:q + 8])[0], q + 8
+            if csize == _U32:
+                csize, q = struct.unpack("<Q", body[q:q + 8])[0], q + 8
+            if offset == _U32:
+                offset = struct.unpack("<Q", body[q:q + 8])[0]
+        p += 4 + n
+    return usize, csize, offset
+
+
+def open_lazy(tier: Any, key: str, *, where: str | None = None) -> LazyTorchFile:
+    """Open ``key`` on ``tier`` (anything with ``size(key)`` and ``read_range(key, offset, length)``)."""
+    return LazyTorchFile(RangeReader(tier, key, where=where))
+
+
+def materialize(obj: Any) -> Any:
+    """``obj`` with every :class:`LazyTensor` read into a real tensor."""
+    if isinstance(obj, LazyTensor):
+        return obj.load()
+    if type(obj) in _DICTS:
+        return _same_dict(obj, ((k, materialize(v)) for k, v in obj.items()))
+    if type(obj) is list:
+        return [materialize(v) for v in obj]
+    if type(obj) is tuple:
+        return tuple(materialize(v) for v in obj)
+    return obj
+
+
+def is_tensor_like(t: Any) -> bool:
+    return isinstance(t, torch.Tensor | LazyArray)
+
+
+def chunks_of(t: torch.Tensor) -> list[memoryview]:
+    """A tensor's bytes as one chunk (for writers)."""
+    return [as_memoryview(t)]
