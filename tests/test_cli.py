@@ -146,3 +146,11 @@ def test_usage_errors_exit_2(capsys, tmp_path):
     assert "tiers[0].every" in capsys.readouterr().err
     assert main(["inspect", str(tmp_path / "empty")]) == EXIT_NOT_FOUND
     assert os.path.exists(tmp_path)
+
+
+@pytest.mark.slow
+def test_demo_small(tmp_path, capsys):
+    code, out = run(capsys, "demo", "--workdir", str(tmp_path / "demo"), "--world", "2", "--steps", "12")
+    assert code == EXIT_OK, out
+    assert "OK: the resumed run matched the uninterrupted one exactly (from step 10 to 12)" in out
+    assert "from tier" in out and "time to durable" in out

@@ -223,6 +223,13 @@ def cmd_gc(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def cmd_demo(args: argparse.Namespace) -> int:
+    from .demo.run import run_demo
+
+    return run_demo(args.workdir, world=args.world, steps=args.steps, remote=args.remote,
+                    keep_files=not args.clean)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tiered-ckpt", description=__doc__.split("\n")[0])
     parser.add_argument("-v", "--verbose", action="count", default=0, help="log more (-vv for debug)")
@@ -252,6 +259,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--stale", action="store_true", help="also look for shared memory of runs with no live engine")
     p.add_argument("--shm-path", default="/dev/shm/tiered_ckpt", help="the shm tier's path (default: %(default)s)")
     p.add_argument("--delete", action="store_true", help="remove what is found (default: only list it)")
+    p = add("demo", cmd_demo, "train a small GPT on 4 ranks, checkpoint through shm, local and remote tiers, kill a "
+                              "rank, resume, and check the resumed run matches an uninterrupted one", target=False)
+    p.add_argument("--workdir", default="demo-run", help="where the demo writes (default: %(default)s)")
+    p.add_argument("--remote", help="the remote tier's URL (default: a file:// folder in the workdir)")
+    p.add_argument("--world", type=int, default=4, help="ranks (default: %(default)s)")
+    p.add_argument("--steps", type=int, default=30, help="training steps (default: %(default)s)")
+    p.add_argument("--clean", action="store_true", help="remove the workdir afterwards")
     return parser
 
 

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field, replace
 
 from . import events as ev
 from .checksum import ALGORITHM, digest
+from .crashpoints import crash_point
 from .errors import TierError
 from .file_store import FileStore
 from .memory_store import MemoryStore, SlotMeta
@@ -248,6 +249,7 @@ class DrainRuntime:
     def _write_file_tier(self, source: str, store: FileStore, job: _Job, t0: float) -> None:
         req = job.req
         mem_source = None
+        crash_point("drain.before_write")
         if isinstance(self.stores[source], MemoryStore):
             mem, meta = self._memory_meta(source, job)
             sources = mem.item_sources(meta)
@@ -257,6 +259,7 @@ class DrainRuntime:
             upper = self.stores[source]
             assert isinstance(upper, FileStore)
             manifest = store.copy_rank_from(upper, req.step, self.coords)
+        crash_point("drain.after_write")
         nbytes = sum(f.size for f in manifest.files)
         self.emit(ev.Event(ev.DRAIN, step=req.step, rank=self.coords.rank, tier=store.name,
                            seconds=time.perf_counter() - t0, nbytes=nbytes, detail={"source": source}))
@@ -266,6 +269,7 @@ class DrainRuntime:
             if mem_source is not None:
                 self._record_snapshot_checksums(*mem_source)
             return
+        crash_point("drain.before_commit")
         committed = store.try_commit(req.step, self.coords, ranks, wait_s=self.commit_wait_s)
         if committed is None:
             raise TierError(f"step {req.step} not committed: not every rank's files arrived within "

@@ -16,6 +16,7 @@ from typing import Any
 from . import events as ev
 from .codecs import flat
 from .config import Config, TierConfig, load_config
+from .crashpoints import crash_point
 from .distributed import Coordinator
 from .drain import DrainRequest
 from .errors import (
@@ -159,15 +160,18 @@ class CheckpointEngine:
         store = self.pipeline.entry_store
         try:
             store.invalidate(slot)  # the slot's old step is gone from here on
+            crash_point("save.invalidated")
             self._slot_step.pop(slot, None)
             buf = store.buffer(slot, total)
             for _, plan, offset in placed:
                 flat.copy_into(plan, buf[offset:offset + plan.total_bytes])
+                crash_point("save.item_copied")
             meta = SlotMeta(step=step, rank=self.coords.rank, slot=slot, total_bytes=total,
                             items=[SlotItem(name, off, p.total_bytes, flat.encode_header(p).decode())
                                    for name, p, off in placed],
                             layout=self.config.layout, coords=self.coords.to_dict(),
                             parallel=self.coords.layout.to_dict(), run_id=self.config.run_id)
+            crash_point("save.before_publish")
             store.publish(meta)
         except BaseException:
             with self._cond:
@@ -298,9 +302,10 @@ class CheckpointEngine:
             return items, verified, meta.total_bytes
         manifest = store.read_manifest(step, cached=True)
         self._check_layout(manifest.parallel, step, name)
-        items = store.load_rank(manifest, self.coords.rank, verify=verify, copy=copy, map_location=map_location,
+        items = store.load_rank(manifest, self.coords, verify=verify, copy=copy, map_location=map_location,
                                 trust_pickles=self.config.load.trust_pickles)
-        return items, verify, sum(f.size for f in manifest.files_of(self.coords.rank))
+        mine = store.layout.files_for_rank(manifest.files, manifest.parallel, self.coords)
+        return items, verify, sum(f.size for f in mine)
 
     # ----- lifecycle ---------------------------------------------------------------------------------------
     def wait(self, timeout: float | None = None) -> None:

@@ -22,6 +22,7 @@ from .codecs.byte_grouping import grouped_chunks, ungroup_
 from .codecs.file_codecs import FileCodec, FlatFileCodec, ItemSource
 from .compression import compress_chunks, decompress_to_tensor
 from .config import TierConfig
+from .crashpoints import crash_point
 from .errors import BlobNotFoundError, CorruptionError, DecodeError, TierError
 from .layouts.base import Layout
 from .manifest import (
@@ -142,7 +143,9 @@ class FileStore:
         manifest = RankManifest(step=step, rank=coords.rank, layout=self.layout.name, coords=coords.to_dict(),
                                 parallel=coords.layout.to_dict(), files=tuple(entries), run_id=self.run_id)
         key = self.layout.rank_manifest_key(step, coords.rank)
+        crash_point("store.files_written")
         self._retry(lambda: self.tier.publish(key, dump_rank(manifest)), step, coords.rank, f"publish {key}")
+        crash_point("store.rank_manifest_written")
         return manifest
 
     def copy_rank_from(self, source: FileStore, step: int, coords: RankCoords) -> RankManifest:
@@ -210,6 +213,7 @@ class FileStore:
         key = self.layout.manifest_key(step)
         self._retry(lambda: self.tier.publish(key, dump_checkpoint(manifest)), step, coords.rank, f"publish {key}")
         self._manifests[step] = manifest
+        crash_point("store.manifest_written")
         self._update_tracker(step, coords.rank)
         return manifest
 
@@ -280,11 +284,12 @@ class FileStore:
             raise CorruptionError("compressed file without raw_size in the manifest", tier=self.name, key=entry.key)
         return decompress_to_tensor(blob, entry.raw_size, where=entry.key, tier=self.name)
 
-    def load_rank(self, manifest: CheckpointManifest, rank: int, *, verify: bool = True, copy: bool = True,
+    def load_rank(self, manifest: CheckpointManifest, coords: RankCoords, *, verify: bool = True, copy: bool = True,
                   map_location: Any = None, trust_pickles: bool = False) -> dict[str, Any]:
         items: dict[str, Any] = {}
-        for entry in manifest.files_of(rank):
-            blob = self._retry(lambda e=entry: self.tier.read_blob(e.key), manifest.step, rank, f"read {entry.key}")
+        for entry in self.layout.files_for_rank(manifest.files, manifest.parallel, coords):
+            blob = self._retry(lambda e=entry: self.tier.read_blob(e.key), manifest.step, coords.rank,
+                               f"read {entry.key}")
             if verify:
                 self.verify(entry, blob)
             raw = self.decode_stored(entry, blob)
@@ -325,6 +330,7 @@ class FileStore:
             try:
                 # Un-commit first: a crash midway leaves debris, never a committed step with missing files.
                 self.tier.delete(self.layout.manifest_key(step))
+                crash_point("store.retain_uncommitted")
                 self.tier.delete_prefix(self.layout.step_dir(step))
             except TierError as exc:
                 log.warning("retention on tier %r could not remove step %d: %s", self.name, step, exc)

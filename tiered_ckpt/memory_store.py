@@ -16,6 +16,7 @@ import torch
 
 from .codecs import flat
 from .codecs.file_codecs import ItemSource
+from .crashpoints import crash_point
 from .errors import BlobNotFoundError, CorruptionError, DecodeError
 from .hostmem import private_copy
 from .tiers.base import Tier
@@ -108,6 +109,7 @@ class MemoryStore:
         self.tier.delete(self.meta_key(slot))
 
     def publish(self, meta: SlotMeta) -> None:
+        crash_point("memory.publish")
         self.tier.publish(self.meta_key(meta.slot), meta.to_json())
 
     # ----- reading -----------------------------------------------------------------------------------------

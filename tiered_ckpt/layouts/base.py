@@ -8,8 +8,13 @@ Megatron's go to ``iter_XXXXXXX/rank_RRRRR/<item>.<ext>`` in both.
 from __future__ import annotations
 
 import re
+from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
-from ..parallel import RankCoords
+from ..parallel import ParallelLayout, RankCoords
+
+if TYPE_CHECKING:
+    from ..manifest import FileEntry
 
 TRACKER = "latest_checkpointed_iteration.txt"
 META_DIR = "tiered_ckpt"  # inside each step directory: manifests
@@ -23,12 +28,9 @@ OPTIM_ITEM = "distrib_optim"
 
 def model_parallel_dir(coords: RankCoords) -> str:
     """Megatron's ``mp_rank_TT[_PPP][_EEE]``: the pp suffix when PP > 1, the ep suffix when EP > 1."""
-    name = f"mp_rank_{coords.tp:02d}"
-    if coords.layout.pp > 1:
-        name += f"_{coords.pp:03d}"
-    if coords.layout.ep > 1:
-        name += f"_{coords.ep:03d}"
-    return name
+    from ..megatron.naming import rank_dir_name
+
+    return rank_dir_name(coords.tp, coords.pp, coords.ep, pp_size=coords.layout.pp, ep_size=coords.layout.ep)
 
 
 class Layout:
@@ -80,3 +82,22 @@ class Layout:
 
     def optimizer_key(self, step: int, coords: RankCoords) -> str | None:
         raise NotImplementedError
+
+    def files_for_rank(self, files: Iterable[FileEntry], parallel: dict, coords: RankCoords) -> list[FileEntry]:
+        """The files ``coords`` reads at load: its own, plus Megatron's model file of its model-parallel group
+        (written once per group, by DP rank 0)."""
+        saved = ParallelLayout.from_dict(parallel)
+        mine = []
+        for entry in files:
+            if entry.rank == coords.rank:
+                mine.append(entry)
+            elif entry.item in self.shared_items and _same_model_group(saved.coords(entry.rank), coords):
+                mine.append(entry)
+        return mine
+
+    # Items written once per model-parallel group and read by every DP rank of it.
+    shared_items: tuple[str, ...] = (MODEL_ITEM,)
+
+
+def _same_model_group(a: RankCoords, b: RankCoords) -> bool:
+    return (a.tp, a.pp, a.ep, a.cp) == (b.tp, b.pp, b.ep, b.cp)

@@ -1,7 +1,10 @@
 """``megatron``: byte-for-byte Megatron-LM's legacy ``torch`` format.
 
-``distrib_optim.pt`` sits beside ``model_optim_rng.pt`` and holds the DP-gathered buckets, written by DP rank 0
-of each model-parallel group.
+``distrib_optim.pt`` sits beside ``model_optim_rng.pt`` and holds the DP-gathered buckets. No rank holds the
+gathered state when it saves, so each rank first writes its own shard where the ``rank_sharded`` layout does
+(:meth:`optimizer_key`, the staging file); at commit, one rank merges a step's staging files into
+:meth:`merged_optimizer_key` of every model-parallel group (:func:`tiered_ckpt.megatron.merge.merge_step_on_tier`,
+streamed, byte-identical to what Megatron writes).
 """
 
 from __future__ import annotations
@@ -14,6 +17,11 @@ class MegatronLayout(Layout):
     name = "megatron"
 
     def optimizer_key(self, step: int, coords: RankCoords) -> str | None:
-        if coords.dp != 0:
+        """Every rank's staging file: its own shard and bucket geometry (merged at commit)."""
+        return f"{self.step_dir(step)}/rank_{coords.rank:05d}/{OPTIM_ITEM}.pt"
+
+    def merged_optimizer_key(self, step: int, coords: RankCoords) -> str | None:
+        """Megatron's gathered file of ``coords``' model-parallel group; written for DP rank 0 (dp = cp = 0)."""
+        if coords.dp != 0 or coords.cp != 0:
             return None
         return f"{self.step_dir(step)}/{model_parallel_dir(coords)}/{OPTIM_ITEM}.pt"

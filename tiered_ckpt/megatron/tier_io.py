@@ -83,7 +83,8 @@ class CopyStats:
 
 def copy_file(src: Tier, src_key: str, dst: Tier, dst_key: str, *, item: str, rank: int,
               entry: FileEntry | None = None, meta: dict[str, Any] | None = None,
-              retry: RetryConfig | None = None, stats: CopyStats | None = None) -> FileEntry:
+              retry: RetryConfig | None = None, stats: CopyStats | None = None,
+              progress: Callable[[int], None] | None = None) -> FileEntry:
     """Copy one file between tiers piece by piece; with ``entry`` (the source's manifest entry) the source is
     verified while it is read (and decompressed if it was stored compressed), and a mismatch removes the
     copy and raises :class:`CorruptionError`."""
@@ -97,6 +98,8 @@ def copy_file(src: Tier, src_key: str, dst: Tier, dst_key: str, *, item: str, ra
             n += len(piece)
             if stats is not None:
                 stats.bytes_read += len(piece)
+            if progress is not None:
+                progress(len(piece))
             yield piece
         if entry is not None:
             check_digest(entry, n, h.hexdigest(), where_src)

@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from ..crashpoints import crash_point
 from ..errors import BlobNotFoundError, PermanentTierError, TierError, TransientTierError
 from .base import as_memoryview, check_key, check_prefix
 
@@ -182,6 +183,7 @@ class BlobFiles:
                         raise self.error(exc, key, "fsync", tmp) from exc
             finally:
                 os.close(fd)
+            crash_point("files.temp_written")
             try:
                 os.rename(tmp, final)
             except OSError as exc:
@@ -307,6 +309,7 @@ class BlobFiles:
         """Every key under the directory ``prefix``, then the directories left empty."""
         prefix = check_prefix(prefix.rstrip("/") + "/")
         for key in self.list(prefix):
+            crash_point("files.deleting")
             self.delete(key)
         top = os.path.join(self.root, prefix.rstrip("/"))
         for dirpath, _, _ in sorted(os.walk(top, topdown=False), key=lambda e: -len(e[0])):

@@ -71,6 +71,7 @@ import torch
 from fsspec.implementations.local import LocalFileSystem
 from fsspec.implementations.memory import MemoryFile, MemoryFileSystem
 
+from ..crashpoints import crash_point
 from ..errors import BlobNotFoundError, ConfigError, PermanentTierError, TierError, TransientTierError
 from ..retry import is_transient
 from ..validate import PositiveInt, Seconds, Size
@@ -511,6 +512,7 @@ class FsspecTier(Tier):
             finally:
                 with self._errors(key, "close", tmp):
                     f.close()
+            crash_point("fsspec.temp_written")
             with self._errors(key, "rename into", path):
                 self.fs.mv(tmp, path)
         except BaseException:

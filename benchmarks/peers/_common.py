@@ -1,0 +1,272 @@
+"""What every candidate script shares: arguments, memory accounting, page-cache dropping, copying into existing
+tensors, and the JSON it hands back to ``run_all.py``.
+
+Each candidate runs in its own process (``run_all.py`` starts one per candidate, state and round), so peak RSS
+numbers never mix. Only the standard library and torch are used here: the DLRover candidate imports this module
+from its own virtual environment.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import statistics
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import Any
+
+BENCH_DIR = Path(__file__).resolve().parents[1]
+REPO = BENCH_DIR.parent
+for p in (str(BENCH_DIR), str(REPO)):
+    if p not in sys.path:
+        sys.path.insert(0, p)
+
+import torch  # noqa: E402
+
+import states  # noqa: E402
+
+MIB = 1 << 20
+
+
+# ----- arguments and results ------------------------------------------------------------------------------------
+def parse_args(description: str) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=description)
+    ap.add_argument("--state", required=True, choices=sorted(states.STATES))
+    ap.add_argument("--quick", action="store_true", help="the smaller variant of the state")
+    ap.add_argument("--workdir", required=True, help="a fresh directory on the local disk for this run")
+    ap.add_argument("--warm", type=int, default=3, help="warm saves to time")
+    ap.add_argument("--out", required=True, help="write the result JSON here")
+    return ap.parse_args()
+
+
+def write_result(path: str, result: dict[str, Any]) -> None:
+    result.setdefault("torch", torch.__version__)
+    result.setdefault("pid", os.getpid())
+    tmp = f"{path}.tmp"
+    Path(tmp).write_text(json.dumps(result, indent=1, default=str))
+    os.replace(tmp, path)
+
+
+def median(xs: Iterable[float]) -> float:
+    return statistics.median(list(xs))
+
+
+class Timer:
+    def __enter__(self) -> Timer:
+        self.t0 = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.s = time.perf_counter() - self.t0
+
+
+# ----- memory ---------------------------------------------------------------------------------------------------
+_FIELDS = ("VmRSS", "VmHWM", "RssAnon", "RssFile", "RssShmem")
+
+
+def proc_status(pid: int | str = "self") -> dict[str, int]:
+    """The RSS fields of ``/proc/<pid>/status`` in bytes (empty if the process is gone)."""
+    out: dict[str, int] = {}
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                key, _, rest = line.partition(":")
+                if key in _FIELDS:
+                    out[key] = int(rest.split()[0]) * 1024
+    except (OSError, ValueError):
+        pass
+    return out
+
+
+def descendants(pid: int | None = None) -> list[int]:
+    """Every live descendant of ``pid`` (default: this process), from ``/proc/<pid>/task/*/children``."""
+    pid = os.getpid() if pid is None else pid
+    found, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        try:
+            tasks = os.listdir(f"/proc/{p}/task")
+        except OSError:
+            continue
+        for t in tasks:
+            try:
+                with open(f"/proc/{p}/task/{t}/children") as f:
+                    kids = [int(x) for x in f.read().split()]
+            except OSError:
+                continue
+            for k in kids:
+                if k not in found:
+                    found.append(k)
+                    todo.append(k)
+    return found
+
+
+def reset_peak_rss() -> bool:
+    """Reset this process's VmHWM to its current RSS (Linux >= 4.0: ``echo 5 > /proc/self/clear_refs``)."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+class MemorySampler:
+    """Samples this process's and its descendants' RSS every ``interval`` s on a thread.
+
+    The kernel's own peak (VmHWM, reset with :func:`reset_peak_rss`) catches every spike of this process; the
+    samples split it into anonymous (private), file and shared-memory pages, and follow helper processes (a
+    drain worker, DLRover's saver), whose private memory is what a save may add beyond the slots.
+    """
+
+    def __init__(self, interval: float = 0.02):
+        self.interval = interval
+        self.self_max: dict[str, int] = {}
+        self.kids_anon_max = 0  # the largest sum of the descendants' RssAnon seen
+        self.kids_rss_max = 0
+        self.kids_anon_start: int | None = None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="memory-sampler", daemon=True)
+
+    def kids(self) -> dict[int, dict[str, int]]:
+        return {k: proc_status(k) for k in descendants()}
+
+    def start(self) -> MemorySampler:
+        self.kids_anon_start = sum(s.get("RssAnon", 0) for s in self.kids().values())
+        self._thread.start()
+        return self
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self.sample()
+            self._stop.wait(self.interval)
+
+    def sample(self) -> None:
+        st = proc_status()
+        for k, v in st.items():
+            if v > self.self_max.get(k, 0):
+                self.self_max[k] = v
+        kids = self.kids()
+        self.kids_anon_max = max(self.kids_anon_max, sum(s.get("RssAnon", 0) for s in kids.values()))
+        self.kids_rss_max = max(self.kids_rss_max, sum(s.get("VmRSS", 0) for s in kids.values()))
+
+    def stop(self) -> dict[str, Any]:
+        self._stop.set()
+        self._thread.join()
+        self.sample()
+        return {"self_max": dict(self.self_max), "kids_anon_max": self.kids_anon_max,
+                "kids_rss_max": self.kids_rss_max, "kids_anon_start": self.kids_anon_start}
+
+
+def wait_children_settled(timeout: float = 20.0, quiet_s: float = 0.6) -> int:
+    """Wait until the descendants' private memory stops growing (a helper process importing torch), so that
+    their baseline is taken before a save, not during their start-up. Returns that baseline in bytes."""
+    deadline = time.monotonic() + timeout
+    last, since = -1, time.monotonic()
+    while time.monotonic() < deadline:
+        anon = sum(proc_status(k).get("RssAnon", 0) for k in descendants())
+        if anon != last and abs(anon - last) > 4 * MIB:
+            last, since = anon, time.monotonic()
+        elif time.monotonic() - since >= quiet_s:
+            return anon
+        time.sleep(0.1)
+    return max(last, 0)
+
+
+def memory_report(before: dict[str, int], peak: dict[str, int], sampled: dict[str, Any], slot_bytes: int,
+                  kids_baseline: int) -> dict[str, Any]:
+    """Host memory a save added: this process's peak RSS over its RSS before, less the slot (or staging) bytes,
+    plus the growth of helper processes' private memory over their idle baseline."""
+    hwm = peak.get("VmHWM", 0)
+    grew = hwm - before.get("VmRSS", 0)
+    kids_growth = max(0, sampled["kids_anon_max"] - kids_baseline)
+    return {
+        "rss_before_mib": before.get("VmRSS", 0) / MIB,
+        "peak_rss_mib": hwm / MIB,
+        "peak_rss_shmem_mib": sampled["self_max"].get("RssShmem", 0) / MIB,
+        "peak_rss_anon_mib": sampled["self_max"].get("RssAnon", 0) / MIB,
+        "slot_mib": slot_bytes / MIB,
+        "grew_mib": grew / MIB,
+        "extra_beyond_slots_mib": (grew - slot_bytes) / MIB,
+        "helper_baseline_mib": kids_baseline / MIB,
+        "helper_peak_rss_mib": sampled["kids_rss_max"] / MIB,
+        "helper_growth_mib": kids_growth / MIB,
+        "extra_total_mib": (grew - slot_bytes + kids_growth) / MIB,
+    }
+
+
+# ----- disk and tensors -----------------------------------------------------------------------------------------
+def drop_cache(root: str) -> int:
+    """Evict every file under ``root`` from the page cache (``posix_fadvise(DONTNEED)``; the files must be
+    clean, i.e. written and synced), so a restore reads the disk. Returns the bytes dropped."""
+    dropped = 0
+    for dirpath, _, names in os.walk(root):
+        for n in names:
+            path = os.path.join(dirpath, n)
+            try:
+                fd = os.open(path, os.O_RDONLY)
+            except OSError:
+                continue
+            try:
+                os.fdatasync(fd)
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+                dropped += os.fstat(fd).st_size
+            finally:
+                os.close(fd)
+    return dropped
+
+
+def fsync_tree(root: str) -> None:
+    """fsync every file and directory under ``root`` (for peers that do not fsync what they write)."""
+    for dirpath, _, names in os.walk(root):
+        for n in names:
+            fd = os.open(os.path.join(dirpath, n), os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        fd = os.open(dirpath, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def copy_into(dst: Any, src: Any) -> int:
+    """Copy ``src``'s tensors into ``dst``'s same-named tensors in place (what ``model.load_state_dict`` does);
+    returns the bytes copied. Non-tensor leaves are ignored."""
+    if isinstance(dst, torch.Tensor):
+        dst.copy_(src)
+        return dst.numel() * dst.element_size()
+    if isinstance(dst, dict):
+        return sum(copy_into(v, src[k]) for k, v in dst.items())
+    if isinstance(dst, (list, tuple)):
+        return sum(copy_into(a, b) for a, b in zip(dst, src, strict=True))
+    return 0
+
+
+def same_tensors(a: Any, b: Any) -> bool:
+    """True when every tensor of ``a`` equals the same-named one of ``b`` (a spot check of restores)."""
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and a.shape == b.shape and a.dtype == b.dtype and torch.equal(a, b)
+    if isinstance(a, dict):
+        return isinstance(b, dict) and all(k in b and same_tensors(v, b[k]) for k, v in a.items())
+    if isinstance(a, (list, tuple)):
+        return isinstance(b, (list, tuple)) and len(a) == len(b) and all(map(same_tensors, a, b))
+    return True
+
+
+def timed(fn: Callable[[], Any]) -> tuple[float, Any]:
+    t0 = time.perf_counter()
+    out = fn()
+    return time.perf_counter() - t0, out
+
+
+def settle() -> None:
+    gc.collect()
+    time.sleep(0.2)

@@ -1,0 +1,420 @@
+"""The ``fsspec`` tier on S3 over real HTTP (moto's server), through a fault-injecting proxy.
+
+Engine-level: shm (or staging) + an s3 tier, thread drain mode. Covers: parallel multipart uploads and parallel
+ranged reads; SlowDown / 500 / connection resets / stalls on parts, on the manifest PUT and on reads, retried
+and committed; a deadline that runs out (nothing partial visible, no multipart upload left); a bucket read with
+plain boto3; credentials kept out of events, logs and reprs.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+import torch
+from helpers import Recorder, assert_same
+
+from tiered_ckpt import CheckpointEngine, NoCheckpointError, SaveError
+from tiered_ckpt.checksum import ALGORITHM, digest
+from tiered_ckpt.cli import main as cli_main
+from tiered_ckpt.errors import ConfigError
+from tiered_ckpt.plugins import get_plugin_manager
+from tiered_ckpt.testing.s3 import S3FaultProxy, S3Server, s3_operation
+from tiered_ckpt.tiers import fsspec_tier
+from tiered_ckpt.tiers.fsspec_tier import FsspecOptions, FsspecTier, redact, redacted_options, secret_values
+from tiered_ckpt.validate import build_dataclass
+
+pytestmark = pytest.mark.timeout(120)
+
+MiB = 1 << 20
+PART = 5 * MiB  # S3's minimum part size (moto enforces it)
+FAST_RETRY = {"attempts": 6, "initial_s": 0.05, "max_s": 0.2, "deadline_s": 60}
+STEP_KEY = "iter_{:07d}/rank_00000/state.flat"
+MANIFEST = r"iter_\d{7}/tiered_ckpt/manifest\.json$"
+
+
+def make_state(seed: int, mib: int = 16) -> dict:
+    """A small item and a ~``mib`` MiB one (several 5 MiB parts), in that order."""
+    g = torch.Generator().manual_seed(seed)
+    return {"meta": {"step": torch.tensor(seed), "lr": torch.tensor([1e-3 * (seed + 1)])},
+            "state": {"w": torch.randn(mib * MiB // 4, generator=g),
+                      "b": torch.randn(1000, generator=g).to(torch.bfloat16)}}
+
+
+@dataclass
+class Remote:
+    """Where the s3 tier of a test writes: a fresh bucket and prefix, reached through the fault proxy."""
+
+    server: S3Server
+    proxy: S3FaultProxy
+    bucket: str
+    prefix: str
+
+    @property
+    def url(self) -> str:
+        return f"s3://{self.bucket}/{self.prefix}"
+
+    def tier(self, *, direct: bool = False, **kw: Any) -> dict:
+        storage = self.server.storage_options() if direct else self.proxy.storage_options()
+        return {"name": "s3", "kind": "fsspec", "url": self.url, "options": storage, "part_size": PART,
+                "max_concurrency": 4, "timeout_s": 5, "retry": FAST_RETRY, **kw}
+
+    def keys(self) -> list[str]:
+        client = self.server.client()
+        out = []
+        for page in client.get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=self.prefix + "/"):
+            out += [o["Key"][len(self.prefix) + 1:] for o in page.get("Contents", [])]
+        return sorted(out)
+
+    def uploads_in_progress(self) -> list[dict]:
+        return self.server.client().list_multipart_uploads(Bucket=self.bucket).get("Uploads", [])
+
+
+@pytest.fixture
+def remote(s3_server, s3_bucket, s3_fault_proxy) -> Remote:
+    return Remote(s3_server, s3_fault_proxy, s3_bucket, f"run-{uuid.uuid4().hex[:8]}")
+
+
+@pytest.fixture
+def recorder():
+    rec = Recorder()
+    pm = get_plugin_manager()
+    pm.register(rec)
+    yield rec
+    pm.unregister(rec)
+
+
+def config(shm_root, *tiers: dict, local: Any = None) -> dict:
+    entry = [{"name": "shm", "kind": "shm", "path": str(shm_root)}]
+    if local is not None:
+        entry.append({"name": "local", "kind": "local", "path": str(local), "fsync": False})
+    return {"run_id": f"s{uuid.uuid4().hex[:8]}", "drain": {"mode": "thread"}, "tiers": [*entry, *tiers]}
+
+
+def load_from_s3(remote: Remote, **tier_kw: Any):
+    """A new engine with the s3 tier alone (saves stage in memory): load() must read from S3."""
+    cfg = {"run_id": f"r{uuid.uuid4().hex[:8]}", "drain": {"mode": "thread"}, "tiers": [remote.tier(**tier_kw)]}
+    with CheckpointEngine(cfg) as engine:
+        return engine.load()
+
+
+# ----- 1. parallel multipart upload, parallel ranged reads, bit-exact ---------------------------------------
+def test_multipart_upload_and_ranged_reads_are_parallel_and_bit_exact(remote, shm_root, recorder):
+    items = make_state(1)
+    with CheckpointEngine(config(shm_root, remote.tier())) as engine:
+        handle = engine.save(10, items)
+        handle.wait(timeout=60)
+        assert handle.results == {"s3": True}
+    proxy = remote.proxy
+    state_key = STEP_KEY.format(10)
+    parts = [r for r in proxy.ops("UploadPart") if r.path.endswith(state_key)]
+    assert len(parts) == 4 and sorted(r.part_number for r in parts) == [1, 2, 3, 4]  # 16 MiB in 5 MiB parts
+    assert all(r.bytes_in == PART for r in parts if r.part_number < 4)
+    assert proxy.max_in_flight("UploadPart") >= 2, "parts were uploaded one after the other"
+    (create,) = [r for r in proxy.ops("CreateMultipartUpload") if r.path.endswith(state_key)]
+    (complete,) = [r for r in proxy.ops("CompleteMultipartUpload") if r.path.endswith(state_key)]
+    assert create.end <= min(r.start for r in parts) and complete.start >= max(r.end for r in parts)
+    # Small files are single PUTs; the checkpoint manifest is the last data PUT, the tracker after it.
+    puts = proxy.ops("PutObject")
+    (manifest,) = [r for r in puts if r.path.endswith("tiered_ckpt/manifest.json")]
+    assert manifest.start >= complete.end
+    assert all(manifest.start >= r.end for r in puts if "/iter_" in r.path and r is not manifest)
+    tracker = [r for r in puts if r.path.endswith("latest_checkpointed_iteration.txt")]
+    assert tracker and tracker[-1].start >= manifest.end
+    assert remote.uploads_in_progress() == []
+
+    proxy.reset_log()
+    loaded = load_from_s3(remote)
+    assert (loaded.step, loaded.tier, loaded.verified) == (10, "s3", True)
+    assert_same(items, loaded.items)
+    gets = [r for r in proxy.ops("GetObject") if r.path.endswith(state_key)]
+    assert all(r.range and r.range.startswith("bytes=") for r in gets)
+    assert sorted(int(r.range[6:].split("-")[0]) for r in gets) == [0, PART, 2 * PART, 3 * PART]
+    assert len(gets) == 4 and proxy.max_in_flight("GetObject") >= 2, "ranges were read one after the other"
+
+
+def test_large_chunks_go_out_without_copies_and_small_ones_in_bounded_buffers(remote, monkeypatch):
+    tier = FsspecTier("s3", FsspecOptions(url=remote.url, options=remote.proxy.storage_options(), part_size=PART,
+                                          max_concurrency=2))
+    taken = []
+    real_take = fsspec_tier._Upload._take_buffer
+
+    def spy(self):
+        buf = real_take(self)
+        taken.append(self.allocated)
+        return buf
+
+    monkeypatch.setattr(fsspec_tier._Upload, "_take_buffer", spy)
+    data = torch.randint(0, 256, (4 * PART + 123,), dtype=torch.uint8, generator=torch.Generator().manual_seed(3))
+    assert tier.write_blob("big", [data]) == data.numel()  # one chunk of 4 whole parts: borrowed, not copied
+    assert len(taken) == 1  # only the 123-byte tail was gathered into a buffer
+    assert torch.equal(tier.read_blob("big"), data)
+
+    taken.clear()
+    buf = bytearray(256 * 1024)
+
+    def reused():  # a producer that reuses one buffer: each chunk must be consumed before the next
+        for i in range(0, data.numel(), len(buf)):
+            piece = data[i:i + len(buf)].numpy().tobytes()
+            buf[:len(piece)] = piece
+            yield memoryview(buf)[:len(piece)]
+
+    assert tier.write_blob("small-chunks", reused()) == data.numel()
+    assert max(taken) <= 3, f"{max(taken)} part buffers for max_concurrency=2"
+    assert torch.equal(tier.read_blob("small-chunks"), data)
+
+
+def test_failing_producer_aborts_the_multipart_upload(remote):
+    tier = FsspecTier("s3", FsspecOptions(url=remote.url, options=remote.proxy.storage_options(), part_size=PART))
+
+    def chunks():
+        yield torch.zeros(3 * PART, dtype=torch.uint8)
+        raise RuntimeError("the producer failed")
+
+    with pytest.raises(RuntimeError, match="the producer failed"):
+        tier.write_blob("k", chunks())
+    assert remote.proxy.count("AbortMultipartUpload") == 1
+    assert remote.keys() == [] and remote.uploads_in_progress() == []
+
+
+# ----- 3. faults: retried, committed ------------------------------------------------------------------------
+@pytest.mark.parametrize("kind, text", [("slowdown", "SlowDown"), ("internal_error", "InternalError"),
+                                        ("reset", "")])
+def test_fault_on_a_part_is_retried_by_the_engine_and_committed(remote, shm_root, recorder, kind, text):
+    # request_attempts=1: the tier does not try again itself, so failures reach the engine's retry. (aiohttp
+    # itself resends an idempotent request once when a reused connection breaks: part 2 is reset twice.)
+    items = make_state(2)
+    fault = remote.proxy.inject(kind, op="UploadPart", path=r"state\.flat$", query=r"partNumber=2\b", times=2)
+    with CheckpointEngine(config(shm_root, remote.tier(request_attempts=1))) as engine:
+        engine.save(20, items).wait(timeout=60)
+    assert fault.hits == 2
+    retries = recorder.kinds("retry", "s3")
+    assert retries and all("state.flat" in e.message for e in retries)
+    assert text in retries[0].message
+    assert recorder.kinds("commit", "s3")
+    assert remote.proxy.count("AbortMultipartUpload") >= 1  # the failed upload was aborted, not left behind
+    assert remote.uploads_in_progress() == []
+    assert_same(items, load_from_s3(remote).items)
+
+
+def test_a_failed_part_is_sent_again_alone(remote, shm_root, recorder, caplog):
+    # Default request_attempts: the tier retries the part itself; the rest of the upload is not redone.
+    items = make_state(3)
+    remote.proxy.inject("slowdown", op="UploadPart", path=r"state\.flat$", query=r"partNumber=3\b")
+    with caplog.at_level(logging.WARNING, logger="tiered_ckpt"):
+        with CheckpointEngine(config(shm_root, remote.tier())) as engine:
+            engine.save(30, items).wait(timeout=60)
+    parts = [r.part_number for r in remote.proxy.ops("UploadPart") if r.path.endswith(STEP_KEY.format(30))]
+    assert sorted(parts) == [1, 2, 3, 3, 4]
+    assert remote.proxy.count("CreateMultipartUpload") == 1 and remote.proxy.count("AbortMultipartUpload") == 0
+    assert not recorder.kinds("retry", "s3")
+    assert "SlowDown" in caplog.text and "try 1 of 3" in caplog.text
+    assert_same(items, load_from_s3(remote).items)
+
+
+@pytest.mark.parametrize("kind", ["slowdown", "internal_error", "reset"])
+def test_fault_on_the_manifest_put_is_retried_and_committed(remote, shm_root, recorder, kind):
+    items = make_state(4, mib=1)
+    fault = remote.proxy.inject(kind, op="PutObject", path=MANIFEST, times=2)
+    with CheckpointEngine(config(shm_root, remote.tier(request_attempts=1))) as engine:
+        engine.save(40, items).wait(timeout=60)
+    assert fault.hits == 2
+    retries = recorder.kinds("retry", "s3")
+    assert retries and all("manifest.json" in e.message for e in retries)
+    assert "iter_0000040/tiered_ckpt/manifest.json" in remote.keys()
+    loaded = load_from_s3(remote)
+    assert loaded.step == 40
+    assert_same(items, loaded.items)
+
+
+def test_complete_whose_answer_was_lost_is_not_an_error(remote, shm_root, recorder):
+    # The server completed the upload, the connection was cut before the answer: the retry must not fail.
+    items = make_state(5)
+    fault = remote.proxy.inject("reset", op="CompleteMultipartUpload", times=2)
+    with CheckpointEngine(config(shm_root, remote.tier())) as engine:
+        engine.save(50, items).wait(timeout=60)
+    assert fault.hits >= 1 and recorder.kinds("commit", "s3")
+    assert remote.uploads_in_progress() == []
+    assert_same(items, load_from_s3(remote).items)
+
+
+@pytest.mark.parametrize("kind", ["slowdown", "internal_error", "reset"])
+def test_faults_on_reads_are_retried(remote, shm_root, recorder, kind):
+    items = make_state(6)
+    with CheckpointEngine(config(shm_root, remote.tier(direct=True))) as engine:
+        engine.save(60, items).wait(timeout=60)
+    fault = remote.proxy.inject(kind, op="GetObject", path=r"state\.flat$", nth=2, times=2)
+    loaded = load_from_s3(remote, request_attempts=1)
+    assert (loaded.step, loaded.tier) == (60, "s3") and not loaded.fallbacks
+    assert_same(items, loaded.items)
+    assert fault.hits == 2
+    retries = recorder.kinds("retry", "s3")
+    assert retries and all("read" in e.message and "state.flat" in e.message for e in retries)
+
+
+def test_stalls_past_the_timeout_are_retried_and_never_hang(remote, shm_root, recorder):
+    items = make_state(7)
+    up = remote.proxy.inject("stall", op="UploadPart", nth=2, delay_s=60)
+    t0 = time.monotonic()
+    with CheckpointEngine(config(shm_root, remote.tier(timeout_s=1))) as engine:
+        handle = engine.save(70, items)
+        assert handle.blocking_s < 5  # save() never waits for the remote tier
+        handle.wait(timeout=60)
+    assert up.hits == 1 and time.monotonic() - t0 < 30
+    down = remote.proxy.inject("stall", op="GetObject", path=r"state\.flat$", nth=3, delay_s=60)
+    t0 = time.monotonic()
+    loaded = load_from_s3(remote, timeout_s=1)
+    assert down.hits == 1 and time.monotonic() - t0 < 30
+    assert_same(items, loaded.items)
+    assert remote.uploads_in_progress() == []
+
+
+# ----- 3. a deadline that runs out: nothing partial visible ------------------------------------------------
+def test_deadline_exceeded_leaves_nothing_visible(remote, shm_root, tmp_path, recorder, capsys, monkeypatch):
+    items = make_state(8)
+    # Every part of the big file is throttled: the small file lands, the big one never does.
+    remote.proxy.inject("slowdown", op="UploadPart", times=None)
+    s3 = remote.tier(request_attempts=1, retry={"attempts": 1000, "initial_s": 0.05, "max_s": 0.1,
+                                                "deadline_s": 1.5})
+    with CheckpointEngine(config(shm_root, s3, local=tmp_path / "local")) as engine:
+        t0 = time.perf_counter()
+        handle = engine.save(80, items)
+        assert time.perf_counter() - t0 < 5
+        with pytest.raises(SaveError) as info:
+            handle.wait(timeout=60)
+        assert list(info.value.failures) == ["s3"]
+        assert handle.results == {"local": True, "s3": False}
+        assert engine.available_steps()["s3"] == []
+        loaded = engine.load()
+        assert loaded.step == 80 and loaded.tier != "s3"
+        assert_same(items, loaded.items)
+    assert len(recorder.kinds("retry", "s3")) >= 3 and recorder.kinds("commit_failed", "s3")
+    assert remote.uploads_in_progress() == []
+    keys = remote.keys()
+    assert "iter_0000080/rank_00000/meta.flat" in keys  # the file that did land...
+    assert not any(k.startswith("iter_0000080/tiered_ckpt/") for k in keys)  # ...but no manifest, no vote
+    assert "latest_checkpointed_iteration.txt" not in keys
+    with pytest.raises(NoCheckpointError):
+        load_from_s3(remote)
+    # tiered-ckpt ls, with the endpoint and credentials from the environment only
+    for name, value in remote.server.env.items():
+        monkeypatch.setenv(name, value)
+    capsys.readouterr()
+    assert cli_main(["ls", remote.url, "--json"]) == 0
+    listed = json.loads(capsys.readouterr().out)
+    assert [(i["step"], i["state"]) for i in listed] == [(80, "partial")]
+    # The next step goes through, and retention removes the debris of the failed one.
+    remote.proxy.clear()
+    with CheckpointEngine(config(shm_root, s3)) as engine:
+        engine.save(81, make_state(81)).wait(timeout=60)
+    assert not any(k.startswith("iter_0000080/") for k in remote.keys())
+    assert load_from_s3(remote).step == 81
+
+
+# ----- 4. the bucket, read with plain boto3 ---------------------------------------------------------------
+def test_plain_boto3_sees_ordinary_objects_matching_the_manifest(remote, shm_root):
+    items = make_state(9)
+    with CheckpointEngine(config(shm_root, remote.tier(direct=True))) as engine:
+        engine.save(90, items).wait(timeout=60)
+    client = remote.server.client()
+    base = remote.prefix
+    tracker = client.get_object(Bucket=remote.bucket, Key=f"{base}/latest_checkpointed_iteration.txt")
+    assert tracker["Body"].read() == b"90"
+    raw = client.get_object(Bucket=remote.bucket, Key=f"{base}/iter_0000090/tiered_ckpt/manifest.json")
+    manifest = json.loads(raw["Body"].read())
+    assert manifest["step"] == 90
+    files = manifest["files"]
+    assert sorted(f["key"] for f in files) == ["iter_0000090/rank_00000/meta.flat",
+                                               "iter_0000090/rank_00000/state.flat"]
+    for entry in files:
+        head = client.head_object(Bucket=remote.bucket, Key=f"{base}/{entry['key']}")
+        assert head["ContentLength"] == entry["size"]
+        body = client.get_object(Bucket=remote.bucket, Key=f"{base}/{entry['key']}")["Body"].read()
+        assert len(body) == entry["size"] and f"{ALGORITHM}:{digest(body)}" == entry["checksum"]
+    assert remote.keys() == sorted(["latest_checkpointed_iteration.txt", "iter_0000090/tiered_ckpt/manifest.json",
+                                    "iter_0000090/tiered_ckpt/rank_00000.json",
+                                    *(f["key"] for f in files)])
+
+
+# ----- 5. endpoint and credentials: config or environment, never printed ----------------------------------
+def test_credentials_never_reach_events_logs_or_reprs(remote, shm_root, recorder, caplog):
+    secret, access = remote.server.secret_key, remote.server.access_key
+    # Failures that reach the engine (retry events, warnings): errors that name the endpoint URL among them.
+    remote.proxy.inject("slowdown", op="UploadPart", query=r"partNumber=1\b", times=3)
+    remote.proxy.inject("stall", op="PutObject", path=MANIFEST, times=2, delay_s=30)
+    remote.proxy.inject("internal_error", op="GetObject", path=r"state\.flat$")
+    with caplog.at_level(logging.DEBUG, logger="tiered_ckpt"):
+        with CheckpointEngine(config(shm_root, remote.tier(request_attempts=2, timeout_s=1))) as engine:
+            engine.save(100, make_state(10)).wait(timeout=60)
+            tier = engine.pipeline.stores["s3"].tier
+            shown = [repr(tier), tier.describe(), repr(engine.config), repr(tier.options)]
+        load_from_s3(remote, request_attempts=1)
+    messages = " ".join(e.message for e in recorder.kinds("retry", "s3"))
+    assert "SlowDown" in messages and "timeout" in messages and "InternalError" in messages
+    assert "try 1 of 2" in caplog.text
+    events = json.dumps([e.to_dict() for e in recorder.events], default=str)
+    for text in [events, caplog.text, *shown]:
+        assert secret not in text and access not in text
+    assert remote.proxy.endpoint in shown[1]
+
+
+def test_credentials_and_endpoint_from_the_environment(remote, monkeypatch):
+    for name, value in remote.server.env.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setenv("AWS_ENDPOINT_URL_S3", remote.proxy.endpoint)
+    tier = FsspecTier("s3", FsspecOptions(url=remote.url, part_size=PART))
+    tier.write_blob("x/y", [b"from the environment"])
+    assert tier.read_blob("x/y").numpy().tobytes() == b"from the environment"
+    assert remote.proxy.count("PutObject") == 1  # it went to the endpoint named by the environment
+    assert remote.server.secret_key not in repr(tier) and remote.proxy.endpoint in tier.describe()
+
+
+def test_redaction():
+    secrets = secret_values({"key": "AKIAEXAMPLEKEY", "client_kwargs": {"aws_secret_access_key": "s3cr3t/Value+x"}},
+                            env={"AWS_SESSION_TOKEN": "tok-123456"})
+    assert secrets == {"AKIAEXAMPLEKEY", "s3cr3t/Value+x", "tok-123456"}
+    text = ('failed: key=AKIAEXAMPLEKEY secret: s3cr3t/Value+x url http://user:pw@host:9000/b '
+            'https://b.s3.amazonaws.com/k?X-Amz-Credential=AKIA%2F2024&X-Amz-Signature=abcdef '
+            '"Authorization": "AWS4-HMAC-SHA256 Credential=AKIA/x, Signature=f00" token=tok-123456 '
+            'aws_secret_access_key="zzz-other"')
+    out = redact(text, secrets)
+    for leaked in ["AKIAEXAMPLEKEY", "s3cr3t", "user:pw", "abcdef", "AKIA%2F2024", "f00", "tok-123456", "zzz-other"]:
+        assert leaked not in out, (leaked, out)
+    assert "http://***@host:9000/b" in out and "failed:" in out
+    assert redacted_options({"key": "a", "endpoint_url": "http://u:p@h", "client_kwargs": {"secret": "b"}}) == {
+        "key": "***", "endpoint_url": "http://***@h", "client_kwargs": {"secret": "***"}}
+    opts = FsspecOptions(url="s3://b/p", options={"key": "AKIAEXAMPLEKEY", "secret": "s3cr3t/Value+x"})
+    assert "AKIAEXAMPLEKEY" not in repr(opts) and "s3cr3t" not in repr(opts)
+
+
+# ----- options and helpers --------------------------------------------------------------------------------
+@pytest.mark.parametrize("data, message", [
+    ({"url": "s3://b/p", "part_size": "1MiB"}, "part_size: expected 5MiB to 5GiB"),
+    ({"url": "s3://b/p", "max_concurrency": 0}, "max_concurrency: expected a positive integer"),
+    ({"url": "s3://b/p", "timeout_s": 0}, "timeout_s: expected a positive duration"),
+    ({"url": "s3://b/p", "request_attempts": "many"}, "request_attempts: expected a positive integer"),
+])
+def test_s3_options_are_validated(data, message):
+    with pytest.raises(ConfigError, match=message):
+        build_dataclass(FsspecOptions, data, "tiers[1]", "tiers.yaml")
+
+
+def test_s3_options_parse_units():
+    opts = build_dataclass(FsspecOptions, {"url": "s3://b/p", "part_size": "8MiB", "timeout_s": "250ms",
+                                           "max_concurrency": 16})
+    assert (opts.part_size, opts.timeout_s, opts.max_concurrency) == (8 * MiB, 0.25, 16)
+    assert build_dataclass(FsspecOptions, {"url": "memory://x/y", "part_size": "1MiB"}).part_size == MiB
+
+
+def test_s3_operation_names():
+    assert s3_operation("POST", "/b/k", {"uploads": [""]}) == "CreateMultipartUpload"
+    assert s3_operation("PUT", "/b/k", {"partNumber": ["1"], "uploadId": ["u"]}) == "UploadPart"
+    assert s3_operation("POST", "/b/k", {"uploadId": ["u"]}) == "CompleteMultipartUpload"
+    assert s3_operation("DELETE", "/b/k", {"uploadId": ["u"]}) == "AbortMultipartUpload"
+    assert s3_operation("GET", "/b", {"list-type": ["2"]}) == "ListObjectsV2"
+    assert s3_operation("GET", "/b/k/x", {}) == "GetObject" and s3_operation("PUT", "/b/k", {}) == "PutObject"

@@ -1,0 +1,165 @@
+"""The demo's conductor: a reference run, a run that loses a rank to SIGKILL, and the resumed run.
+
+Like torchrun, it restarts the whole job when one rank dies. It then checks that every loss after the resume
+equals the uninterrupted run's, bit for bit, and prints what each tier did.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+from ..tiers.base import _user_name
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch(world: int, spec: dict, *, timeout: float = 300) -> list[dict]:
+    """Start ``world`` ranks; if one dies by a signal, stop the others (the job restarts as a whole)."""
+    port = _free_port()
+    procs = []
+    for rank in range(world):
+        env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank),
+               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1"}
+        procs.append(subprocess.Popen([sys.executable, "-m", "tiered_ckpt.demo.train", json.dumps(spec)], env=env,
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    deadline = time.monotonic() + timeout
+    while any(p.poll() is None for p in procs):
+        if any(p.returncode is not None and p.returncode < 0 for p in procs):
+            for p in procs:
+                if p.poll() is None:
+                    p.send_signal(signal.SIGKILL)  # the rest of the job goes down with the failed node
+        if time.monotonic() > deadline:
+            for p in procs:
+                p.kill()
+            raise TimeoutError("the demo job did not finish in time")
+        time.sleep(0.05)
+    crashed = any(p.returncode == -signal.SIGKILL for p in procs)
+    records = []
+    for rank, p in enumerate(procs):
+        out, err = p.communicate()
+        # After a rank's death the others fail in their next collective: expected, the job restarts.
+        if p.returncode != 0 and not crashed:
+            raise RuntimeError(f"rank {rank} failed (exit {p.returncode}):\n{err[-3000:]}")
+        records += [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+    return records
+
+
+def _losses(records: list[dict]) -> dict[int, float]:
+    return {r["step"]: r["loss"] for r in records if r.get("rank") == 0 and "loss" in r}
+
+
+def _events(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def tier_table(events: list[dict], order: list[str]) -> list[list[str]]:
+    rows = []
+    snaps = [e for e in events if e["kind"] == "snapshot"]
+    for tier in order:
+        if tier == order[0]:
+            sel = snaps
+            secs = [e["seconds"] for e in sel]
+            durable = "-"
+        else:
+            sel = [e for e in events if e["kind"] == "commit" and e.get("tier") == tier]
+            drains = [e for e in events if e["kind"] == "drain" and e.get("tier") == tier]
+            secs = [e["seconds"] for e in drains]
+            durable = f"{statistics.median(e['seconds'] for e in sel):.3f}" if sel else "-"
+        nbytes = sum(e.get("nbytes", 0) for e in sel)
+        per = statistics.median(secs) if secs else 0.0
+        each = nbytes / max(len(sel), 1)
+        gbps = f"{each / per / 1e9:.2f}" if per else "-"
+        rows.append([tier, str(len(sel)), f"{nbytes / 2**20:.1f} MiB", f"{per:.4f}" if secs else "-", gbps, durable])
+    return rows
+
+
+def _print_table(rows: list[list[str]], headers: list[str]) -> None:
+    widths = [max(len(str(r[i])) for r in [headers, *rows]) for i in range(len(headers))]
+    for i, r in enumerate([headers, *rows]):
+        print("  " + "  ".join(str(c).ljust(w) for c, w in zip(r, widths, strict=True)))
+        if i == 0:
+            print("  " + "  ".join("-" * w for w in widths))
+
+
+def run_demo(workdir: str, *, world: int = 4, steps: int = 30, save_every: int = 5, kill_step: int | None = None,
+             kill_rank: int | None = None, remote: str | None = None, keep_files: bool = True) -> int:
+    kill_step = kill_step if kill_step is not None else steps * 3 // 4 + 1  # between two saves, late in the run
+    kill_rank = kill_rank if kill_rank is not None else world // 2
+    work = Path(workdir).resolve()
+    if work.exists():
+        shutil.rmtree(work)
+    work.mkdir(parents=True)
+    run_id = f"demo-{uuid.uuid4().hex[:8]}"
+    shm_path = "/dev/shm/tiered_ckpt" if os.path.isdir("/dev/shm") else str(work / "shm")
+    remote_url = remote or f"file://{work / 'remote'}"
+    config = {
+        "run_id": run_id,
+        "layout": "rank_sharded",
+        "events": {"jsonl": str(work / "events.jsonl")},
+        "tiers": [
+            {"name": "shm", "kind": "shm", "path": shm_path, "slots": 2},
+            {"name": "local", "kind": "local", "path": str(work / "local"), "keep": 2},
+            {"name": "remote", "kind": "fsspec", "url": remote_url, "every": 2, "keep": 3,
+             "compression": {"codec": "zstd", "level": 3, "byte_grouping": True}},
+        ],
+    }
+    (work / "tiers.json").write_text(json.dumps(config, indent=1))
+    order = [t["name"] for t in config["tiers"]]
+    print(f"tiered_ckpt demo: a small GPT on {world} ranks (gloo), {steps} steps, a checkpoint every {save_every}")
+    print(f"  tiers: shm {shm_path} -> local {work / 'local'} -> remote {remote_url}")
+    t0 = time.perf_counter()
+
+    print("1/3 the uninterrupted run (reference)")
+    reference = _losses(launch(world, {"steps": steps, "save_every": save_every}))
+
+    print(f"2/3 the same run with checkpoints; rank {kill_rank} is killed with SIGKILL at step {kill_step}")
+    crashed = launch(world, {"steps": steps, "save_every": save_every, "config": config,
+                             "kill_rank": kill_rank, "kill_step": kill_step})
+    saved = sorted({r["saved"] for r in crashed if "saved" in r})
+    print(f"    saved steps {saved}; the job died at step {kill_step}")
+
+    print("3/3 the job restarts: every rank resumes from the newest step all ranks can read")
+    resumed = launch(world, {"steps": steps, "save_every": save_every, "config": config, "resume": True})
+    starts = {r["rank"]: (r["resumed"], r["tier"], r["load_s"]) for r in resumed if "resumed" in r}
+    step0 = {s for s, _, _ in starts.values()}
+    after = _losses(resumed)
+    matched = len(step0) == 1 and all(after[s] == reference[s] for s in after) and set(after) == set(
+        range(next(iter(step0)) + 1, steps + 1))
+
+    events = _events(work / "events.jsonl")
+    print()
+    print("per tier (saves of both runs):")
+    _print_table(tier_table(events, order), ["tier", "steps", "bytes", "seconds (median)", "GB/s",
+                                             "time to durable s"])
+    print()
+    print("restore:")
+    _print_table([[str(r), str(s), t, f"{sec:.3f}"] for r, (s, t, sec) in sorted(starts.items())],
+                 ["rank", "step", "from tier", "seconds"])
+    print()
+    for s in sorted(after)[:3]:
+        print(f"  step {s}: loss {after[s]:.6f} resumed, {reference[s]:.6f} uninterrupted")
+    print(f"  ... ({len(after)} steps compared, {time.perf_counter() - t0:.0f} s in all)")
+    shutil.rmtree(Path(shm_path) / _user_name() / run_id, ignore_errors=True)
+    if not keep_files:
+        shutil.rmtree(work, ignore_errors=True)
+    else:
+        print(f"  explore: tiered-ckpt ls {work / 'local'}   tiered-ckpt verify {work / 'local'}")
+    if matched:
+        print(f"OK: the resumed run matched the uninterrupted one exactly (from step {next(iter(step0))} to {steps}).")
+        return 0
+    print("FAILED: the resumed run did not match the uninterrupted one.")
+    return 1

@@ -1,0 +1,268 @@
+"""Convert a Megatron-style checkpoint between the ``megatron`` and ``rank_sharded`` layouts, and re-split it
+for another DP size: :func:`convert`, and ``tiered-ckpt convert`` (:mod:`.cli_convert`).
+
+Sources: a checkpoint Megatron-LM wrote (no manifest: nothing to verify, the report says so), or one of ours in
+either layout (every file verified against the manifest while it is read). The destination gets our manifest
+and Megatron's tracker, in the commit protocol's order: the files (checksummed while they are written), every
+rank's manifest, then the checkpoint manifest and the tracker (``FileStore.try_commit``).
+
+What happens to each file:
+
+* ``model_optim_rng.pt`` is copied as is: it does not depend on DP (Megatron's own rule).
+* ``rank_sharded`` → ``megatron``: each DP group's rank files are merged into ``mp_rank_*/distrib_optim.pt``
+  (spec 2.5), byte-identical to what Megatron writes.
+* ``megatron`` → ``rank_sharded``, or any source at a new DP: every rank's shards are cut out of Megatron's world
+  tensors (spec 2.4: slice ``U_b``, zero-pad to the new ``N_b``, split in DP parts).
+* same layout, same DP: a verified copy.
+
+Memory stays at about one bucket (merge/split pieces) or 64 MiB (copies) plus fixed overhead, whatever the model
+size: sources are read by range (:mod:`.torch_zip`), destinations written as streams.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from ..config import load_config
+from ..errors import ConfigError, LayoutMismatchError
+from ..file_store import FileStore
+from ..manifest import FileEntry, RankManifest, dump_rank
+from ..parallel import ParallelLayout
+from ..pipeline import make_store
+from ..plugins import get_plugin_manager
+from ..tiers.base import Tier
+from . import legacy, rank_shard, tier_io
+from .merge import plan_dirs, write_megatron_file
+from .naming import DISTRIB_OPTIM_FILENAME, MODEL_FILENAME, RELEASE, MegatronTopology
+from .source import StepSource, model_dirs
+
+log = logging.getLogger(__name__)
+TARGETS = ("megatron", "rank_sharded")
+MODEL_ITEM, OPTIM_ITEM = "model_optim_rng", "distrib_optim"
+
+
+@dataclass
+class ConvertReport:
+    src: str
+    dst: str
+    to: str
+    step: int
+    source_layout: str  # megatron | rank_sharded | dlrover
+    source_writer: str  # megatron | tiered_ckpt | dlrover
+    source_verified: bool  # every source file checked against a manifest
+    source_topology: dict[str, Any]
+    topology: dict[str, Any]
+    files: list[dict[str, Any]] = field(default_factory=list)
+    bytes_read: int = 0
+    bytes_written: int = 0
+    seconds: float = 0.0
+    notes: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def open_store(target: str | os.PathLike[str] | Tier, layout: str, name: str) -> FileStore:
+    """A FileStore for a directory, a ``file://`` or other fsspec URL, or an existing tier."""
+    pm = get_plugin_manager()
+    if isinstance(target, Tier):
+        from ..config import TierConfig
+
+        codecs = {n: c() for n, c, _ in pm.registries.codecs.items()}
+        return FileStore(target, TierConfig(name=target.name, kind=target.kind), pm.registries.layouts.get(layout)(),
+                         codecs, lambda e: None)
+    text = os.fspath(target)
+    if "://" in text and not text.startswith("file://"):
+        raw = {"name": name, "kind": "fsspec", "url": text}
+    else:
+        raw = {"name": name, "kind": "local", "path": os.path.abspath(os.path.expanduser(text.removeprefix("file://")))}
+    config = load_config({"layout": layout, "tiers": [raw]}, registries=pm.registries)
+    store = make_store(pm, config, config.tiers[0], ParallelLayout().coords(0), 0, lambda e: None)
+    assert isinstance(store, FileStore)
+    return store
+
+
+def convert(
+    src: str | os.PathLike[str] | Tier,
+    dst: str | os.PathLike[str] | Tier,
+    *,
+    to: str,
+    dp: int | None = None,
+    step: int | None = None,
+    progress: bool = True,
+    trust_pickles: bool = False,
+    verify: bool = True,
+) -> ConvertReport:
+    """Convert the checkpoint of ``step`` (default: the newest, per the tracker) at ``src`` into layout ``to``
+    at ``dst``, for data-parallel size ``dp`` (Megatron's meaning: world / (TP x PP x CP); default: unchanged).
+
+    ``src``/``dst``: a directory, a ``file://`` or fsspec URL (``s3://...``), or a Tier. ``dst`` must not hold
+    this step yet. ``progress``: a tqdm bar on stderr when it is a terminal.
+    """
+    if to not in TARGETS:
+        raise ConfigError(f"to: expected one of {', '.join(TARGETS)}, got {to!r}")
+    t0 = time.perf_counter()
+    src_tier = open_store(src, "rank_sharded", "source").tier
+    store = open_store(dst, to, "destination")
+    dst_tier = store.tier
+    info = legacy.detect(src_tier, step=step, trust_pickles=trust_pickles)
+    if info.iteration == RELEASE:
+        raise ConfigError(f"{info.where}: a release checkpoint has no iteration number; our manifests need one "
+                          "(Megatron itself loads it without optimizer state)")
+    step_no = int(info.iteration)
+    target = _target_topology(info.topology, dp)
+    if dst_tier.list(info.step_dir + "/"):
+        raise ConfigError(f"{tier_io.where(dst_tier, info.step_dir)} already exists; convert into an empty place")
+    if not info.has_manifest:
+        legacy.warn_unverified(info)
+    if info.layout == "dlrover" and (to == "megatron" or target.dp != info.topology.dp):
+        raise LayoutMismatchError(
+            f"{info.where}: DLRover's rank_*/distrib_optim.pt hold per-param fragments without bucket geometry: "
+            "they cannot be merged or re-split without the model (load them with tiered_ckpt.megatron.adapter at "
+            "the same DP and save again)")
+    report = ConvertReport(
+        src=_describe(src, src_tier), dst=_describe(dst, dst_tier), to=to, step=step_no, source_layout=info.layout,
+        source_writer=info.writer, source_verified=info.has_manifest and verify,
+        source_topology=rank_shard.topology_dict(info.topology), topology=rank_shard.topology_dict(target),
+        notes=list(info.notes))
+    with StepSource(src_tier, info, trust_pickles=trust_pickles, verify=verify) as source, \
+            _progress_bar(progress, _estimate(src_tier, info)) as bar:
+        entries = _write(source, dst_tier, to, target, report, bar)
+        report.bytes_read += source.bytes_read
+        _commit(store, step_no, target, entries)
+    report.files = [{"key": e.key, "item": e.item, "rank": e.rank, "size": e.size, "checksum": e.checksum}
+                    for e in entries]
+    report.bytes_written = sum(e.size for e in entries)
+    report.seconds = time.perf_counter() - t0
+    log.info("converted %s step %d (%s, %s) to %s (%s): %d files, %d bytes in %.1f s", report.src, step_no,
+             info.layout, "verified" if report.source_verified else "unverified", report.dst, to, len(entries),
+             report.bytes_written, report.seconds)
+    return report
+
+
+def _target_topology(src: MegatronTopology, dp: int | None) -> MegatronTopology:
+    if dp is None:
+        return src
+    if not isinstance(dp, int) or isinstance(dp, bool) or dp < 1:
+        raise ConfigError(f"dp: expected a positive integer, got {dp!r}")
+    if dp % src.ep:
+        raise ConfigError(f"dp: {dp} is not a multiple of EP={src.ep} (Megatron's DP includes the expert ranks)")
+    return MegatronTopology(tp=src.tp, pp=src.pp, dp=dp // src.ep, ep=src.ep, cp=src.cp, order=src.order)
+
+
+def _write(source: StepSource, dst: Tier, to: str, target: MegatronTopology, report: ConvertReport,
+           bar: Any) -> list[FileEntry]:
+    info, src = source.info, source.tier
+    entries: list[FileEntry] = []
+    stats = tier_io.CopyStats()
+    progress = bar.update
+    writers = model_dirs(target)
+    for d, writer in writers.items():
+        key = source.key(d, MODEL_FILENAME)
+        entries.append(tier_io.copy_file(src, key, dst, key, item=MODEL_ITEM, rank=writer, entry=source.entry(key),
+                                         stats=stats, progress=progress))
+    same_dp = target.dp == info.topology.dp
+    if to == "megatron":
+        if info.layout == "rank_sharded":
+            shards_dirs = plan_dirs(_rank_shards(source))
+            for d, parts in shards_dirs.items():
+                entries.append(write_megatron_file(dst, source.key(d, DISTRIB_OPTIM_FILENAME), parts,
+                                                   progress=progress))
+        elif info.has_distrib_optim:
+            meta = _megatron_meta(source, report)
+            for d in info.rank_dirs:
+                key = source.key(d, DISTRIB_OPTIM_FILENAME)
+                if src.exists(key):
+                    entries.append(tier_io.copy_file(src, key, dst, key, item=OPTIM_ITEM, rank=writers[d],
+                                                     entry=source.entry(key), meta=meta.get(d), stats=stats,
+                                                     progress=progress))
+    elif info.layout in ("rank_sharded", "dlrover") and same_dp:
+        for r in info.rank_files:
+            key = source.key(f"rank_{r:05d}", DISTRIB_OPTIM_FILENAME)
+            entries.append(tier_io.copy_file(src, key, dst, key, item=OPTIM_ITEM, rank=r, entry=source.entry(key),
+                                             stats=stats, progress=progress))
+    elif source.dir_states():
+        from .merge import counted
+        from .torch_zip import iter_torch_save
+
+        for r in range(target.world_size):
+            key = source.key(f"rank_{r:05d}", DISTRIB_OPTIM_FILENAME)
+            entries.append(tier_io.write_file(
+                dst, key, lambda r=r: counted(iter_torch_save(source.streamed_rank_shard(target, r)), progress),
+                item=OPTIM_ITEM, rank=r))
+    if not any(e.item == OPTIM_ITEM for e in entries):
+        report.notes.append("no distributed-optimizer state in the source: only model files were converted")
+    report.bytes_read += stats.bytes_read
+    return entries
+
+
+def _rank_shards(source: StepSource) -> dict[int, rank_shard.RankShard]:
+    from .merge import open_rank_shards
+
+    keys = {source.key(f"rank_{r:05d}", DISTRIB_OPTIM_FILENAME): r for r in source.info.rank_files}
+    return open_rank_shards(source.tier, keys, source.files, source.entries if source.manifest else None)
+
+
+def _megatron_meta(source: StepSource, report: ConvertReport) -> dict[str, dict[str, Any]]:
+    """Per directory: the manifest facts that let the merged file be split again exactly (kinds, DP sizes,
+    bucket geometry), from the source's manifest or recomputed from the model state."""
+    try:
+        states = source.dir_states()
+    except LayoutMismatchError as exc:
+        report.notes.append(f"bucket geometry unknown ({exc}); the files are copied without it")
+        return {}
+    return {d: {"optimizers": [None if p is None else {"kind": p[2], "dp_size": p[1].dp_size,
+                                                       "geometry": p[1].to_dict()} for p in parts]}
+            for d, parts in states.items()}
+
+
+def _commit(store: FileStore, step: int, target: MegatronTopology, entries: list[FileEntry]) -> None:
+    """Every rank's manifest (empty for ranks that own no file), then the checkpoint manifest and tracker."""
+    layout = ParallelLayout(tp=target.tp, pp=target.pp, dp=target.dp, ep=target.ep, cp=target.cp,
+                            order=target.order)
+    by_rank: dict[int, list[FileEntry]] = {r: [] for r in range(layout.world_size)}
+    for e in entries:
+        by_rank[e.rank].append(e)
+    for r, files in by_rank.items():
+        coords = layout.coords(r)
+        manifest = RankManifest(step=step, rank=r, layout=store.layout.name, coords=coords.to_dict(),
+                                parallel=layout.to_dict(), files=tuple(files), run_id=store.run_id)
+        store.tier.publish(store.layout.rank_manifest_key(step, r), dump_rank(manifest))
+    if store.try_commit(step, layout.coords(0)) is None:
+        raise LayoutMismatchError(f"step {step}: could not commit on {store.tier.describe()} (rank manifests missing)")
+
+
+def _estimate(tier: Tier, info: legacy.CheckpointInfo) -> int | None:
+    try:
+        return sum(tier.size(k) for k in tier.list(info.step_dir + "/") if k.endswith(".pt"))
+    except Exception:  # only for the progress bar
+        return None
+
+
+class _NoBar:
+    def update(self, n: int) -> None:
+        pass
+
+    def __enter__(self) -> _NoBar:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        pass
+
+
+def _progress_bar(enabled: bool, total: int | None) -> Any:
+    if not enabled or not sys.stderr.isatty():
+        return _NoBar()
+    from tqdm import tqdm
+
+    return tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc="convert", file=sys.stderr)
+
+
+def _describe(target: Any, tier: Tier) -> str:
+    return tier.describe() if isinstance(target, Tier) else os.fspath(target)
+

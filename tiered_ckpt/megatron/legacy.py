@@ -1,0 +1,238 @@
+"""Checkpoints without our manifest — written by Megatron-LM itself, or by DLRover — found and loaded.
+
+:func:`detect` tells what a tier holds for a step: the layout (``megatron``: ``mp_rank_*`` files only;
+``rank_sharded``: ours, ``rank_RRRRR/distrib_optim.pt`` beside them; ``dlrover``: the same directory names
+holding DLRover's per-param optimizer fragments), the iteration from Megatron's tracker, and the parallel
+topology from the directory names and the ``args`` inside ``model_optim_rng.pt``. Tracker edge cases follow
+Megatron (spec 4): whitespace is stripped, ``release`` names the ``release/`` directory, anything else is an error
+naming the file (Megatron would ``sys.exit``); a missing tracker is an error here (Megatron would silently start
+from random weights) unless ``step`` is given.
+
+:func:`load_rank_items` returns one rank's items as the engine saves them: ``model_optim_rng`` (the dict) and
+``distrib_optim`` (the rank's :mod:`.rank_shard` dict, split out of Megatron's gathered file at the
+checkpoint's or the current DP size). Such a checkpoint has no checksums: nothing is verified, the result says so
+(``verified`` False) and a warning is logged once per checkpoint.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..errors import BlobNotFoundError, DecodeError, LayoutMismatchError, NoCheckpointError, UnsafePickleError
+from ..layouts.base import META_DIR
+from ..parallel import RankCoords
+from ..tiers.base import Tier, as_memoryview
+from . import rank_shard, tier_io
+from .geometry import OptimizerGeometry
+from .naming import (
+    DISTRIB_OPTIM_FILENAME,
+    MODEL_FILENAME,
+    RELEASE,
+    TRACKER_FILENAME,
+    Iteration,
+    MegatronTopology,
+    iteration_dir_name,
+    parse_iteration_dir,
+    parse_tracker,
+    scan_rank_dirs,
+)
+from .torch_zip import open_lazy
+
+log = logging.getLogger(__name__)
+LAYOUTS = ("megatron", "rank_sharded", "dlrover")
+_warned: set[tuple[str, str]] = set()
+_warned_lock = threading.Lock()
+
+
+@dataclass(frozen=True)
+class CheckpointInfo:
+    """What a tier holds for one step (see the module doc)."""
+
+    layout: str  # megatron | rank_sharded | dlrover
+    iteration: Iteration
+    step_dir: str  # iter_XXXXXXX or release
+    has_manifest: bool
+    topology: MegatronTopology
+    rank_dirs: tuple[str, ...]  # mp_rank_* directories
+    rank_files: tuple[int, ...]  # ranks with rank_RRRRR/distrib_optim.pt
+    has_distrib_optim: bool  # mp_rank_*/distrib_optim.pt present
+    tracker: Iteration | None  # what the tracker says (None: no tracker)
+    writer: str  # tiered_ckpt | megatron | dlrover
+    where: str
+    args: Any = field(default=None, repr=False)  # the checkpoint's argparse.Namespace, when read
+    notes: tuple[str, ...] = ()
+
+    @property
+    def verifiable(self) -> bool:
+        return self.has_manifest
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"layout": self.layout, "iteration": self.iteration, "step_dir": self.step_dir,
+                "has_manifest": self.has_manifest, "topology": rank_shard.topology_dict(self.topology),
+                "rank_dirs": list(self.rank_dirs), "rank_files": len(self.rank_files),
+                "has_distrib_optim": self.has_distrib_optim, "tracker": self.tracker, "writer": self.writer,
+                "where": self.where, "notes": list(self.notes)}
+
+
+def read_tracker(tier: Tier) -> Iteration | None:
+    """Megatron's tracker on ``tier``: an iteration, ``release``, or None when there is none."""
+    try:
+        data = tier.read_blob(TRACKER_FILENAME)
+    except BlobNotFoundError:
+        return None
+    return parse_tracker(bytes(as_memoryview(data)[:4096]), source=tier_io.where(tier, TRACKER_FILENAME))
+
+
+def _manifest_key(step_dir: str) -> str:
+    return f"{step_dir}/{META_DIR}/manifest.json"
+
+
+def detect(tier: Tier, *, step: Iteration | None = None, trust_pickles: bool = False) -> CheckpointInfo:
+    """Find the checkpoint of ``step`` (default: the tracker's) on ``tier`` and tell what it is."""
+    tracker = read_tracker(tier)
+    iteration = step if step is not None else tracker
+    if iteration is None:
+        steps = sorted({it for k in tier.list("iter_") if (it := parse_iteration_dir(k.split("/", 1)[0]))
+                        is not None})
+        committed = [s for s in steps if tier.exists(_manifest_key(iteration_dir_name(s)))]
+        if not committed:
+            raise NoCheckpointError(
+                f"{tier_io.where(tier, TRACKER_FILENAME)}: no tracker file, so no checkpoint is named (Megatron "
+                f"would start from random weights); step directories present: {steps[:10] or 'none'}; pass a "
+                "step to load one of them")
+        iteration = committed[-1]
+    step_dir = iteration_dir_name(iteration)
+    keys = tier.list(step_dir + "/")
+    where = tier_io.where(tier, step_dir)
+    if not keys:
+        named = f"the tracker names iteration {iteration}" if step is None else f"step {iteration} was asked for"
+        raise NoCheckpointError(f"{where}: {named}, but this step directory is missing or empty")
+    names = {k[len(step_dir) + 1:] for k in keys}
+    if "metadata.json" in names or any(n.endswith(".distcp") for n in names):
+        raise DecodeError(f"{where}: a torch_dist (distributed) checkpoint; only Megatron's legacy torch format is "
+                          "read here (convert it with Megatron's tools first)")
+    mp_dirs = sorted({n.split("/")[0] for n in names if n.startswith("mp_rank_") and n.count("/") == 1})
+    rank_files = sorted(int(n[5:10]) for n in names
+                        if n.startswith("rank_") and n.endswith("/" + DISTRIB_OPTIM_FILENAME) and n[5:10].isdigit())
+    has_distrib = any(n == f"{d}/{DISTRIB_OPTIM_FILENAME}" for d in mp_dirs for n in names)
+    has_manifest = f"{META_DIR}/manifest.json" in names
+    if not mp_dirs:
+        raise DecodeError(f"{where}: no mp_rank_* directories: not a Megatron torch-format checkpoint")
+    notes: list[str] = []
+    args = None
+    if has_manifest:
+        from ..manifest import load_checkpoint
+
+        manifest = load_checkpoint(as_memoryview(tier.read_blob(_manifest_key(step_dir))).tobytes(),
+                                   _manifest_key(step_dir), tier.name)
+        topo = rank_shard.as_topology(manifest.parallel)
+        layout, writer = manifest.layout, "tiered_ckpt"
+    else:
+        args = _read_args(tier, f"{step_dir}/{mp_dirs[0]}/{MODEL_FILENAME}", trust_pickles)
+        topo = _topology(mp_dirs, rank_files, args, where)
+        layout, writer = "megatron", "megatron"
+        if rank_files:
+            layout = writer = _rank_file_kind(tier, f"{step_dir}/rank_{rank_files[0]:05d}/{DISTRIB_OPTIM_FILENAME}")
+            if layout == "rank_sharded":
+                writer = "tiered_ckpt"
+                notes.append("tiered_ckpt rank files without a checkpoint manifest: an incomplete save?")
+        notes.append("no tiered_ckpt manifest: nothing can be verified")
+    if iteration == RELEASE:
+        notes.append("a release checkpoint: Megatron loads it as iteration 0, without optimizer and RNG state")
+    return CheckpointInfo(layout, iteration, step_dir, has_manifest, topo, tuple(mp_dirs), tuple(rank_files),
+                          has_distrib, tracker, writer, where, args, tuple(notes))
+
+
+def _read_args(tier: Tier, key: str, trust_pickles: bool) -> Any:
+    """The ``args`` of a ``model_optim_rng.pt``, reading only its pickle (not the weights) when it is safe."""
+    try:
+        return open_lazy(tier, key, where=tier_io.where(tier, key)).obj.get("args")
+    except (DecodeError, UnsafePickleError):
+        if not trust_pickles:
+            raise
+    from .safe_load import load_bytes
+
+    obj = load_bytes(as_memoryview(tier.read_blob(key)), where=tier_io.where(tier, key), trust_pickles=True)
+    return obj.get("args")
+
+
+def _topology(mp_dirs: Sequence[str], rank_files: Sequence[int], args: Any, where: str) -> MegatronTopology:
+    scan = scan_rank_dirs(mp_dirs, args=args)
+    cp = int(getattr(args, "context_parallel_size", 1) or 1)
+    model_parallel = scan.tp_size * scan.pp_size * scan.ep_size * cp
+    if rank_files:
+        world = len(rank_files)
+        if world % model_parallel or rank_files != list(range(world)):
+            raise LayoutMismatchError(f"{where}: {world} rank files do not fill TP={scan.tp_size} x PP={scan.pp_size}"
+                                      f" x EP={scan.ep_size} x CP={cp} x DP")
+        dp = world // model_parallel
+    else:
+        megatron_dp = getattr(args, "data_parallel_size", None)
+        if not isinstance(megatron_dp, int) or megatron_dp % scan.ep_size:
+            raise DecodeError(f"{where}: the checkpoint's args give no usable data_parallel_size ({megatron_dp!r})")
+        dp = megatron_dp // scan.ep_size
+    return MegatronTopology(tp=scan.tp_size, pp=scan.pp_size, dp=dp, ep=scan.ep_size, cp=cp)
+
+
+def _rank_file_kind(tier: Tier, key: str) -> str:
+    """``rank_sharded`` for our rank files, ``dlrover`` for anything else under that name."""
+    try:
+        obj = open_lazy(tier, key, where=tier_io.where(tier, key)).obj
+    except (DecodeError, UnsafePickleError):
+        return "dlrover"
+    return "rank_sharded" if isinstance(obj, dict) and obj.get("format") == rank_shard.FORMAT else "dlrover"
+
+
+def warn_unverified(info: CheckpointInfo) -> None:
+    """Log, once per checkpoint, that nothing of it can be verified."""
+    key = (info.where, str(info.iteration))
+    with _warned_lock:
+        if key in _warned:
+            return
+        _warned.add(key)
+    log.warning("%s: %s-written checkpoint without a tiered_ckpt manifest: it has no checksums, nothing is "
+                "verified", info.where, info.writer)
+
+
+class LoadedItems(dict):
+    """A rank's items (item name -> state), plus what is known about where they came from."""
+
+    def __init__(self, items: dict[str, Any], *, info: CheckpointInfo, verified: bool, formats: dict[str, str],
+                 notes: Sequence[str] = ()):
+        super().__init__(items)
+        self.info = info
+        self.step = info.iteration
+        self.layout = info.layout
+        self.verified = verified
+        self.formats = formats  # item -> "megatron" | "rank_shard" | "dlrover" (the layout of its content)
+        self.notes = list(notes)
+
+
+def load_rank_items(
+    tier: Tier,
+    step: Iteration | None,
+    coords: RankCoords,
+    *,
+    trust_pickles: bool = False,
+    geometry: Sequence[OptimizerGeometry | None] | None = None,
+    verify: bool = True,
+) -> LoadedItems:
+    """This rank's ``model_optim_rng`` and ``distrib_optim`` items from the checkpoint of ``step`` on ``tier``.
+
+    ``coords`` is the *current* job's rank and layout: TP, PP, EP and CP must match the checkpoint's, DP may
+    differ (the optimizer state is re-split, Megatron's rule, spec 2.4). ``geometry``: the live optimizer's
+    bucket geometry per sub-optimizer, to split a Megatron-written file without recomputing its buckets from the
+    model state. With a manifest (our layouts) every file read is verified (``verify``); without one nothing
+    is, and the result says so.
+    """
+    from .source import StepSource
+
+    info = detect(tier, step=step, trust_pickles=trust_pickles)
+    if not info.has_manifest:
+        warn_unverified(info)
+    with StepSource(tier, info, trust_pickles=trust_pickles, verify=verify, geometry=geometry) as src:
+        return src.rank_items(coords)
