@@ -226,8 +226,8 @@ class FileStore:
 
     def _update_tracker(self, step: int, rank: int) -> None:
         current = self.read_tracker()
-        if current is not None and current > step:
-            return  # never move the tracker backwards (a late, older commit)
+        if current is not None and current > step and self.tier.exists(self.layout.manifest_key(current)):
+            return  # never move the tracker backwards (a late, older commit); a damaged one names no commit
         self._retry(lambda: self.tier.publish(self.layout.tracker, str(step).encode()), step, rank,
                     f"publish {self.layout.tracker}")
 
@@ -252,8 +252,12 @@ class FileStore:
         for step in steps:
             try:
                 manifest = self.read_manifest(step, cached=True)
-            except (CorruptionError, BlobNotFoundError):
-                continue  # listed as committed, unreadable: load() will report it if it is chosen
+            except BlobNotFoundError:
+                continue  # removed since it was listed
+            except CorruptionError as exc:
+                log.warning("tier %r lists step %d as committed, but %s", self.name, step, exc)
+                out.append(step)  # listed as committed, unreadable: load() reports it (a fallback) if it is chosen
+                continue
             if rank in manifest.extra.get("ranks", range(manifest.world_size)):
                 out.append(step)
         return out

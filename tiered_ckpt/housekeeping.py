@@ -11,6 +11,7 @@ import os
 import time
 from dataclasses import dataclass, field
 
+from .errors import TierError
 from .file_store import FileStore
 from .locking import lock_dir
 from .tiers.base import _user_name
@@ -40,12 +41,12 @@ def find_debris(store: FileStore) -> list[Debris]:
             if step is not None and step < newest and step not in committed:
                 sizes[step] = sizes.get(step, 0) + store.tier.size(key)
         out += [Debris(store.name, "partial step", store.layout.step_dir(s), n) for s, n in sorted(sizes.items())]
-    files = getattr(store.tier, "files", None)
-    if files is not None and hasattr(files, "temp_files"):
+    files = getattr(store.tier, "files", store.tier)  # local and shm: their BlobFiles; fsspec: the tier itself
+    if hasattr(files, "temp_files"):
         for rel in files.temp_files():
             try:
-                size = os.path.getsize(os.path.join(files.root, rel))
-            except OSError:
+                size = store.tier.size(rel)
+            except (TierError, OSError):
                 continue
             out.append(Debris(store.name, "temporary file", rel, size))
     return out
@@ -56,7 +57,7 @@ def remove_debris(store: FileStore, debris: list[Debris]) -> None:
         if d.what == "partial step":
             store.tier.delete_prefix(d.key)
         else:
-            store.tier.files.remove_temp_file(d.key)
+            getattr(store.tier, "files", store.tier).remove_temp_file(d.key)
 
 
 @dataclass

@@ -5,7 +5,9 @@
 * the *checkpoint manifest* (``iter_XXXXXXX/tiered_ckpt/manifest.json``) is written by the committing rank once
   every rank's vote is present, and lists every file of the step with size and checksum.
 
-Manifests are data, never code: they are parsed strictly and every path in them is validated.
+Manifests are data, never code: they are parsed strictly and every path in them is validated. Each carries a
+``digest`` of its own content: a flipped byte that still parses (an item's name, a rank, the parallel layout)
+is caught too, never loaded as a valid but different manifest.
 """
 
 from __future__ import annotations
@@ -15,7 +17,9 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from .checksum import ALGORITHM, digest
 from .errors import CorruptionError
+from .parallel import ParallelLayout
 from .tiers.base import check_key
 
 VERSION = 1
@@ -74,7 +78,15 @@ class CheckpointManifest:
 def _dump(fmt: str, obj: Any) -> bytes:
     body = asdict(obj)
     body["files"] = [asdict(f) for f in obj.files]
-    return json.dumps({"format": fmt, "version": VERSION, **body}, indent=1, sort_keys=True).encode()
+    doc = json.loads(json.dumps({"format": fmt, "version": VERSION, **body}))  # as a reader will see it
+    doc["digest"] = content_digest(doc)
+    return json.dumps(doc, indent=1, sort_keys=True).encode()
+
+
+def content_digest(doc: dict) -> str:
+    """The checksum of a JSON record's content (every field but ``digest``), independent of its formatting."""
+    body = {k: v for k, v in doc.items() if k != "digest"}
+    return f"{ALGORITHM}:{digest(json.dumps(body, sort_keys=True, separators=(',', ':')).encode())}"
 
 
 def dump_rank(m: RankManifest) -> bytes:
@@ -110,6 +122,9 @@ class _Reader:
         path = f"files[{i}]."
         if not isinstance(d, dict):
             raise self.fail(f"files[{i}]: expected an object")
+        unknown = sorted(set(d) - _FILE_FIELDS, key=str)
+        if unknown:
+            raise self.fail(f"{path}{unknown[0]}: unknown field")
         key = self.get(d, "key", str, path)
         try:
             check_key(key)
@@ -130,6 +145,11 @@ class _Reader:
         )
 
 
+_COMMON_FIELDS = {"format", "version", "digest", "step", "layout", "parallel", "files", "run_id", "created", "extra"}
+_FIELDS = {RANK_FORMAT: _COMMON_FIELDS | {"rank", "coords"}, CHECKPOINT_FORMAT: _COMMON_FIELDS}
+_FILE_FIELDS = {"key", "item", "rank", "codec", "size", "checksum", "compression", "raw_size", "meta"}
+
+
 def _as_tuple(t: type | tuple) -> tuple:
     return t if isinstance(t, tuple) else (t,)
 
@@ -146,19 +166,35 @@ def _parse(data: bytes, fmt: str, where: str, tier: str | None) -> tuple[_Reader
     r = _Reader(d, where, tier)
     if not isinstance(d, dict):
         raise r.fail("expected a JSON object")
+    if "digest" in d and d["digest"] != content_digest(d):  # manifests of older versions have none
+        raise CorruptionError("manifest does not match its digest: it changed after it was written",
+                              tier=tier, key=where)
     if d.get("format") != fmt:
         raise r.fail(f"format: expected {fmt!r}, got {d.get('format')!r}")
     if d.get("version") != VERSION:
         raise r.fail(f"version: expected {VERSION}, got {d.get('version')!r} (written by a newer tiered_ckpt?)")
+    unknown = sorted(set(d) - _FIELDS[fmt], key=str)
+    if unknown:  # a damaged name (the digest's own included) is not an extension
+        raise r.fail(f"unknown field {unknown[0]!r}")
     step = r.get(d, "step", int, "")
     if step < 0:
         raise r.fail("step: negative")
-    files = r.get(d, "files", list, "")
+    parallel = r.get(d, "parallel", dict, "")
+    try:
+        world = ParallelLayout.from_dict(parallel).world_size
+    except (TypeError, ValueError, AttributeError) as exc:
+        raise r.fail(f"parallel: {exc}") from None
+    if parallel.get("world_size", world) != world:
+        raise r.fail(f"parallel.world_size: {parallel['world_size']!r} is not the product of the sizes ({world})")
+    files = tuple(r.file(f, i) for i, f in enumerate(r.get(d, "files", list, "")))
+    outside = [i for i, f in enumerate(files) if not 0 <= f.rank < world]
+    if outside:
+        raise r.fail(f"files[{outside[0]}].rank: {files[outside[0]].rank} is outside a world of {world}")
     return r, {
         "step": step,
         "layout": r.get(d, "layout", str, ""),
-        "parallel": r.get(d, "parallel", dict, ""),
-        "files": tuple(r.file(f, i) for i, f in enumerate(files)),
+        "parallel": parallel,
+        "files": files,
         "run_id": r.get(d, "run_id", str, "", optional=True) or "default",
         "created": float(r.get(d, "created", (int, float), "", optional=True) or 0.0),
         "extra": r.get(d, "extra", dict, "", optional=True) or {},

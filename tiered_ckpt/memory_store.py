@@ -19,6 +19,7 @@ from .codecs.file_codecs import ItemSource
 from .crashpoints import crash_point
 from .errors import BlobNotFoundError, CorruptionError, DecodeError
 from .hostmem import private_copy
+from .manifest import content_digest
 from .tiers.base import Tier
 
 FORMAT = "tiered_ckpt.snapshot"
@@ -49,12 +50,15 @@ class SlotMeta:
     created: float = field(default_factory=time.time)
 
     def to_json(self) -> bytes:
-        return json.dumps({"format": FORMAT, "version": VERSION, **asdict(self)}, sort_keys=True).encode()
+        doc = {"format": FORMAT, "version": VERSION, **asdict(self)}
+        return json.dumps({**doc, "digest": content_digest(doc)}, sort_keys=True).encode()
 
     @classmethod
     def from_json(cls, data: bytes, where: str, tier: str) -> SlotMeta:
         try:
             d = json.loads(bytes(data).decode())
+            if "digest" in d and d.pop("digest") != content_digest(d):  # its headers are not in the checksums
+                raise ValueError("the record does not match its digest: it changed after it was written")
             if d.pop("format") != FORMAT or d.pop("version") != VERSION:
                 raise ValueError("unknown format or version")
             d["items"] = [SlotItem(**it) for it in d["items"]]

@@ -26,9 +26,9 @@ for p in (str(BENCH_DIR), str(REPO)):
     if p not in sys.path:
         sys.path.insert(0, p)
 
-import torch  # noqa: E402
-
+import limits  # noqa: E402
 import states  # noqa: E402
+import torch  # noqa: E402
 
 MIB = 1 << 20
 
@@ -259,6 +259,61 @@ def same_tensors(a: Any, b: Any) -> bool:
     if isinstance(a, (list, tuple)):
         return isinstance(b, (list, tuple)) and len(a) == len(b) and all(map(same_tensors, a, b))
     return True
+
+
+class CopyBaseline:
+    """The machine's copy limit, measured next to the candidate in the same process: ``Tensor.copy_`` of the
+    state's tensors into (``copy_in``) or out of (``copy_out``) a pre-faulted ``/dev/shm`` buffer
+    (``limits.prefaulted_shm``), destination views made up front. Timing it between a candidate's saves or
+    restores gives pairs taken under the same load, so their ratio is far steadier than limits measured at
+    another time on a busy machine."""
+
+    def __init__(self, tensors: list[torch.Tensor]):
+        self.tensors = [t for t in tensors if t.numel()]
+        nbytes = sum(t.numel() * t.element_size() for t in self.tensors)
+        self.root, self.mm, buf = limits.prefaulted_shm(nbytes)
+        self.views, off = [], 0
+        for t in self.tensors:
+            n = t.numel() * t.element_size()
+            self.views.append(buf[off:off + n].view(t.dtype).view(t.shape))
+            off += n
+        del buf
+
+    def copy_in(self) -> float:
+        t0 = time.perf_counter()
+        for v, t in zip(self.views, self.tensors, strict=True):
+            v.copy_(t)
+        return time.perf_counter() - t0
+
+    def copy_out(self) -> float:
+        self.copy_in()  # the buffer holds the state's values, so copying out changes nothing
+        t0 = time.perf_counter()
+        for v, t in zip(self.views, self.tensors, strict=True):
+            t.copy_(v)
+        return time.perf_counter() - t0
+
+    def close(self) -> None:
+        import shutil
+
+        self.views = []
+        gc.collect()
+        try:
+            self.mm.close()
+        except BufferError:
+            pass
+        shutil.rmtree(self.root, ignore_errors=True)
+
+
+def write_fsync_seconds(tensors: list[torch.Tensor], directory: str) -> float:
+    """One raw write + fsync of the tensors' bytes to a new file (``limits.write_fsync_seconds``)."""
+    os.makedirs(directory, exist_ok=True)
+    return limits.write_fsync_seconds(tensors, directory, repeats=1)
+
+
+def read_seconds(nbytes: int, directory: str) -> float:
+    """One read of ``nbytes`` from the disk, page cache dropped (``limits.read_seconds``)."""
+    os.makedirs(directory, exist_ok=True)
+    return limits.read_seconds(nbytes, directory, repeats=1)
 
 
 def timed(fn: Callable[[], Any]) -> tuple[float, Any]:

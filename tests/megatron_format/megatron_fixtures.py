@@ -113,3 +113,48 @@ def model_path(config: str, subdir: str) -> Path:
 def all_dirs() -> list[tuple[str, str]]:
     """Every (config, mp_rank_* directory) of the fixtures."""
     return [(c, d) for c in CONFIGS for d in mp_dirs(truth(c))]
+
+
+# ------------------------------------------------------------------------------------------------------------
+# for the conversion, merge and loading tests
+
+
+def copy_checkpoint(config: str, dst: Path) -> Path:
+    """Only what Megatron wrote (tracker and iter_*), the way a user's checkpoint directory looks."""
+    import shutil
+
+    shutil.copytree(folder(config) / ITER_DIR, dst / ITER_DIR)
+    shutil.copy(folder(config) / "latest_checkpointed_iteration.txt", dst)
+    for p in dst.rglob("*"):
+        p.chmod(0o755 if p.is_dir() else 0o644)  # the fixtures are read-only
+    dst.chmod(0o755)
+    return dst
+
+
+def oracle_split(world: torch.Tensor, unpadded: list[int], dp: int, dp_rank: int) -> list[torch.Tensor]:
+    """Megatron's load recipe (spec 2.4), written out plainly: per bucket, slice U_b off the world tensor, pad
+    with zeros to N_b = U_b rounded up to lcm(dp, 128), take part dp_rank of dp equal parts."""
+    import math
+
+    out, offset = [], 0
+    for u in unpadded:
+        n = -(-u // math.lcm(dp, 128)) * math.lcm(dp, 128)
+        padded = torch.zeros(n, dtype=torch.float32)
+        padded[:u] = world[offset:offset + u]
+        offset += u
+        out.append(padded[dp_rank * n // dp:(dp_rank + 1) * n // dp])
+    assert offset == world.numel()
+    return out
+
+
+def fixture_rank_shard(config: str, rank: int) -> dict[str, Any]:
+    """The rank_sharded file content for a fixture rank, from Megatron's in-memory local shards."""
+    from tiered_ckpt.megatron import rank_shard
+    from tiered_ckpt.megatron.naming import MegatronTopology
+
+    t = truth(config)
+    topo = MegatronTopology(tp=t["tp"], pp=t["pp"], dp=t["dp"])
+    group = rank_shard.dp_group(topo, rank, "dense")
+    sub = rank_shard.SubOptimizerShard(truth_geometry(t, rank), group.index(rank), tuple(group),
+                                       local_shards(config, rank), "dense")
+    return rank_shard.build(rank=rank, topology=topo, optimizers=[sub])

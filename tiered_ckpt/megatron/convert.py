@@ -31,7 +31,7 @@ from typing import Any
 from ..config import load_config
 from ..errors import ConfigError, LayoutMismatchError
 from ..file_store import FileStore
-from ..manifest import FileEntry, RankManifest, dump_rank
+from ..manifest import FileEntry
 from ..parallel import ParallelLayout
 from ..pipeline import make_store
 from ..plugins import get_plugin_manager
@@ -134,7 +134,7 @@ def convert(
             _progress_bar(progress, _estimate(src_tier, info)) as bar:
         entries = _write(source, dst_tier, to, target, report, bar)
         report.bytes_read += source.bytes_read
-        _commit(store, step_no, target, entries)
+        tier_io.commit_step(store, step_no, target, entries)
     report.files = [{"key": e.key, "item": e.item, "rank": e.rank, "size": e.size, "checksum": e.checksum}
                     for e in entries]
     report.bytes_written = sum(e.size for e in entries)
@@ -219,22 +219,6 @@ def _megatron_meta(source: StepSource, report: ConvertReport) -> dict[str, dict[
     return {d: {"optimizers": [None if p is None else {"kind": p[2], "dp_size": p[1].dp_size,
                                                        "geometry": p[1].to_dict()} for p in parts]}
             for d, parts in states.items()}
-
-
-def _commit(store: FileStore, step: int, target: MegatronTopology, entries: list[FileEntry]) -> None:
-    """Every rank's manifest (empty for ranks that own no file), then the checkpoint manifest and tracker."""
-    layout = ParallelLayout(tp=target.tp, pp=target.pp, dp=target.dp, ep=target.ep, cp=target.cp,
-                            order=target.order)
-    by_rank: dict[int, list[FileEntry]] = {r: [] for r in range(layout.world_size)}
-    for e in entries:
-        by_rank[e.rank].append(e)
-    for r, files in by_rank.items():
-        coords = layout.coords(r)
-        manifest = RankManifest(step=step, rank=r, layout=store.layout.name, coords=coords.to_dict(),
-                                parallel=layout.to_dict(), files=tuple(files), run_id=store.run_id)
-        store.tier.publish(store.layout.rank_manifest_key(step, r), dump_rank(manifest))
-    if store.try_commit(step, layout.coords(0)) is None:
-        raise LayoutMismatchError(f"step {step}: could not commit on {store.tier.describe()} (rank manifests missing)")
 
 
 def _estimate(tier: Tier, info: legacy.CheckpointInfo) -> int | None:

@@ -38,7 +38,7 @@ import torch
 
 from ..errors import DecodeError, LayoutMismatchError
 from .geometry import BufferGeometry, OptimizerGeometry
-from .torch_zip import is_tensor_like
+from .torch_zip import copy_range, is_tensor_like
 
 BUCKETS_COALESCED = "buckets_coalesced"
 NUMEL_UNPADDED = "numel_unpadded"
@@ -80,6 +80,7 @@ def iter_merge(
                 out = torch.empty(buf.buckets[b].numel_unpadded, dtype=torch.float32)
                 _merge_bucket_into(out, shards_by_dp_rank, buf, g, b, key)
                 yield MergedPiece(g, b, key, offset, out)
+                del out  # before the next bucket is allocated: one bucket at a time
 
 
 def merge_shards(
@@ -130,7 +131,7 @@ def _merge_bucket_into(
             _get_shard(rank_shards, name, n, r)
             continue
         hi = min(lo + n, unpadded)
-        out[lo:hi].copy_(_get_shard(rank_shards, name, n, r)[: hi - lo])
+        copy_range(out[lo:hi], _get_shard(rank_shards, name, n, r), 0, hi - lo)
 
 
 def _get_shard(rank_shards: Mapping[str, torch.Tensor], name: str, n: int, dp_rank: int) -> torch.Tensor:
@@ -178,8 +179,9 @@ def iter_split(
             for key in geo.state_keys:
                 out = torch.zeros(n, dtype=torch.float32)
                 if lo < hi:
-                    out[: hi - lo].copy_(worlds[g][key][offset + lo:offset + hi])
+                    copy_range(out[: hi - lo], worlds[g][key], offset + lo, offset + hi)
                 yield shard_key(g, b, key), out
+                del out
 
 
 def split_state(

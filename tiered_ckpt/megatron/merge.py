@@ -27,7 +27,7 @@ from . import rank_shard, tier_io
 from .distrib_optim import BUCKETS_COALESCED, NUMEL_UNPADDED, MergedPiece, iter_merge, shard_key
 from .geometry import BufferGeometry, OptimizerGeometry
 from .naming import DISTRIB_OPTIM_FILENAME, MegatronTopology, iteration_dir_name
-from .torch_zip import LazyArray, LazyTorchFile, StreamedTensor, iter_torch_save, open_lazy
+from .torch_zip import LazyArray, LazyTorchFile, StreamedTensor, copy_range, iter_torch_save, open_lazy
 
 OPTIM_ITEM = "distrib_optim"
 Progress = Callable[[int], None]
@@ -145,7 +145,10 @@ class _Pieces:
             piece = next(self._pieces)
             if (piece.buffer_idx, piece.key, piece.bucket_idx) != (g, key, b):
                 raise RuntimeError(f"merge out of order: got {piece[:3]}, wanted {(g, b, key)}")
-            yield piece.tensor
+            tensor = piece.tensor
+            del piece
+            yield tensor
+            del tensor  # the writer is done with it: free it before the next bucket
 
 
 def streamed_state(part: GroupPart) -> dict[Any, Any]:
@@ -265,6 +268,10 @@ class ShardWorld(LazyArray):
     def __getitem__(self, index: slice) -> torch.Tensor:
         start, stop, _ = index.indices(self.numel())
         out = torch.empty(max(0, stop - start), dtype=torch.float32)
+        self.copy_into(out, start, max(start, stop))
+        return out
+
+    def copy_into(self, out: torch.Tensor, start: int, stop: int) -> None:
         for b, o in enumerate(self._offsets):
             u, n = self.buf.buckets[b].numel_unpadded, self.buf.shard_numel(b)
             lo, hi = max(start, o) - o, min(stop, o + u) - o  # in the bucket
@@ -272,10 +279,9 @@ class ShardWorld(LazyArray):
             while p < hi:
                 r = p // n
                 e = min(hi, (r + 1) * n)
-                src = self.shards[r][shard_key(self.g, b, self.key)][p - r * n:e - r * n]
-                out[o + p - start:o + e - start].copy_(src)
+                copy_range(out[o + p - start:o + e - start], self.shards[r][shard_key(self.g, b, self.key)],
+                           p - r * n, e - r * n)
                 p = e
-        return out
 
 
 def world_view(part: GroupPart) -> dict[Any, Any]:

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from ..compression import decompress_to_tensor
-from ..errors import CorruptionError, LayoutMismatchError
+from ..errors import CorruptionError, LayoutMismatchError, UnsafePickleError
 from ..layouts.base import META_DIR
 from ..manifest import CheckpointManifest, FileEntry, load_checkpoint
 from ..parallel import RankCoords
@@ -154,11 +154,21 @@ class StepSource:
                 raise LayoutMismatchError(f"{where}: {len(self.geometry_override)} geometries given for "
                                           f"{len(states)} sub-optimizers")
             return list(self.geometry_override), kinds
-        model = self.lazy(self.key(directory, MODEL_FILENAME)).obj
+        model = self._model_state(directory)
         pp_rank = self.info.topology.position(self._rank_in(directory)).pp
         geos = infer_geometry(model, model.get("args") or self.info.args, pp_rank=pp_rank,
                               pp_size=self.info.topology.pp, distrib_optim=self.lazy(key).obj, where=where)
         return geos, kinds
+
+    def _model_state(self, directory: str) -> Any:
+        """A directory's model state for its names and shapes: only the pickle is read, unless it needs
+        ``trust_pickles`` (then the whole file)."""
+        try:
+            return self.lazy(self.key(directory, MODEL_FILENAME)).obj
+        except UnsafePickleError:
+            if not self.trust_pickles:
+                raise
+            return self.load_model(directory)
 
     def _rank_in(self, directory: str) -> int:
         topo = self.info.topology
@@ -254,6 +264,7 @@ class _KeyedPieces:
         if key != name:
             raise RuntimeError(f"split out of order: got {key}, wanted {name}")
         yield t
+        del t
 
 
 def model_dirs(topo: MegatronTopology) -> Mapping[str, int]:

@@ -203,10 +203,15 @@ class SyntheticJob:
     def model_state(self, shard: Shard) -> OrderedDict[str, Any]:
         """``model`` of ``model_optim_rng.pt``: bf16 params (the main params rounded), ``_extra_state`` None."""
         out: OrderedDict[str, Any] = OrderedDict()
-        for p in self.params(shard):
+        params = self.params(shard)
+        for i, p in enumerate(params):
             out[p.spec.name] = self.main_state(shard, p)["param"].to(self.spec.params_dtype).view(p.spec.shape)
-            if p.spec.name.endswith(".weight") and ("linear_" in p.spec.name or p.spec.name == "output_layer.weight"):
-                out[p.spec.name[:-len("weight")] + "_extra_state"] = None
+            module = p.spec.name.rsplit(".", 1)[0]
+            following = params[i + 1].spec.name.rsplit(".", 1)[0] if i + 1 < len(params) else None
+            if following != module and (".linear_" in p.spec.name or module == "output_layer"):
+                out[module + "._extra_state"] = None  # after a linear layer's weight and bias, as Megatron's
+        if shard.pp == self.pp - 1 and "output_layer._extra_state" not in out:
+            out["output_layer._extra_state"] = None  # the tied output layer has no weight of its own, but this
         return out
 
     def local_shards(self, rank: int, kind: str) -> dict[str, torch.Tensor]:
@@ -341,3 +346,41 @@ def spec_for_bytes(nbytes: int, *, layers: int = 8, **kw: Any) -> ModelSpec:
     params = nbytes / 14
     hidden = max(64, int(math.sqrt(params / (12 * layers)) // 64 * 64))
     return ModelSpec(num_layers=layers, hidden=hidden, heads=max(1, hidden // 64), vocab=4096, **kw)
+
+
+def write_checkpoint(job: SyntheticJob, dst: Any, *, layout: str = "rank_sharded", manifest: bool = True) -> list[Any]:
+    """Write ``job``'s checkpoint to ``dst`` (a directory, URL or Tier) as the adapter and engine would leave it
+    (``manifest=True``: our manifests and tracker) or as Megatron-LM (``layout="megatron"``, ``manifest=False``:
+    its files and tracker only) / DLRover (``layout="rank_sharded"``, ``manifest=False``) would. Returns the
+    files' manifest entries. The ``megatron`` layout holds every rank's shards in memory while merging: for
+    tests; a large checkpoint is written ``rank_sharded`` and converted."""
+    from . import tier_io
+    from .convert import open_store
+    from .merge import plan_dirs, write_megatron_file
+    from .naming import TRACKER_FILENAME, iteration_dir_name
+    from .torch_zip import iter_torch_save
+
+    store = open_store(dst, layout, "synthetic")
+    tier, step_dir = store.tier, iteration_dir_name(job.iteration)
+    entries = []
+    for shard in job.shards():
+        key = f"{step_dir}/{job.mp_dir(shard)}/model_optim_rng.pt"
+        entries.append(tier_io.write_file(
+            tier, key, lambda shard=shard: iter_torch_save(job.model_optim_rng(shard), archive="model_optim_rng"),
+            item="model_optim_rng", rank=job.writer_rank(shard)))
+    if layout == "rank_sharded":
+        for r in job.iter_ranks():
+            entries.append(tier_io.write_file(tier, f"{step_dir}/rank_{r:05d}/distrib_optim.pt",
+                                              lambda r=r: iter_torch_save(job.rank_shard(r)), item="distrib_optim",
+                                              rank=r))
+    elif layout == "megatron":
+        shards = {r: rank_shard.parse(job.rank_shard(r), where=f"rank {r}") for r in job.iter_ranks()}
+        for d, parts in plan_dirs(shards).items():
+            entries.append(write_megatron_file(tier, f"{step_dir}/{d}/distrib_optim.pt", parts))
+    else:
+        raise ValueError(f"layout: expected megatron or rank_sharded, got {layout!r}")
+    if manifest:
+        tier_io.commit_step(store, job.iteration, job.topology, entries)
+    else:
+        tier.publish(TRACKER_FILENAME, str(job.iteration).encode())
+    return entries

@@ -186,3 +186,22 @@ def open_ranges(tier: Tier, entry: FileEntry | None, key: str, *, verify: bool =
     for out in _decompressing(counted(), entry, where(tier, key)):
         spool.append(out)
     return spool, read
+
+
+def commit_step(store: Any, step: int, topology: Any, entries: list[FileEntry]) -> None:
+    """The commit protocol's last two acts for files already written: every rank's manifest (empty for ranks
+    that own no file), then ``FileStore.try_commit`` (the checkpoint manifest, then the tracker)."""
+    from ..manifest import RankManifest, dump_rank
+    from ..parallel import ParallelLayout
+
+    layout = ParallelLayout(tp=topology.tp, pp=topology.pp, dp=topology.dp, ep=topology.ep, cp=topology.cp,
+                            order=topology.order)
+    by_rank: dict[int, list[FileEntry]] = {r: [] for r in range(layout.world_size)}
+    for e in entries:
+        by_rank[e.rank].append(e)
+    for r, files in by_rank.items():
+        manifest = RankManifest(step=step, rank=r, layout=store.layout.name, coords=layout.coords(r).to_dict(),
+                                parallel=layout.to_dict(), files=tuple(files), run_id=store.run_id)
+        store.tier.publish(store.layout.rank_manifest_key(step, r), dump_rank(manifest))
+    if store.try_commit(step, layout.coords(0)) is None:
+        raise CorruptionError(f"step {step}: not committed on {store.tier.describe()}: rank manifests missing")

@@ -21,6 +21,7 @@ import collections
 import io
 import pickle
 import struct
+import warnings
 import zlib
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
@@ -33,7 +34,8 @@ from ..tiers.base import as_memoryview, bytes_to_tensor
 
 ALIGNMENT = 64
 PICKLE_PROTOCOL = 2  # torch.save's default
-_U32 = 0xFFFFFFFF
+_U32 = 0xFFFFFFFF  # the "see the zip64 extra field" marker
+ZIP64_FROM = 0xFFFFFFFF  # sizes and offsets from here on go to zip64 extra fields (lowered in tests)
 MAX_PICKLE_BYTES = 256 << 20  # a data.pkl larger than this is not a checkpoint we read lazily
 
 
@@ -156,18 +158,19 @@ class _Storages:
 
 def _prepare(obj: Any, st: _Storages, memo: dict[int, Any] | None = None) -> Any:
     """``obj`` with every tensor replaced by its pickled form. Containers without tensors are kept as the very
-    same objects, and a container seen twice maps to one copy, so the pickle memoizes as torch.save's does."""
-    if isinstance(obj, torch.Tensor):
-        return st.tensor(obj)
-    if isinstance(obj, StreamedTensor):
-        return _TensorReduce(st.ref(obj), obj.shape)
+    same objects, and an object seen twice maps to one copy, so the pickle memoizes as torch.save's does."""
     kind = type(obj)
-    if kind not in _DICTS and kind is not list and kind is not tuple:
+    tensor = isinstance(obj, torch.Tensor | StreamedTensor)
+    if not tensor and kind not in _DICTS and kind is not list and kind is not tuple:
         return obj
     memo = {} if memo is None else memo
     if id(obj) in memo:
         return memo[id(obj)]
-    if kind in _DICTS:
+    if isinstance(obj, torch.Tensor):
+        out: Any = st.tensor(obj)
+    elif isinstance(obj, StreamedTensor):
+        out = _TensorReduce(st.ref(obj), obj.shape)
+    elif kind in _DICTS:
         items = [(k, _prepare(v, st, memo)) for k, v in obj.items()]
         changed = any(new is not old for (_, new), old in zip(items, obj.values(), strict=True))
         out = _same_dict(obj, items) if changed else obj
@@ -214,16 +217,18 @@ class _ZipStream:
 
     def record(self, name: str, chunks: Iterable[Any], size: int) -> Iterator[Any]:
         full = f"{self.archive}/{name}".encode()
-        big = size >= _U32 or self.offset >= _U32
+        big_size, big_offset = size >= ZIP64_FROM, self.offset >= ZIP64_FROM
         zip64 = b""
-        if big:
-            fields = (struct.pack("<QQ", size, size) if size >= _U32 else b"") + (
-                struct.pack("<Q", self.offset) if self.offset >= _U32 else b"")
+        if big_size or big_offset:
+            fields = (struct.pack("<QQ", size, size) if big_size else b"") + (
+                struct.pack("<Q", self.offset) if big_offset else b"")
             zip64 = struct.pack("<HH", 1, len(fields)) + fields
         start = self.offset + 30 + len(full) + len(zip64) + 4
         pad = -start % ALIGNMENT
         extra = zip64 + b"FB" + struct.pack("<H", pad) + b"Z" * pad
-        head = struct.pack("<IHHHHHIIIHH", 0x04034B50, 0, 0x0808, 0, 0, 0, 0, 0, 0, len(full), len(extra))
+        # miniz streams data (descriptor after it, flag bit 3) except for empty records
+        flags = 0x0808 if size else 0x0800
+        head = struct.pack("<IHHHHHIIIHH", 0x04034B50, 0, flags, 0, 0, 0, 0, 0, 0, len(full), len(extra))
         yield head + full + extra
         crc, n = 0, 0
         for chunk in chunks:
@@ -234,27 +239,26 @@ class _ZipStream:
                 raise ValueError(f"record {name}: more than the announced {size} bytes")
             if len(mv):
                 yield mv
+            del chunk, mv  # let the producer free its piece before making the next one
         if n != size:
             raise ValueError(f"record {name}: {n} bytes produced, {size} announced")
-        if size >= _U32:
-            yield struct.pack("<IIQQ", 0x08074B50, crc, size, size)
-        else:
-            yield struct.pack("<IIII", 0x08074B50, crc, size, size)
+        tail = struct.pack("<IIQQ" if big_size else "<IIII", 0x08074B50, crc, size, size) if size else b""
+        if tail:
+            yield tail
         self.entries.append(_Entry(full, self.offset, size, crc))
-        self.offset += len(head) + len(full) + len(extra) + size + (24 if size >= _U32 else 16)
+        self.offset += len(head) + len(full) + len(extra) + size + len(tail)
 
     def finish(self) -> bytes:
         out = io.BytesIO()
         for e in self.entries:
-            fields = b""
-            if e.size >= _U32:
-                fields += struct.pack("<QQ", e.size, e.size)
-            if e.offset >= _U32:
-                fields += struct.pack("<Q", e.offset)
+            big_size, big_offset = e.size >= ZIP64_FROM, e.offset >= ZIP64_FROM
+            fields = (struct.pack("<QQ", e.size, e.size) if big_size else b"") + (
+                struct.pack("<Q", e.offset) if big_offset else b"")
             extra = struct.pack("<HH", 1, len(fields)) + fields if fields else b""
-            out.write(struct.pack("<IHHHHHHIIIHHHHHII", 0x02014B50, 0, 0, 0x0808, 0, 0, 0, e.crc,
-                                  min(e.size, _U32), min(e.size, _U32), len(e.name), len(extra), 0, 0, 0, 0,
-                                  min(e.offset, _U32)))
+            size32 = _U32 if big_size else e.size
+            flags = 0x0808 if e.size else 0x0800
+            out.write(struct.pack("<IHHHHHHIIIHHHHHII", 0x02014B50, 0, 0, flags, 0, 0, 0, e.crc, size32, size32,
+                                  len(e.name), len(extra), 0, 0, 0, 0, _U32 if big_offset else e.offset))
             out.write(e.name + extra)
         cd_size, cd_offset, n = out.tell(), self.offset, len(self.entries)
         eocd64 = self.offset + cd_size
@@ -284,7 +288,8 @@ def iter_torch_save(obj: Any, *, archive: str = "archive") -> Iterator[Any]:
         yield from z.record(f"data/{i}", _lazy(s.produce), s.nbytes)
     yield from z.record("version", [b"3\n"], 2)
     written = [e.name.decode().split("/", 1)[1] for e in z.entries]
-    sid = serialization_id(written, [e.crc for e in z.entries]).encode()
+    # torch combines the CRCs it sees in data descriptors: empty records have none
+    sid = serialization_id(written, [e.crc for e in z.entries if e.size]).encode()
     yield from z.record(".data/serialization_id", [sid], len(sid))
     yield z.finish()
 
@@ -435,6 +440,18 @@ class LazyArray:
     def __getitem__(self, index: slice) -> torch.Tensor:
         raise NotImplementedError
 
+    def copy_into(self, out: torch.Tensor, start: int, stop: int) -> None:
+        """``out.copy_(self[start:stop])`` without keeping a second copy of the elements around."""
+        out.copy_(self[start:stop])
+
+
+def copy_range(out: torch.Tensor, src: Any, start: int, stop: int) -> None:
+    """``out.copy_(src[start:stop])`` for tensors and lazy arrays (these read straight into ``out``)."""
+    if isinstance(src, LazyArray):
+        src.copy_into(out, start, stop)
+    else:
+        out.copy_(src[start:stop])
+
 
 class LazyTensor(LazyArray):
     """A tensor inside a torch zip file, read when sliced: ``t[a:b]`` reads only those elements.
@@ -467,6 +484,11 @@ class LazyTensor(LazyArray):
         start, stop, _ = index.indices(self.numel())
         stop = max(start, stop)
         return self.file.read_elements(self.record, self.dtype, self._offset + start, stop - start)
+
+    def copy_into(self, out: torch.Tensor, start: int, stop: int) -> None:
+        if not self._contiguous():
+            raise DecodeError(f"{self.file.where}: {self.record} is not contiguous; load() it instead")
+        self.file.copy_elements(self.record, self.dtype, self._offset + start, stop - start, out)
 
     def load(self) -> torch.Tensor:
         if self.numel() == 0:
@@ -560,6 +582,20 @@ class LazyTorchFile:
         data = self.reader.read(rec.data_offset + start * item, count * item)
         return bytes_to_tensor(data).view(dtype)
 
+    def copy_elements(self, record: str, dtype: torch.dtype, start: int, count: int, out: torch.Tensor) -> None:
+        """:meth:`read_elements` into ``out``, casting, without a second copy of the bytes."""
+        item = _itemsize(dtype)
+        rec = self._data_offset(record)
+        if start < 0 or (start + count) * item > rec.size or out.numel() != count:
+            raise DecodeError(f"{self.where}: elements [{start}, {start + count}) outside {record}")
+        if count == 0:
+            return
+        data = self.reader.read(rec.data_offset + start * item, count * item)
+        with warnings.catch_warnings():  # read-only bytes: the view is only read, by copy_
+            warnings.simplefilter("ignore", UserWarning)
+            view = torch.frombuffer(data, dtype=torch.uint8)
+        out.copy_(view.view(dtype))
+
     # ----- the pickle ---------------------------------------------------------------------------------------
     def _unpickle(self, pkl: bytes) -> Any:
         from torch import _weights_only_unpickler
@@ -588,7 +624,7 @@ class LazyTorchFile:
             try:
                 obj = unpickler.load()
             except pickle.UnpicklingError as exc:
-                raise DecodeError(f"{self.where}: refused by the weights-only unpickler: {exc}") from None
+                raise _refused(self.where, exc, pkl) from None
         return self._lazify(obj, storages)
 
     def _lazify(self, obj: Any, storages: dict[int, tuple[str, torch.dtype]]) -> Any:
@@ -602,6 +638,31 @@ class LazyTorchFile:
         if type(obj) is tuple:
             return tuple(self._lazify(v, storages) for v in obj)
         return obj
+
+
+def _refused(where: str, exc: Exception, pkl: bytes) -> Exception:
+    """:class:`UnsafePickleError` naming the globals outside the allow-list, else :class:`DecodeError`."""
+    import pickletools
+
+    from torch import _weights_only_unpickler
+
+    from ..errors import UnsafePickleError
+    from .safe_load import allow_list
+
+    allowed = {name for _, name in allow_list()} | set(_weights_only_unpickler._get_allowed_globals())
+    try:
+        names = sorted({arg.replace(" ", ".").replace("__builtin__.", "builtins.")  # protocol 2's name
+                        for op, arg, _ in pickletools.genops(pkl) if op.name == "GLOBAL"})
+    except Exception:  # a truncated pickle: the error text is all there is
+        names = []
+    unknown = [n for n in names if n not in allowed and not n.startswith("torch.")]
+    if not unknown or "GLOBAL" not in str(exc):
+        return DecodeError(f"{where}: refused by the weights-only unpickler: {exc}")
+    err = UnsafePickleError(f"{where}: refusing to unpickle {', '.join(unknown)}: not in the allow-list of Megatron "
+                            "checkpoints (unpickling it could run arbitrary code); pass trust_pickles=True only if you "
+                            "trust this file")
+    err.path, err.globals = where, unknown  # type: ignore[attr-defined]
+    return err
 
 
 def _zip64_fields(extra: bytes, usize: int, csize: int, offset: int) -> tuple[int, int, int]:

@@ -297,7 +297,7 @@ def _multipart_etag(parts: list[dict[str, Any]]) -> str | None:
         if not re.fullmatch(r"[0-9a-fA-F]{32}", tag):
             return None
         digests.append(bytes.fromhex(tag))
-    return f'"{hashlib.md5(b"".join(digests)).hexdigest()}-{len(parts)}"'
+    return f'"{hashlib.md5(b"".join(digests), usedforsecurity=False).hexdigest()}-{len(parts)}"'
 
 
 # ----- the tier --------------------------------------------------------------------------------------------
@@ -678,6 +678,29 @@ class FsspecTier(Tier):
 
         self._request("delete", None, f"{self.root}/{prefix}", rm)
         self._prune(keys)
+
+    def temp_files(self) -> list[str]:
+        """Keys of temporary files that unfinished writes left (a crash before the rename), for ``gc``."""
+        if not self._rename:
+            return []  # object stores upload in place: nothing temporary is ever visible
+
+        def find() -> list[str]:
+            self.fs.invalidate_cache(self.root)
+            try:
+                return self.fs.find(self.root, detail=False)
+            except FileNotFoundError:
+                return []
+
+        paths = (self.fs._strip_protocol(p) for p in self._request("list", None, self.root, find))
+        return sorted(p[len(self.root) + 1:] for p in paths if p.startswith(self.root + "/") and is_temp_name(p))
+
+    def remove_temp_file(self, key: str) -> None:
+        if not is_temp_name(key):
+            raise ValueError(f"{key!r} is not a temporary file")
+        path = self._path(key)
+        with contextlib.suppress(BlobNotFoundError):
+            self._request("delete", key, path, lambda: self.fs.rm_file(path), missing_ok=True)
+        self._prune([key])
 
     def _prune(self, keys: list[str]) -> None:
         """On a local file system, remove directories the deletions left empty (object stores have none)."""

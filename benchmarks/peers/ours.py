@@ -1,0 +1,167 @@
+"""tiered_ckpt's CheckpointEngine (tiers shm + local, drain in its own process), in a process of its own.
+
+Measures: ``prepare()``; the first ``save()`` after it and warm ones (``handle.blocking_s``); the time from the
+snapshot to the local tier's commit (the ``commit`` event's ``seconds``, which starts when ``save()`` returns);
+restore from shm as zero-copy views copied into the existing tensors (what a resume's ``load_state_dict`` does)
+and as ``load(copy=True)`` into fresh memory; restore from the local disk (page cache dropped) into the existing
+tensors; the host memory the saves added; and, with a fresh engine, a first ``save()`` without ``prepare()``.
+
+The machine's limits are measured in this same process, alternating with the candidate under the same load:
+a ``copy_`` of the tensors into a pre-faulted buffer after each warm save, a raw write+fsync of the same bytes
+after each drain (``limits.py``), a ``copy_`` out of that buffer into the tensors after each shm restore, and
+a raw read before each disk restore.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+import time
+import uuid
+
+import _common as c
+
+from tiered_ckpt import CheckpointEngine, hookimpl
+from tiered_ckpt.memory_store import plan_items
+from tiered_ckpt.plugins import get_plugin_manager
+
+
+class Events:
+    def __init__(self) -> None:
+        self.commit: dict[tuple[str, int], float] = {}
+        self.drain: dict[tuple[str, int], float] = {}
+        self.failed: list[str] = []
+
+    @hookimpl
+    def tiered_ckpt_on_event(self, event):
+        if event.kind == "commit":
+            self.commit[(event.tier, event.step)] = event.seconds
+        elif event.kind == "drain":
+            self.drain[(event.tier, event.step)] = event.seconds
+        elif event.kind == "commit_failed":
+            self.failed.append(f"{event.tier} step {event.step}: {event.message}")
+
+
+def config(run_id: str, shm: str | None, local: str) -> dict:
+    tiers = []
+    if shm is not None:
+        tiers.append({"name": "shm", "kind": "shm", "path": shm, "slots": 2})
+    tiers.append({"name": "local", "kind": "local", "path": local, "keep": 1})
+    return {"run_id": run_id, "layout": "rank_sharded", "tiers": tiers}
+
+
+def main() -> int:
+    args = c.parse_args(__doc__.split("\n")[0])
+    items = c.states.make(args.state, args.quick)
+    nbytes = c.states.nbytes(items)
+    _, slot_total = plan_items(items)
+    shm = tempfile.mkdtemp(prefix="bench_ours_", dir="/dev/shm")
+    local = os.path.join(args.workdir, "ckpt")
+    run_id = f"bench-{uuid.uuid4().hex[:8]}"
+    events = Events()
+    pm = get_plugin_manager()
+    pm.register(events)
+    out: dict = {"candidate": "ours", "state": args.state, "bytes": nbytes, "slot_bytes": slot_total}
+    try:
+        engine = CheckpointEngine(config(run_id, shm, local))
+        nslots = engine.pipeline.entry_store.nslots
+        tensors = c.states.tensors(items)
+        baseline = c.CopyBaseline(tensors)  # made before the RSS baseline: its pages are not the save's
+        raw_dir = os.path.join(args.workdir, "raw")
+        kids_baseline = c.wait_children_settled()
+        c.settle()
+        before = c.proc_status()
+        out["peak_reset"] = c.reset_peak_rss()
+        sampler = c.MemorySampler().start()
+
+        out["prepare_s"], _ = c.timed(lambda: engine.prepare(items))
+        first = engine.save(1, items)
+        first.wait()
+        out["first_s"] = first.blocking_s
+        out["first_durable_after_s"] = events.commit[("local", 1)]
+        warm, durable, drain, copy_s, write_s = [], [], [], [], []
+        for step in range(2, 2 + args.warm):
+            h = engine.save(step, items)
+            h.wait()
+            warm.append(h.blocking_s)
+            durable.append(events.commit[("local", step)])
+            drain.append(events.drain[("local", step)])
+            # the limits, right after, under the same load
+            copy_s.append(baseline.copy_in())
+            write_s.append(c.write_fsync_seconds(tensors, raw_dir))
+        out["warm_s"], out["durable_after_s"], out["drain_write_s"] = warm, durable, drain
+        out["limit_copy_s"], out["limit_write_fsync_s"] = copy_s, write_s
+        out["durable_total_s"] = [w + d for w, d in zip(warm, durable, strict=True)]
+        peak = c.proc_status()
+        sampled = sampler.stop()
+        out["memory"] = c.memory_report(before, peak, sampled, nslots * slot_total, kids_baseline)
+        out["memory"]["slots"] = nslots
+
+        # Restore from shm, alternating the two ways, three times each.
+        views_s, views_load_s, fresh_s, copy_out_s = [], [], [], []
+        for i in range(3):
+            t0 = time.perf_counter()
+            res = engine.load(copy=False)
+            t1 = time.perf_counter()
+            c.copy_into(items, res.items)
+            t2 = time.perf_counter()
+            assert res.tier == "shm", res.tier
+            views_load_s.append(t1 - t0)
+            views_s.append(t2 - t0)
+            del res
+            c.settle()
+            s, res = c.timed(lambda: engine.load(copy=True))
+            fresh_s.append(s)
+            if i == 0:
+                out["restore_verified"] = res.verified
+                assert c.same_tensors(items, res.items), "restore from shm returned other values"
+            del res
+            c.settle()
+            copy_out_s.append(baseline.copy_out())
+        baseline.close()
+        out["limit_copy_out_s"] = copy_out_s
+        out["restore_shm_views_copy_s"] = views_s
+        out["restore_shm_views_load_part_s"] = views_load_s
+        out["restore_shm_fresh_s"] = fresh_s
+        engine.close()
+
+        # Restore from the local disk: a new engine with only the local tier (as after a node restart, shm gone).
+        disk_s, disk_load_s, read_s = [], [], []
+        engine = CheckpointEngine(config(run_id, None, local))
+        for _ in range(2):
+            read_s.append(c.read_seconds(nbytes, raw_dir))
+            out["dropped_bytes"] = c.drop_cache(local)
+            t0 = time.perf_counter()
+            res = engine.load(copy=True)
+            t1 = time.perf_counter()
+            c.copy_into(items, res.items)
+            disk_s.append(time.perf_counter() - t0)
+            disk_load_s.append(t1 - t0)
+            assert res.tier == "local", res.tier
+            del res
+            c.settle()
+        engine.close()
+        out["restore_disk_s"], out["restore_disk_load_part_s"], out["limit_read_s"] = disk_s, disk_load_s, read_s
+
+        # The first save without prepare(): the slot is allocated and pre-faulted inside save().
+        shm2 = tempfile.mkdtemp(prefix="bench_ours_", dir="/dev/shm")
+        try:
+            engine = CheckpointEngine(config(f"{run_id}-np", shm2, os.path.join(args.workdir, "ckpt2")))
+            c.wait_children_settled()
+            h = engine.save(1, items)
+            out["first_no_prepare_s"] = h.blocking_s
+            h.wait()
+            engine.close()
+        finally:
+            shutil.rmtree(shm2, ignore_errors=True)
+        out["commit_failed"] = events.failed
+    finally:
+        pm.unregister(events)
+        shutil.rmtree(shm, ignore_errors=True)
+    c.write_result(args.out, out)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

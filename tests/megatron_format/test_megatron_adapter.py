@@ -1,0 +1,176 @@
+"""The Megatron adapter: save_checkpoint/load_checkpoint through real CheckpointEngines, with Megatron's objects
+faked as the spec describes them (fakes.py), then the saved checkpoint converted to Megatron's own layout."""
+
+from __future__ import annotations
+
+import random
+import uuid
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+from fakes import fake_rank, fingerprint, scramble
+from helpers import assert_same
+from megatron_fixtures import model_path, truth
+
+from tiered_ckpt import CheckpointEngine
+from tiered_ckpt.errors import ConfigError, LayoutMismatchError
+from tiered_ckpt.megatron import adapter, safe_load
+from tiered_ckpt.megatron.convert import convert
+from tiered_ckpt.megatron.distrib_optim import merge_shards
+from tiered_ckpt.megatron.rank_shard import dp_group
+from tiered_ckpt.megatron.synthetic import ModelSpec, SyntheticJob
+from tiered_ckpt.parallel import ParallelLayout
+
+JOBS = {
+    "tp2-pp2-dp2": SyntheticJob(ModelSpec(), tp=2, pp=2, dp=2, seed=3),
+    "moe-ep2-dp2": SyntheticJob(ModelSpec(num_experts=4), tp=1, pp=1, dp=2, ep=2, seed=4),
+}
+
+
+def _config(run_id: str, shm: str, shared: Path, *names: str) -> dict:
+    tiers = {"shm": {"name": "shm", "kind": "shm", "path": shm},
+             "shared": {"name": "shared", "kind": "fsspec", "url": f"file://{shared}"}}
+    return {"run_id": run_id, "layout": "rank_sharded", "drain": {"mode": "thread"},
+            "tiers": [tiers[n] for n in names]}
+
+
+def _engines(job: SyntheticJob, cfg: dict) -> list[CheckpointEngine]:
+    return [CheckpointEngine(cfg, job.parallel, rank=r) for r in job.iter_ranks()]
+
+
+@pytest.mark.parametrize("name", list(JOBS))
+def test_save_load_bit_exact_then_megatron_layout(tmp_path: Path, shm_root: str, name: str) -> None:
+    job = JOBS[name]
+    shared, run_id = tmp_path / "shared", f"a{uuid.uuid4().hex[:8]}"
+    ranks = [fake_rank(job, r) for r in job.iter_ranks()]
+    want = [fingerprint(r) for r in ranks]
+    engines = _engines(job, _config(run_id, shm_root, shared, "shm", "shared"))
+    try:
+        rng_before = []
+        handles = []
+        for r, rank, engine in zip(job.iter_ranks(), ranks, engines, strict=True):
+            random.seed(r)
+            rng_before.append(random.getstate())
+            handles.append(adapter.save_checkpoint(job.iteration, rank.model, rank.optimizer, rank.scheduler, 12345,
+                                                   engine=engine, args=rank.args, rng_tracker=rank.rng_tracker))
+        for h in handles:
+            h.wait(timeout=60)
+        # From memory: DP rank 0 has the model file in its snapshot, the others read it from the shared tier.
+        for rank, engine in zip(ranks, engines, strict=True):
+            scramble(rank)
+            assert adapter.load_checkpoint(rank.model, rank.optimizer, rank.scheduler, engine=engine, args=rank.args,
+                                           rng_tracker=rank.rng_tracker) == (job.iteration, 12345)
+        for r, rank in enumerate(ranks):
+            assert fingerprint(rank) == want[r], r
+    finally:
+        for e in engines:
+            e.close()
+    # A fresh job that only has the shared tier.
+    engines = _engines(job, _config(run_id, shm_root, shared, "shared"))
+    try:
+        for r, (rank, engine) in enumerate(zip(ranks, engines, strict=True)):
+            scramble(rank)
+            adapter.load_checkpoint(rank.model, rank.optimizer, rank.scheduler, engine=engine, args=rank.args,
+                                    rng_tracker=rank.rng_tracker)
+            assert fingerprint(rank) == want[r], r
+    finally:
+        for e in engines:
+            e.close()
+
+    # What the engine wrote is exactly the synthetic job's state, and converts to Megatron's layout.
+    step_dir = f"iter_{job.iteration:07d}"
+    for r in job.iter_ranks():
+        assert_same(job.rank_shard(r), torch.load(shared / step_dir / f"rank_{r:05d}" / "distrib_optim.pt",
+                                                  weights_only=True))
+    convert(shared, tmp_path / "megatron", to="megatron", progress=False)
+    fixture_keys = list(safe_load.load(model_path("dp4_tp1_pp1", "mp_rank_00")))
+    for shard in job.shards():
+        d = tmp_path / "megatron" / step_dir / job.mp_dir(shard)
+        saved = safe_load.load(d / "model_optim_rng.pt")
+        assert list(saved) == fixture_keys  # Megatron's keys, in Megatron's order
+        expected = job.model_optim_rng(shard)
+        for key in ("args", "checkpoint_version", "iteration", "model", "optimizer", "opt_param_scheduler"):
+            assert_same(expected[key], saved[key], key)
+        assert saved["num_floating_point_operations_so_far"] == 12345
+        (rng,) = saved["rng_state"]
+        assert rng["random_rng_state"] == rng_before[job.writer_rank(shard)]
+        assert_same(expected["rng_state"][0]["rng_tracker_states"], rng["rng_tracker_states"])
+        got = torch.load(d / "distrib_optim.pt", weights_only=True)
+        states = got if isinstance(got, list) else [got]
+        for i, kind in enumerate(job.kinds()):
+            group = dp_group(job.topology, job.writer_rank(shard), kind)
+            if job.topology.rank_dir(group[0]) != job.mp_dir(shard):
+                assert states[i] is None
+                continue
+            assert_same(merge_shards([job.local_shards(r, kind) for r in group], job.geometry(shard, kind)),
+                        states[i])
+
+
+def test_apply_megatron_gathered_and_dlrover_state() -> None:
+    """A rank handed Megatron's gathered dict, or DLRover's per-param fragments, restores the same bits."""
+    from test_megatron_legacy import _dlrover_rank_file
+
+    job = SyntheticJob(ModelSpec(), tp=1, pp=2, dp=2, seed=5)
+    coords = job.parallel.coords(3)
+    rank = fake_rank(job, 3)
+    want = fingerprint(rank)
+    shard = job.shard_of(3)
+    gathered = merge_shards([job.local_shards(r, "dense") for r in dp_group(job.topology, 3, "dense")],
+                            job.geometry(shard, "dense"))
+    for state in (gathered, [gathered], _dlrover_rank_file(job, 3), job.rank_shard(3)):
+        scramble(rank)
+        adapter.apply_distrib_optim(rank.optimizer, state, coords)
+        assert fingerprint(rank)["optim"] == want["optim"]
+
+
+def test_mismatches_are_named() -> None:
+    job = SyntheticJob(ModelSpec(), tp=1, pp=1, dp=2, seed=6)
+    rank = fake_rank(job, 1)
+    other = SyntheticJob(ModelSpec(), tp=1, pp=1, dp=4, seed=6)
+    with pytest.raises(LayoutMismatchError, match=r"DP group is \[0, 1\].*would be \[0, 1, 2, 3\]"):
+        adapter.rank_shard_item(rank.optimizer, other.topology, 1)
+    bigger = SyntheticJob(ModelSpec(hidden=128), tp=1, pp=1, dp=2, seed=6)
+    with pytest.raises(LayoutMismatchError, match="differ from the job's dense buckets"):
+        adapter.apply_distrib_optim(rank.optimizer, bigger.rank_shard(1), job.parallel.coords(1))
+    four = SyntheticJob(ModelSpec(), tp=1, pp=1, dp=4, seed=6)
+    with pytest.raises(LayoutMismatchError, match=r"DP rank 1 of 4, this rank is 1 of 2.*convert --dp"):
+        adapter.apply_distrib_optim(rank.optimizer, four.rank_shard(1), job.parallel.coords(1))
+    with pytest.raises(ConfigError, match="pass Megatron's args"):
+        adapter.save_checkpoint(1, rank.model, rank.optimizer, rank.scheduler, 0,
+                                engine=SimpleNamespace(coords=job.parallel.coords(1)))
+
+
+def test_finetune_and_no_load_flags(tmp_path: Path, shm_root: str) -> None:
+    job = SyntheticJob(ModelSpec(num_layers=2), tp=1, pp=1, dp=1, seed=8)
+    rank = fake_rank(job, 0)
+    want = fingerprint(rank)
+    cfg = _config(f"f{uuid.uuid4().hex[:8]}", shm_root, tmp_path / "shared", "shm")
+    with CheckpointEngine(cfg, ParallelLayout(), rank=0) as engine:
+        adapter.save_checkpoint(job.iteration, rank.model, rank.optimizer, rank.scheduler, 7, engine=engine,
+                                args=rank.args, rng_tracker=rank.rng_tracker).wait(timeout=60)
+        scramble(rank)
+        rank.args.finetune = True
+        assert adapter.load_checkpoint(rank.model, rank.optimizer, rank.scheduler, engine=engine, args=rank.args,
+                                       rng_tracker=rank.rng_tracker)[0] == 0
+        got = fingerprint(rank)
+        assert got["model"] == want["model"] and got["optim"] != want["optim"] and got["tracker"] == {}
+        rank.args.finetune, rank.args.no_load_optim, rank.args.no_load_rng = False, True, True
+        assert adapter.load_checkpoint(rank.model, rank.optimizer, rank.scheduler, engine=engine, args=rank.args,
+                                       rng_tracker=rank.rng_tracker)[0] == job.iteration
+        assert fingerprint(rank)["optim"] != want["optim"] and rank.args.consumed_train_samples == 800
+
+
+def test_fixture_model_file_loads_into_a_chunk() -> None:
+    """Megatron's own model_optim_rng.pt goes through the adapter's model path (names, shapes)."""
+    from fakes import FakeModelChunk
+
+    state = safe_load.load(model_path("dp4_tp1_pp1", "mp_rank_00"))
+    chunk = FakeModelChunk(state["model"])
+    scrambled = {k: (v * 0 if isinstance(v, torch.Tensor) else v) for k, v in state["model"].items()}
+    chunk.load_state_dict(scrambled)
+    chunk.load_state_dict(state["model"])
+    out = adapter.unwrap(chunk).state_dict_for_save_checkpoint()
+    assert_same(dict(state["model"]), dict(out))
+    assert truth("dp4_tp1_pp1")["iteration"] == state["iteration"]

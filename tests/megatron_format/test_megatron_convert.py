@@ -1,0 +1,287 @@
+"""convert(): Megatron's checkpoints <-> rank_sharded, re-split at other DP sizes, bit for bit against Megatron."""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import subprocess
+import sys
+import uuid
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import assert_same
+from megatron_fixtures import (
+    CONFIGS,
+    ITER_DIR,
+    RELOADS,
+    bits,
+    copy_checkpoint,
+    fixture_rank_shard,
+    local_shards,
+    oracle_split,
+    truth,
+)
+
+from tiered_ckpt.cli import main as cli_main
+from tiered_ckpt.errors import ConfigError, CorruptionError
+from tiered_ckpt.megatron import legacy, tier_io
+from tiered_ckpt.megatron.convert import convert
+from tiered_ckpt.megatron.distrib_optim import merge_shards
+from tiered_ckpt.megatron.rank_shard import dp_group
+from tiered_ckpt.megatron.synthetic import ModelSpec, SyntheticJob, write_checkpoint
+from tiered_ckpt.parallel import ParallelLayout
+from tiered_ckpt.tiers.fsspec_tier import FsspecOptions, FsspecTier
+from tiered_ckpt.tiers.local import LocalOptions, LocalTier
+
+
+def _rank_file(root: Path, step_dir: str, rank: int) -> dict:
+    return torch.load(root / step_dir / f"rank_{rank:05d}" / "distrib_optim.pt", weights_only=True)
+
+
+def _assert_committed(root: Path, step: int, files: int) -> None:
+    """Our manifest lists every file with a checksum that matches, and the tracker names the step."""
+    tier = LocalTier("check", LocalOptions(path=str(root)))
+    info = legacy.detect(tier)
+    assert info.has_manifest and info.iteration == step and (root / "latest_checkpointed_iteration.txt").read_text() \
+        == str(step)
+    from tiered_ckpt.manifest import load_checkpoint
+
+    manifest = load_checkpoint((root / info.step_dir / "tiered_ckpt" / "manifest.json").read_bytes())
+    assert len(manifest.files) == files
+    for entry in manifest.files:
+        tier_io.verify_file(tier, entry)
+
+
+def _megatron_files_identical(root: Path, config: str) -> None:
+    for key, meta in truth(config)["files"].items():
+        if key.startswith(ITER_DIR):
+            assert hashlib.sha256((root / key).read_bytes()).hexdigest() == meta["sha256"], key
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Megatron's own checkpoints
+
+
+@pytest.mark.parametrize("config", CONFIGS)
+def test_fixture_to_rank_sharded_and_back(tmp_path: Path, config: str) -> None:
+    t = truth(config)
+    src = copy_checkpoint(config, tmp_path / "megatron")
+    report = convert(src, tmp_path / "rs", to="rank_sharded", progress=False)
+    assert (report.source_layout, report.source_writer, report.source_verified) == ("megatron", "megatron", False)
+    assert any("nothing can be verified" in n for n in report.notes)
+    for rank in range(t["world_size"]):
+        got = _rank_file(tmp_path / "rs", ITER_DIR, rank)
+        assert_same(fixture_rank_shard(config, rank), got)  # exactly Megatron's local shards, and its geometry
+    items = legacy.load_rank_items(LocalTier("rs", LocalOptions(path=str(tmp_path / "rs"))), 10,
+                                   ParallelLayout(tp=t["tp"], pp=t["pp"], dp=t["dp"]).coords(1))
+    assert items.verified and isinstance(items["model_optim_rng"]["args"], argparse.Namespace)
+    _assert_committed(tmp_path / "rs", 10, len(report.files))
+    back = convert(tmp_path / "rs", tmp_path / "back", to="megatron", progress=False)
+    assert back.source_verified and back.source_layout == "rank_sharded"
+    _megatron_files_identical(tmp_path / "back", config)  # distrib_optim.pt and model_optim_rng.pt, byte for byte
+    _assert_committed(tmp_path / "back", 10, len(back.files))
+
+
+@pytest.mark.parametrize(("config", "dp"), RELOADS)
+def test_fixture_resplit_gives_megatrons_reload(tmp_path: Path, config: str, dp: int) -> None:
+    src = copy_checkpoint(config, tmp_path / "megatron")
+    report = convert(src, tmp_path / "rs", to="rank_sharded", dp=dp, progress=False)
+    assert report.topology["dp"] == dp
+    for rank in range(dp * truth(config)["pp"]):
+        (opt,) = _rank_file(tmp_path / "rs", ITER_DIR, rank)["optimizers"]
+        want = local_shards(config, rank, dp)
+        assert list(opt["shards"]) == list(want)
+        for k in want:
+            assert torch.equal(bits(opt["shards"][k]), bits(want[k])), (rank, k)
+    convert(tmp_path / "rs", tmp_path / "back", to="megatron", progress=False)
+    _megatron_files_identical(tmp_path / "back", config)
+
+
+def test_megatron_to_megatron_is_a_verified_copy(tmp_path: Path) -> None:
+    convert(copy_checkpoint("dp4_tp1_pp1", tmp_path / "m"), tmp_path / "ours", to="megatron", progress=False)
+    report = convert(tmp_path / "ours", tmp_path / "copy", to="megatron", dp=2, progress=False)
+    assert report.source_verified and report.topology["dp"] == 2
+    _megatron_files_identical(tmp_path / "copy", "dp4_tp1_pp1")  # DP does not change Megatron's files
+    geometry = json.loads((tmp_path / "copy" / ITER_DIR / "tiered_ckpt" / "manifest.json").read_text())
+    optim = next(f for f in geometry["files"] if f["item"] == "distrib_optim")
+    unpadded = truth("dp4_tp1_pp1")["ranks"]["0"]["per_bucket_numel_unpadded"][0]["float32,float32"]
+    assert optim["meta"]["optimizers"][0]["geometry"]["buffers"][0]["numel_unpadded"] == unpadded
+    path = tmp_path / "ours" / ITER_DIR / "mp_rank_00" / "model_optim_rng.pt"
+    data = bytearray(path.read_bytes())
+    data[100] ^= 1
+    path.write_bytes(bytes(data))
+    with pytest.raises(CorruptionError, match="mp_rank_00/model_optim_rng.pt.*checksum mismatch"):
+        convert(tmp_path / "ours", tmp_path / "copy2", to="megatron", progress=False)
+    assert not (tmp_path / "copy2" / ITER_DIR / "tiered_ckpt" / "manifest.json").exists()
+    assert not (tmp_path / "copy2" / ITER_DIR / "mp_rank_00" / "model_optim_rng.pt").exists()
+
+
+# ------------------------------------------------------------------------------------------------------------
+# synthetic jobs: a grid of layouts, against Megatron's load recipe written out in the test
+
+
+GRID = [dict(tp=1, pp=4, dp=2), dict(tp=2, pp=2, dp=2), dict(tp=2, pp=1, dp=1, ep=2)]
+
+
+def _job(cfg: dict) -> SyntheticJob:
+    spec = ModelSpec(num_layers=4, hidden=64, num_experts=4 if cfg.get("ep") else None)
+    return SyntheticJob(spec, seed=7, **cfg)
+
+
+@pytest.mark.parametrize("cfg", GRID, ids=lambda c: "-".join(f"{k}{v}" for k, v in c.items()))
+def test_grid_save_merge_and_resplit(tmp_path: Path, cfg: dict) -> None:
+    job = _job(cfg)
+    write_checkpoint(job, tmp_path / "saved")  # what the adapter leaves: rank_sharded with our manifest
+    convert(tmp_path / "saved", tmp_path / "megatron", to="megatron", progress=False)
+    step_dir = f"iter_{job.iteration:07d}"
+    worlds = {}
+    for shard in job.shards():
+        d = job.mp_dir(shard)
+        got = torch.load(tmp_path / "megatron" / step_dir / d / "distrib_optim.pt", weights_only=True)
+        states = got if isinstance(got, list) else [got]
+        for i, kind in enumerate(job.kinds()):
+            group = dp_group(job.topology, job.writer_rank(shard), kind)
+            if job.topology.rank_dir(group[0]) != d:
+                assert states[i] is None
+                continue
+            want = merge_shards([job.local_shards(r, kind) for r in group], job.geometry(shard, kind))
+            assert_same(want, states[i])
+            worlds[(d, kind)] = states[i]
+    for dp in (1, 2, 4):
+        if dp % job.ep:
+            continue
+        out = tmp_path / f"dp{dp}"
+        report = convert(tmp_path / "megatron", out, to="rank_sharded", dp=dp, progress=False)
+        topo = legacy.detect(LocalTier("o", LocalOptions(path=str(out)))).topology
+        assert topo.dp * topo.ep == dp and report.source_verified
+        for rank in range(topo.world_size):
+            obj = _rank_file(out, step_dir, rank)
+            for i, kind in enumerate(job.kinds()):
+                sub = obj["optimizers"][i]
+                group = dp_group(topo, rank, kind)
+                assert (sub["kind"], sub["group"], sub["dp_rank"]) == (kind, group, group.index(rank))
+                owner = topo.rank_dir(group[0])
+                geo = job.geometry(job.shard_of(job.topology.rank_of(**{
+                    d: getattr(topo.position(rank), d) for d in ("tp", "pp", "ep")})), kind)
+                for g, buf in enumerate(geo.buffers):
+                    (dtype_key, entry), = worlds[(owner, kind)][g].items()
+                    unpadded = [k.numel_unpadded for k in buf.buckets]
+                    for key in geo.state_keys:
+                        parts = oracle_split(entry[key], unpadded, len(group), group.index(rank))
+                        for b, part in enumerate(parts):
+                            assert torch.equal(bits(sub["shards"][f"gbuf{g}/bucket{b}/{key}"]), bits(part)), \
+                                (dp, rank, kind, g, b, key)
+
+
+def test_rank_sharded_resplit_without_megatron_files(tmp_path: Path) -> None:
+    """rank_sharded -> rank_sharded at a new DP reads the rank files as Megatron's world tensors directly."""
+    job = _job(dict(tp=1, pp=2, dp=2))
+    write_checkpoint(job, tmp_path / "saved")
+    convert(tmp_path / "saved", tmp_path / "direct", to="rank_sharded", dp=4, progress=False)
+    convert(tmp_path / "saved", tmp_path / "m", to="megatron", progress=False)
+    convert(tmp_path / "m", tmp_path / "via", to="rank_sharded", dp=4, progress=False)
+    for rank in range(8):
+        assert_same(_rank_file(tmp_path / "via", "iter_0000100", rank),
+                    _rank_file(tmp_path / "direct", "iter_0000100", rank))
+
+
+def test_megatron_written_moe_geometry_is_recomputed(tmp_path: Path) -> None:
+    job = _job(dict(tp=2, pp=2, dp=1, ep=2))
+    write_checkpoint(job, tmp_path / "m", layout="megatron", manifest=False)  # as Megatron-LM would
+    report = convert(tmp_path / "m", tmp_path / "rs", to="rank_sharded", progress=False)
+    assert not report.source_verified
+    for rank in job.iter_ranks():
+        assert_same(job.rank_shard(rank), _rank_file(tmp_path / "rs", "iter_0000100", rank))
+
+
+def test_any_tier(tmp_path: Path) -> None:
+    url = f"memory://convert-test/{uuid.uuid4().hex}"
+    convert(copy_checkpoint("dp2_tp1_pp2", tmp_path / "m"), url, to="rank_sharded", dp=4, progress=False)
+    tier = FsspecTier("mem", FsspecOptions(url=url))
+    assert legacy.detect(tier).has_manifest
+    convert(tier, tmp_path / "back", to="megatron", progress=False)
+    _megatron_files_identical(tmp_path / "back", "dp2_tp1_pp2")
+
+
+def test_refusals(tmp_path: Path) -> None:
+    src = copy_checkpoint("dp2_tp1_pp2", tmp_path / "m")
+    with pytest.raises(ConfigError, match="to: expected one of"):
+        convert(src, tmp_path / "x", to="torch_dist")
+    with pytest.raises(ConfigError, match="dp: expected a positive integer"):
+        convert(src, tmp_path / "x", to="megatron", dp=0)
+    convert(src, tmp_path / "x", to="megatron", progress=False)
+    with pytest.raises(ConfigError, match="already exists"):
+        convert(src, tmp_path / "x", to="megatron", progress=False)
+    with pytest.raises(ConfigError, match="not a multiple of EP=2"):
+        job = _job(dict(tp=1, pp=1, dp=1, ep=2))
+        write_checkpoint(job, tmp_path / "moe")
+        convert(tmp_path / "moe", tmp_path / "y", to="rank_sharded", dp=3, progress=False)
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Megatron's side: plain torch.load with Megatron's allow-list, Megatron not installed
+
+_PLAIN_LOAD = """
+import argparse, importlib.util, json, sys
+import numpy as np, torch
+from numpy._core.multiarray import _reconstruct
+assert importlib.util.find_spec("megatron") is None
+# What megatron.core registers (spec 1.5), minus its own classes: these files hold none.
+torch.serialization.add_safe_globals([argparse.Namespace, _reconstruct, np.ndarray, np.dtype,
+                                      type(np.dtype("uint32"))])
+out = {}
+for path in sys.argv[1:]:
+    obj = torch.load(path, map_location="cpu")  # Megatron's call; weights_only=True by default on torch >= 2.6
+    if "args" in obj:
+        bad = {k: type(v).__name__ for k, v in vars(obj["args"]).items()
+               if not isinstance(v, (int, float, str, bool, type(None), torch.dtype, list, tuple))}
+        out[path] = {"keys": list(obj), "bad_args": bad, "ns": type(obj["args"]).__name__}
+    else:
+        out[path] = {"keys": [str(k) for k in (obj if isinstance(obj, dict) else obj[0] or obj[1])]}
+print(json.dumps(out))
+"""
+
+
+def test_megatron_layout_loads_with_plain_torch_load(tmp_path: Path) -> None:
+    job = _job(dict(tp=2, pp=1, dp=1, ep=2))
+    write_checkpoint(job, tmp_path / "rs")
+    convert(tmp_path / "rs", tmp_path / "m", to="megatron", progress=False)
+    files = sorted(str(p) for p in (tmp_path / "m").rglob("*.pt"))
+    proc = subprocess.run([sys.executable, "-c", _PLAIN_LOAD, *files], capture_output=True, text=True, cwd=tmp_path,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(proc.stdout)
+    models = [v for k, v in result.items() if k.endswith("model_optim_rng.pt")]
+    assert len(models) == 4 and all(m["ns"] == "Namespace" and not m["bad_args"] for m in models)
+    assert models[0]["keys"] == ["args", "checkpoint_version", "iteration", "model", "optimizer",
+                                 "opt_param_scheduler", "rng_state", "num_floating_point_operations_so_far"]
+    assert all(v["keys"][0] == "buckets_coalesced" for k, v in result.items() if k.endswith("distrib_optim.pt"))
+
+
+# ------------------------------------------------------------------------------------------------------------
+# the command line
+
+
+def test_cli_convert(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    src = copy_checkpoint("dp4_tp1_pp1", tmp_path / "m")
+    assert cli_main(["convert", str(src), str(tmp_path / "rs"), "--to", "rank_sharded", "--dp", "2", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert (report["step"], report["to"], report["source_layout"], report["source_verified"]) == (
+        10, "rank_sharded", "megatron", False)
+    assert report["topology"]["dp"] == 2 and len(report["files"]) == 3
+    assert cli_main(["convert", str(tmp_path / "rs"), str(tmp_path / "back"), "--to", "megatron"]) == 0
+    text = capsys.readouterr().out
+    assert "verified against its manifest" in text and "DP 2 -> 2" in text
+    _megatron_files_identical(tmp_path / "back", "dp4_tp1_pp1")
+    assert cli_main(["convert", str(src), str(tmp_path / "rs"), "--to", "rank_sharded"]) == 2  # not empty
+    assert "already exists" in capsys.readouterr().err
+    assert cli_main(["convert", str(tmp_path / "nowhere"), str(tmp_path / "z"), "--to", "megatron"]) == 3
+    assert not (tmp_path / "nowhere").exists()
+    (src / "latest_checkpointed_iteration.txt").write_text("garbage")
+    assert cli_main(["convert", str(src), str(tmp_path / "z"), "--to", "megatron"]) == 1
+    assert "expected an iteration number" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        cli_main(["convert", str(src), str(tmp_path / "z"), "--to", "zarr"])

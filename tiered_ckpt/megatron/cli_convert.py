@@ -1,0 +1,55 @@
+"""``tiered-ckpt convert SRC DST --to megatron|rank_sharded [--dp N] [--step N] [--json]``.
+
+Exit codes are the CLI's (``tiered_ckpt.cli``): 0 converted; 1 the source failed verification or cannot be
+converted (corrupt file, layout mismatch, unsafe pickle); 2 bad usage (unknown layout, bad DP, destination not
+empty); 3 no checkpoint at the source (no tracker and no step, missing step directory).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from typing import Any
+
+from ..errors import NoCheckpointError
+
+
+def cmd_convert(args: argparse.Namespace) -> int:
+    from .convert import convert
+
+    src = args.src
+    if "://" not in src or src.startswith("file://"):
+        path = src.removeprefix("file://")
+        if not os.path.isdir(path):
+            raise NoCheckpointError(f"{src}: no such directory")
+    report = convert(src, args.dst, to=args.to, dp=args.dp, step=args.step, progress=not args.json,
+                     trust_pickles=args.trust_pickles)
+    if args.json:
+        print(json.dumps(report.to_dict(), indent=1, default=str))
+        return 0
+    s, t = report.source_topology, report.topology
+    print(f"converted step {report.step}: {report.src} ({report.source_layout}, written by {report.source_writer}) "
+          f"-> {report.dst} ({report.to})")
+    print(f"  TP {t['tp']}  PP {t['pp']}  EP {t['ep']}  DP {s['dp'] * s['ep']} -> {t['dp'] * t['ep']}"
+          f"  ({len(report.files)} files, {report.bytes_written} bytes, {report.seconds:.1f} s)")
+    print("  source " + ("verified against its manifest" if report.source_verified
+                         else "NOT verified: it has no manifest (no checksums to check)"))
+    for note in report.notes:
+        print(f"  note: {note}")
+    return 0
+
+
+def add_convert_command(sub: Any, add: Any) -> argparse.ArgumentParser:
+    """Register ``convert`` with the CLI's ``add(name, func, help, target=False)`` helper."""
+    p = add("convert", cmd_convert, "convert a Megatron checkpoint between the megatron and rank_sharded layouts, "
+                                    "or re-split it for another DP size", target=False)
+    p.add_argument("src", help="the source: a directory or fsspec URL holding Megatron's tracker and iter_* dirs")
+    p.add_argument("dst", help="where to write (a directory or fsspec URL; must not hold the step yet)")
+    p.add_argument("--to", required=True, choices=["megatron", "rank_sharded"], help="the destination's layout")
+    p.add_argument("--dp", type=int, help="data-parallel size of the destination (world / (TP x PP x CP), as "
+                                          "Megatron counts it; default: the source's)")
+    p.add_argument("--step", type=int, help="the iteration to convert (default: the source's tracker)")
+    p.add_argument("--trust-pickles", action="store_true",
+                   help="allow pickled classes outside Megatron's allow-list in the source (trusted files only)")
+    return p
