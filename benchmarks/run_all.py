@@ -107,7 +107,7 @@ def run_one(name: str, cmd: list[str], workdir: str, out: str, timeout: float) -
     shutil.rmtree(workdir, ignore_errors=True)
     log(f"    {name:<11} {'ok' if ok else 'FAILED'} in {wall:5.1f} s" + ("" if ok else f"  ({error})"))
     if not ok:
-        return {"error": error, "wall_s": wall}
+        return {"error": error, "wall_s": wall, "log_tail": _tail(logfile, 40).split(" | ")}
     result = json.loads(Path(out).read_text())
     result["wall_s"] = wall
     return result
@@ -169,6 +169,9 @@ ROWS: list[tuple[str, str, str, dict[str, Any], str | None]] = [
     ("restore_shm", "restore shm: views + copy_ into model", "s", {
         "ours": lambda r: r["restore_shm_views_copy_s"], "dlrover": lambda r: r["restore_shm_views_copy_s"]},
      "copy_out"),
+    ("restore_shm_load", "  of which load(copy=False): verify, views", "s", {
+        "ours": lambda r: r["restore_shm_views_load_part_s"], "dlrover": lambda r: r["restore_shm_views_load_part_s"]},
+     None),
     ("restore_shm_fresh", "restore shm: load(copy=True), new memory", "s", {
         "ours": lambda r: r["restore_shm_fresh_s"]}, "copy_out"),
     ("restore_disk", "restore local disk -> model tensors", "s", {

@@ -168,6 +168,17 @@ def test_large_chunks_go_out_without_copies_and_small_ones_in_bounded_buffers(re
     assert max(taken) <= 3, f"{max(taken)} part buffers for max_concurrency=2"
     assert torch.equal(tier.read_blob("small-chunks"), data)
 
+    taken.clear()
+    window = torch.empty(2 * PART, dtype=torch.uint8)
+
+    def reused_large():  # borrowed parts must have landed before the producer overwrites its buffer
+        for i in range(2):
+            window.copy_(data[i * 2 * PART:(i + 1) * 2 * PART])
+            yield window
+
+    assert tier.write_blob("reused-large", reused_large()) == 4 * PART
+    assert taken == [] and torch.equal(tier.read_blob("reused-large"), data[:4 * PART])
+
 
 def test_failing_producer_aborts_the_multipart_upload(remote):
     tier = FsspecTier("s3", FsspecOptions(url=remote.url, options=remote.proxy.storage_options(), part_size=PART))
@@ -302,7 +313,7 @@ def test_deadline_exceeded_leaves_nothing_visible(remote, shm_root, tmp_path, re
     with pytest.raises(NoCheckpointError):
         load_from_s3(remote)
     # tiered-ckpt ls, with the endpoint and credentials from the environment only
-    for name, value in remote.server.env.items():
+    for name, value in remote.server.env().items():
         monkeypatch.setenv(name, value)
     capsys.readouterr()
     assert cli_main(["ls", remote.url, "--json"]) == 0
@@ -364,7 +375,7 @@ def test_credentials_never_reach_events_logs_or_reprs(remote, shm_root, recorder
 
 
 def test_credentials_and_endpoint_from_the_environment(remote, monkeypatch):
-    for name, value in remote.server.env.items():
+    for name, value in remote.server.env().items():
         monkeypatch.setenv(name, value)
     monkeypatch.setenv("AWS_ENDPOINT_URL_S3", remote.proxy.endpoint)
     tier = FsspecTier("s3", FsspecOptions(url=remote.url, part_size=PART))

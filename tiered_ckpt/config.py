@@ -16,7 +16,7 @@ from typing import Any, Literal
 import yaml
 
 from .errors import ConfigError, PluginError
-from .validate import NonNegativeInt, PositiveInt, Seconds, build_dataclass, coerce
+from .validate import NonNegativeInt, PositiveInt, Seconds, _join, build_dataclass, coerce
 
 _RUN_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
 _TIER_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
@@ -131,7 +131,7 @@ def _tier_config(raw: Any, index: int, registries: Any, source: str | None) -> T
             raise ConfigError("required key is missing (expected a string)", source=source,
                               key_path=f"{path}.{key}")
     name = coerce(str, raw["name"], f"{path}.name", source)
-    if not _TIER_NAME.match(name):
+    if not _TIER_NAME.fullmatch(name):
         raise ConfigError(f'expected letters, digits, "_", "-" or "." (at most 64), got "{name}"',
                           source=source, key_path=f"{path}.name")
     kind = coerce(str, raw["kind"], f"{path}.kind", source)
@@ -143,7 +143,12 @@ def _tier_config(raw: Any, index: int, registries: Any, source: str | None) -> T
     own = {k: v for k, v in raw.items() if k not in _COMMON_TIER_KEYS}
     options = build_dataclass(tier_cls.Options, own, path, source)
     tc = build_dataclass(TierConfig, common, path, source)
-    if tc.slots is not None and not tier_cls.capabilities_for(options).memory:
+    try:
+        memory = tc.slots is not None and tier_cls.capabilities_for(options).memory
+    except ConfigError as exc:  # a kind that validates more of its options here (the faulty plugin's inner tier)
+        where = _join(path, exc.key_path) if exc.key_path else path
+        raise ConfigError(exc.message, source=source, key_path=where) from None
+    if tc.slots is not None and not memory:
         raise ConfigError(f"only memory tiers hold slots; kind {kind!r} does not", source=source,
                           key_path=f"{path}.slots")
     return TierConfig(**{**tc.__dict__, "options": options})
@@ -158,14 +163,17 @@ def load_config(config: Any, *, registries: Any = None, env: dict[str, str] | No
         source = str(config)
         try:
             text = Path(config).read_text()
-        except OSError as exc:
-            raise ConfigError(f"cannot read the configuration: {exc.strerror or exc}", source=source) from None
+        except (OSError, ValueError) as exc:  # ValueError: not UTF-8, a NUL in the path
+            raise ConfigError(f"cannot read the configuration: {getattr(exc, 'strerror', None) or exc}",
+                              source=source) from None
         try:
             config = yaml.safe_load(text)
         except yaml.YAMLError as exc:
             mark = getattr(exc, "problem_mark", None)
             where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
             raise ConfigError(f"not valid YAML{where}: {getattr(exc, 'problem', exc)}", source=source) from None
+        except Exception as exc:  # PyYAML's constructors raise anything: "2024-02-30", "!!float", deep nesting
+            raise ConfigError(f"not valid YAML: {type(exc).__name__}: {exc}", source=source) from None
     if not isinstance(config, dict):
         raise ConfigError(f"expected a mapping at the top level, got {type(config).__name__}", source=source,
                           key_path="<root>")
@@ -173,7 +181,11 @@ def load_config(config: Any, *, registries: Any = None, env: dict[str, str] | No
         from .plugins import get_plugin_manager
 
         registries = get_plugin_manager().registries
-    raw = expand_env(config, source=source, env=env)
+    try:
+        raw = expand_env(config, source=source, env=env)
+    except RecursionError:
+        raise ConfigError("the configuration contains itself (a YAML alias inside its own anchor) or is nested "
+                          "too deeply", source=source, key_path="<root>") from None
     raw_tiers = raw.get("tiers")
     if not isinstance(raw_tiers, list) or not raw_tiers:
         got = "nothing" if raw_tiers is None else repr(raw_tiers)
@@ -189,7 +201,7 @@ def load_config(config: Any, *, registries: Any = None, env: dict[str, str] | No
     cfg = build_dataclass(Config, {**rest, "tiers": []}, "", source) if "source" not in rest else None
     if cfg is None:
         raise ConfigError("unknown key", source=source, key_path="source")
-    if not _RUN_ID.match(cfg.run_id):
+    if not _RUN_ID.fullmatch(cfg.run_id):
         raise ConfigError(f'expected letters, digits, "_", "-" or "." (at most 128), got "{cfg.run_id}"',
                           source=source, key_path="run_id")
     if cfg.layout not in registries.layouts:

@@ -17,6 +17,7 @@ class ConfigError(TieredCkptError, ValueError):
     def __init__(self, message: str, *, source: str | None = None, key_path: str | None = None):
         self.source = source
         self.key_path = key_path
+        self.message = message  # without the source and key path
         prefix = ""
         if source:
             prefix += f"{source}: "

@@ -4,17 +4,41 @@ from __future__ import annotations
 
 import fcntl
 import os
+import stat
 import tempfile
 
-from .errors import RunLockedError
+from .errors import RunLockedError, TieredCkptError
 from .tiers.base import _user_name
 
 
 def lock_dir(run_id: str) -> str:
-    """Per-user, 0700: ``$TMPDIR/tiered_ckpt-<user>/<run_id>`` (override with TIERED_CKPT_LOCK_DIR)."""
-    base = os.environ.get("TIERED_CKPT_LOCK_DIR") or os.path.join(tempfile.gettempdir(), f"tiered_ckpt-{_user_name()}")
-    path = os.path.join(base, run_id)
-    os.makedirs(path, mode=0o700, exist_ok=True)
+    """Per-user, 0700: ``$TMPDIR/tiered_ckpt-<user>/<run_id>`` (override with TIERED_CKPT_LOCK_DIR).
+
+    The per-user directory and the run's are this user's own and 0700 (fixed if they are not); one that another
+    user owns, or that is a symlink, is refused: whoever controls it could hold or swap our lock files.
+    """
+    override = os.environ.get("TIERED_CKPT_LOCK_DIR")
+    if override:
+        os.makedirs(override, exist_ok=True)  # the user's choice of place: used as it is
+        base = override
+    else:
+        base = _private_dir(os.path.join(tempfile.gettempdir(), f"tiered_ckpt-{_user_name()}"))
+    return _private_dir(os.path.join(base, run_id))
+
+
+def _private_dir(path: str) -> str:
+    try:
+        os.mkdir(path, 0o700)
+    except FileExistsError:
+        pass
+    st = os.lstat(path)
+    if not stat.S_ISDIR(st.st_mode):
+        raise TieredCkptError(f"{path} is not a directory (a symlink or a file); refusing to keep lock files there")
+    if st.st_uid != os.geteuid():
+        raise TieredCkptError(f"{path} belongs to uid {st.st_uid}, not to this user (uid {os.geteuid()}); refusing "
+                              "to keep lock files where another user can take or replace them")
+    if stat.S_IMODE(st.st_mode) & 0o077:
+        os.chmod(path, 0o700)
     return path
 
 

@@ -7,6 +7,7 @@ tier gets the same strict checking (unknown keys are errors) by declaring typed 
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 import types
 import typing
@@ -42,7 +43,9 @@ def parse_size(value: Any) -> int:
     if isinstance(value, str):
         m = _NUMBER_UNIT.match(value)
         if m and m.group(2).lower() in _SIZE_UNITS:
-            return int(float(m.group(1)) * _SIZE_UNITS[m.group(2).lower()])
+            size = float(m.group(1)) * _SIZE_UNITS[m.group(2).lower()]
+            if math.isfinite(size):  # "1e999" is no size (and int() of it an OverflowError)
+                return int(size)
     raise ValueError(f"expected a byte size such as 512MiB or 8GiB, got {value!r}")
 
 
@@ -50,13 +53,16 @@ def parse_seconds(value: Any) -> float:
     if isinstance(value, bool):
         raise ValueError("expected a duration (e.g. 30s), got a boolean")
     if isinstance(value, (int, float)):
-        if value < 0:
-            raise ValueError(f"expected a non-negative duration, got {value}")
-        return float(value)
+        seconds = float(value) if isinstance(value, float) or abs(value) < 2**1000 else math.inf
+        if not 0 <= seconds < math.inf:  # NaN fails this too
+            raise ValueError(f"expected a finite, non-negative duration, got {value}")
+        return seconds
     if isinstance(value, str):
         m = _NUMBER_UNIT.match(value)
         if m and m.group(2).lower() in _SECONDS_UNITS:
-            return float(m.group(1)) * _SECONDS_UNITS[m.group(2).lower()]
+            seconds = float(m.group(1)) * _SECONDS_UNITS[m.group(2).lower()]
+            if seconds < math.inf:
+                return seconds
     raise ValueError(f"expected a duration such as 30s or 5m, got {value!r}")
 
 
@@ -183,9 +189,8 @@ def build_dataclass(cls: type, data: Any, path: str = "", source: str | None = N
     if unknown:
         known = ", ".join(sorted(fields))
         key = unknown[0]
-        raise ConfigError(
-            f"unknown key (allowed here: {known})", source=source, key_path=_join(path, str(key))
-        )
+        shown = key if isinstance(key, str) and key.isprintable() and key.strip() == key and key else repr(key)
+        raise ConfigError(f"unknown key (allowed here: {known})", source=source, key_path=_join(path, shown))
     kwargs = {}
     for name, f in fields.items():
         sub = _join(path, name)
@@ -198,7 +203,7 @@ def build_dataclass(cls: type, data: Any, path: str = "", source: str | None = N
         return cls(**kwargs)
     except ConfigError as exc:
         if exc.source is None and source is not None:
-            raise ConfigError(str(exc), source=source) from None
+            raise ConfigError(exc.message, source=source, key_path=exc.key_path) from None
         raise
     except (ValueError, TypeError) as exc:  # a dataclass __post_init__ check
         raise ConfigError(str(exc), source=source, key_path=path or "<root>") from None

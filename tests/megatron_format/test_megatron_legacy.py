@@ -186,3 +186,13 @@ def test_dlrover_written(tmp_path: Path) -> None:
         legacy.load_rank_items(_tier(root), None, ParallelLayout(pp=2, dp=1).coords(0))
     with pytest.raises(LayoutMismatchError, match="without bucket geometry"):
         convert(root, tmp_path / "out", to="megatron", progress=False)
+
+
+def test_explicit_step_ignores_a_broken_tracker_and_uncommitted_steps_are_refused(pp2: Path) -> None:
+    (pp2 / TRACKER).write_text("garbage")
+    info = legacy.detect(_tier(pp2), step=10)
+    assert info.tracker is None and any("tracker is unreadable" in n for n in info.notes)
+    (pp2 / ITER_DIR / "tiered_ckpt").mkdir()
+    (pp2 / ITER_DIR / "tiered_ckpt" / "rank_00000.json").write_text("{}")
+    with pytest.raises(NoCheckpointError, match="never committed"):
+        legacy.detect(_tier(pp2), step=10)

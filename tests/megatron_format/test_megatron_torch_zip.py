@@ -14,7 +14,8 @@ from megatron_fixtures import all_dirs, distrib_optim_path, model_path
 
 from tiered_ckpt.errors import DecodeError, UnsafePickleError
 from tiered_ckpt.megatron import safe_load, torch_zip
-from tiered_ckpt.megatron.torch_zip import StreamedTensor, iter_torch_save, materialize, open_lazy
+from tiered_ckpt.megatron.lazy_torch import materialize, open_lazy
+from tiered_ckpt.megatron.torch_zip import StreamedTensor, iter_torch_save
 from tiered_ckpt.tiers.local import LocalOptions, LocalTier
 
 

@@ -9,21 +9,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 from typing import Any
-
-from ..errors import NoCheckpointError
 
 
 def cmd_convert(args: argparse.Namespace) -> int:
     from .convert import convert
 
-    src = args.src
-    if "://" not in src or src.startswith("file://"):
-        path = src.removeprefix("file://")
-        if not os.path.isdir(path):
-            raise NoCheckpointError(f"{src}: no such directory")
-    report = convert(src, args.dst, to=args.to, dp=args.dp, step=args.step, progress=not args.json,
+    report = convert(args.src, args.dst, to=args.to, dp=args.dp, step=args.step, progress=not args.json,
                      trust_pickles=args.trust_pickles)
     if args.json:
         print(json.dumps(report.to_dict(), indent=1, default=str))

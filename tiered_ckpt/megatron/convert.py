@@ -15,8 +15,8 @@ What happens to each file:
   tensors (spec 2.4: slice ``U_b``, zero-pad to the new ``N_b``, split in DP parts).
 * same layout, same DP: a verified copy.
 
-Memory stays at about one bucket (merge/split pieces) or 64 MiB (copies) plus fixed overhead, whatever the model
-size: sources are read by range (:mod:`.torch_zip`), destinations written as streams.
+Memory stays at about one bucket (merge/split pieces) or 32 MiB (copies) plus fixed overhead, whatever the model
+size: sources are read by range (:mod:`.lazy_torch`), destinations written as streams (:mod:`.torch_zip`).
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from ..config import load_config
-from ..errors import ConfigError, LayoutMismatchError
+from ..errors import ConfigError, LayoutMismatchError, NoCheckpointError
 from ..file_store import FileStore
 from ..manifest import FileEntry
 from ..parallel import ParallelLayout
@@ -107,6 +107,9 @@ def convert(
     if to not in TARGETS:
         raise ConfigError(f"to: expected one of {', '.join(TARGETS)}, got {to!r}")
     t0 = time.perf_counter()
+    if not isinstance(src, Tier) and ("://" not in os.fspath(src) or os.fspath(src).startswith("file://")):
+        if not os.path.isdir(os.fspath(src).removeprefix("file://")):
+            raise NoCheckpointError(f"{os.fspath(src)}: no such directory")
     src_tier = open_store(src, "rank_sharded", "source").tier
     store = open_store(dst, to, "destination")
     dst_tier = store.tier
@@ -120,7 +123,7 @@ def convert(
         raise ConfigError(f"{tier_io.where(dst_tier, info.step_dir)} already exists; convert into an empty place")
     if not info.has_manifest:
         legacy.warn_unverified(info)
-    if info.layout == "dlrover" and (to == "megatron" or target.dp != info.topology.dp):
+    if info.layout == "dlrover":
         raise LayoutMismatchError(
             f"{info.where}: DLRover's rank_*/distrib_optim.pt hold per-param fragments without bucket geometry: "
             "they cannot be merged or re-split without the model (load them with tiered_ckpt.megatron.adapter at "
@@ -181,7 +184,7 @@ def _write(source: StepSource, dst: Tier, to: str, target: MegatronTopology, rep
                     entries.append(tier_io.copy_file(src, key, dst, key, item=OPTIM_ITEM, rank=writers[d],
                                                      entry=source.entry(key), meta=meta.get(d), stats=stats,
                                                      progress=progress))
-    elif info.layout in ("rank_sharded", "dlrover") and same_dp:
+    elif info.layout == "rank_sharded" and same_dp:
         for r in info.rank_files:
             key = source.key(f"rank_{r:05d}", DISTRIB_OPTIM_FILENAME)
             entries.append(tier_io.copy_file(src, key, dst, key, item=OPTIM_ITEM, rank=r, entry=source.entry(key),

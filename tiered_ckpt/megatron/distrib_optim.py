@@ -25,7 +25,7 @@ Not testable on those fixtures: zeros in the 64-alignment gaps (their params are
 chained ``[None, expert_state]`` lists (no MoE), Megatron's older layouts (refused here with DecodeError).
 
 Everything runs bucket by bucket (:func:`iter_merge`, :func:`iter_split`): peak extra memory is one bucket.
-Their inputs may be lazy (:class:`~.torch_zip.LazyTensor` shards or world tensors, read by range when sliced),
+Their inputs may be lazy (:class:`~.lazy_torch.LazyTensor` shards or world tensors, read by range when sliced),
 so a whole checkpoint is never in memory.
 """
 
@@ -38,7 +38,7 @@ import torch
 
 from ..errors import DecodeError, LayoutMismatchError
 from .geometry import BufferGeometry, OptimizerGeometry
-from .torch_zip import copy_range, is_tensor_like
+from .lazy_torch import copy_range, is_tensor_like
 
 BUCKETS_COALESCED = "buckets_coalesced"
 NUMEL_UNPADDED = "numel_unpadded"

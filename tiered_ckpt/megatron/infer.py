@@ -27,7 +27,7 @@ from typing import Any
 from ..errors import LayoutMismatchError
 from .distrib_optim import NUMEL_UNPADDED, sub_optimizer_states
 from .geometry import OptimizerGeometry, ParamSpec, compute_optimizer_geometry, megatron_bucket_size
-from .torch_zip import is_tensor_like
+from .lazy_torch import is_tensor_like
 
 _EXPERT = re.compile(r"\.experts\.")
 SHARED_EMBEDDINGS = ("embedding.word_embeddings.weight", "output_layer.weight")

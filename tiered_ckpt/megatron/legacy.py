@@ -28,6 +28,7 @@ from ..parallel import RankCoords
 from ..tiers.base import Tier, as_memoryview
 from . import rank_shard, tier_io
 from .geometry import OptimizerGeometry
+from .lazy_torch import open_lazy
 from .naming import (
     DISTRIB_OPTIM_FILENAME,
     MODEL_FILENAME,
@@ -40,7 +41,6 @@ from .naming import (
     parse_tracker,
     scan_rank_dirs,
 )
-from .torch_zip import open_lazy
 
 log = logging.getLogger(__name__)
 LAYOUTS = ("megatron", "rank_sharded", "dlrover")
@@ -93,7 +93,14 @@ def _manifest_key(step_dir: str) -> str:
 
 def detect(tier: Tier, *, step: Iteration | None = None, trust_pickles: bool = False) -> CheckpointInfo:
     """Find the checkpoint of ``step`` (default: the tracker's) on ``tier`` and tell what it is."""
-    tracker = read_tracker(tier)
+    notes: list[str] = []
+    try:
+        tracker = read_tracker(tier)
+    except DecodeError as exc:
+        if step is None:
+            raise
+        tracker = None  # an explicit step does not need it (Megatron's --ckpt-step)
+        notes.append(f"the tracker is unreadable and was ignored: {exc}")
     iteration = step if step is not None else tracker
     if iteration is None:
         steps = sorted({it for k in tier.list("iter_") if (it := parse_iteration_dir(k.split("/", 1)[0]))
@@ -122,7 +129,9 @@ def detect(tier: Tier, *, step: Iteration | None = None, trust_pickles: bool = F
     has_manifest = f"{META_DIR}/manifest.json" in names
     if not mp_dirs:
         raise DecodeError(f"{where}: no mp_rank_* directories: not a Megatron torch-format checkpoint")
-    notes: list[str] = []
+    if not has_manifest and any(n.startswith(f"{META_DIR}/rank_") for n in names):
+        raise NoCheckpointError(f"{where}: step {iteration} was saved by tiered_ckpt but never committed (rank "
+                                "manifests, no checkpoint manifest): it is incomplete")
     args = None
     if has_manifest:
         from ..manifest import load_checkpoint

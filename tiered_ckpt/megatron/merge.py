@@ -26,8 +26,9 @@ from ..tiers.base import Tier
 from . import rank_shard, tier_io
 from .distrib_optim import BUCKETS_COALESCED, NUMEL_UNPADDED, MergedPiece, iter_merge, shard_key
 from .geometry import BufferGeometry, OptimizerGeometry
+from .lazy_torch import LazyArray, LazyTorchFile, copy_range, open_lazy
 from .naming import DISTRIB_OPTIM_FILENAME, MegatronTopology, iteration_dir_name
-from .torch_zip import LazyArray, LazyTorchFile, StreamedTensor, copy_range, iter_torch_save, open_lazy
+from .torch_zip import StreamedTensor, iter_torch_save
 
 OPTIM_ITEM = "distrib_optim"
 Progress = Callable[[int], None]

@@ -44,8 +44,8 @@ import torch
 from ..errors import DecodeError
 from .distrib_optim import shard_key
 from .geometry import BufferGeometry, OptimizerGeometry, buffer_from_sizes
+from .lazy_torch import is_tensor_like
 from .naming import MegatronTopology
-from .torch_zip import is_tensor_like
 
 FORMAT = "tiered_ckpt.megatron.rank_shard"
 VERSION = 1
@@ -136,7 +136,7 @@ def build(
 
 
 def parse(obj: Any, *, where: str) -> RankShard:
-    """Check a loaded file (tensors may be :class:`~.torch_zip.LazyTensor`); errors name ``where``."""
+    """Check a loaded file (tensors may be :class:`~.lazy_torch.LazyTensor`); errors name ``where``."""
     def fail(msg: str) -> DecodeError:
         return DecodeError(f"{where}: not a valid rank_sharded distrib_optim file: {msg}")
 

@@ -28,10 +28,11 @@ from . import rank_shard, safe_load, tier_io
 from .distrib_optim import iter_split, split_state, sub_optimizer_states
 from .geometry import OptimizerGeometry
 from .infer import infer_geometry
+from .lazy_torch import LazyTorchFile, materialize
 from .legacy import CheckpointInfo, LoadedItems
 from .merge import OpenedFiles, check_same_model_parallel, open_rank_shards, plan_dirs, world_view
 from .naming import DISTRIB_OPTIM_FILENAME, MODEL_FILENAME, MegatronTopology
-from .torch_zip import LazyTorchFile, StreamedTensor, materialize
+from .torch_zip import StreamedTensor
 
 DEFAULT_KINDS = {1: ["dense"], 2: ["dense", "expert"]}  # what a Megatron-written chained file holds
 State = tuple[Any, OptimizerGeometry, str]  # (Megatron's dict for one sub-optimizer, its geometry, kind)
@@ -111,10 +112,12 @@ class StepSource:
         """Per ``mp_rank_*`` directory: per sub-optimizer, Megatron's (lazy) dict, geometry and kind, or None
         where that sub-optimizer's DP rank 0 lives in another directory."""
         if self._states is None:
-            if self.info.layout == "rank_sharded":
-                self._states = self._states_from_rank_files()
-            elif self.info.layout == "megatron" and self.info.has_distrib_optim:
+            # Megatron's gathered files when there are any (layout megatron), else our rank files (rank_sharded,
+            # or a megatron-layout step whose files were not merged); DLRover's rank files hold no bucket data.
+            if self.info.has_distrib_optim and self.info.layout != "rank_sharded":
                 self._states = self._states_from_megatron_files()
+            elif self.info.rank_files and self.info.layout != "dlrover":
+                self._states = self._states_from_rank_files()
             else:
                 self._states = {}
         return self._states

@@ -22,7 +22,7 @@ from ..manifest import FileEntry
 from ..retry import call_with_retry
 from ..tiers.base import Chunk, Tier
 
-PIECE = 64 << 20  # bytes per read_range when streaming a file
+PIECE = 16 << 20  # bytes per read_range when streaming a file (the writer may hold two)
 TORCH_CODEC = "torch"
 
 

@@ -1,18 +1,17 @@
-"""``torch.save``'s zip format, written as a stream and read range by range, so that no file is ever held whole.
+"""``torch.save``'s zip format, written as a stream, so that no file is ever held whole in memory.
 
-Megatron's ``distrib_optim.pt`` holds one tensor per state key for the whole model-parallel shard, and
-``torch.save`` needs every tensor in memory before it writes a byte. Here a tensor may be a
-:class:`StreamedTensor` whose bytes are produced piece by piece (one bucket at a time) while the file is
-written, and a file on a tier can be opened lazily (:func:`open_lazy`): only its pickle is read, tensors
-come back as :class:`LazyTensor` and are read range by range with ``Tier.read_range``.
+Megatron's ``distrib_optim.pt`` holds one tensor per state key for a whole model-parallel shard, and ``torch.save``
+needs every tensor in memory before it writes a byte. Here a tensor may be a :class:`StreamedTensor` whose bytes are
+produced piece by piece (one bucket at a time) while the file is written: :func:`iter_torch_save` yields the file
+as chunks for ``Tier.write_blob``. (:mod:`.lazy_torch` reads such files range by range.)
 
-The writer reproduces ``torch.save`` byte for byte (checked against Megatron's own files, whose sha256 is in
+The output is ``torch.save``'s byte for byte (checked against Megatron's own files, whose sha256 are in
 ``tests/data/megatron``): records ``data.pkl``, ``.format_version``, ``.storage_alignment``, ``byteorder``,
-``data/<i>``, ``version``, ``.data/serialization_id``; every record stored, its data aligned to 64 bytes by
-an ``FB`` extra field, CRC32 and sizes in a data descriptor after the data (what miniz's streaming writer
-emits, so one pass suffices), zip64 end records always, zip64 extra fields from 4 GiB on. The serialization
-id mirrors PyTorch's (a hash of the record names in ``std::unordered_set`` order, and of the CRCs); it is
-informational, PyTorch never checks it.
+``data/<i>``, ``version``, ``.data/serialization_id``; every record stored, its data aligned to 64 bytes by an
+``FB`` extra field, CRC32 and sizes in a data descriptor after the data (what miniz's streaming writer emits, so
+one pass suffices), zip64 end records always, zip64 extra fields from 4 GiB on; the pickle memoizes as torch's
+does (shared storages written once). The serialization id mirrors PyTorch's (a hash of the record names in
+``std::unordered_set`` order, and of the CRCs); it is informational, PyTorch never checks it.
 """
 
 from __future__ import annotations
@@ -21,7 +20,7 @@ import collections
 import io
 import pickle
 import struct
-import warnings
+import sys
 import zlib
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
@@ -29,14 +28,13 @@ from typing import Any
 
 import torch
 
-from ..errors import DecodeError
-from ..tiers.base import as_memoryview, bytes_to_tensor
+from ..tiers.base import as_memoryview
 
 ALIGNMENT = 64
 PICKLE_PROTOCOL = 2  # torch.save's default
-_U32 = 0xFFFFFFFF  # the "see the zip64 extra field" marker
+ZIP64_MARKER = 0xFFFFFFFF  # the "see the zip64 extra field" marker
 ZIP64_FROM = 0xFFFFFFFF  # sizes and offsets from here on go to zip64 extra fields (lowered in tests)
-MAX_PICKLE_BYTES = 256 << 20  # a data.pkl larger than this is not a checkpoint we read lazily
+_TAIL = 4096
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -64,7 +62,7 @@ class StreamedTensor:
 
     @property
     def nbytes(self) -> int:
-        return self.numel * _itemsize(self.dtype)
+        return self.numel * itemsize(self.dtype)
 
     def __reduce_ex__(self, protocol: int) -> Any:
         raise pickle.PicklingError("StreamedTensor is written by iter_torch_save only")
@@ -101,11 +99,11 @@ def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
     return tuple(reversed(stride))
 
 
-_DICTS = (dict, collections.OrderedDict)  # containers walked (Megatron's model state is an OrderedDict)
+DICTS = (dict, collections.OrderedDict)  # containers walked (Megatron's model state is an OrderedDict)
 _STORAGE, _CPU = "storage", "cpu"
 
 
-def _same_dict(like: dict, items: Iterable[tuple[Any, Any]]) -> dict:
+def same_dict(like: dict, items: Iterable[tuple[Any, Any]]) -> dict:
     """A dict of ``like``'s type with ``items``, keeping instance attributes (a state dict's ``_metadata``)."""
     out = type(like)(items)
     if type(like) is not dict and vars(like):
@@ -120,7 +118,7 @@ def _storage_type(dtype: torch.dtype) -> Any:
     return getattr(torch, name)
 
 
-def _itemsize(dtype: torch.dtype) -> int:
+def itemsize(dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype).element_size()
 
 
@@ -161,7 +159,7 @@ def _prepare(obj: Any, st: _Storages, memo: dict[int, Any] | None = None) -> Any
     same objects, and an object seen twice maps to one copy, so the pickle memoizes as torch.save's does."""
     kind = type(obj)
     tensor = isinstance(obj, torch.Tensor | StreamedTensor)
-    if not tensor and kind not in _DICTS and kind is not list and kind is not tuple:
+    if not tensor and kind not in DICTS and kind is not list and kind is not tuple:
         return obj
     memo = {} if memo is None else memo
     if id(obj) in memo:
@@ -170,10 +168,10 @@ def _prepare(obj: Any, st: _Storages, memo: dict[int, Any] | None = None) -> Any
         out: Any = st.tensor(obj)
     elif isinstance(obj, StreamedTensor):
         out = _TensorReduce(st.ref(obj), obj.shape)
-    elif kind in _DICTS:
+    elif kind in DICTS:
         items = [(k, _prepare(v, st, memo)) for k, v in obj.items()]
         changed = any(new is not old for (_, new), old in zip(items, obj.values(), strict=True))
-        out = _same_dict(obj, items) if changed else obj
+        out = same_dict(obj, items) if changed else obj
     else:
         values = [_prepare(v, st, memo) for v in obj]
         changed = any(new is not old for new, old in zip(values, obj, strict=True))
@@ -237,7 +235,13 @@ class _ZipStream:
             n += len(mv)
             if n > size:
                 raise ValueError(f"record {name}: more than the announced {size} bytes")
-            if len(mv):
+            if len(mv) > _TAIL:
+                # Whoever writes the stream keeps the last chunk it got until it gets the next one: end each
+                # piece with a small copy, so that holding it does not keep the whole piece alive while the
+                # producer makes the next (peak memory: one piece, not two).
+                yield mv[:-_TAIL]
+                yield bytes(mv[-_TAIL:])
+            elif len(mv):
                 yield mv
             del chunk, mv  # let the producer free its piece before making the next one
         if n != size:
@@ -255,17 +259,17 @@ class _ZipStream:
             fields = (struct.pack("<QQ", e.size, e.size) if big_size else b"") + (
                 struct.pack("<Q", e.offset) if big_offset else b"")
             extra = struct.pack("<HH", 1, len(fields)) + fields if fields else b""
-            size32 = _U32 if big_size else e.size
+            size32 = ZIP64_MARKER if big_size else e.size
             flags = 0x0808 if e.size else 0x0800
             out.write(struct.pack("<IHHHHHHIIIHHHHHII", 0x02014B50, 0, 0, flags, 0, 0, 0, e.crc, size32, size32,
-                                  len(e.name), len(extra), 0, 0, 0, 0, _U32 if big_offset else e.offset))
+                                  len(e.name), len(extra), 0, 0, 0, 0, ZIP64_MARKER if big_offset else e.offset))
             out.write(e.name + extra)
         cd_size, cd_offset, n = out.tell(), self.offset, len(self.entries)
         eocd64 = self.offset + cd_size
         out.write(struct.pack("<IQHHIIQQQQ", 0x06064B50, 44, 0x031E, 0x2D, 0, 0, n, n, cd_size, cd_offset))
         out.write(struct.pack("<IIQI", 0x07064B50, 0, eocd64, 1))
         out.write(struct.pack("<IHHHHIIH", 0x06054B50, 0, 0, min(n, 0xFFFF), min(n, 0xFFFF),
-                              min(cd_size, _U32), min(cd_offset, _U32), 0))
+                              min(cd_size, ZIP64_MARKER), min(cd_offset, ZIP64_MARKER), 0))
         return out.getvalue()
 
 
@@ -276,7 +280,7 @@ def iter_torch_save(obj: Any, *, archive: str = "archive") -> Iterator[Any]:
     ``distrib_optim.pt``) or ``archive`` for a buffer. Pass a writer of chunks (``Tier.write_blob``) the
     result; peak memory is the largest piece a :class:`StreamedTensor` yields.
     """
-    if sys_byteorder() != "little":  # pragma: no cover - we only run on little-endian hosts
+    if sys.byteorder != "little":  # pragma: no cover - we only run on little-endian hosts
         raise RuntimeError("only little-endian hosts are supported")
     pkl, streams = pickle_with_streams(obj)
     z = _ZipStream(archive)
@@ -296,12 +300,6 @@ def iter_torch_save(obj: Any, *, archive: str = "archive") -> Iterator[Any]:
 
 def _lazy(produce: Callable[[], Iterable[Any]]) -> Iterator[Any]:
     yield from produce()
-
-
-def sys_byteorder() -> str:
-    import sys
-
-    return sys.byteorder
 
 
 # PyTorch's serialization id: the record names hashed with libstdc++'s std::hash (MurmurHash64A-like, seed
@@ -392,317 +390,3 @@ def serialization_id(names: list[str], crcs: list[int]) -> str:
     for crc in crcs:
         c = _combine(c, crc)
     return f"{h:020d}{c:020d}"
-
-
-# ------------------------------------------------------------------------------------------------------------
-# the lazy reader
-
-
-class RangeReader:
-    """What the lazy reader needs from where a file lives: its size and byte ranges (a Tier and a key)."""
-
-    def __init__(self, tier: Any, key: str, *, where: str | None = None):
-        self.tier, self.key = tier, key
-        self.where = where or key
-        self.bytes_read = 0
-
-    def size(self) -> int:
-        return self.tier.size(self.key)
-
-    def read(self, offset: int, length: int) -> bytes:
-        data = self.tier.read_range(self.key, offset, length)
-        self.bytes_read += length
-        return data
-
-
-@dataclass
-class _Record:
-    header_offset: int
-    size: int
-    data_offset: int | None = None
-
-
-class LazyArray:
-    """Something shaped like a 1-D tensor whose elements are read when sliced: ``t[a:b]`` gives a tensor."""
-
-    dtype: torch.dtype
-    shape: torch.Size
-
-    def dim(self) -> int:
-        return len(self.shape)
-
-    def numel(self) -> int:
-        return self.shape.numel()
-
-    def __len__(self) -> int:
-        return self.shape[0] if self.shape else 1
-
-    def __getitem__(self, index: slice) -> torch.Tensor:
-        raise NotImplementedError
-
-    def copy_into(self, out: torch.Tensor, start: int, stop: int) -> None:
-        """``out.copy_(self[start:stop])`` without keeping a second copy of the elements around."""
-        out.copy_(self[start:stop])
-
-
-def copy_range(out: torch.Tensor, src: Any, start: int, stop: int) -> None:
-    """``out.copy_(src[start:stop])`` for tensors and lazy arrays (these read straight into ``out``)."""
-    if isinstance(src, LazyArray):
-        src.copy_into(out, start, stop)
-    else:
-        out.copy_(src[start:stop])
-
-
-class LazyTensor(LazyArray):
-    """A tensor inside a torch zip file, read when sliced: ``t[a:b]`` reads only those elements.
-
-    Slicing works on the flattened tensor (it must be contiguous in its storage, as every tensor of
-    Megatron's and our files is); :meth:`load` reads it whole with its shape.
-    """
-
-    def __init__(self, file: LazyTorchFile, record: str, dtype: torch.dtype, shape: tuple[int, ...],
-                 stride: tuple[int, ...], storage_offset: int):
-        self.file, self.record, self.dtype = file, record, dtype
-        self.shape, self._stride, self._offset = torch.Size(shape), stride, storage_offset
-
-    def __repr__(self) -> str:
-        return f"LazyTensor({self.file.where}:{self.record}, {self.dtype}, {tuple(self.shape)})"
-
-    def _contiguous(self) -> bool:
-        expected, acc = [], 1
-        for s in reversed(self.shape):
-            expected.append(acc)
-            acc *= s
-        return all(s == e or n == 1 for s, e, n in zip(self._stride, reversed(expected), self.shape,
-                                                        strict=True))
-
-    def __getitem__(self, index: slice) -> torch.Tensor:
-        if not isinstance(index, slice) or index.step not in (None, 1):
-            raise TypeError("a LazyTensor supports only contiguous slices t[a:b] of its flattened elements")
-        if not self._contiguous():
-            raise DecodeError(f"{self.file.where}: {self.record} is not contiguous; load() it instead")
-        start, stop, _ = index.indices(self.numel())
-        stop = max(start, stop)
-        return self.file.read_elements(self.record, self.dtype, self._offset + start, stop - start)
-
-    def copy_into(self, out: torch.Tensor, start: int, stop: int) -> None:
-        if not self._contiguous():
-            raise DecodeError(f"{self.file.where}: {self.record} is not contiguous; load() it instead")
-        self.file.copy_elements(self.record, self.dtype, self._offset + start, stop - start, out)
-
-    def load(self) -> torch.Tensor:
-        if self.numel() == 0:
-            return torch.empty(self.shape, dtype=self.dtype)
-        span = 1 + sum((s - 1) * st for s, st in zip(self.shape, self._stride, strict=True))
-        flat = self.file.read_elements(self.record, self.dtype, self._offset, span)
-        return flat.as_strided(self.shape, self._stride).clone() if not self._contiguous() else flat.view(
-            self.shape)
-
-
-class LazyTorchFile:
-    """A torch zip file opened for range reads: :attr:`obj` is its content with :class:`LazyTensor`s."""
-
-    def __init__(self, reader: RangeReader):
-        self.reader = reader
-        self.where = reader.where
-        self.size = reader.size()
-        self.records = self._central_directory()
-        pkl_names = [n for n in self.records if n.endswith("/data.pkl") and n.count("/") == 1]
-        if len(pkl_names) != 1:
-            raise DecodeError(f"{self.where}: not a torch file (no single <archive>/data.pkl record)")
-        self.prefix = pkl_names[0].rsplit("/", 1)[0]
-        order = self.records.get(f"{self.prefix}/byteorder")
-        if order is not None and self._read_record(f"{self.prefix}/byteorder") != b"little":
-            raise DecodeError(f"{self.where}: big-endian torch files are not supported")
-        self.obj = self._unpickle(self._read_record(pkl_names[0], limit=MAX_PICKLE_BYTES))
-
-    # ----- zip structure ------------------------------------------------------------------------------------
-    def _central_directory(self) -> dict[str, _Record]:
-        size = self.size
-        if size < 22:
-            raise DecodeError(f"{self.where}: not a torch file ({size} bytes)")
-        tail_len = min(size, (64 << 10) + 22 + 20)
-        tail = self.reader.read(size - tail_len, tail_len)
-        pos = tail.rfind(b"PK\x05\x06")
-        if pos < 0 or pos + 22 > len(tail):
-            raise DecodeError(f"{self.where}: not a torch file (no zip end record)")
-        _, _, _, _, entries, cd_size, cd_offset, _ = struct.unpack("<IHHHHIIH", tail[pos:pos + 22])
-        if pos >= 20 and tail[pos - 20:pos - 16] == b"PK\x06\x07":
-            eocd64 = struct.unpack("<IIQI", tail[pos - 20:pos])[2]
-            rec = self.reader.read(eocd64, 56)
-            if rec[:4] != b"PK\x06\x06":
-                raise DecodeError(f"{self.where}: bad zip64 end record")
-            entries, cd_size, cd_offset = struct.unpack("<QQQ", rec[32:56])
-        if cd_offset + cd_size > size:
-            raise DecodeError(f"{self.where}: zip central directory runs past the end of the file")
-        cd = self.reader.read(cd_offset, cd_size)
-        records: dict[str, _Record] = {}
-        p = 0
-        for _ in range(entries):
-            if cd[p:p + 4] != b"PK\x01\x02":
-                raise DecodeError(f"{self.where}: corrupt zip central directory")
-            (method, csize, usize, nlen, xlen, clen, hoff) = (
-                struct.unpack("<H", cd[p + 10:p + 12])[0], *struct.unpack("<II", cd[p + 20:p + 28]),
-                *struct.unpack("<HHH", cd[p + 28:p + 34]), struct.unpack("<I", cd[p + 42:p + 46])[0])
-            name = cd[p + 46:p + 46 + nlen].decode("utf-8", "replace")
-            extra = cd[p + 46 + nlen:p + 46 + nlen + xlen]
-            usize, csize, hoff = _zip64_fields(extra, usize, csize, hoff)
-            if method != 0 or csize != usize:
-                raise DecodeError(f"{self.where}: record {name} is compressed; torch files store records")
-            records[name] = _Record(hoff, usize)
-            p += 46 + nlen + xlen + clen
-        return records
-
-    def _data_offset(self, name: str) -> _Record:
-        rec = self.records[name]
-        if rec.data_offset is None:
-            head = self.reader.read(rec.header_offset, 30)
-            if head[:4] != b"PK\x03\x04":
-                raise DecodeError(f"{self.where}: corrupt local header of {name}")
-            nlen, xlen = struct.unpack("<HH", head[26:30])
-            rec.data_offset = rec.header_offset + 30 + nlen + xlen
-            if rec.data_offset + rec.size > self.size:
-                raise DecodeError(f"{self.where}: record {name} runs past the end of the file")
-        return rec
-
-    def _read_record(self, name: str, limit: int | None = None) -> bytes:
-        rec = self._data_offset(name)
-        if limit is not None and rec.size > limit:
-            raise DecodeError(f"{self.where}: {name} is {rec.size} bytes, more than {limit}")
-        return self.reader.read(rec.data_offset, rec.size)
-
-    def read_elements(self, record: str, dtype: torch.dtype, start: int, count: int) -> torch.Tensor:
-        """``count`` elements of ``dtype`` from element ``start`` of a record (a fresh CPU tensor)."""
-        item = _itemsize(dtype)
-        rec = self._data_offset(record)
-        if start < 0 or (start + count) * item > rec.size:
-            raise DecodeError(f"{self.where}: elements [{start}, {start + count}) outside {record}")
-        if count == 0:
-            return torch.empty(0, dtype=dtype)
-        data = self.reader.read(rec.data_offset + start * item, count * item)
-        return bytes_to_tensor(data).view(dtype)
-
-    def copy_elements(self, record: str, dtype: torch.dtype, start: int, count: int, out: torch.Tensor) -> None:
-        """:meth:`read_elements` into ``out``, casting, without a second copy of the bytes."""
-        item = _itemsize(dtype)
-        rec = self._data_offset(record)
-        if start < 0 or (start + count) * item > rec.size or out.numel() != count:
-            raise DecodeError(f"{self.where}: elements [{start}, {start + count}) outside {record}")
-        if count == 0:
-            return
-        data = self.reader.read(rec.data_offset + start * item, count * item)
-        with warnings.catch_warnings():  # read-only bytes: the view is only read, by copy_
-            warnings.simplefilter("ignore", UserWarning)
-            view = torch.frombuffer(data, dtype=torch.uint8)
-        out.copy_(view.view(dtype))
-
-    # ----- the pickle ---------------------------------------------------------------------------------------
-    def _unpickle(self, pkl: bytes) -> Any:
-        from torch import _weights_only_unpickler
-
-        from .safe_load import allow_megatron_globals
-
-        storages: dict[int, tuple[str, torch.dtype]] = {}
-        keep: list[Any] = []
-
-        def persistent_load(pid: Any) -> Any:
-            if not isinstance(pid, tuple) or len(pid) != 5 or pid[0] != "storage":
-                raise DecodeError(f"{self.where}: unexpected persistent id {pid!r:.80}")
-            _, storage_type, key, _location, numel = pid
-            dtype = torch.uint8 if storage_type is torch.UntypedStorage else storage_type.dtype
-            name = f"{self.prefix}/data/{key}"
-            if name not in self.records:
-                raise DecodeError(f"{self.where}: the pickle refers to a missing record {name}")
-            untyped = torch.UntypedStorage(numel * _itemsize(dtype), device="meta")
-            keep.append(untyped)
-            storages[untyped._cdata] = (name, dtype)
-            return torch.storage.TypedStorage(wrap_storage=untyped, dtype=dtype, _internal=True)
-
-        with allow_megatron_globals():
-            unpickler = _weights_only_unpickler.Unpickler(io.BytesIO(pkl), encoding="utf-8")
-            unpickler.persistent_load = persistent_load
-            try:
-                obj = unpickler.load()
-            except pickle.UnpicklingError as exc:
-                raise _refused(self.where, exc, pkl) from None
-        return self._lazify(obj, storages)
-
-    def _lazify(self, obj: Any, storages: dict[int, tuple[str, torch.dtype]]) -> Any:
-        if isinstance(obj, torch.Tensor):
-            name, _ = storages[obj.untyped_storage()._cdata]
-            return LazyTensor(self, name, obj.dtype, tuple(obj.shape), tuple(obj.stride()), obj.storage_offset())
-        if type(obj) in _DICTS:
-            return _same_dict(obj, ((k, self._lazify(v, storages)) for k, v in obj.items()))
-        if type(obj) is list:
-            return [self._lazify(v, storages) for v in obj]
-        if type(obj) is tuple:
-            return tuple(self._lazify(v, storages) for v in obj)
-        return obj
-
-
-def _refused(where: str, exc: Exception, pkl: bytes) -> Exception:
-    """:class:`UnsafePickleError` naming the globals outside the allow-list, else :class:`DecodeError`."""
-    import pickletools
-
-    from torch import _weights_only_unpickler
-
-    from ..errors import UnsafePickleError
-    from .safe_load import allow_list
-
-    allowed = {name for _, name in allow_list()} | set(_weights_only_unpickler._get_allowed_globals())
-    try:
-        names = sorted({arg.replace(" ", ".").replace("__builtin__.", "builtins.")  # protocol 2's name
-                        for op, arg, _ in pickletools.genops(pkl) if op.name == "GLOBAL"})
-    except Exception:  # a truncated pickle: the error text is all there is
-        names = []
-    unknown = [n for n in names if n not in allowed and not n.startswith("torch.")]
-    if not unknown or "GLOBAL" not in str(exc):
-        return DecodeError(f"{where}: refused by the weights-only unpickler: {exc}")
-    err = UnsafePickleError(f"{where}: refusing to unpickle {', '.join(unknown)}: not in the allow-list of Megatron "
-                            "checkpoints (unpickling it could run arbitrary code); pass trust_pickles=True only if you "
-                            "trust this file")
-    err.path, err.globals = where, unknown  # type: ignore[attr-defined]
-    return err
-
-
-def _zip64_fields(extra: bytes, usize: int, csize: int, offset: int) -> tuple[int, int, int]:
-    p = 0
-    while p + 4 <= len(extra):
-        tag, n = struct.unpack("<HH", extra[p:p + 4])
-        if tag == 1:
-            body, q = extra[p + 4:p + 4 + n], 0
-            if usize == _U32:
-                usize, q = struct.unpack("<Q", body[q:q + 8])[0], q + 8
-            if csize == _U32:
-                csize, q = struct.unpack("<Q", body[q:q + 8])[0], q + 8
-            if offset == _U32:
-                offset = struct.unpack("<Q", body[q:q + 8])[0]
-        p += 4 + n
-    return usize, csize, offset
-
-
-def open_lazy(tier: Any, key: str, *, where: str | None = None) -> LazyTorchFile:
-    """Open ``key`` on ``tier`` (anything with ``size(key)`` and ``read_range(key, offset, length)``)."""
-    return LazyTorchFile(RangeReader(tier, key, where=where))
-
-
-def materialize(obj: Any) -> Any:
-    """``obj`` with every :class:`LazyTensor` read into a real tensor."""
-    if isinstance(obj, LazyTensor):
-        return obj.load()
-    if type(obj) in _DICTS:
-        return _same_dict(obj, ((k, materialize(v)) for k, v in obj.items()))
-    if type(obj) is list:
-        return [materialize(v) for v in obj]
-    if type(obj) is tuple:
-        return tuple(materialize(v) for v in obj)
-    return obj
-
-
-def is_tensor_like(t: Any) -> bool:
-    return isinstance(t, torch.Tensor | LazyArray)
-
-
-def chunks_of(t: torch.Tensor) -> list[memoryview]:
-    """A tensor's bytes as one chunk (for writers)."""
-    return [as_memoryview(t)]

@@ -4,7 +4,7 @@ Fixtures (registered by ``tiered_ckpt.testing.pytest_plugin``):
 
 * ``s3_server`` (session): moto's S3 server in a subprocess on ``127.0.0.1`` and a port the OS picked, up
   until the session ends. Yields an :class:`S3Server`: ``endpoint``, ``access_key``, ``secret_key``,
-  ``region``, ``env`` (the AWS_* variables for it), ``storage_options()`` (for an ``fsspec`` tier),
+  ``region``, ``env()`` (the AWS_* variables for it), ``storage_options()`` (for an ``fsspec`` tier),
   ``client()`` (plain boto3). Nothing has to be started by hand; the test is skipped when moto is not
   installed.
 * ``s3_bucket``: a fresh, uniquely named bucket on ``s3_server``, emptied and removed after the test.
@@ -73,7 +73,6 @@ class S3Server:
     process: subprocess.Popen | None = field(default=None, repr=False)
     _clients: dict[str, Any] = field(default_factory=dict, repr=False)
 
-    @property
     def env(self) -> dict[str, str]:
         """The AWS_* environment variables that point boto3/s3fs (and the ``tiered-ckpt`` CLI) here."""
         return {"AWS_ACCESS_KEY_ID": self.access_key, "AWS_SECRET_ACCESS_KEY": self.secret_key,

@@ -193,6 +193,9 @@ class BlobFiles:
                 os.unlink(tmp)
             except OSError:
                 pass
+            for d in reversed(created):  # and the directories made for it, if nothing else went there since
+                with contextlib.suppress(OSError):
+                    os.rmdir(d)
             raise
         if self.fsync:
             try:
