@@ -85,6 +85,19 @@ def views_of(buf: torch.Tensor, tensors: list[torch.Tensor]) -> list[torch.Tenso
     return out
 
 
+def enqueue_on(dev: Dev, stream: Any, dst: list[torch.Tensor], src: list[torch.Tensor]) -> None:
+    """``copy_(non_blocking=True)`` of every tensor on ``stream`` (None: the current stream), after the work
+    already queued on the current stream (what a snapshot must see)."""
+    if stream is None:
+        for d, s in zip(dst, src, strict=True):
+            d.copy_(s, non_blocking=True)
+        return
+    stream.wait_stream(torch.cuda.current_stream())  # taken before switching: the training stream
+    with dev.use(stream):
+        for d, s in zip(dst, src, strict=True):
+            d.copy_(s, non_blocking=True)
+
+
 def timed_copies(dev: Dev, dst: list[torch.Tensor], src: list[torch.Tensor], repeats: int,
                  stream: Any = None) -> dict[str, Any]:
     """``copy_(non_blocking=True)`` of every tensor, then wait: (enqueue seconds, total seconds) per run."""
@@ -92,11 +105,7 @@ def timed_copies(dev: Dev, dst: list[torch.Tensor], src: list[torch.Tensor], rep
     for _ in range(repeats + 1):  # the first run warms up (driver staging buffers, page tables)
         dev.sync()
         t0 = time.perf_counter()
-        with dev.use(stream):
-            if stream is not None:
-                stream.wait_stream(torch.cuda.current_stream())
-            for d, s in zip(dst, src, strict=True):
-                d.copy_(s, non_blocking=True)
+        enqueue_on(dev, stream, dst, src)
         t1 = time.perf_counter()
         (stream.synchronize() if stream is not None else dev.sync())
         enqueue.append(t1 - t0)
@@ -170,11 +179,7 @@ def overlap(dev: Dev, dst: list[torch.Tensor], src: list[torch.Tensor], repeats:
         alone_x.append(timed_copies(dev, dst, src, 1, side)["total_s"])
         dev.sync()
         t0 = time.perf_counter()
-        with dev.use(side):
-            if side is not None:
-                side.wait_stream(torch.cuda.current_stream())
-            for d, s in zip(dst, src, strict=True):
-                d.copy_(s, non_blocking=True)
+        enqueue_on(dev, side, dst, src)
         enqueue.append(time.perf_counter() - t0)
         work()
         dev.sync()
@@ -288,10 +293,15 @@ def main(argv: list[str] | None = None) -> int:
     r["d2h_shm_slot"] = timed_copies(dev, slot_views, src, args.repeats)
     r["overlap_shm_slot"] = overlap(dev, slot_views, src, args.repeats)
     if not dev.dry:
-        r["cudaHostRegister_s"] = slot.register()
-        r["d2h_shm_slot_registered"] = timed_copies(dev, slot_views, src, args.repeats)
-        r["d2h_shm_slot_registered_side_stream"] = timed_copies(dev, slot_views, src, args.repeats, dev.stream())
-        r["overlap_shm_slot_registered"] = overlap(dev, slot_views, src, args.repeats)
+        try:
+            r["cudaHostRegister_s"] = slot.register()
+        except Exception as exc:  # reported, and the registered measurements are left out
+            r["cudaHostRegister_error"] = f"{type(exc).__name__}: {exc}"
+        if slot.registered:
+            r["d2h_shm_slot_registered"] = timed_copies(dev, slot_views, src, args.repeats)
+            r["d2h_shm_slot_registered_side_stream"] = timed_copies(dev, slot_views, src, args.repeats,
+                                                                    dev.stream())
+            r["overlap_shm_slot_registered"] = overlap(dev, slot_views, src, args.repeats)
     assert all(torch.equal(v, s.cpu()) for v, s in zip(slot_views, src, strict=True))
     del slot_views
     slot.close()
@@ -328,6 +338,8 @@ def report(r: dict[str, Any]) -> str:
             lines.append(f"| {label:<37} | {s:7.4f} | {gbps(n, s):6.2f} | {base / s:9.2f} |")
     if "cudaHostRegister_s" in r:
         lines.append(f"\ncudaHostRegister of the slot (once, at prepare): {r['cudaHostRegister_s']:.4f} s")
+    if "cudaHostRegister_error" in r:
+        lines.append(f"\ncudaHostRegister of the slot FAILED: {r['cudaHostRegister_error']}")
     lines += ["", "| side-stream copy during matmuls       | enqueue s | copy s | compute s | together s | overlap |",
               "|---------------------------------------|-----------|--------|-----------|------------|---------|"]
     for key, label in (("overlap_pinned", "into pinned memory"), ("overlap_shm_slot", "into shm slot, not registered"),

@@ -24,7 +24,8 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_ranks(world: int, spec: dict, node_of: dict[int, str] | None = None, timeout: float = 240) -> dict[int, dict]:
+def run_ranks(world: int, spec: dict, node_of: dict[int, str] | None = None, timeout: float = 240,
+              worker: Path = WORKER) -> dict[int, dict]:
     """Start ``world`` ranks, wait for all, and return each rank's last JSON line (rank → result)."""
     port = free_port()
     procs = {}
@@ -33,7 +34,7 @@ def run_ranks(world: int, spec: dict, node_of: dict[int, str] | None = None, tim
                "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1"}
         if node_of:
             env["TIERED_CKPT_NODE"] = node_of[rank]
-        procs[rank] = subprocess.Popen([sys.executable, str(WORKER), json.dumps(spec)], env=env,
+        procs[rank] = subprocess.Popen([sys.executable, str(worker), json.dumps(spec)], env=env,
                                        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     results = {}
     for rank, p in procs.items():

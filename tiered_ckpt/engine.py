@@ -13,6 +13,8 @@ import time
 import weakref
 from typing import Any
 
+import torch
+
 from . import events as ev
 from .codecs import flat
 from .config import Config, TierConfig, load_config
@@ -27,7 +29,9 @@ from .errors import (
     TieredCkptError,
     TierError,
 )
+from .file_store import FileStore
 from .handles import LoadResult, SaveHandle
+from .layouts.base import MODEL_ITEM, OPTIM_ITEM
 from .locking import RunLock
 from .memory_store import MemoryStore, SlotItem, SlotMeta, plan_items
 from .parallel import ParallelLayout, RankCoords, detect, local_rank
@@ -223,9 +227,15 @@ class CheckpointEngine:
             store = self.pipeline.stores[name]
             try:
                 if isinstance(store, MemoryStore):
-                    out[name] = sorted({m.step for m in store.metas().values()})
+                    # A snapshot of another parallel layout is another rank's state: never a candidate.
+                    here = self.coords.layout.to_dict()
+                    out[name] = sorted({m.step for m in store.metas().values() if not m.parallel or all(
+                        m.parallel.get(k) == v for k, v in here.items())})
                 else:
-                    out[name] = store.steps_for_rank(self.coords.rank)
+                    out[name] = store.steps_for_rank(self.coords)
+                    legacy = store.legacy_step() if not out[name] else None
+                    if legacy is not None:
+                        out[name] = [legacy]
             except (TierError, OSError) as exc:
                 log.warning("cannot list tier %r: %s", name, exc)
                 out[name] = []
@@ -275,37 +285,61 @@ class CheckpointEngine:
             return LoadResult(step, items, name, verified, seconds, nbytes, list(fallbacks))
         return None
 
-    def _check_layout(self, saved: dict[str, Any], step: int, tier: str) -> None:
-        """Refuse a checkpoint saved with another parallel layout, naming what changed."""
+    def _layout_change(self, saved: dict[str, Any], step: int, tier: str) -> list[str]:
+        """What differs between the checkpoint's parallel layout and this job's ("DP 4 → 2", ...)."""
         current = self.coords.layout.to_dict()
         changed = [f"{dim.upper()} {saved.get(dim, 1)} → {current[dim]}" for dim in ("tp", "pp", "dp", "ep", "cp")
                    if saved.get(dim, 1) != current[dim]]
         if saved.get("world_size", 1) != current["world_size"] and not changed:
             changed.append(f"world size {saved.get('world_size')} → {current['world_size']}")
-        if changed:
-            raise LayoutMismatchError(
-                f"step {step} on tier {tier!r} was saved with another parallel layout ({', '.join(changed)}); "
-                "items saved per rank cannot be re-split (the Megatron layouts re-split DP changes)")
+        return changed
+
+    def _refuse(self, changed: list[str], step: int, tier: str, why: str) -> LayoutMismatchError:
+        return LayoutMismatchError(f"step {step} on tier {tier!r} was saved with another parallel layout "
+                                   f"({', '.join(changed)}): {why}")
 
     def _load_from(self, name: str, step: int, copy: bool, map_location: Any) -> tuple[dict, bool, int]:
         store = self.pipeline.stores[name]
         verify = self.config.load.verify
+        trust = self.config.load.trust_pickles
         if isinstance(store, MemoryStore):
             metas = [m for m in store.metas().values() if m.step == step]
             if not metas:
                 raise TierError(f"step {step} left the slots while loading", tier=name)
             meta = max(metas, key=lambda m: m.created)
-            if meta.parallel:
-                self._check_layout(meta.parallel, step, name)
+            if meta.parallel and self._layout_change(meta.parallel, step, name):
+                raise TierError(f"step {step} here is a snapshot of another parallel layout", tier=name)
             items = store.load(meta, copy=copy, map_location=map_location, verify=verify)
             verified = verify and all(it.checksum for it in meta.items)
             return items, verified, meta.total_bytes
+        if not store.tier.exists(store.layout.manifest_key(step)):
+            return self._load_megatron(store, step, verify=verify, trust=trust)  # written by Megatron-LM itself
         manifest = store.read_manifest(step, cached=True)
-        self._check_layout(manifest.parallel, step, name)
+        changed = self._layout_change(manifest.parallel, step, name)
+        if changed:
+            if any(not c.startswith("DP ") for c in changed):
+                raise self._refuse(changed, step, name, "only a DP change can be re-split")
+            items_saved = {f.item for f in manifest.files}
+            if not items_saved <= {MODEL_ITEM, OPTIM_ITEM}:
+                raise self._refuse(changed, step, name, f"items {sorted(items_saved - {MODEL_ITEM, OPTIM_ITEM})} "
+                                   "were saved per rank and cannot be re-split (Megatron's items can)")
+            return self._load_megatron(store, step, verify=verify, trust=trust)
         items = store.load_rank(manifest, self.coords, verify=verify, copy=copy, map_location=map_location,
-                                trust_pickles=self.config.load.trust_pickles)
+                                trust_pickles=trust)
         mine = store.layout.files_for_rank(manifest.files, manifest.parallel, self.coords)
         return items, verify, sum(f.size for f in mine)
+
+    def _load_megatron(self, store: FileStore, step: int, *, verify: bool, trust: bool) -> tuple[dict, bool, int]:
+        """Megatron's items for this rank, re-split for this job's DP size where it changed; also reads
+        checkpoints Megatron-LM wrote (no manifest: nothing to verify, and the result says so)."""
+        from .megatron import legacy
+
+        try:
+            items = legacy.load_rank_items(store.tier, step, self.coords, trust_pickles=trust, verify=verify)
+        except (LayoutMismatchError, NoCheckpointError) as exc:
+            raise TierError(str(exc), tier=store.name) from None
+        nbytes = sum(t.numel() * t.element_size() for t in _tensors(dict(items)))
+        return dict(items), bool(items.verified), nbytes
 
     # ----- lifecycle ---------------------------------------------------------------------------------------
     def wait(self, timeout: float | None = None) -> None:
@@ -335,6 +369,16 @@ class CheckpointEngine:
 
     def tier_config(self, name: str) -> TierConfig:
         return self.config.tier(name)
+
+
+def _tensors(obj: Any) -> list[torch.Tensor]:
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    if isinstance(obj, dict):
+        return [t for v in obj.values() for t in _tensors(v)]
+    if isinstance(obj, (list, tuple)):
+        return [t for v in obj for t in _tensors(v)]
+    return []
 
 
 def _attach_observers(pm: PluginManager, config: Config) -> list[Any]:

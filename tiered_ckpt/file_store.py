@@ -34,7 +34,7 @@ from .manifest import (
     load_checkpoint,
     load_rank,
 )
-from .parallel import RankCoords
+from .parallel import ParallelLayout, RankCoords
 from .retry import call_with_retry
 from .tiers.base import Chunk, Tier, as_memoryview
 
@@ -208,6 +208,7 @@ class FileStore:
         for r in ranks:
             files.extend(self.read_rank_manifest(step, r).files)
         scope = "job" if len(ranks) == coords.world_size else "node"
+        files += self.layout.finalize(self, step, coords.layout, files, scope)
         manifest = CheckpointManifest(step=step, layout=self.layout.name, parallel=coords.layout.to_dict(),
                                       files=tuple(files), run_id=self.run_id, extra={"ranks": ranks, "scope": scope})
         key = self.layout.manifest_key(step)
@@ -243,8 +244,12 @@ class FileStore:
         self._manifests[step] = manifest
         return manifest
 
-    def steps_for_rank(self, rank: int) -> list[int]:
-        """Committed steps that hold this rank's part (a node-local tier's manifest covers only its node)."""
+    def steps_for_rank(self, coords: RankCoords) -> list[int]:
+        """Committed steps that hold this rank's part (a node-local tier's manifest covers only its node).
+
+        Steps saved with another parallel layout are listed too: ``load()`` re-splits them where the format
+        allows (DP changes of Megatron's items) or says clearly what changed."""
+        rank = coords.rank
         steps = self.committed_steps()
         for stale in set(self._manifests) - set(steps):
             del self._manifests[stale]
@@ -258,9 +263,19 @@ class FileStore:
                 log.warning("tier %r lists step %d as committed, but %s", self.name, step, exc)
                 out.append(step)  # listed as committed, unreadable: load() reports it (a fallback) if it is chosen
                 continue
-            if rank in manifest.extra.get("ranks", range(manifest.world_size)):
+            same_layout = ParallelLayout.from_dict(manifest.parallel) == coords.layout
+            if not same_layout or rank in manifest.extra.get("ranks", range(manifest.world_size)):
                 out.append(step)
         return out
+
+    def legacy_step(self) -> int | None:
+        """The step a Megatron-written checkpoint on this tier (no manifest) names in its tracker, if any."""
+        if self.tier.list(self.layout.tracker) != [self.layout.tracker]:
+            return None
+        step = self.read_tracker()
+        if step is None or self.tier.exists(self.layout.manifest_key(step)):
+            return None
+        return step if self.tier.list(self.layout.step_dir(step) + "/mp_rank_") else None
 
     def read_rank_manifest(self, step: int, rank: int) -> RankManifest:
         key = self.layout.rank_manifest_key(step, rank)

@@ -9,7 +9,8 @@ tensors; the host memory the saves added; and, with a fresh engine, a first ``sa
 The machine's limits are measured in this same process, alternating with the candidate under the same load:
 a ``copy_`` of the tensors into a pre-faulted buffer after each warm save, a raw write+fsync of the same bytes
 after each drain (``limits.py``), a ``copy_`` out of that buffer into the tensors after each shm restore, and
-a raw read before each disk restore.
+a raw read before each disk restore. Warm blocking times come from the main engine and from a series with a
+shm-only engine (``--series`` saves, each followed by the copy limit), which needs no drain between saves.
 """
 
 from __future__ import annotations
@@ -91,7 +92,7 @@ def main() -> int:
             copy_s.append(baseline.copy_in())
             write_s.append(c.write_fsync_seconds(tensors, raw_dir))
         out["warm_s"], out["durable_after_s"], out["drain_write_s"] = warm, durable, drain
-        out["limit_copy_s"], out["limit_write_fsync_s"] = copy_s, write_s
+        out["limit_copy_s"], out["limit_write_fsync_s"] = copy_s, write_s  # copy_s grows below
         out["durable_total_s"] = [w + d for w, d in zip(warm, durable, strict=True)]
         peak = c.proc_status()
         sampled = sampler.stop()
@@ -119,12 +120,29 @@ def main() -> int:
             del res
             c.settle()
             copy_out_s.append(baseline.copy_out())
-        baseline.close()
         out["limit_copy_out_s"] = copy_out_s
         out["restore_shm_views_copy_s"] = views_s
         out["restore_shm_views_load_part_s"] = views_load_s
         out["restore_shm_fresh_s"] = fresh_s
         engine.close()
+        shutil.rmtree(shm, ignore_errors=True)  # its slots are not needed any more: free the memory
+
+        # More warm blocking samples, cheaply: an engine with the shm tier alone (one slot, nothing to drain, so
+        # no save waits for a drain), each save followed by the copy limit, as above.
+        shm3 = tempfile.mkdtemp(prefix="bench_ours_", dir="/dev/shm")
+        try:
+            with CheckpointEngine({"run_id": f"{run_id}-series", "drain": {"mode": "thread"},
+                                   "tiers": [{"name": "shm", "kind": "shm", "path": shm3, "slots": 1}]}) as eng:
+                eng.prepare(items)
+                eng.save(1, items)
+                series = []
+                for step in range(2, 2 + args.series):
+                    series.append(eng.save(step, items).blocking_s)
+                    copy_s.append(baseline.copy_in())
+                out["warm_series_s"] = series
+        finally:
+            shutil.rmtree(shm3, ignore_errors=True)
+        baseline.close()
 
         # Restore from the local disk: a new engine with only the local tier (as after a node restart, shm gone).
         disk_s, disk_load_s, read_s = [], [], []

@@ -286,3 +286,21 @@ def test_crash_point_is_inert_unless_armed(monkeypatch):
         crashpoints.arm("save.invalidated:0")
     assert crashpoints._target is None
     assert os.environ.get(crashpoints.ENV) is None
+
+
+def test_gc_finds_temporary_files_on_a_shared_filesystem_tier(tmp_path):
+    """Regression: gc found the temporary files a crash leaves only on local and shm tiers; on a ``file://``
+    fsspec tier (a shared filesystem) they stayed forever."""
+    from tiered_ckpt.tiers._files import temp_name
+
+    shared = tmp_path / "shared"
+    (shared / "iter_0000004/rank_00000").mkdir(parents=True)
+    left = shared / "iter_0000004/rank_00000" / temp_name("state.flat")
+    left.write_bytes(b"x" * 10)
+    config = tmp_path / "tiers.json"
+    config.write_text(json.dumps({"tiers": [{"name": "shared", "kind": "fsspec", "url": f"file://{shared}"}]}))
+    code, out = cli("gc", "--config", str(config), "--json")
+    assert json.loads(out)["found"] == [{"tier": "shared", "what": "temporary file", "bytes": 10,
+                                         "key": f"iter_0000004/rank_00000/{left.name}"}]
+    assert cli("gc", "--config", str(config), "--delete")[0] == EXIT_OK
+    assert not left.exists() and not (shared / "iter_0000004").exists()

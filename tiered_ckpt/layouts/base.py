@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from ..parallel import ParallelLayout, RankCoords
 
@@ -73,7 +73,7 @@ class Layout:
         """The file of ``item`` written by ``coords`` at ``step``, or None when this rank does not write it."""
         if item == MODEL_ITEM:
             # Megatron's model state is the same on every DP rank: DP rank 0 of each model-parallel group writes it.
-            if coords.dp != 0:
+            if coords.dp != 0 or coords.cp != 0:  # context-parallel ranks would write the same path
                 return None
             return f"{self.step_dir(step)}/{model_parallel_dir(coords)}/{MODEL_ITEM}.pt"
         if item == OPTIM_ITEM:
@@ -89,6 +89,8 @@ class Layout:
         saved = ParallelLayout.from_dict(parallel)
         mine = []
         for entry in files:
+            if self.is_derived(entry):
+                continue
             if entry.rank == coords.rank:
                 mine.append(entry)
             elif entry.item in self.shared_items and _same_model_group(saved.coords(entry.rank), coords):
@@ -97,6 +99,16 @@ class Layout:
 
     # Items written once per model-parallel group and read by every DP rank of it.
     shared_items: tuple[str, ...] = (MODEL_ITEM,)
+
+    def is_derived(self, entry: FileEntry) -> bool:
+        """Files made at commit from other files (not a rank's own item): never loaded as a rank's item."""
+        return False
+
+    def finalize(self, store: Any, step: int, parallel: ParallelLayout, files: list[FileEntry], scope: str
+                 ) -> list[FileEntry]:
+        """Called by the committing rank once every rank's files of ``step`` are on ``store``, before the
+        checkpoint manifest: write files derived from them and return their entries (default: none)."""
+        return []
 
 
 def _same_model_group(a: RankCoords, b: RankCoords) -> bool:

@@ -9,8 +9,16 @@ streamed, byte-identical to what Megatron writes).
 
 from __future__ import annotations
 
-from ..parallel import RankCoords
+import logging
+from typing import TYPE_CHECKING, Any
+
+from ..parallel import ParallelLayout, RankCoords
 from .base import OPTIM_ITEM, Layout, model_parallel_dir
+
+if TYPE_CHECKING:
+    from ..manifest import FileEntry
+
+log = logging.getLogger(__name__)
 
 
 class MegatronLayout(Layout):
@@ -25,3 +33,22 @@ class MegatronLayout(Layout):
         if coords.dp != 0 or coords.cp != 0:
             return None
         return f"{self.step_dir(step)}/{model_parallel_dir(coords)}/{OPTIM_ITEM}.pt"
+
+    def is_derived(self, entry: FileEntry) -> bool:
+        parts = entry.key.split("/")
+        return entry.item == OPTIM_ITEM and len(parts) == 3 and parts[1].startswith("mp_rank_")
+
+    def finalize(self, store: Any, step: int, parallel: ParallelLayout, files: list[FileEntry], scope: str
+                 ) -> list[FileEntry]:
+        """Merge the step's per-rank optimizer shards into Megatron's gathered files (streamed, verified)."""
+        if not any(f.item == OPTIM_ITEM for f in files):
+            return []
+        if scope != "job":
+            # A node-local tier holds only its node's shards: Megatron's files need every DP rank's. The step
+            # stays loadable here from the shards; the shared tier gets the Megatron files.
+            log.info("tier %r: step %d holds per-rank optimizer shards only (node-local: no Megatron merge)",
+                     store.name, step)
+            return []
+        from ..megatron.merge import merge_step_on_tier
+
+        return merge_step_on_tier(store.tier, step, topology=parallel, entries=files, retry=store.cfg.retry)

@@ -125,7 +125,7 @@ def detect(tier: Tier, *, step: Iteration | None = None, trust_pickles: bool = F
     mp_dirs = sorted({n.split("/")[0] for n in names if n.startswith("mp_rank_") and n.count("/") == 1})
     rank_files = sorted(int(n[5:10]) for n in names
                         if n.startswith("rank_") and n.endswith("/" + DISTRIB_OPTIM_FILENAME) and n[5:10].isdigit())
-    has_distrib = any(n == f"{d}/{DISTRIB_OPTIM_FILENAME}" for d in mp_dirs for n in names)
+    has_distrib = any(f"{d}/{DISTRIB_OPTIM_FILENAME}" in names for d in mp_dirs)
     has_manifest = f"{META_DIR}/manifest.json" in names
     if not mp_dirs:
         raise DecodeError(f"{where}: no mp_rank_* directories: not a Megatron torch-format checkpoint")

@@ -349,11 +349,11 @@ def spec_for_bytes(nbytes: int, *, layers: int = 8, **kw: Any) -> ModelSpec:
 
 
 def write_checkpoint(job: SyntheticJob, dst: Any, *, layout: str = "rank_sharded", manifest: bool = True) -> list[Any]:
-    """Write ``job``'s checkpoint to ``dst`` (a directory, URL or Tier) as the adapter and engine would leave it
-    (``manifest=True``: our manifests and tracker) or as Megatron-LM (``layout="megatron"``, ``manifest=False``:
-    its files and tracker only) / DLRover (``layout="rank_sharded"``, ``manifest=False``) would. Returns the
-    files' manifest entries. The ``megatron`` layout holds every rank's shards in memory while merging: for
-    tests; a large checkpoint is written ``rank_sharded`` and converted."""
+    """Write ``job``'s checkpoint to ``dst`` (a directory, URL or Tier) as the adapter and engine leave it
+    (``manifest=True``: our manifests, then the tracker), or as Megatron-LM writes it (``layout="megatron"``,
+    ``manifest=False``: its files and tracker only). Returns the files' manifest entries. The ``megatron`` layout
+    holds every rank's shards in memory while merging: for tests; a large checkpoint is written ``rank_sharded``
+    and converted."""
     from . import tier_io
     from .convert import open_store
     from .merge import plan_dirs, write_megatron_file

@@ -101,6 +101,7 @@ S3_MAX_PART = 5 << 30
 S3_MAX_PARTS = 10_000
 _READ_PIECE = 16 << 20  # bytes per readinto call
 _READ_ATTEMPTS = 3  # reads of a blob that is being replaced
+_ABORT_ROUNDS = 3  # aborts of a multipart upload while the store still lists it
 _BACKOFF_BASE_S = 0.2  # first wait between two tries of one request; doubles, jittered, up to _BACKOFF_MAX_S
 _BACKOFF_MAX_S = 2.0
 _MIN_RATE = 1 * MiB  # bytes/s a request must at least achieve before its overall ceiling ends it
@@ -431,9 +432,10 @@ class FsspecTier(Tier):
         raise AssertionError("unreachable")
 
     async def _arequest(self, op: str, key: str | None, path: str, call: Callable[[], Awaitable[Any]], *,
-                        nbytes: int = 0, missing_ok: bool = False, stop: threading.Event | None = None) -> Any:
+                        nbytes: int = 0, missing_ok: bool = False, stop: threading.Event | None = None,
+                        attempts: int | None = None) -> Any:
         """One S3 request on the event loop, tried up to ``request_attempts`` times, each under a ceiling."""
-        attempts = self.options.request_attempts
+        attempts = attempts or self.options.request_attempts
         ceiling = self._ceiling(nbytes)
         for attempt in range(1, attempts + 1):
             try:
@@ -1039,14 +1041,34 @@ class _Upload:
         return head.get("ETag") == expected
 
     def _abort(self, upload_id: str) -> None:
-        async def abort() -> None:
-            try:
-                await self.tier.fs._call_s3("abort_multipart_upload", Bucket=self.bucket, Key=self.obj,
-                                            UploadId=upload_id)
-            except FileNotFoundError:  # NoSuchUpload: already gone (a retried abort whose answer was lost)
-                pass
+        """Abort the upload until the store no longer knows it. A part that was in flight when it was cancelled
+        may still be landing on the server: S3 then keeps (or re-creates) the upload's storage, so it is aborted
+        again after a pause, up to ``_ABORT_ROUNDS`` times. Cleanup gets a few tries even if
+        ``request_attempts`` is 1."""
+        tier = self.tier
+        attempts = max(3, tier.options.request_attempts)
+        kw = {"Bucket": self.bucket, "Key": self.obj, "UploadId": upload_id}
 
-        self.tier._sync(self.tier._arequest, "abort the multipart upload of", self.key, self.path, abort)
+        async def abort_until_gone() -> None:
+            for round_ in range(1, _ABORT_ROUNDS + 1):
+                try:
+                    await tier._arequest("abort the multipart upload of", self.key, self.path,
+                                         lambda: tier.fs._call_s3("abort_multipart_upload", **kw),
+                                         missing_ok=True, attempts=attempts)
+                except BlobNotFoundError:  # NoSuchUpload: gone (an earlier abort whose answer was lost)
+                    return
+                try:
+                    await tier._arequest("check the abort of", self.key, self.path,
+                                         lambda: tier.fs._call_s3("list_parts", **kw), missing_ok=True,
+                                         attempts=attempts)
+                except BlobNotFoundError:
+                    return
+                if round_ < _ABORT_ROUNDS:
+                    await asyncio.sleep(tier._backoff(round_))
+            raise TransientTierError(f"the multipart upload {upload_id} is still there after {_ABORT_ROUNDS} aborts",
+                                     tier=tier.name, key=self.key)
+
+        tier._sync(abort_until_gone)
 
 
 __all__ = ["FsspecOptions", "FsspecTier", "REDACTED", "protocol_of", "redact", "redacted_options",

@@ -1,0 +1,100 @@
+"""Megatron's items through the engine on gloo ranks: the megatron layout's gathered files, DP changes on
+restart (re-split), TP changes refused, and checkpoints written by Megatron-LM itself."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+import uuid
+from pathlib import Path
+
+import pytest
+import torch
+from test_multirank import run_ranks
+
+pytestmark = pytest.mark.slow
+WORKER = Path(__file__).with_name("megatron_worker.py")
+FIXTURES = Path(__file__).parent / "data" / "megatron"
+
+
+def _config(tmp_path: Path, layout: str, shm_root: str) -> dict:
+    return {"run_id": f"meg{uuid.uuid4().hex[:6]}", "layout": layout,
+            "drain": {"mode": "thread", "commit_timeout_s": 30},
+            "tiers": [{"name": "shm", "kind": "shm", "path": shm_root},
+                      {"name": "shared", "kind": "fsspec", "url": f"file://{tmp_path / 'shared'}"}]}
+
+
+@pytest.mark.parametrize("layout", ["megatron", "rank_sharded"])
+def test_dp_halved_restart(tmp_path, shm_root, layout):
+    cfg = _config(tmp_path, layout, shm_root)
+    saved = run_ranks(4, {"config": cfg, "mode": "save", "job": {"dp": 4}}, worker=WORKER)
+    assert all("error" not in r for r in saved.values()), saved
+    step_dir = tmp_path / "shared" / "iter_0000100"
+    manifest = json.loads((step_dir / "tiered_ckpt" / "manifest.json").read_text())
+    keys = {f["key"] for f in manifest["files"]}
+    assert "iter_0000100/mp_rank_00/model_optim_rng.pt" in keys
+    assert ("iter_0000100/mp_rank_00/distrib_optim.pt" in keys) == (layout == "megatron")
+
+    again = run_ranks(2, {"config": cfg, "mode": "load", "job": {"dp": 2}}, worker=WORKER)
+    for rank, r in again.items():
+        assert "error" not in r, r
+        assert r["step"] == 100 and r["tier"] == "shared" and r["dp_rank"] == rank
+        assert r["shards"] == r["expected"], f"rank {rank}: re-split shards differ from Megatron's recipe"
+        assert r["model_ok"] is True
+
+
+def test_megatron_layout_files_are_megatrons_own(tmp_path, shm_root):
+    """The gathered distrib_optim.pt equals what Megatron's writer produces, and loads with only Megatron's
+    allow-list, without Megatron installed."""
+    from tiered_ckpt.megatron.synthetic import SyntheticJob, write_checkpoint
+
+    cfg = _config(tmp_path, "megatron", shm_root)
+    run_ranks(2, {"config": cfg, "mode": "save", "job": {"dp": 2}}, worker=WORKER)
+    ours = tmp_path / "shared" / "iter_0000100" / "mp_rank_00" / "distrib_optim.pt"
+    reference = tmp_path / "reference"
+    write_checkpoint(SyntheticJob(dp=2), str(reference), layout="megatron", manifest=False)
+    theirs = reference / "iter_0000100" / "mp_rank_00" / "distrib_optim.pt"
+    assert ours.read_bytes() == theirs.read_bytes()
+    check = textwrap.dedent(f"""
+        import sys, torch
+        assert "megatron" not in sys.modules
+        state = torch.load({str(ours)!r}, weights_only=True)
+        assert isinstance(state, dict) and state
+    """)
+    subprocess.run([sys.executable, "-c", check], check=True, cwd="/")
+
+
+def test_tp_change_refused_for_megatron_items(tmp_path, shm_root):
+    cfg = _config(tmp_path, "rank_sharded", shm_root)
+    run_ranks(4, {"config": cfg, "mode": "save", "job": {"tp": 2, "dp": 2}}, worker=WORKER)
+    again = run_ranks(4, {"config": cfg, "mode": "load", "job": {"tp": 1, "dp": 4}}, worker=WORKER)
+    for r in again.values():
+        assert "LayoutMismatchError" in r["error"] and "TP 2 → 1" in r["error"], r
+
+
+@pytest.mark.parametrize("world", [4, 2])
+def test_checkpoint_written_by_megatron_loads_at_any_dp(tmp_path, shm_root, world):
+    """The fixture was written by Megatron-LM (no manifest): it loads, re-split to DP=world, unverified."""
+    import shutil
+
+    ckpt = tmp_path / "megatron-ckpt"
+    shutil.copytree(FIXTURES / "dp4_tp1_pp1" / "iter_0000010", ckpt / "iter_0000010")
+    shutil.copy(FIXTURES / "dp4_tp1_pp1" / "latest_checkpointed_iteration.txt", ckpt)
+    cfg = {"run_id": f"leg{uuid.uuid4().hex[:6]}", "drain": {"mode": "thread"},
+           "tiers": [{"name": "disk", "kind": "local", "path": str(ckpt)}]}
+    results = run_ranks(world, {"config": cfg, "mode": "legacy"}, worker=Path(__file__).with_name(
+        "megatron_legacy_worker.py"))
+    expected_dir = FIXTURES / "dp4_tp1_pp1" / ("local_shards" if world == 4 else f"reload_dp{world}/local_shards")
+    for rank, r in results.items():
+        assert "error" not in r, r
+        assert r["step"] == 10 and r["verified"] is False
+        want = torch.load(expected_dir / f"rank_{rank:05d}.pt", weights_only=True)
+        assert r["shards"] == {k: _sha(v) for k, v in sorted(want.items())}
+
+
+def _sha(t: torch.Tensor) -> str:
+    import hashlib
+
+    return hashlib.sha256(t.contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()
