@@ -266,7 +266,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--world", type=int, default=4, help="ranks (default: %(default)s)")
     p.add_argument("--steps", type=int, default=30, help="training steps (default: %(default)s)")
     p.add_argument("--clean", action="store_true", help="remove the workdir afterwards")
-    __import__("tiered_ckpt.megatron.cli_convert", fromlist=["_"]).add_convert_command(sub, add)
+    from .megatron.cli_convert import add_convert_command
+
+    add_convert_command(sub, add)
     return parser
 
 

@@ -144,6 +144,11 @@ def build_pipeline(config: Config, pm: PluginManager, coords: RankCoords, local_
             emit(ev.Event(ev.TIER_DISABLED, rank=coords.rank, tier=cfg.name, message=reason))
     if not cfgs:
         raise ConfigError("every tier is disabled; enable at least one", source=config.source, key_path="tiers")
+    if config.layout == "megatron":
+        for cfg in cfgs.values():
+            if cfg.compression is not None and cfg.compression.codec != "none":
+                log.warning("tier %r compresses its files: Megatron-LM cannot read them (layout megatron); "
+                            "tiered_ckpt can, and `tiered-ckpt convert` writes plain ones", cfg.name)
     order = list(cfgs)
     first = cfgs[order[0]]
     if not pm.registries.tiers.get(first.kind).capabilities_for(first.options).memory:
