@@ -71,8 +71,9 @@ def peer_python() -> tuple[str | None, str]:
         if PEER_VENV.exists():
             shutil.rmtree(PEER_VENV)
         subprocess.run([sys.executable, "-m", "venv", str(PEER_VENV)], check=True, capture_output=True, timeout=300)
-        r = subprocess.run([str(py), "-m", "pip", "install", "--quiet", *DLROVER_SPEC], capture_output=True,
-                           text=True, timeout=900)
+        # Fail fast without a network: a short timeout and one retry instead of pip's minutes of retries.
+        r = subprocess.run([str(py), "-m", "pip", "install", "--quiet", "--retries", "1", "--timeout", "30",
+                            *DLROVER_SPEC], capture_output=True, text=True, timeout=900)
         if r.returncode != 0:
             tail = (r.stderr or r.stdout).strip().splitlines()[-3:]
             return None, f"pip install {' '.join(DLROVER_SPEC)} failed: {' | '.join(tail)}"

@@ -25,7 +25,7 @@ def free_port() -> int:
 
 
 def run_ranks(world: int, spec: dict, node_of: dict[int, str] | None = None, timeout: float = 240,
-              worker: Path = WORKER) -> dict[int, dict]:
+              worker: Path = WORKER, env_of: dict[int, dict[str, str]] | None = None) -> dict[int, dict]:
     """Start ``world`` ranks, wait for all, and return each rank's last JSON line (rank → result)."""
     port = free_port()
     procs = {}
@@ -34,6 +34,7 @@ def run_ranks(world: int, spec: dict, node_of: dict[int, str] | None = None, tim
                "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1"}
         if node_of:
             env["TIERED_CKPT_NODE"] = node_of[rank]
+        env.update((env_of or {}).get(rank, {}))
         procs[rank] = subprocess.Popen([sys.executable, str(worker), json.dumps(spec)], env=env,
                                        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     results = {}
@@ -41,8 +42,8 @@ def run_ranks(world: int, spec: dict, node_of: dict[int, str] | None = None, tim
         out, err = p.communicate(timeout=timeout)
         lines = [ln for ln in out.splitlines() if ln.startswith("{")]
         killed = p.returncode == -signal.SIGKILL
-        assert lines and (p.returncode == 0 or killed), f"rank {rank} exited {p.returncode}:\n{err[-3000:]}"
-        results[rank] = {**json.loads(lines[-1]), "killed": killed}
+        assert (lines or killed) and (p.returncode == 0 or killed), f"rank {rank} exited {p.returncode}:\n{err[-3000:]}"
+        results[rank] = {**(json.loads(lines[-1]) if lines else {}), "killed": killed}
     return results
 
 
@@ -66,7 +67,9 @@ def test_rank_killed_mid_drain_then_consistent_restore(tmp_path, shm_root, world
     shm, local, shared = Path(shm_root), tmp_path / "local", tmp_path / "shared"
     cfg = job_config(tiers(shm, local, shared), run_id)
     victim = world - 2
-    first = run_ranks(world, {"config": cfg, "save": [1, 2, 3], "kill_rank": victim, "kill_step": 3})
+    # The victim dies in its drain, just before its first file of step 3 (hit 5: steps 1 and 2 wrote 4 files).
+    crash = {victim: {"TIERED_CKPT_CRASH_AT": "drain.before_write:5"}}
+    first = run_ranks(world, {"config": cfg, "save": [1, 2, 3]}, env_of=crash)
     assert first[victim]["killed"]
     # The committing rank gives up on the step the victim never drained: committed on no tier below shm.
     assert "not committed" in first[0]["save_errors"]["3"]
@@ -81,7 +84,8 @@ def test_rank_killed_mid_drain_then_consistent_restore(tmp_path, shm_root, world
     assert committed(shared) == [1, 2, 3] and committed(local) == [1, 2, 3]
 
     # The victim's node is lost (its shm is gone) before step 4 drains anywhere: everyone agrees on step 3.
-    third = run_ranks(world, {"config": cfg, "save": [4], "kill_rank": victim, "kill_step": 4})
+    crash = {victim: {"TIERED_CKPT_CRASH_AT": "drain.before_write:1"}}
+    third = run_ranks(world, {"config": cfg, "save": [4]}, env_of=crash)
     assert third[victim]["killed"]
     shutil.rmtree(shm / next(p.name for p in shm.iterdir()) / run_id / f"rank_{victim:05d}")
     fourth = run_ranks(world, {"config": cfg, "load": True})

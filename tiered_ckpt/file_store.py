@@ -223,7 +223,7 @@ class FileStore:
             text = bytes(as_memoryview(self.tier.read_blob(self.layout.tracker))).decode().strip()
         except (BlobNotFoundError, UnicodeDecodeError):
             return None
-        return int(text) if text.isdigit() else None
+        return int(text) if text.isascii() and text.isdigit() and len(text) <= 18 else None  # not "²", not 5000 digits
 
     def _update_tracker(self, step: int, rank: int) -> None:
         current = self.read_tracker()

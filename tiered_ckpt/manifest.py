@@ -161,7 +161,7 @@ def _names(t: type | tuple) -> str:
 def _parse(data: bytes, fmt: str, where: str, tier: str | None) -> tuple[_Reader, dict]:
     try:
         d = json.loads(bytes(data).decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+    except (ValueError, RecursionError) as exc:  # not UTF-8, not JSON, a 5000-digit number, nested too deeply
         raise CorruptionError(f"manifest is not valid JSON: {exc}", tier=tier, key=where) from None
     r = _Reader(d, where, tier)
     if not isinstance(d, dict):

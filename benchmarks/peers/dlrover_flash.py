@@ -49,8 +49,9 @@ def main() -> int:
     args = c.parse_args(__doc__.split("\n")[0])
     ckpt_dir = os.path.join(args.workdir, "ckpt")
     out: dict = {"candidate": "dlrover", "state": args.state, "dlrover": version("dlrover")}
-    ck = DdpCheckpointer(ckpt_dir)
+    ck = None
     try:
+        ck = DdpCheckpointer(ckpt_dir)
         items = c.states.make(args.state, args.quick)
         nbytes = c.states.nbytes(items)
         out["bytes"] = nbytes
@@ -74,6 +75,7 @@ def main() -> int:
         blocking, persist, fsync_s, write_s, path = [], [], [], [], None
         for step in range(100, 102):
             path = os.path.join(ckpt_dir, str(step), "rank_0.pt")
+            c.drop_cache(args.workdir)  # as in ours.py: our files out of the page cache before each write
             t0 = time.perf_counter()
             ck.save_checkpoint(step, items, path=path, storage_type=StorageType.DISK)
             blocking.append(time.perf_counter() - t0)
@@ -81,6 +83,7 @@ def main() -> int:
             persist.append(time.perf_counter() - t0)
             s, _ = c.timed(lambda d=os.path.dirname(path): c.fsync_tree(d))
             fsync_s.append(s)
+            c.drop_cache(args.workdir)
             write_s.append(c.write_fsync_seconds(tensors, raw_dir))
         out["limit_write_fsync_s"] = write_s
         out["persist_blocking_s"], out["persist_total_s"], out["persist_fsync_s"] = blocking, persist, fsync_s
@@ -123,7 +126,8 @@ def main() -> int:
         out["restore_disk_s"], out["restore_disk_load_part_s"] = disk_s, disk_load_s
     finally:
         try:
-            ck._engine.close()
+            if ck is not None:
+                ck._engine.close()
         except Exception:
             pass
         for seg in glob.glob(f"/dev/shm/{RUN_ID}_*"):

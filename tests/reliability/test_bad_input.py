@@ -218,6 +218,8 @@ def _bytes(doc, with_digest: bool = True) -> bytes:
 MALFORMED = {
     "not JSON": (b"{", "not valid JSON"),
     "not UTF-8": (b"\xff\xfe{}", "not valid JSON"),
+    "a 5000-digit number": (b'{"step": ' + b"1" * 5000 + b"}", "not valid JSON"),  # was a bare ValueError
+    "nested too deeply": (b"[" * 100_000 + b"]" * 100_000, "not valid JSON"),  # was a RecursionError
     "a list": (_bytes([1, 2]), "expected a JSON object"),
     "wrong format": (_bytes(_manifest(format="tiered_ckpt.rank_manifest")), "format: expected"),
     "newer version": (_bytes(_manifest(version=2)), "written by a newer tiered_ckpt"),

@@ -230,3 +230,35 @@ def test_lock_directory_that_is_a_symlink_is_refused(private_tmpdir, tmp_path):
     private_tmpdir.symlink_to(tmp_path / "elsewhere")
     with pytest.raises(TieredCkptError, match="is not a directory \\(a symlink or a file\\)"):
         lock_dir("linked")
+
+
+# ----- hangs -------------------------------------------------------------------------------------------------------
+def test_a_hung_tier_never_hangs_close_and_its_step_is_recovered(shm_root, tmp_path):
+    """A tier that stops answering (an NFS mount gone away) must not hold the job's shutdown: close() gives up
+    after drain.close_timeout_s, the snapshot stays in shm, and the next process drains it."""
+    import threading
+    import time
+
+    from tiered_ckpt_faults import FaultyTier
+
+    cfg = config(shm_root, tmp_path)
+    cfg["drain"]["close_timeout_s"] = 0.5
+    inner = {k: v for k, v in cfg["tiers"][1].items() if k != "name"}
+    hung = {"name": "local", "kind": "faulty", "inner": inner, "latency_s": 2, "ops": ["write_blob"]}
+    FaultyTier.controls.pop("local", None)
+    engine = CheckpointEngine({**cfg, "tiers": [cfg["tiers"][0], hung]})
+    engine.save(1, scenario_items(1, 1))
+    t0 = time.monotonic()
+    engine.close()
+    assert time.monotonic() - t0 < 3
+    try:
+        with CheckpointEngine(cfg) as again:  # the mount is back
+            assert [h.step for h in again.recovered] == [1]
+            again.recovered[0].wait(timeout=60)
+            assert again.available_steps()["local"] == [1]
+            assert_same(scenario_items(1, 1), again._load_from("local", 1, True, None)[0])
+    finally:
+        for th in threading.enumerate():  # the abandoned drain wakes up, finds its work done, and ends
+            if th.name.startswith("tiered_ckpt-drain"):
+                th.join(timeout=15)
+        FaultyTier.controls.pop("local", None)

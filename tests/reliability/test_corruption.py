@@ -263,3 +263,14 @@ def test_a_tier_returning_flipped_bits_is_caught_by_the_checksums(copy, recorder
     with CheckpointEngine({**cfg, "tiers": [flaky]}) as engine:
         with pytest.raises(NoCheckpointError, match="tier 'flaky' step 2: .*tier 'flaky' step 1: "):
             engine.load()
+
+
+@pytest.mark.parametrize("text", ["²", "9" * 5000, "release", "-1", ""])
+def test_a_tracker_that_names_no_step_is_replaced_by_the_next_commit(copy, text):
+    """Regression: a tracker of unicode digits or 5000 digits made every later commit on the tier fail (a bare
+    ValueError); one naming a step that was never committed kept Megatron's tracker there for good."""
+    (copy.root / "local" / "latest_checkpointed_iteration.txt").write_text(text)
+    with CheckpointEngine(copy.config("local")) as engine:
+        assert engine.load().step == 2
+        engine.save(3, items(3)).wait(timeout=60)
+    assert (copy.root / "local" / "latest_checkpointed_iteration.txt").read_text() == "3"

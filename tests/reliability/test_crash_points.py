@@ -2,7 +2,9 @@
 
 Each scenario forks a training process (``crash_worker.py``) that saves a few steps of varying size and dies by
 SIGKILL at a crash point (``tiered_ckpt.crashpoints``: the snapshot, the drain, the commit, retention, the tiers'
-atomic writes). Then, as the restarted job would:
+atomic writes), in six tier configurations (drain threads and a drain process; shm, local disk, a shared
+``file://`` tier, device memory hopping to shm, disk alone), with steps, sizes and waits drawn from a seed. A third
+of the thread-mode scenarios crash again while the restarted job recovers. Then, as the restarted job would:
 
 * ``tiered-ckpt ls --json`` lists no step as committed that ``verify --all`` does not find intact, and no manifest
   is corrupt;
@@ -60,6 +62,7 @@ CONFIGS = {
     "shm+local": (("shm", "local"), "thread"),
     "shm+local+shared": (("shm", "local", "shared"), "thread"),
     "local": (("local",), "thread"),
+    "gpu+shm+local": (("gpu", "shm", "local"), "thread"),  # device memory (here: cpu) hops to shm, then disk
     "shm+local/process": (("shm", "local"), "process"),
     "shm+local+shared/process": (("shm", "local", "shared"), "process"),
 }
@@ -126,7 +129,8 @@ def _plan(seed: int) -> dict:
 
 def _config(name: str, root: Path, shm_root: str, run_id: str, mode: str | None = None) -> dict:
     tiers, default_mode = CONFIGS[name]
-    every = {"shm": {"name": "shm", "kind": "shm", "path": shm_root},
+    every = {"gpu": {"name": "gpu", "kind": "gpu", "device": "cpu"},
+             "shm": {"name": "shm", "kind": "shm", "path": shm_root},
              "local": {"name": "local", "kind": "local", "path": str(root / "local"), "keep": 2},
              "shared": {"name": "shared", "kind": "fsspec", "url": f"file://{root / 'shared'}", "keep": 2}}
     return {"run_id": run_id, "drain": {"mode": mode or default_mode, "commit_timeout_s": 5},

@@ -41,8 +41,9 @@ class MegatronLayout(Layout):
     def finalize(self, store: Any, step: int, parallel: ParallelLayout, files: list[FileEntry], scope: str
                  ) -> list[FileEntry]:
         """Merge the step's per-rank optimizer shards into Megatron's gathered files (streamed, verified)."""
-        if not any(f.item == OPTIM_ITEM for f in files):
-            return []
+        staged = [f for f in files if f.item == OPTIM_ITEM and not self.is_derived(f)]
+        if not staged or any(self.is_derived(f) for f in files):
+            return []  # nothing to merge, or the Megatron files are already there (written by `convert`)
         if scope != "job":
             # A node-local tier holds only its node's shards: Megatron's files need every DP rank's. The step
             # stays loadable here from the shards; the shared tier gets the Megatron files.
