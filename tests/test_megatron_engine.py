@@ -12,6 +12,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import assert_same
+
+from tiered_ckpt.megatron import safe_load
 from test_multirank import run_ranks
 
 pytestmark = pytest.mark.slow
@@ -57,6 +60,8 @@ def test_megatron_layout_files_are_megatrons_own(tmp_path, shm_root):
     write_checkpoint(SyntheticJob(dp=2), str(reference), layout="megatron", manifest=False)
     theirs = reference / "iter_0000100" / "mp_rank_00" / "distrib_optim.pt"
     assert ours.read_bytes() == theirs.read_bytes()
+    model = "iter_0000100/mp_rank_00/model_optim_rng.pt"  # the same content, keys and types as Megatron's
+    assert_same(safe_load.load(reference / model), safe_load.load(tmp_path / "shared" / model))
     check = textwrap.dedent(f"""
         import sys, torch
         assert "megatron" not in sys.modules

@@ -15,7 +15,7 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Callable
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 
 from . import events as ev
@@ -78,6 +78,7 @@ class DrainRuntime:
             for name, store in stores.items() if isinstance(store, MemoryStore)
         }
         self._closed = False
+        self._hasher = ThreadPoolExecutor(1, thread_name_prefix="tiered_ckpt-snapshot-hash")
 
     # ----- pins: a pinned (tier, step) is never evicted or overwritten -------------------------------------
     def pin(self, tier: str, step: int) -> None:
@@ -137,6 +138,7 @@ class DrainRuntime:
             q.put(None)
         for th in self._threads.values():
             th.join(timeout=1.0 if not idle else None)
+        self._hasher.shutdown(wait=idle)
         return idle
 
     # ----- the work ----------------------------------------------------------------------------------------
@@ -253,8 +255,15 @@ class DrainRuntime:
         if isinstance(self.stores[source], MemoryStore):
             mem, meta = self._memory_meta(source, job)
             sources = mem.item_sources(meta)
-            manifest = store.write_rank(req.step, self.coords, sources)
-            mem_source = (mem, meta, sources)
+            # The snapshot's own checksums (for verified restores from memory) are computed on another core
+            # while this tier is written, and always finished before the slot can be released.
+            digests = self._digest_snapshot(mem, meta, sources)
+            try:
+                manifest = store.write_rank(req.step, self.coords, sources)
+            finally:
+                mem_source = (mem, meta, digests)
+                if digests is not None:
+                    digests.exception()  # wait: nothing may read the slot after this job lets it go
         else:
             upper = self.stores[source]
             assert isinstance(upper, FileStore)
@@ -281,14 +290,18 @@ class DrainRuntime:
         if mem_source is not None:
             self._record_snapshot_checksums(*mem_source)
 
-    @staticmethod
-    def _record_snapshot_checksums(mem: MemoryStore, meta: SlotMeta, sources: list) -> None:
-        """After the commit (off the time-to-durable path): checksums of the snapshot, so that a restart can
-        verify what it loads from memory."""
+    def _digest_snapshot(self, mem: MemoryStore, meta: SlotMeta, sources: list) -> Future | None:
         if all(it.checksum for it in meta.items) or not mem.tier.capabilities.survives_process:
+            return None
+        return self._hasher.submit(lambda: [f"{ALGORITHM}:{digest(src.data)}" for src in sources])
+
+    @staticmethod
+    def _record_snapshot_checksums(mem: MemoryStore, meta: SlotMeta, digests: Future | None) -> None:
+        """Publish the snapshot's checksums, so that a restart can verify what it loads from memory."""
+        if digests is None or digests.exception() is not None:
             return
-        for it, src in zip(meta.items, sources, strict=True):
-            it.checksum = f"{ALGORITHM}:{digest(src.data)}"
+        for it, checksum in zip(meta.items, digests.result(), strict=True):
+            it.checksum = checksum
         current = mem.read_meta(meta.slot)
         if current is not None and current.step == meta.step and current.created == meta.created:
             mem.publish(meta)

@@ -89,6 +89,7 @@ class MemoryStore:
         self.rank = rank
         self.nslots = nslots
         self._buffers: dict[int, torch.Tensor] = {}
+        self._read_cache: dict[int, tuple[tuple, torch.Tensor]] = {}
 
     @property
     def name(self) -> str:
@@ -141,24 +142,39 @@ class MemoryStore:
                 found[slot] = meta
         return found
 
-    def data(self, meta: SlotMeta) -> torch.Tensor:
+    def data(self, meta: SlotMeta, *, cached: bool = True) -> torch.Tensor:
+        """The slot's bytes. ``cached=False`` maps them afresh: what ``load`` hands to users, who may write into
+        zero-copy views (copy-on-write keeps the slot intact, but a kept mapping would show their changes)."""
         buf = self._buffers.get(meta.slot)
         if buf is None or buf.numel() < meta.total_bytes:
-            buf = self.tier.read_blob(self.data_key(meta.slot))
+            buf = self._mapped(meta.slot) if cached else self.tier.read_blob(self.data_key(meta.slot))
         if buf.numel() < meta.total_bytes:
             raise CorruptionError(f"slot holds {buf.numel()} bytes, its record says {meta.total_bytes}",
                                   tier=self.tier.name, key=self.data_key(meta.slot))
         return buf
 
-    def item_sources(self, meta: SlotMeta) -> list[ItemSource]:
-        buf = self.data(meta)
+    def _mapped(self, slot: int) -> torch.Tensor:
+        """A reader's view of a slot written by another process, mapped once while the file stays the same:
+        the saver rewrites slots in place, and a shared mapping sees what it writes."""
+        key = self.data_key(slot)
+        ident = self.tier.blob_identity(key)
+        cached = self._read_cache.get(slot)
+        if ident is not None and cached is not None and cached[0] == ident:
+            return cached[1]
+        buf = self.tier.read_blob(key)
+        if ident is not None:
+            self._read_cache[slot] = (ident, buf)
+        return buf
+
+    def item_sources(self, meta: SlotMeta, *, cached: bool = True) -> list[ItemSource]:
+        buf = self.data(meta, cached=cached)
         return [ItemSource(it.name, it.header.encode(), buf[it.offset:it.offset + it.nbytes]) for it in meta.items]
 
     def load(self, meta: SlotMeta, *, copy: bool, map_location: Any = None, verify: bool = True) -> dict[str, Any]:
         from .checksum import ALGORITHM, digest
 
         out = {}
-        for src, it in zip(self.item_sources(meta), meta.items, strict=True):
+        for src, it in zip(self.item_sources(meta, cached=False), meta.items, strict=True):
             if verify and it.checksum:
                 got = f"{ALGORITHM}:{digest(src.data)}"
                 if got != it.checksum:

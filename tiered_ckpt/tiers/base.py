@@ -204,6 +204,11 @@ class Tier(ABC):
         """
         raise TierError(f"kind {self.kind!r} holds no slots", tier=self.name, key=key)
 
+    def blob_identity(self, key: str) -> tuple | None:
+        """Something that changes whenever ``key`` is replaced or resized (None: unknown). Readers that map a
+        blob may keep a mapping while the identity holds (the drain worker re-reads each slot every save)."""
+        return None
+
     def describe(self) -> str:
         """One line for logs and ``tiered-ckpt ls``: where this tier keeps its blobs."""
         return f"{self.kind}"

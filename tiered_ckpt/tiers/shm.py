@@ -234,6 +234,13 @@ class ShmTier(Tier):
     def read_range(self, key: str, offset: int, length: int) -> bytes:
         return self.files.read_range(key, offset, length)
 
+    def blob_identity(self, key: str) -> tuple | None:
+        try:
+            st = os.stat(self.files.path(key))
+        except OSError:
+            return None
+        return (st.st_dev, st.st_ino, st.st_size)
+
     def size(self, key: str) -> int:
         return self.files.size(key)
 
