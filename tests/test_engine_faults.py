@@ -134,3 +134,21 @@ def test_killed_after_save_recovers_from_shm_and_drains(shm_root, tmp_path, reco
         engine.recovered[0].wait(timeout=60)
         assert engine.available_steps()["local"] == [3]
         assert_same(make_items(3), engine._load_from("local", 3, True, None)[0])
+
+
+def test_process_drain_from_a_script_without_main_guard(tmp_path, shm_root):
+    """spawn re-imports __main__: a training script without `if __name__ == "__main__"` must still work."""
+    script = tmp_path / "train.py"
+    script.write_text(textwrap.dedent(f"""
+        import torch
+        from tiered_ckpt import CheckpointEngine
+        cfg = {{"run_id": "noguard-{uuid.uuid4().hex[:6]}", "drain": {{"mode": "process"}},
+               "tiers": [{{"name": "shm", "kind": "shm", "path": {str(shm_root)!r}}},
+                         {{"name": "local", "kind": "local", "path": {str(tmp_path / "local")!r}}}]}}
+        with CheckpointEngine(cfg) as engine:
+            engine.save(1, {{"state": {{"w": torch.ones(4)}}}}).wait(timeout=120)
+        print("DONE")
+    """))
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0 and proc.stdout.count("DONE") == 1, proc.stderr[-3000:]
+    assert (tmp_path / "local" / "iter_0000001" / "tiered_ckpt" / "manifest.json").exists()

@@ -23,6 +23,7 @@ from .checksum import ALGORITHM, digest
 from .crashpoints import crash_point
 from .errors import TierError
 from .file_store import FileStore
+from .manifest import RankManifest
 from .memory_store import MemoryStore, SlotMeta
 from .parallel import RankCoords
 
@@ -250,33 +251,36 @@ class DrainRuntime:
 
     def _write_file_tier(self, source: str, store: FileStore, job: _Job, t0: float) -> None:
         req = job.req
-        mem_source = None
+        digests: Future | None = None
         crash_point("drain.before_write")
-        if isinstance(self.stores[source], MemoryStore):
-            mem, meta = self._memory_meta(source, job)
-            sources = mem.item_sources(meta)
-            # The snapshot's own checksums (for verified restores from memory) are computed on another core
-            # while this tier is written, and always finished before the slot can be released.
-            digests = self._digest_snapshot(mem, meta, sources)
-            try:
+        try:
+            if isinstance(self.stores[source], MemoryStore):
+                mem, meta = self._memory_meta(source, job)
+                sources = mem.item_sources(meta)
+                # The snapshot's own checksums (for verified restores from memory) are computed on another core
+                # while this tier is written; they are published once the tier committed.
+                digests = self._digest_snapshot(mem, meta, sources)
                 manifest = store.write_rank(req.step, self.coords, sources)
-            finally:
-                mem_source = (mem, meta, digests)
-                if digests is not None:
-                    digests.exception()  # wait: nothing may read the slot after this job lets it go
-        else:
-            upper = self.stores[source]
-            assert isinstance(upper, FileStore)
-            manifest = store.copy_rank_from(upper, req.step, self.coords)
-        crash_point("drain.after_write")
+            else:
+                upper = self.stores[source]
+                assert isinstance(upper, FileStore)
+                manifest = store.copy_rank_from(upper, req.step, self.coords)
+            crash_point("drain.after_write")
+            self._commit(store, job, manifest, source, t0)
+            if digests is not None:
+                self._record_snapshot_checksums(mem, meta, digests)
+        finally:
+            if digests is not None:
+                digests.exception()  # wait: nothing may read the slot once this job lets it go
+
+    def _commit(self, store: FileStore, job: _Job, manifest: RankManifest, source: str, t0: float) -> None:
+        req = job.req
         nbytes = sum(f.size for f in manifest.files)
         self.emit(ev.Event(ev.DRAIN, step=req.step, rank=self.coords.rank, tier=store.name,
                            seconds=time.perf_counter() - t0, nbytes=nbytes, detail={"source": source}))
         # A shared tier is committed by global rank 0 for the job; a node-local one by each node's first rank.
         ranks = self.node_ranks if store.tier.capabilities.node_local else list(range(self.coords.world_size))
         if self.coords.rank != ranks[0]:
-            if mem_source is not None:
-                self._record_snapshot_checksums(*mem_source)
             return
         crash_point("drain.before_commit")
         committed = store.try_commit(req.step, self.coords, ranks, wait_s=self.commit_wait_s)
@@ -285,10 +289,7 @@ class DrainRuntime:
                             f"{self.commit_wait_s:.0f} s", tier=store.name)
         self.emit(ev.Event(ev.COMMIT, step=req.step, rank=self.coords.rank, tier=store.name,
                            seconds=time.time() - req.created, nbytes=committed.total_bytes))
-        keep = store.cfg.keep
-        store.retain(keep, self.pinned_steps(store.name) - {req.step}, self.coords.rank)
-        if mem_source is not None:
-            self._record_snapshot_checksums(*mem_source)
+        store.retain(store.cfg.keep, self.pinned_steps(store.name) - {req.step}, self.coords.rank)
 
     def _digest_snapshot(self, mem: MemoryStore, meta: SlotMeta, sources: list) -> Future | None:
         if all(it.checksum for it in meta.items) or not mem.tier.capabilities.survives_process:

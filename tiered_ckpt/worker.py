@@ -8,13 +8,15 @@ training process dies, the worker finishes the drains it has, then exits.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import multiprocessing as mp
 import os
 import queue
+import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
@@ -70,6 +72,27 @@ def worker_main(config: Config, coords: RankCoords, order: list[str], local_rank
     results.put(("closed", os.getpid()))
 
 
+@contextlib.contextmanager
+def _main_module_hidden() -> Iterator[None]:
+    """Start a spawned worker without re-running the user's script in it.
+
+    ``spawn`` re-imports ``__main__`` in the child: a training script without an ``if __name__ == "__main__"``
+    guard would build a second engine there. The worker needs nothing from it (its target and arguments live in
+    tiered_ckpt), so the parent hides where ``__main__`` came from while the child's start-up data is taken.
+    """
+    main = sys.modules.get("__main__")
+    saved = {k: main.__dict__[k] for k in ("__file__", "__spec__") if main is not None and k in main.__dict__}
+    try:
+        if main is not None:
+            main.__dict__.pop("__file__", None)
+            if "__spec__" in saved:
+                main.__spec__ = None
+        yield
+    finally:
+        if main is not None:
+            main.__dict__.update(saved)
+
+
 class ProcessDrain:
     """The training-process side of the worker: submits requests, relays events and outcomes."""
 
@@ -93,7 +116,8 @@ class ProcessDrain:
         self._proc = ctx.Process(target=worker_main, name=f"tiered_ckpt-drain-{self.coords.rank}",
                                  args=(self.config, self.coords, self.order, self.local_rank, self.node_ranks,
                                        self._requests, self._results, os.getpid()), daemon=False)
-        self._proc.start()
+        with _main_module_hidden():
+            self._proc.start()
         self._listener = threading.Thread(target=self._listen, args=(self._proc, self._results),
                                           name="tiered_ckpt-drain-listener", daemon=True)
         self._listener.start()
