@@ -58,7 +58,7 @@ def tiers(shm: Path, local: Path, shared: Path, **local_opts) -> list[dict]:
 
 
 def job_config(tier_list: list[dict], run_id: str) -> dict:
-    return {"run_id": run_id, "drain": {"mode": "thread", "commit_timeout_s": 4}, "tiers": tier_list}
+    return {"run_id": run_id, "drain": {"mode": "thread", "commit_timeout_s": 8}, "tiers": tier_list}
 
 
 @pytest.mark.parametrize("world", [4, 8])

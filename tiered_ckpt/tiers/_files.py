@@ -20,6 +20,7 @@ import torch
 
 from ..crashpoints import crash_point
 from ..errors import BlobNotFoundError, PermanentTierError, TierError, TransientTierError
+from ..hostmem import populated_empty
 from .base import as_memoryview, check_key, check_prefix
 
 TEMP_MARKER = ".tmp-"
@@ -28,6 +29,7 @@ _TEMP_RE = re.compile(r"^\..+\.tmp-[0-9a-f]{16}$")
 _TRANSIENT_ERRNOS = {errno.EAGAIN, errno.EBUSY, errno.ETIMEDOUT, errno.ESTALE, errno.EINTR, errno.EREMOTEIO}
 _FULL_ERRNOS = {errno.ENOSPC, errno.EDQUOT}
 _MAX_IOV = 512  # chunks per writev call (IOV_MAX is 1024 on Linux)
+_POPULATE_MIN = 1 << 20
 _WRITE_MAX = 1 << 30  # bytes per write call (Linux caps one write at 2 GiB - 4 KiB)
 
 
@@ -212,9 +214,10 @@ class BlobFiles:
         try:
             with open(path, "rb", buffering=0) as f:
                 size = os.fstat(f.fileno()).st_size
-                out = torch.empty(size, dtype=torch.uint8)
                 if size == 0:
-                    return out
+                    return torch.empty(0, dtype=torch.uint8)
+                # Pages populated in one go: faulting them in one by one during the read costs more than the read.
+                out = populated_empty(size) if size >= _POPULATE_MIN else torch.empty(size, dtype=torch.uint8)
                 mv = memoryview(out.numpy())
                 pos = 0
                 while pos < size:
