@@ -136,6 +136,9 @@ def test_gc_stale_runs(shm_root, tmp_path, capsys):
         assert run(capsys, "gc", "--stale", "--shm-path", str(shm_root), "--delete")[0] == EXIT_OK
         user_dir = next(Path(shm_root).iterdir())
         assert not (user_dir / dead).exists() and (user_dir / live).exists()
+        from tiered_ckpt.locking import lock_dir
+
+        assert os.listdir(lock_dir(dead)) == []  # the dead run's lock files went with it (lock_dir re-creates)
 
 
 def test_usage_errors_exit_2(capsys, tmp_path):

@@ -8,19 +8,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import Recorder, assert_same, make_items
+from helpers import assert_same, make_items
 
 from tiered_ckpt import CheckpointEngine, NoCheckpointError
-from tiered_ckpt.plugins import get_plugin_manager
-
-
-@pytest.fixture
-def recorder():
-    rec = Recorder()
-    pm = get_plugin_manager()
-    pm.register(rec)
-    yield rec
-    pm.unregister(rec)
 
 
 def tier(kind: str, name: str | None = None, **kw) -> dict:

@@ -11,21 +11,11 @@ import textwrap
 import uuid
 
 import pytest
-from helpers import Recorder, assert_same, make_items
+from helpers import assert_same, make_items
 
 from tiered_ckpt import CheckpointEngine, SaveError
-from tiered_ckpt.plugins import get_plugin_manager
 
 FAST_RETRY = {"attempts": 6, "initial_s": 0.01, "max_s": 0.05, "deadline_s": 30}
-
-
-@pytest.fixture
-def recorder():
-    rec = Recorder()
-    pm = get_plugin_manager()
-    pm.register(rec)
-    yield rec
-    pm.unregister(rec)
 
 
 def _config(shm_root, tmp_path, *extra: dict, run_id: str | None = None) -> dict:

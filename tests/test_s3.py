@@ -17,13 +17,12 @@ from typing import Any
 
 import pytest
 import torch
-from helpers import Recorder, assert_same
+from helpers import assert_same
 
 from tiered_ckpt import CheckpointEngine, NoCheckpointError, SaveError
 from tiered_ckpt.checksum import ALGORITHM, digest
 from tiered_ckpt.cli import main as cli_main
 from tiered_ckpt.errors import ConfigError
-from tiered_ckpt.plugins import get_plugin_manager
 from tiered_ckpt.testing.s3 import S3FaultProxy, S3Server, s3_operation
 from tiered_ckpt.tiers import fsspec_tier
 from tiered_ckpt.tiers.fsspec_tier import FsspecOptions, FsspecTier, redact, redacted_options, secret_values
@@ -78,15 +77,6 @@ class Remote:
 @pytest.fixture
 def remote(s3_server, s3_bucket, s3_fault_proxy) -> Remote:
     return Remote(s3_server, s3_fault_proxy, s3_bucket, f"run-{uuid.uuid4().hex[:8]}")
-
-
-@pytest.fixture
-def recorder():
-    rec = Recorder()
-    pm = get_plugin_manager()
-    pm.register(rec)
-    yield rec
-    pm.unregister(rec)
 
 
 def config(shm_root, *tiers: dict, local: Any = None) -> dict:

@@ -123,3 +123,4 @@ def remove_stale_run(run: StaleRun) -> None:
     if _run_is_live(run.run_id):  # it came back to life since it was listed
         raise RuntimeError(f"run {run.run_id!r} has a live engine now; not removed")
     shutil.rmtree(run.path)
+    shutil.rmtree(lock_dir(run.run_id), ignore_errors=True)  # its lock files go with it

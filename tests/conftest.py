@@ -1,0 +1,23 @@
+"""Fixtures shared by every test directory (the tier fixtures come from tiered_ckpt's own pytest plugin)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))  # `helpers` for tests in sub-directories too
+from helpers import Recorder  # noqa: E402
+
+
+@pytest.fixture
+def recorder():
+    """Every event the engine emits during the test (an observer on the process-wide plugin manager)."""
+    from tiered_ckpt.plugins import get_plugin_manager
+
+    rec = Recorder()
+    pm = get_plugin_manager()
+    pm.register(rec)
+    yield rec
+    pm.unregister(rec)
