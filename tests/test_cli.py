@@ -38,7 +38,7 @@ def ckpt(tmp_path, shm_root):
 def test_every_command_has_help(capsys):
     parser = build_parser()
     commands = parser._subparsers._group_actions[0].choices
-    assert {"plugins", "ls", "inspect", "verify", "gc"} <= set(commands)
+    assert {"plugins", "ls", "inspect", "verify", "gc", "convert", "demo", "bench"} <= set(commands)
     for name in commands:
         with pytest.raises(SystemExit) as info:
             main([name, "--help"])
@@ -157,3 +157,16 @@ def test_demo_small(tmp_path, capsys):
     assert code == EXIT_OK, out
     assert "OK: the resumed run matched the uninterrupted one exactly (from step 10 to 12)" in out
     assert "from tier" in out and "time to durable" in out
+
+
+def test_bench_measures_the_machine_and_each_tier(ckpt, capsys, tmp_path):
+    _, cfg = ckpt
+    path = tmp_path / "tiers.json"
+    path.write_text(json.dumps(cfg))
+    code, out = run(capsys, "bench", "--config", str(path), "--size-mib", "4", "--json")
+    rows = {r["what"]: r for r in json.loads(out)}
+    assert code == EXIT_OK
+    assert rows["copy into pre-faulted memory"]["vs_copy"] == 1.0
+    assert any(w.startswith("write+fsync in ") for w in rows)
+    for what in ("tier 'shm' (shm) write", "tier 'disk' (local) read"):
+        assert rows[what]["bytes"] == 4 << 20 and rows[what]["gb_per_s"] > 0

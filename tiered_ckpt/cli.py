@@ -176,7 +176,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
     results = []
     for store in _file_stores(stores):
         steps = store.committed_steps() if args.all else [_pick_step(store, args.step)]
-        results.extend(verify_step(store, s) for s in steps)
+        results.extend(verify_step(store, s, progress=sys.stderr.isatty() and not args.json) for s in steps)
     bad = [r for r in results if not r.ok]
     if args.json:
         print(json.dumps([{"tier": r.tier, "step": r.step, "files": r.checked, "bytes": r.nbytes,
@@ -223,6 +223,33 @@ def cmd_gc(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def cmd_bench(args: argparse.Namespace) -> int:
+    from . import machine_bench as mb
+
+    nbytes = args.size_mib << 20
+    rows = [mb.copy_prefaulted(nbytes)]
+    if os.path.isdir("/dev/shm"):
+        rows.append(mb.fresh_shm_write(nbytes))
+    stores = {}
+    if args.config or args.target:
+        _, stores = _stores(args)
+    for store in stores.values():
+        path = getattr(store.tier.options, "path", None)
+        if store.tier.kind == "local" and path:
+            rows.append(mb.write_fsync(nbytes, path))
+    if not stores:
+        rows.append(mb.write_fsync(nbytes, os.getcwd()))
+    for store in stores.values():
+        rows.extend(mb.tier_round_trip(store.tier, nbytes))
+    ceiling = rows[0].gbps
+    if args.json:
+        print(json.dumps([{**r.to_dict(), "vs_copy": round(r.gbps / ceiling, 3)} for r in rows], indent=1))
+        return EXIT_OK
+    _print_table([[r.what, f"{r.seconds:.3f}", f"{r.gbps:.2f}", f"{r.gbps / ceiling:.2f}"] for r in rows],
+                 ["what", "seconds", "GB/s", "vs copy"])
+    return EXIT_OK
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
     from .demo.run import run_demo
 
@@ -266,6 +293,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--world", type=int, default=4, help="ranks (default: %(default)s)")
     p.add_argument("--steps", type=int, default=30, help="training steps (default: %(default)s)")
     p.add_argument("--clean", action="store_true", help="remove the workdir afterwards")
+    p = add("bench", cmd_bench, "this machine's memcpy, shm and disk bandwidth, and each configured tier's "
+                                "write and read throughput against them")
+    p.add_argument("--size-mib", type=int, default=256, help="bytes moved per measurement (default: %(default)s)")
     from .megatron.cli_convert import add_convert_command
 
     add_convert_command(sub, add)

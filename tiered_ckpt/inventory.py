@@ -92,15 +92,19 @@ class VerifyReport:
         return not self.problems
 
 
-def verify_step(store: FileStore, step: int) -> VerifyReport:
-    """Re-hash every file of a committed step against its manifest."""
+def verify_step(store: FileStore, step: int, progress: bool = False) -> VerifyReport:
+    """Re-hash every file of a committed step against its manifest (a progress bar on a terminal)."""
+    from tqdm import tqdm
+
     report = VerifyReport(store.name, step)
     try:
         manifest = store.read_manifest(step)
     except (CorruptionError, TierError) as exc:
         report.problems.append(str(exc))
         return report
-    for entry in manifest.files:
+    bar = tqdm(manifest.files, desc=f"verify {store.name} step {step}", unit="file", disable=not progress,
+               leave=False)
+    for entry in bar:
         try:
             blob = store.tier.read_blob(entry.key)
         except (TierError, OSError) as exc:
