@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 import torch
 from helpers import assert_same
+from test_multirank import run_ranks
 
 from tiered_ckpt.megatron import safe_load
-from test_multirank import run_ranks
 
 pytestmark = pytest.mark.slow
 WORKER = Path(__file__).with_name("megatron_worker.py")

@@ -1,0 +1,379 @@
+"""The S3 side of the fsspec tier: transfer limits and constants, botocore/S3 error classification, and the
+parallel multipart upload (:class:`_Upload`); see :mod:`tiered_ckpt.tiers.fsspec_tier` for the behaviour."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import io
+import logging
+import re
+import threading
+from collections.abc import Awaitable
+from concurrent.futures import FIRST_COMPLETED, Future
+from concurrent.futures import wait as wait_futures
+from typing import TYPE_CHECKING, Any
+
+from ..errors import BlobNotFoundError, PermanentTierError, TransientTierError
+
+if TYPE_CHECKING:
+    from .fsspec_tier import FsspecTier
+
+# Same logger as the tier: its S3 messages keep their logger name.
+log = logging.getLogger(__package__ + ".fsspec_tier")
+
+MiB = 1 << 20
+S3_PROTOCOLS = frozenset({"s3", "s3a"})
+S3_MIN_PART = 5 * MiB  # S3 rejects smaller parts (except the last one)
+S3_MAX_PART = 5 << 30
+S3_MAX_PARTS = 10_000
+_READ_PIECE = 16 << 20  # bytes per readinto call
+_READ_ATTEMPTS = 3  # reads of a blob that is being replaced
+_ABORT_ROUNDS = 3  # aborts of a multipart upload while the store still lists it
+_BACKOFF_BASE_S = 0.2  # first wait between two tries of one request; doubles, jittered, up to _BACKOFF_MAX_S
+_BACKOFF_MAX_S = 2.0
+_MIN_RATE = 1 * MiB  # bytes/s a request must at least achieve before its overall ceiling ends it
+_CHECKSUM_FIELDS = ("ChecksumCRC32", "ChecksumCRC32C", "ChecksumCRC64NVME", "ChecksumSHA1", "ChecksumSHA256")
+
+# ----- S3 error helpers --------------------------------------------------------------------------------------
+_NETWORK_ERRORS: tuple[type[BaseException], ...] | None = None
+_CREDENTIAL_ERRORS: tuple[type[BaseException], ...] = ()
+
+
+def _library_errors() -> tuple[tuple[type[BaseException], ...], tuple[type[BaseException], ...]]:
+    """(network/timeouts, missing credentials) exception classes of the S3 stack, imported on first use."""
+    global _NETWORK_ERRORS, _CREDENTIAL_ERRORS
+    if _NETWORK_ERRORS is None:
+        network: list[type[BaseException]] = [asyncio.TimeoutError]
+        credentials: list[type[BaseException]] = []
+        with contextlib.suppress(ImportError):
+            from botocore import exceptions as bx
+            from botocore.parsers import ResponseParserError  # truncated XML of a throttled answer
+
+            network += [bx.HTTPClientError, bx.ConnectionError, ResponseParserError]
+            credentials += [bx.NoCredentialsError, bx.PartialCredentialsError, bx.CredentialRetrievalError]
+        with contextlib.suppress(ImportError):
+            import aiohttp
+
+            network.append(aiohttp.ClientError)
+        _NETWORK_ERRORS, _CREDENTIAL_ERRORS = tuple(network), tuple(credentials)
+    return _NETWORK_ERRORS, _CREDENTIAL_ERRORS
+
+
+def s3_error_code(exc: BaseException | None) -> str | None:
+    """The S3 error code (``SlowDown``, ``NoSuchUpload``, ``PreconditionFailed``...) behind an exception."""
+    for _ in range(6):
+        if exc is None:
+            return None
+        response = getattr(exc, "response", None)
+        if isinstance(response, dict):
+            code = response.get("Error", {}).get("Code")
+            if code:
+                return str(code)
+        exc = exc.__cause__ or exc.__context__
+    return None
+
+
+class _Replaced(Exception):
+    """The object changed between two requests of one read (its ETag no longer matches)."""
+
+
+class _ViewReader(io.RawIOBase):
+    """A read-only, seekable file over a memoryview: botocore sends (and checksums) a slice of a buffer
+    through it in small pieces, without a copy of the whole part."""
+
+    def __init__(self, view: memoryview):
+        super().__init__()
+        self._view = view
+        self._pos = 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._pos
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: len(self._view)}[whence]
+        self._pos = max(0, base + offset)
+        return self._pos
+
+    def readinto(self, b: Any) -> int:
+        n = max(0, min(len(b), len(self._view) - self._pos))
+        memoryview(b).cast("B")[:n] = self._view[self._pos:self._pos + n]
+        self._pos += n
+        return n
+
+    def read(self, size: int | None = -1) -> bytes:
+        end = len(self._view) if size is None or size < 0 else min(len(self._view), self._pos + size)
+        out = self._view[self._pos:end].tobytes() if end > self._pos else b""
+        self._pos = max(self._pos, end)
+        return out
+
+    def __len__(self) -> int:
+        return len(self._view)
+
+
+def _multipart_etag(parts: list[dict[str, Any]]) -> str | None:
+    """The ETag S3 gives an object completed from ``parts`` (MD5 ETags only; None when they are not)."""
+    digests = []
+    for p in parts:
+        tag = str(p.get("ETag", "")).strip('"')
+        if not re.fullmatch(r"[0-9a-fA-F]{32}", tag):
+            return None
+        digests.append(bytes.fromhex(tag))
+    return f'"{hashlib.md5(b"".join(digests), usedforsecurity=False).hexdigest()}-{len(parts)}"'
+
+
+
+def _object_size(resp: dict[str, Any]) -> int:
+    """The whole object's size from a (ranged) GET answer: ``Content-Range: bytes 0-99/1234`` or its length."""
+    content_range = resp.get("ContentRange")
+    if content_range and "/" in content_range:
+        total = content_range.rsplit("/", 1)[1].strip()
+        if total.isdigit():
+            return int(total)
+    return int(resp["ContentLength"])
+
+
+class _Upload:
+    """One blob on S3: a single PUT if it fits in one part, else a parallel multipart upload (module doc)."""
+
+    def __init__(self, tier: FsspecTier, key: str, path: str):
+        self.tier = tier
+        self.key = key
+        self.path = path
+        self.bucket, self.obj, _ = tier.fs.split_path(path)
+        self.part_size = tier.options.part_size
+        self.window = tier.options.max_concurrency
+        self.upload_id: str | None = None
+        self.checksummed = False  # the upload was created with a checksum algorithm: complete with them
+        self.next_part = 1
+        self.inflight: dict[Future, tuple[int, bytearray | None]] = {}
+        self.parts: dict[int, dict[str, Any]] = {}
+        self.free: list[bytearray] = []  # part buffers ready for reuse
+        self.allocated = 0
+        self.buf: bytearray | None = None  # the part being gathered from small chunks
+        self.fill = 0
+        self.ready: bytearray | None = None  # a full part held back until we know more data follows
+        self.total = 0
+        self.stop = threading.Event()
+        self.tasks: set[asyncio.Task] = set()
+
+    # ----- producer side (the caller's thread) ------------------------------------------------------------
+    def feed(self, mv: memoryview) -> None:
+        n = len(mv)
+        if not n:
+            return
+        self.total += n
+        self._flush_ready()
+        pos = self._gather(mv, 0) if self.buf is not None else 0
+        borrowed = []
+        whole = (n - pos) // self.part_size
+        if whole >= self.window:  # a full window of parts straight from the caller's buffer
+            self._flush_ready()
+            for _ in range(whole):
+                borrowed.append(self._submit(mv[pos:pos + self.part_size], None))
+                pos += self.part_size
+        while pos < n:
+            self._flush_ready()
+            pos = self._gather(mv, pos)
+        for fut in borrowed:  # the producer may reuse this chunk once we ask for the next one
+            while fut in self.inflight:
+                self._reap(block=True)
+
+    def finish(self) -> int:
+        if self.upload_id is None:
+            if self.ready is not None:
+                data = memoryview(self.ready)
+            else:
+                data = memoryview(self.buf)[:self.fill] if self.buf is not None else memoryview(b"")
+            self._put(data)
+            return self.total
+        self._flush_ready()
+        if self.buf is not None and self.fill:
+            buf, fill, self.buf, self.fill = self.buf, self.fill, None, 0
+            self._submit(memoryview(buf)[:fill], buf)
+        while self.inflight:
+            self._reap(block=True)
+        self._complete()
+        self.upload_id = None  # completed: nothing left to abort
+        return self.total
+
+    def abort(self) -> None:
+        """Cancel the parts in flight, then abort the multipart upload. Never raises (the caller's error
+        is the one to report); an upload that cannot be aborted is logged with its id."""
+        self.stop.set()
+        if self.inflight:
+            with contextlib.suppress(Exception):
+                self.tier._sync(self._cancel_parts)
+            self.inflight.clear()
+        upload_id, self.upload_id = self.upload_id, None
+        if upload_id is None:
+            return
+        try:
+            self._abort(upload_id)
+        except Exception as exc:
+            log.warning("tier %r: could not abort the multipart upload %s of %s (its parts stay invisible but "
+                        "billed until a lifecycle rule with AbortIncompleteMultipartUpload removes them): %s",
+                        self.tier.name, upload_id, self.tier._redact(self.path), self.tier._redact(str(exc)))
+
+    def _gather(self, mv: memoryview, pos: int) -> int:
+        """Copy from ``mv[pos:]`` into the part being gathered; return the new position."""
+        if self.buf is None:
+            self.buf, self.fill = self._take_buffer(), 0
+        take = min(self.part_size - self.fill, len(mv) - pos)
+        self.buf[self.fill:self.fill + take] = mv[pos:pos + take]
+        self.fill += take
+        if self.fill == self.part_size:
+            self.ready, self.buf, self.fill = self.buf, None, 0
+        return pos + take
+
+    def _flush_ready(self) -> None:
+        if self.ready is not None:
+            buf, self.ready = self.ready, None
+            self._submit(memoryview(buf), buf)
+
+    def _take_buffer(self) -> bytearray:
+        while True:
+            if self.free:
+                return self.free.pop()
+            if self.allocated <= self.window:  # window parts in flight + the one being gathered
+                self.allocated += 1
+                return bytearray(self.part_size)  # calloc: pages are touched only when written
+            self._reap(block=True)
+
+    def _submit(self, view: memoryview, owner: bytearray | None) -> Future:
+        if self.upload_id is None:
+            self._create()
+        if self.next_part > S3_MAX_PARTS:
+            raise PermanentTierError(f"more than {S3_MAX_PARTS} parts of {self.part_size} bytes: raise part_size",
+                                     tier=self.tier.name, key=self.key)
+        while len(self.inflight) >= self.window:
+            self._reap(block=True)
+        number = self.next_part
+        self.next_part += 1
+        fut = asyncio.run_coroutine_threadsafe(self._send_part(number, view), self.tier.fs.loop)
+        self.inflight[fut] = (number, owner)
+        return fut
+
+    def _reap(self, block: bool) -> None:
+        """Collect finished parts (waiting for one if ``block``); raise the first part's error."""
+        done, _ = wait_futures(list(self.inflight), timeout=None if block else 0, return_when=FIRST_COMPLETED)
+        for fut in done:
+            number, owner = self.inflight.pop(fut)
+            if owner is not None:
+                self.free.append(owner)
+            self.parts[number] = fut.result()
+
+    # ----- requests ----------------------------------------------------------------------------------------
+    def _create(self) -> None:
+        tries = [0]
+
+        async def create() -> dict[str, Any]:
+            tries[0] += 1
+            return await self.tier.fs._call_s3("create_multipart_upload", Bucket=self.bucket, Key=self.obj)
+
+        resp = self.tier._sync(self.tier._arequest, "start the multipart upload of", self.key, self.path, create)
+        self.upload_id = resp["UploadId"]
+        self.checksummed = bool(resp.get("ChecksumAlgorithm"))
+        if tries[0] > 1:  # an earlier try may have created an upload whose answer was lost
+            with contextlib.suppress(Exception):
+                self.tier._sync(self._abort_strays)
+
+    async def _abort_strays(self) -> None:
+        resp = await self.tier.fs._call_s3("list_multipart_uploads", Bucket=self.bucket, Prefix=self.obj)
+        for up in resp.get("Uploads", []):
+            if up.get("Key") == self.obj and up.get("UploadId") != self.upload_id:
+                with contextlib.suppress(Exception):
+                    await self.tier.fs._call_s3("abort_multipart_upload", Bucket=self.bucket, Key=self.obj,
+                                                UploadId=up["UploadId"])
+
+    async def _send_part(self, number: int, view: memoryview) -> dict[str, Any]:
+        self.tasks.add(asyncio.current_task())  # first, before any await: _cancel_parts finds every part
+        upload_id = self.upload_id
+
+        def call() -> Awaitable[dict[str, Any]]:
+            return self.tier.fs._call_s3("upload_part", Bucket=self.bucket, Key=self.obj, UploadId=upload_id,
+                                         PartNumber=number, Body=_ViewReader(view))
+
+        resp = await self.tier._arequest(f"upload part {number} of", self.key, self.path, call, nbytes=len(view),
+                                         stop=self.stop)
+        entry = {"PartNumber": number, "ETag": resp["ETag"]}
+        if self.checksummed:
+            entry.update({k: resp[k] for k in _CHECKSUM_FIELDS if resp.get(k)})
+        return entry
+
+    async def _cancel_parts(self) -> None:
+        tasks = [t for t in self.tasks if not t.done()]
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+    def _put(self, data: memoryview) -> None:
+        def call() -> Awaitable[Any]:
+            return self.tier.fs._call_s3("put_object", Bucket=self.bucket, Key=self.obj, Body=_ViewReader(data))
+
+        self.tier._sync(self.tier._arequest, "upload", self.key, self.path, call, nbytes=len(data))
+
+    def _complete(self) -> None:
+        parts = [self.parts[n] for n in sorted(self.parts)]
+        upload_id = self.upload_id
+        tries = [0]
+
+        async def complete() -> Any:
+            tries[0] += 1
+            try:
+                return await self.tier.fs._call_s3("complete_multipart_upload", Bucket=self.bucket, Key=self.obj,
+                                                   UploadId=upload_id, MultipartUpload={"Parts": parts})
+            except FileNotFoundError:
+                # NoSuchUpload on a second try: the first one completed but its answer was lost?
+                if tries[0] > 1 and await self._completed_as(parts):
+                    return None
+                raise
+
+        self.tier._sync(self.tier._arequest, "complete the multipart upload of", self.key, self.path, complete)
+
+    async def _completed_as(self, parts: list[dict[str, Any]]) -> bool:
+        expected = _multipart_etag(parts)
+        if expected is None:
+            return False
+        try:
+            head = await self.tier.fs._call_s3("head_object", Bucket=self.bucket, Key=self.obj)
+        except FileNotFoundError:
+            return False
+        return head.get("ETag") == expected
+
+    def _abort(self, upload_id: str) -> None:
+        """Abort the upload until the store no longer knows it. A part that was in flight when it was cancelled
+        may still be landing on the server: S3 then keeps (or re-creates) the upload's storage, so it is aborted
+        again after a pause, up to ``_ABORT_ROUNDS`` times. Cleanup gets a few tries even if
+        ``request_attempts`` is 1."""
+        tier = self.tier
+        attempts = max(3, tier.options.request_attempts)
+        kw = {"Bucket": self.bucket, "Key": self.obj, "UploadId": upload_id}
+
+        async def abort_until_gone() -> None:
+            for round_ in range(1, _ABORT_ROUNDS + 1):
+                try:
+                    await tier._arequest("abort the multipart upload of", self.key, self.path,
+                                         lambda: tier.fs._call_s3("abort_multipart_upload", **kw),
+                                         missing_ok=True, attempts=attempts)
+                except BlobNotFoundError:  # NoSuchUpload: gone (an earlier abort whose answer was lost)
+                    return
+                try:
+                    await tier._arequest("check the abort of", self.key, self.path,
+                                         lambda: tier.fs._call_s3("list_parts", **kw), missing_ok=True,
+                                         attempts=attempts)
+                except BlobNotFoundError:
+                    return
+                if round_ < _ABORT_ROUNDS:
+                    await asyncio.sleep(tier._backoff(round_))
+            raise TransientTierError(f"the multipart upload {upload_id} is still there after {_ABORT_ROUNDS} aborts",
+                                     tier=tier.name, key=self.key)
+
+        tier._sync(abort_until_gone)
