@@ -2,15 +2,12 @@
 
 from __future__ import annotations
 
-import json
 import os
 import sys
-from datetime import timedelta
-
-import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(__file__))
 from helpers import assert_same, make_items  # noqa: E402
+from rank_main import rank_main  # noqa: E402
 
 from tiered_ckpt import CheckpointEngine, ParallelLayout  # noqa: E402
 from tiered_ckpt.errors import TieredCkptError  # noqa: E402
@@ -20,38 +17,29 @@ def items_for(step: int, rank: int) -> dict:
     return make_items(step * 100 + rank)
 
 
-def main() -> None:
-    spec = json.loads(sys.argv[1])
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=120))
+def body(rank: int, world: int, spec: dict, out: dict) -> None:
     cfg = spec["configs"][str(rank)] if "configs" in spec else spec["config"]
     parallel = ParallelLayout(**spec["parallel"]) if "parallel" in spec else None
-    out: dict = {"rank": rank}
-    try:
-        with CheckpointEngine(cfg, parallel) as engine:
-            out["recovered"] = [h.step for h in engine.recovered]
-            for h in engine.recovered:
-                try:
-                    h.wait(timeout=60)
-                except TieredCkptError as exc:
-                    out.setdefault("recover_errors", []).append(str(exc))
-            for step in spec.get("save", []):
-                handle = engine.save(step, items_for(step, rank))
-                out.setdefault("blocking", []).append(handle.blocking_s)
-                try:
-                    handle.wait(timeout=60)
-                except TieredCkptError as exc:
-                    out.setdefault("save_errors", {})[step] = str(exc)
-            if spec.get("load"):
-                loaded = engine.load()
-                assert_same(items_for(loaded.step, rank), loaded.items)
-                out.update(step=loaded.step, tier=loaded.tier)
-            out["available"] = engine.available_steps()
-    except TieredCkptError as exc:
-        out["error"] = f"{type(exc).__name__}: {exc}"
-    print(json.dumps(out), flush=True)
-    dist.destroy_process_group()
+    with CheckpointEngine(cfg, parallel) as engine:
+        out["recovered"] = [h.step for h in engine.recovered]
+        for h in engine.recovered:
+            try:
+                h.wait(timeout=60)
+            except TieredCkptError as exc:
+                out.setdefault("recover_errors", []).append(str(exc))
+        for step in spec.get("save", []):
+            handle = engine.save(step, items_for(step, rank))
+            out.setdefault("blocking", []).append(handle.blocking_s)
+            try:
+                handle.wait(timeout=60)
+            except TieredCkptError as exc:
+                out.setdefault("save_errors", {})[step] = str(exc)
+        if spec.get("load"):
+            loaded = engine.load()
+            assert_same(items_for(loaded.step, rank), loaded.items)
+            out.update(step=loaded.step, tier=loaded.tier)
+        out["available"] = engine.available_steps()
 
 
 if __name__ == "__main__":
-    main()
+    rank_main(body)

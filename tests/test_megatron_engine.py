@@ -89,8 +89,7 @@ def test_checkpoint_written_by_megatron_loads_at_any_dp(tmp_path, shm_root, worl
     shutil.copy(FIXTURES / "dp4_tp1_pp1" / "latest_checkpointed_iteration.txt", ckpt)
     cfg = {"run_id": f"leg{uuid.uuid4().hex[:6]}", "drain": {"mode": "thread"},
            "tiers": [{"name": "disk", "kind": "local", "path": str(ckpt)}]}
-    results = run_ranks(world, {"config": cfg, "mode": "legacy"}, worker=Path(__file__).with_name(
-        "megatron_legacy_worker.py"))
+    results = run_ranks(world, {"config": cfg, "mode": "legacy"}, worker=WORKER)
     expected_dir = FIXTURES / "dp4_tp1_pp1" / ("local_shards" if world == 4 else f"reload_dp{world}/local_shards")
     for rank, r in results.items():
         assert "error" not in r, r

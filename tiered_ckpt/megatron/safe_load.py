@@ -33,6 +33,7 @@ from typing import Any
 import torch
 
 from ..errors import DecodeError, TieredCkptError, UnsafePickleError
+from ..memfile import MemoryReader
 from . import _standins
 
 log = logging.getLogger(__name__)
@@ -73,13 +74,13 @@ def load_bytes(
 ) -> Any:
     """:func:`load` for a file's content already in memory (read without copying it)."""
     view = memoryview(data).cast("B")
-    return _load(lambda: _MemoryReader(view), where, map_location=map_location, trust_pickles=trust_pickles)
+    return _load(lambda: MemoryReader(view), where, map_location=map_location, trust_pickles=trust_pickles)
 
 
 def unsafe_globals(source: str | os.PathLike[str] | bytes | bytearray | memoryview) -> list[str]:
     """The globals a torch zip file names that our allow-list does not cover (a static scan; loads nothing).
     """
-    f = _MemoryReader(memoryview(source).cast("B")) if isinstance(source, bytes | bytearray | memoryview) \
+    f = MemoryReader(memoryview(source).cast("B")) if isinstance(source, bytes | bytearray | memoryview) \
         else os.fspath(source)
     with allow_megatron_globals():
         return sorted(torch.serialization.get_unsafe_globals_in_checkpoint(f))
@@ -227,35 +228,3 @@ def _numpy_multiarray() -> Any:
     except ImportError:  # pragma: no cover - numpy 1.x
         from numpy.core import multiarray
     return multiarray
-
-
-class _MemoryReader(io.RawIOBase):
-    """A seekable read-only file over a memoryview, so a large blob is not copied into a BytesIO first."""
-
-    def __init__(self, view: memoryview):
-        super().__init__()
-        self._view = view
-        self._pos = 0
-
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
-
-    def readinto(self, b: Any) -> int:
-        n = min(len(b), len(self._view) - self._pos)
-        if n <= 0:
-            return 0
-        memoryview(b).cast("B")[:n] = self._view[self._pos:self._pos + n]
-        self._pos += n
-        return n
-
-    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
-        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: len(self._view)}[whence]
-        self._pos = max(0, base + offset)
-        return self._pos
-
-    def tell(self) -> int:
-        return self._pos
-

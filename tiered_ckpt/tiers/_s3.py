@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hashlib
-import io
 import logging
 import re
 import threading
@@ -16,6 +15,7 @@ from concurrent.futures import wait as wait_futures
 from typing import TYPE_CHECKING, Any
 
 from ..errors import BlobNotFoundError, PermanentTierError, TransientTierError
+from ..memfile import MemoryReader
 
 if TYPE_CHECKING:
     from .fsspec_tier import FsspecTier
@@ -77,45 +77,6 @@ def s3_error_code(exc: BaseException | None) -> str | None:
 
 class _Replaced(Exception):
     """The object changed between two requests of one read (its ETag no longer matches)."""
-
-
-class _ViewReader(io.RawIOBase):
-    """A read-only, seekable file over a memoryview: botocore sends (and checksums) a slice of a buffer
-    through it in small pieces, without a copy of the whole part."""
-
-    def __init__(self, view: memoryview):
-        super().__init__()
-        self._view = view
-        self._pos = 0
-
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
-
-    def tell(self) -> int:
-        return self._pos
-
-    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
-        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: len(self._view)}[whence]
-        self._pos = max(0, base + offset)
-        return self._pos
-
-    def readinto(self, b: Any) -> int:
-        n = max(0, min(len(b), len(self._view) - self._pos))
-        memoryview(b).cast("B")[:n] = self._view[self._pos:self._pos + n]
-        self._pos += n
-        return n
-
-    def read(self, size: int | None = -1) -> bytes:
-        end = len(self._view) if size is None or size < 0 else min(len(self._view), self._pos + size)
-        out = self._view[self._pos:end].tobytes() if end > self._pos else b""
-        self._pos = max(self._pos, end)
-        return out
-
-    def __len__(self) -> int:
-        return len(self._view)
 
 
 def _multipart_etag(parts: list[dict[str, Any]]) -> str | None:
@@ -299,7 +260,7 @@ class _Upload:
 
         def call() -> Awaitable[dict[str, Any]]:
             return self.tier.fs._call_s3("upload_part", Bucket=self.bucket, Key=self.obj, UploadId=upload_id,
-                                         PartNumber=number, Body=_ViewReader(view))
+                                         PartNumber=number, Body=MemoryReader(view))
 
         resp = await self.tier._arequest(f"upload part {number} of", self.key, self.path, call, nbytes=len(view),
                                          stop=self.stop)
@@ -316,7 +277,7 @@ class _Upload:
 
     def _put(self, data: memoryview) -> None:
         def call() -> Awaitable[Any]:
-            return self.tier.fs._call_s3("put_object", Bucket=self.bucket, Key=self.obj, Body=_ViewReader(data))
+            return self.tier.fs._call_s3("put_object", Bucket=self.bucket, Key=self.obj, Body=MemoryReader(data))
 
         self.tier._sync(self.tier._arequest, "upload", self.key, self.path, call, nbytes=len(data))
 
