@@ -37,7 +37,7 @@ def launch(world: int, spec: dict, *, timeout: float = 300) -> list[dict]:
         procs.append(subprocess.Popen([sys.executable, "-m", "tiered_ckpt.demo.train", json.dumps(spec)], env=env,
                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
     deadline = time.monotonic() + timeout
-    while any(p.poll() is None for p in procs):
+    while [p.poll() for p in procs].count(None):  # poll every rank, every time (no short-circuit)
         if any(p.returncode is not None and p.returncode < 0 for p in procs):
             for p in procs:
                 if p.poll() is None:
