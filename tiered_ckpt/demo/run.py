@@ -27,15 +27,22 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def launch(world: int, spec: dict, *, timeout: float = 300) -> list[dict]:
-    """Start ``world`` ranks; if one dies by a signal, stop the others (the job restarts as a whole)."""
+def launch(world: int, spec: dict, logs: Path, *, timeout: float = 300) -> list[dict]:
+    """Start ``world`` ranks; if one dies by a signal, stop the others (the job restarts as a whole).
+
+    Each rank writes to files in ``logs``, not to pipes: a killed rank's drain worker lives on to finish its
+    writes, and would hold a pipe open long after the job is gone."""
     port = _free_port()
-    procs = []
+    logs.mkdir(parents=True, exist_ok=True)
+    procs, outputs = [], []
     for rank in range(world):
         env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank),
                "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1"}
-        procs.append(subprocess.Popen([sys.executable, "-m", "tiered_ckpt.demo.train", json.dumps(spec)], env=env,
-                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+        out, err = logs / f"rank_{rank}.out", logs / f"rank_{rank}.err"
+        with open(out, "w") as fo, open(err, "w") as fe:
+            procs.append(subprocess.Popen([sys.executable, "-m", "tiered_ckpt.demo.train", json.dumps(spec)],
+                                          env=env, stdout=fo, stderr=fe))
+        outputs.append((out, err))
     deadline = time.monotonic() + timeout
     while [p.poll() for p in procs].count(None):  # poll every rank, every time (no short-circuit)
         if any(p.returncode is not None and p.returncode < 0 for p in procs):
@@ -49,12 +56,11 @@ def launch(world: int, spec: dict, *, timeout: float = 300) -> list[dict]:
         time.sleep(0.05)
     crashed = any(p.returncode == -signal.SIGKILL for p in procs)
     records = []
-    for rank, p in enumerate(procs):
-        out, err = p.communicate()
+    for rank, (p, (out, err)) in enumerate(zip(procs, outputs, strict=True)):
         # After a rank's death the others fail in their next collective: expected, the job restarts.
         if p.returncode != 0 and not crashed:
-            raise RuntimeError(f"rank {rank} failed (exit {p.returncode}):\n{err[-3000:]}")
-        records += [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+            raise RuntimeError(f"rank {rank} failed (exit {p.returncode}):\n{err.read_text()[-3000:]}")
+        records += [json.loads(line) for line in out.read_text().splitlines() if line.startswith("{")]
     return records
 
 
@@ -124,16 +130,17 @@ def run_demo(workdir: str, *, world: int = 4, steps: int = 30, save_every: int =
     t0 = time.perf_counter()
 
     print("1/3 the uninterrupted run (reference)")
-    reference = _losses(launch(world, {"steps": steps, "save_every": save_every}))
+    reference = _losses(launch(world, {"steps": steps, "save_every": save_every}, work / "logs" / "reference"))
 
     print(f"2/3 the same run with checkpoints; rank {kill_rank} is killed with SIGKILL at step {kill_step}")
     crashed = launch(world, {"steps": steps, "save_every": save_every, "config": config,
-                             "kill_rank": kill_rank, "kill_step": kill_step})
+                             "kill_rank": kill_rank, "kill_step": kill_step}, work / "logs" / "crashed")
     saved = sorted({r["saved"] for r in crashed if "saved" in r})
     print(f"    saved steps {saved}; the job died at step {kill_step}")
 
     print("3/3 the job restarts: every rank resumes from the newest step all ranks can read")
-    resumed = launch(world, {"steps": steps, "save_every": save_every, "config": config, "resume": True})
+    resumed = launch(world, {"steps": steps, "save_every": save_every, "config": config, "resume": True},
+                     work / "logs" / "resumed")
     starts = {r["rank"]: (r["resumed"], r["tier"], r["load_s"]) for r in resumed if "resumed" in r}
     step0 = {s for s, _, _ in starts.values()}
     after = _losses(resumed)
