@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import fcntl
 import os
-import stat
 import tempfile
 
-from .errors import RunLockedError, TieredCkptError
+from .errors import RunLockedError
+from .private_dirs import private_dir
 from .tiers.base import _user_name
 
 
@@ -22,24 +22,8 @@ def lock_dir(run_id: str) -> str:
         os.makedirs(override, exist_ok=True)  # the user's choice of place: used as it is
         base = override
     else:
-        base = _private_dir(os.path.join(tempfile.gettempdir(), f"tiered_ckpt-{_user_name()}"))
-    return _private_dir(os.path.join(base, run_id))
-
-
-def _private_dir(path: str) -> str:
-    try:
-        os.mkdir(path, 0o700)
-    except FileExistsError:
-        pass
-    st = os.lstat(path)
-    if not stat.S_ISDIR(st.st_mode):
-        raise TieredCkptError(f"{path} is not a directory (a symlink or a file); refusing to keep lock files there")
-    if st.st_uid != os.geteuid():
-        raise TieredCkptError(f"{path} belongs to uid {st.st_uid}, not to this user (uid {os.geteuid()}); refusing "
-                              "to keep lock files where another user can take or replace them")
-    if stat.S_IMODE(st.st_mode) & 0o077:
-        os.chmod(path, 0o700)
-    return path
+        base = private_dir(os.path.join(tempfile.gettempdir(), f"tiered_ckpt-{_user_name()}"), "lock files")
+    return private_dir(os.path.join(base, run_id), "lock files")
 
 
 class RunLock:

@@ -38,7 +38,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ..errors import BlobNotFoundError, CapacityError, PermanentTierError
+from ..errors import BlobNotFoundError, CapacityError, PermanentTierError, TieredCkptError
+from ..private_dirs import private_dir
 from ..validate import Size
 from ._files import BlobFiles, make_dirs
 from .base import Capabilities, Chunk, Tier, TierContext, check_key, check_prefix
@@ -154,24 +155,10 @@ class ShmTier(Tier):
                     os.chmod(base, 0o1777)
                 except OSError:
                     pass
-            user_dir = os.path.join(base, user)
             try:
-                os.mkdir(user_dir, 0o700)
-            except FileExistsError:
-                pass
-            st = os.lstat(user_dir)
-            if not stat.S_ISDIR(st.st_mode):
-                raise PermanentTierError(
-                    f"{user_dir} is not a directory (a symlink or a file); refusing to use it",
-                    tier=self.name)
-            if st.st_uid != os.geteuid():
-                raise PermanentTierError(
-                    f"{user_dir} belongs to uid {st.st_uid}, not to this user (uid {os.geteuid()}); refusing "
-                    "to keep checkpoints where another user can read or replace them", tier=self.name)
-            if stat.S_IMODE(st.st_mode) & 0o077:
-                log.warning("tier %r: %s was mode %o; setting it to 0700", self.name, user_dir,
-                            stat.S_IMODE(st.st_mode))
-                os.chmod(user_dir, 0o700)
+                private_dir(os.path.join(base, user), "checkpoints")
+            except TieredCkptError as exc:
+                raise PermanentTierError(str(exc), tier=self.name) from None
             try:
                 os.mkdir(self.root, 0o700)
             except FileExistsError:
