@@ -125,7 +125,8 @@ def make(name: str, quick: bool = False) -> dict[str, Any]:
 
 
 def tensors(obj: Any) -> list[torch.Tensor]:
-    """Every tensor in a nested state, in a fixed order."""
+    """Every tensor in a nested state, in a fixed order. (Not tiered_ckpt's: this module also runs in DLRover's
+    venv, where the tiered_ckpt package and its dependencies are not installed.)"""
     if isinstance(obj, torch.Tensor):
         return [obj]
     if isinstance(obj, dict):

@@ -20,7 +20,7 @@ from tiered_ckpt.errors import (
     TierError,
     TransientTierError,
 )
-from tiered_ckpt.testing.contract import TierContract, host_bytes
+from tiered_ckpt.testing.contract import TierContract, host_bytes, raw_files
 from tiered_ckpt.tiers import _files, gpu, shm
 from tiered_ckpt.tiers.base import TierContext, as_memoryview
 from tiered_ckpt.tiers.fsspec_tier import FsspecOptions, FsspecTier
@@ -30,14 +30,6 @@ from tiered_ckpt.tiers.shm import ShmTier, filesystem_type
 from tiered_ckpt.validate import build_dataclass
 
 MiB = 1 << 20
-
-
-def raw_files(root) -> list[str]:
-    """Every file under ``root`` as the file system has it (temporary files included)."""
-    out = []
-    for dirpath, _, files in os.walk(root):
-        out += [os.path.relpath(os.path.join(dirpath, f), root) for f in files]
-    return sorted(out)
 
 
 def failing_chunks(nbytes: int):

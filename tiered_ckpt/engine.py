@@ -338,7 +338,7 @@ class CheckpointEngine:
             items = legacy.load_rank_items(store.tier, step, self.coords, trust_pickles=trust, verify=verify)
         except (LayoutMismatchError, NoCheckpointError) as exc:
             raise TierError(str(exc), tier=store.name) from None
-        nbytes = sum(t.numel() * t.element_size() for t in _tensors(dict(items)))
+        nbytes = sum(t.numel() * t.element_size() for t in _tensors(items))
         return dict(items), bool(items.verified), nbytes
 
     # ----- lifecycle ---------------------------------------------------------------------------------------

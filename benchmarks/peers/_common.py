@@ -339,3 +339,12 @@ def timed(fn: Callable[[], Any]) -> tuple[float, Any]:
 def settle() -> None:
     gc.collect()
     time.sleep(0.2)
+
+
+def open_memory_window() -> tuple[dict[str, int], bool, MemorySampler]:
+    """The start of every measured phase: settle, take the RSS baseline, reset the kernel's peak, start sampling.
+    Returns (baseline status, whether the peak could be reset, the running sampler)."""
+    settle()
+    before = proc_status()
+    reset = reset_peak_rss()
+    return before, reset, MemorySampler().start()

@@ -36,10 +36,7 @@ def main() -> int:
         return path
 
     # dcp.save
-    c.settle()
-    before = c.proc_status()
-    out["peak_reset"] = c.reset_peak_rss()
-    sampler = c.MemorySampler().start()
+    before, out["peak_reset"], sampler = c.open_memory_window()
     save_s = []
     for _ in range(1 + args.warm):
         path = target()
@@ -49,10 +46,7 @@ def main() -> int:
     out["save_s"] = save_s
 
     # dcp.async_save
-    c.settle()
-    before = c.proc_status()
-    c.reset_peak_rss()
-    sampler = c.MemorySampler().start()
+    before, _, sampler = c.open_memory_window()
     blocking, total = [], []
     for _ in range(1 + args.warm):
         path = target()

@@ -59,10 +59,7 @@ def main() -> int:
         baseline = c.CopyBaseline(tensors)
         raw_dir = os.path.join(args.workdir, "raw")
         kids_baseline = c.wait_children_settled()
-        c.settle()
-        before = c.proc_status()
-        out["peak_reset"] = c.reset_peak_rss()
-        sampler = c.MemorySampler().start()
+        before, out["peak_reset"], sampler = c.open_memory_window()
 
         first, _ = c.timed(lambda: ck.save_checkpoint(1, items, storage_type=StorageType.MEMORY))
         warm, copy_s = [], []

@@ -71,10 +71,7 @@ def main() -> int:
         baseline = c.CopyBaseline(tensors)  # made before the RSS baseline: its pages are not the save's
         raw_dir = os.path.join(args.workdir, "raw")
         kids_baseline = c.wait_children_settled()
-        c.settle()
-        before = c.proc_status()
-        out["peak_reset"] = c.reset_peak_rss()
-        sampler = c.MemorySampler().start()
+        before, out["peak_reset"], sampler = c.open_memory_window()
 
         out["prepare_s"], _ = c.timed(lambda: engine.prepare(items))
         first = engine.save(1, items)

@@ -19,10 +19,7 @@ def main() -> int:
     args = c.parse_args(__doc__.split("\n")[0])
     items = c.states.make(args.state, args.quick)
     out: dict = {"candidate": "torch_save", "state": args.state, "bytes": c.states.nbytes(items)}
-    c.settle()
-    before = c.proc_status()
-    out["peak_reset"] = c.reset_peak_rss()
-    sampler = c.MemorySampler().start()
+    before, out["peak_reset"], sampler = c.open_memory_window()
     save_s, fsync_s, path = [], [], None
     for step in range(1 + args.warm):
         new = os.path.join(args.workdir, f"step_{step}.pt")

@@ -19,6 +19,7 @@ capability as the reason. The semantics tested are the ones :mod:`tiered_ckpt.ti
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from typing import Any
@@ -56,6 +57,14 @@ INVALID_KEYS = ["", "/abs/key", "../up", "a/../b", "a//b", "./a", "a/", "a\\b", 
 def host_bytes(data: Any) -> bytes:
     """The bytes of a chunk or of a ``read_blob`` result (any device)."""
     return bytes(as_memoryview(data))
+
+
+def raw_files(root: Any) -> list[str]:
+    """Every file under ``root`` as the file system has it (temporary files included), relative and sorted."""
+    out = []
+    for dirpath, _, files in os.walk(root):
+        out += [os.path.relpath(os.path.join(dirpath, f), root) for f in files]
+    return sorted(out)
 
 
 def _digest(data: Any) -> str:

@@ -14,19 +14,12 @@ from tiered_ckpt_faults import FaultyOptions, FaultyTier, tiered_ckpt_register_t
 
 from tiered_ckpt.errors import ConfigError, PermanentTierError, TransientTierError
 from tiered_ckpt.registry import Registry
-from tiered_ckpt.testing.contract import host_bytes
+from tiered_ckpt.testing.contract import host_bytes, raw_files
 from tiered_ckpt.testing.pytest_plugin import build_tier_registry
 from tiered_ckpt.tiers.local import LocalOptions, LocalTier
 from tiered_ckpt.validate import build_dataclass
 
 MiB = 1 << 20
-
-
-def raw_files(root) -> list[str]:
-    out = []
-    for dirpath, _, files in os.walk(root):
-        out += [os.path.relpath(os.path.join(dirpath, f), root) for f in files]
-    return sorted(out)
 
 
 @pytest.fixture
