@@ -13,8 +13,11 @@ figure the median of ``--repeats`` runs:
    long the caller blocks to enqueue them, how long until they are done, and how much the copy and the compute
    overlap (pageable slot vs registered slot);
 3. the gpu tier: a raw device-to-device ``copy_`` baseline and ``CheckpointEngine.save()`` blocking time with
-   tiers gpu + shm + local (first after ``prepare()`` and warm), the time until the shm and local tiers commit, and
-   the same state saved straight into shm (no gpu tier: today's unpinned device-to-host path).
+   tiers gpu + shm + local (first after ``prepare()`` and warm; the library copies on a side stream and the gpu
+   → shm hop lands in page-locked slots, shm ``pin: auto``), the time until the shm and local tiers commit; then
+   the same state saved straight into shm (no gpu tier: the device-to-host copy is the blocking part) with the
+   shm tier's ``pin: true`` and ``pin: false``, each reporting whether its slots were actually registered
+   (``ShmTier.is_pinned``) and its GB/s against the pinned-memory baseline of part 1.
 
 Writes JSON to ``$OUT/cuda_check.json`` when ``$OUT`` is set (or ``--json PATH``) and prints a table. Without a
 GPU it says so and exits 0 having measured nothing (``--cpu-dry-run`` runs the same code on the CPU, skipping
@@ -212,14 +215,17 @@ def engine_part(dev: Dev, tensors: list[torch.Tensor], repeats: int) -> dict[str
     commits = Commits()
     pm = get_plugin_manager()
     pm.register(commits)
+    # pin: true needs CUDA (a ConfigError without): the dry run asks for "auto", which pins nothing on the CPU.
+    runs = (("gpu_shm_local", True, "auto"), ("shm_local_pinned", False, "auto" if dev.dry else True),
+            ("shm_local_unpinned", False, False))
     try:
-        for name, with_gpu in (("gpu_shm_local", True), ("shm_local", False)):
+        for name, with_gpu, pin in runs:
             shm = tempfile.mkdtemp(prefix="cuda_check_", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
             disk = tempfile.mkdtemp(prefix="cuda_check_")
             tiers = [{"name": "hbm", "kind": "gpu", "device": str(dev.device), "slots": 2}] if with_gpu else []
-            tiers += [{"name": "shm", "kind": "shm", "path": shm, "slots": 2},
+            tiers += [{"name": "shm", "kind": "shm", "path": shm, "slots": 2, "pin": pin},
                       {"name": "local", "kind": "local", "path": os.path.join(disk, "ckpt"), "keep": 1}]
-            res: dict[str, Any] = {}
+            res: dict[str, Any] = {"pin": pin}
             try:
                 with CheckpointEngine({"run_id": f"cuda-check-{uuid.uuid4().hex[:6]}", "tiers": tiers}) as eng:
                     t0 = time.perf_counter()
@@ -228,6 +234,7 @@ def engine_part(dev: Dev, tensors: list[torch.Tensor], repeats: int) -> dict[str
                     h = eng.save(1, items)
                     res["first_s"] = h.blocking_s
                     h.wait()
+                    res["registered"] = registered_slots(eng, "shm")
                     warm, shm_s, local_s = [], [], []
                     for step in range(2, 2 + repeats):
                         h = eng.save(step, items)
@@ -251,6 +258,15 @@ def engine_part(dev: Dev, tensors: list[torch.Tensor], repeats: int) -> dict[str
     finally:
         pm.unregister(commits)
     return out
+
+
+def registered_slots(eng: Any, tier: str) -> list[bool] | str:
+    """Per slot of ``tier``: is it page-locked (``cudaHostRegister``-ed by the library)?"""
+    store = eng.pipeline.stores[tier]
+    is_pinned = getattr(store.tier, "is_pinned", None)
+    if is_pinned is None:
+        return "unknown (this tiered_ckpt does not pin shm slots)"
+    return [bool(is_pinned(store.data_key(i))) for i in range(store.nslots)]
 
 
 # ----- main -----------------------------------------------------------------------------------------------------
@@ -353,7 +369,9 @@ def report(r: dict[str, Any]) -> str:
     eng = r["engine"]
     if "skipped" in eng:
         lines.append(f"engine: skipped ({eng['skipped']})")
-    for name, label in (("gpu_shm_local", "tiers gpu + shm + local"), ("shm_local", "tiers shm + local (no gpu)")):
+    for name, label in (("gpu_shm_local", "tiers gpu + shm + local"),
+                        ("shm_local_pinned", "tiers shm + local (no gpu)"),
+                        ("shm_local_unpinned", "tiers shm + local (no gpu)")):
         e = eng.get(name)
         if not e:
             continue
@@ -361,9 +379,14 @@ def report(r: dict[str, Any]) -> str:
             lines.append(f"engine, {label}: error: {e['error']}")
             continue
         extra = f", shm committed {e['shm_commit_after_s']:.3f} s after" if "shm_commit_after_s" in e else ""
-        lines.append(f"engine, {label}: save() blocking first {e['first_s']:.4f} s, warm {e['warm_s']:.4f} s "
-                     f"({gbps(n, e['warm_s']):.1f} GB/s){extra}, local committed {e['local_commit_after_s']:.3f} s "
-                     f"after; prepare {e['prepare_s']:.3f} s; load() from {e['load_tier']}")
+        pinned = e.get("registered")
+        pinned = (f"{sum(pinned)}/{len(pinned)} shm slots registered" if isinstance(pinned, list)
+                  else f"shm slots registered: {pinned}")
+        pin = str(e.get("pin")).lower()
+        lines.append(f"engine, {label} (shm pin: {pin}): save() blocking first {e['first_s']:.4f} s, warm "
+                     f"{e['warm_s']:.4f} s ({gbps(n, e['warm_s']):.1f} GB/s, {base / e['warm_s']:.2f} of pinned "
+                     f"copy_){extra}, local committed {e['local_commit_after_s']:.3f} s after; prepare "
+                     f"{e['prepare_s']:.3f} s; {pinned}; load() from {e['load_tier']}")
     return "\n".join(lines)
 
 

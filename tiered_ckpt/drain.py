@@ -238,11 +238,9 @@ class DrainRuntime:
             slots.pop(slot, None)
         target.invalidate(slot)
         buf = target.buffer(slot, meta.total_bytes)
-        buf[:meta.total_bytes].copy_(data)
-        if buf.device.type == "cuda" or data.device.type == "cuda":
-            import torch
+        from .cuda_streams import copy_bytes  # CUDA only when a side is on CUDA: on a side stream, event-waited
 
-            torch.cuda.synchronize()
+        copy_bytes(buf[:meta.total_bytes], data, purpose="drain")
         target.publish(replace(meta, slot=slot, rank=target.rank))
         with self._cond:
             slots[slot] = job.req.step

@@ -37,11 +37,13 @@ This module is the public API; the walk lives in ``_flat_encode``, header parsin
 
 from __future__ import annotations
 
+import contextlib
 import json
 from typing import Any
 
 import torch
 
+from tiered_ckpt import cuda_streams
 from tiered_ckpt.codecs._flat_common import (
     _DTYPE_NAME,
     ALIGNMENT,
@@ -126,7 +128,7 @@ def _build_views(plan: SnapshotPlan, dest: torch.Tensor) -> tuple[list, list, li
         views.append(base.as_strided(shape, strides, start + entry.offset // itemsize))
         sdev = src.device
         nb = flags.get(sdev)
-        if nb is None:  # CPU -> CPU: plain copy; anything involving CUDA: async, one synchronize at the end
+        if nb is None:  # CPU -> CPU: plain copy; anything involving CUDA: async on a side stream, one wait at the end
             nb = flags[sdev] = sdev.type == "cuda" or ddev.type == "cuda"
         non_blocking.append(nb)
     sync = sorted({d for d in (*flags, ddev) if d.type == "cuda"}, key=str)
@@ -136,21 +138,24 @@ def _build_views(plan: SnapshotPlan, dest: torch.Tensor) -> tuple[list, list, li
 def copy_into(plan: SnapshotPlan, dest: torch.Tensor, *, synchronize: bool = True) -> None:
     """Copy every source of ``plan`` into its slot of ``dest`` (a 1-D uint8 tensor of >= ``total_bytes``).
 
-    CPU -> CPU is a plain ``copy_``; copies involving CUDA are issued with ``non_blocking=True`` and, unless
-    ``synchronize=False``, followed by one synchronize per CUDA device involved (so the sources may be
-    modified as soon as this returns). ``dest`` must start at a storage offset aligned to the largest element
-    size stored (16 bytes covers every dtype).
+    CPU -> CPU is a plain ``copy_``. Copies involving CUDA are issued with ``non_blocking=True`` on a side stream
+    per CUDA device involved (:mod:`tiered_ckpt.cuda_streams`), after the work already queued on the current
+    stream (the tensors' producers). Unless ``synchronize=False`` this then waits for those copies only (an
+    event, not a device-wide synchronize that would also wait for the training kernels queued since), so the
+    sources may be modified as soon as this returns. With ``synchronize=False`` the current streams are made to
+    wait for the copies instead: later work queued there is ordered after them, but the host must synchronize
+    before it reads ``dest`` or changes a source itself. ``dest`` must start at a storage offset aligned to the
+    largest element size stored (16 bytes covers every dtype).
     """
     _check_buffer(dest, plan.total_bytes, "copy_into destination", ValueError)
     if not plan.sources:
         return
     views, non_blocking, sync = _dest_views(plan, dest)
-    with torch.no_grad():
+    # One context per call, none per tensor: the CPU -> CPU path costs what it did before side streams.
+    streams = cuda_streams.on_side_streams(sync, synchronize=synchronize) if sync else contextlib.nullcontext()
+    with torch.no_grad(), streams:
         for view, src, nb in zip(views, plan.sources, non_blocking, strict=True):
             view.copy_(src, non_blocking=nb)
-    if synchronize:
-        for device in sync:
-            torch.cuda.synchronize(device)
 
 
 # -------------------------------------------------------------------------------------------------- header

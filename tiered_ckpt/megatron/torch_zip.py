@@ -21,7 +21,6 @@ import io
 import pickle
 import struct
 import sys
-import zlib
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -29,6 +28,11 @@ from typing import Any
 import torch
 
 from ..tiers.base import as_memoryview
+
+try:  # ISA-L's CRC-32 runs at ~20 GB/s, zlib's at ~4: on a 2 GiB file that is most of the cost above a raw write
+    from isal.isal_zlib import crc32
+except ImportError:  # pragma: no cover - platforms without isal wheels
+    from zlib import crc32
 
 ALIGNMENT = 64
 PICKLE_PROTOCOL = 2  # torch.save's default
@@ -231,7 +235,7 @@ class _ZipStream:
         crc, n = 0, 0
         for chunk in chunks:
             mv = as_memoryview(chunk)
-            crc = zlib.crc32(mv, crc)
+            crc = crc32(mv, crc)
             n += len(mv)
             if n > size:
                 raise ValueError(f"record {name}: more than the announced {size} bytes")

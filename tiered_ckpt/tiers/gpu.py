@@ -7,10 +7,19 @@ the tier checks ``max_bytes`` (the sum of what it holds) and, on CUDA, the free 
 a save.
 
 ``enabled: auto`` turns the tier on only where the device exists: the engine calls :func:`resolve_enabled`.
+
+On CUDA the snapshot is a device-to-device copy into a slot (``flat.copy_into``, called by ``save()``) and the
+copies of ``write_blob`` run on a side stream of the device (:mod:`tiered_ckpt.cuda_streams`): after the work
+already queued on the caller's stream, and waited for through an event, never a device-wide synchronize that
+would also wait for the training kernels queued since. A slot is allocated on the caller's stream and written
+on the side stream, which waits for the caller's stream first, so a block the allocator just reused is never
+overwritten early; every copy into it is complete before the call returns, so a replaced slot is never freed
+under a copy still running.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 from collections.abc import Iterable
@@ -18,6 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .. import cuda_streams
 from ..errors import BlobNotFoundError, CapacityError, ConfigError, TierError
 from ..validate import Size
 from .base import Capabilities, Chunk, Tier, TierContext, as_memoryview, check_key, check_prefix
@@ -150,28 +160,34 @@ class GpuTier(Tier):
         check_key(key)
         old = self._blobs.get(key)
         replacing = old.numel() if old is not None else 0
-        if isinstance(chunks, (list, tuple)):  # sizes known: one buffer, filled in place
-            views = [self._device_bytes(c) for c in chunks]
-            total = sum(v.numel() for v in views)
-            self._check_limit(key, total, replacing)
-            out = self._empty(key, total)
-            pos = 0
-            for v in views:
-                out[pos:pos + v.numel()].copy_(v)
-                pos += v.numel()
-        else:  # a stream: copy each chunk as it comes (the producer may reuse its buffer), then join
-            parts, total = [], 0
-            for chunk in chunks:
-                v = self._device_bytes(chunk)
-                self._check_limit(key, total + v.numel(), replacing)
-                parts.append(self._empty(key, v.numel()).copy_(v))
-                total += v.numel()
-            if len(parts) == 1:
-                out = parts[0]
-            else:
+        # On CUDA: copies on the device's side stream, complete when the block ends (readers on other threads
+        # and streams see whole blobs). A streamed producer runs inside the block too, so its reuse of a device
+        # buffer is queued on the side stream, behind the copy of the previous chunk.
+        cuda = self.device.type == "cuda"
+        streams = cuda_streams.on_side_streams([self.device]) if cuda else contextlib.nullcontext()
+        with streams:
+            if isinstance(chunks, (list, tuple)):  # sizes known: one buffer, filled in place
+                views = [self._device_bytes(c) for c in chunks]
+                total = sum(v.numel() for v in views)
+                self._check_limit(key, total, replacing)
                 out = self._empty(key, total)
-                if parts:
-                    torch.cat(parts, out=out)
+                pos = 0
+                for v in views:
+                    out[pos:pos + v.numel()].copy_(v, non_blocking=cuda and v.device.type == "cuda")
+                    pos += v.numel()
+            else:  # a stream: copy each chunk as it comes (the producer may reuse its buffer), then join
+                parts, total = [], 0
+                for chunk in chunks:
+                    v = self._device_bytes(chunk)
+                    self._check_limit(key, total + v.numel(), replacing)
+                    parts.append(self._empty(key, v.numel()).copy_(v, non_blocking=cuda and v.device.type == "cuda"))
+                    total += v.numel()
+                if len(parts) == 1:
+                    out = parts[0]
+                else:
+                    out = self._empty(key, total)
+                    if parts:
+                        torch.cat(parts, out=out)
         with self._lock:
             self._blobs[key] = out  # one dict store: readers see the old tensor or the new one
         return total

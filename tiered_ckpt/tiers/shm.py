@@ -22,6 +22,13 @@ warning if not: a disk-backed "shm" turns a memory-speed snapshot into a disk wr
   full: load with copies there.)
 * **Writes** of whole blobs go to a temporary file in the same directory, then ``rename`` (no fsync: tmpfs has
   no disk to sync).
+* **Page-locking** (``pin``). In a process that copies from CUDA, each slot's mapping is registered with
+  ``cudaHostRegister`` when it is allocated, so device-to-host copies into it run at DMA speed instead of through
+  the driver's pageable staging path; it is unregistered before the mapping is dropped, replaced or grown, and at
+  ``close``. ``auto`` (the default) pins only where this process has already initialised CUDA: the drain worker,
+  which only maps slots to read them, and CPU-only jobs never touch CUDA. ``true`` insists (a
+  :class:`~tiered_ckpt.errors.ConfigError` at the first slot where CUDA is not available); ``false`` never pins.
+  A registration that fails is logged once per slot and the slot works unpinned.
 """
 
 from __future__ import annotations
@@ -35,10 +42,12 @@ import stat
 import threading
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 
-from ..errors import BlobNotFoundError, CapacityError, PermanentTierError, TieredCkptError
+from .. import cuda_streams
+from ..errors import BlobNotFoundError, CapacityError, ConfigError, PermanentTierError, TieredCkptError
 from ..private_dirs import private_dir
 from ..validate import Size
 from ._files import BlobFiles, make_dirs
@@ -56,6 +65,8 @@ _POPULATE_READ_MIN = 1 << 20  # below this, faulting pages in on first touch cos
 class ShmOptions:
     path: str = "/dev/shm/tiered_ckpt"  # on tmpfs; blobs go to {path}/{user}/{run_id}/
     min_free: Size = 0  # headroom left free on the filesystem for everybody else
+    # page-lock slots (cudaHostRegister) for device-to-host copies: "auto" where this process already uses CUDA
+    pin: bool | Literal["auto"] = "auto"
 
 
 def _unescape(field: str) -> str:
@@ -110,11 +121,19 @@ class _Slot:
     tensor: torch.Tensor
     dev: int
     ino: int
+    pinned: bool = False  # registered with cudaHostRegister
+    pin_tried: bool = False  # registration attempted (a failure is warned about once, not at every reuse)
 
-    def release(self) -> None:
+    def release(self, tier: str = "", key: str = "") -> None:
         """Forget the slot. Never ``mm.close()``: tensors from ``torch.frombuffer`` hold a reference to the
         mmap object but no buffer export, so closing it would unmap memory they still point to (a segfault).
-        The mapping goes away when the last tensor over it does."""
+        The mapping goes away when the last tensor over it does; it is unregistered first, so CUDA never holds
+        a registration of memory that is later unmapped (tensors still over it keep working, unpinned)."""
+        if self.pinned and self.tensor is not None:
+            error = cuda_streams.host_unregister(self.tensor.data_ptr())
+            if error is not None:
+                log.warning("tier %r: cudaHostUnregister of slot %s failed: %s", tier, key, error)
+            self.pinned = False
         self.tensor = None  # type: ignore[assignment]
         self.mm = None  # type: ignore[assignment]
 
@@ -246,7 +265,7 @@ class ShmTier(Tier):
         prefix = check_prefix(prefix.rstrip("/") + "/")
         with self._lock:
             for key in [k for k in self._slots if k.startswith(prefix)]:
-                self._slots.pop(key).release()
+                self._slots.pop(key).release(self.name, key)
         self.files.delete_prefix(prefix)
 
     # ----- slots -------------------------------------------------------------------------------------------
@@ -255,12 +274,15 @@ class ShmTier(Tier):
         if nbytes < 0:
             raise ValueError(f"nbytes must be >= 0, got {nbytes}")
         path = self.files.path(key)
+        pin = self._want_pin()  # before anything is allocated: `pin: true` without CUDA fails here
         with self._lock:
             slot = self._slots.get(key)
             if slot is not None:
                 if slot.tensor.numel() >= nbytes and self._same_file(path, slot):
+                    if pin and not slot.pin_tried:  # CUDA came up after the slot was made
+                        self._pin(key, slot)
                     return slot.tensor
-                self._slots.pop(key).release()
+                self._slots.pop(key).release(self.name, key)  # unregistered before the file is remapped
             try:
                 make_dirs(self.root, os.path.dirname(key), 0o700)
                 fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
@@ -280,8 +302,44 @@ class ShmTier(Tier):
                 os.close(fd)
             tensor = torch.frombuffer(mm, dtype=torch.uint8)
             _prefault(mm, tensor)
-            self._slots[key] = _Slot(mm, tensor, st.st_dev, st.st_ino)
+            slot = self._slots[key] = _Slot(mm, tensor, st.st_dev, st.st_ino)
+            if pin:
+                self._pin(key, slot)
             return tensor
+
+    # ----- page-locking ------------------------------------------------------------------------------------
+    def _want_pin(self) -> bool:
+        """Whether slots allocated now should be page-locked. Only slot allocation asks: readers (the drain
+        worker maps slots through ``read_blob``) never pin, and ``auto`` touches no CUDA API at all in a process
+        that has not initialised CUDA itself."""
+        pin = self.options.pin
+        if pin is False:
+            return False
+        if pin == "auto":
+            return cuda_streams.cuda_in_use()
+        if not torch.cuda.is_available():
+            raise ConfigError("pin is true but CUDA is not available in this process (no GPU, driver or CUDA "
+                              "build of torch), so slots cannot be page-locked. Set pin: auto to pin only where "
+                              "the process uses CUDA, or pin: false", key_path=f"tier {self.name!r}.pin")
+        return True
+
+    def _pin(self, key: str, slot: _Slot) -> None:
+        """Register the slot's whole mapping; on failure warn and carry on unpinned (never fail the save)."""
+        slot.pin_tried = True
+        nbytes = slot.tensor.numel()
+        error = cuda_streams.host_register(slot.tensor.data_ptr(), nbytes)
+        if error is None:
+            slot.pinned = True
+            return
+        log.warning("tier %r: cannot page-lock slot %s (%s) with cudaHostRegister: %s. The slot stays pageable: "
+                    "device-to-host copies into it run slower (through the driver's staging buffer)",
+                    self.name, key, _fmt(nbytes), error)
+
+    def is_pinned(self, key: str) -> bool:
+        """Whether the slot ``key`` (as last allocated here) is page-locked."""
+        with self._lock:
+            slot = self._slots.get(key)
+            return slot is not None and slot.pinned
 
     def _reserve(self, fd: int, key: str, path: str, old_size: int, size: int) -> None:
         """Grow the file to ``size`` and allocate every page now: ENOSPC here, never SIGBUS later."""
@@ -312,16 +370,16 @@ class ShmTier(Tier):
         with self._lock:
             slot = self._slots.pop(key, None)
         if slot is not None:
-            slot.release()
+            slot.release(self.name, key)
 
     def describe(self) -> str:
         return f"shm {self.root} ({self.filesystem_type})"
 
     def close(self) -> None:
         with self._lock:
-            slots, self._slots = list(self._slots.values()), {}
-        for slot in slots:
-            slot.release()
+            slots, self._slots = list(self._slots.items()), {}
+        for key, slot in slots:
+            slot.release(self.name, key)
 
 
 def _prefault(mm: mmap.mmap, tensor: torch.Tensor) -> None:
