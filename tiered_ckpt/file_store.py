@@ -9,6 +9,8 @@ removes the newest committed step. A step without its checkpoint manifest does n
 from __future__ import annotations
 
 import logging
+import os
+import stat
 import time
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -16,14 +18,15 @@ from typing import Any
 import torch
 
 from . import events as ev
-from .checksum import ALGORITHM, HashingStream
+from .checksum import ALGORITHM, HashingStream, digest, new_hasher
 from .codecs import flat
 from .codecs.byte_grouping import grouped_chunks, ungroup_
 from .codecs.file_codecs import FileCodec, FlatFileCodec, ItemSource
 from .compression import compress_chunks, decompress_to_tensor
 from .config import TierConfig
 from .crashpoints import crash_point
-from .errors import BlobNotFoundError, CorruptionError, DecodeError, TierError
+from .errors import BlobNotFoundError, CorruptionError, DecodeError, PermanentTierError, TierError
+from .hostmem import FileShrankError, read_file
 from .layouts.base import Layout
 from .manifest import (
     CheckpointManifest,
@@ -36,7 +39,9 @@ from .manifest import (
 )
 from .parallel import ParallelLayout, RankCoords
 from .retry import call_with_retry
+from .tiers._files import BlobFiles
 from .tiers.base import Chunk, Tier, as_memoryview
+from .tiers.local import LocalTier
 
 log = logging.getLogger(__name__)
 Emit = Callable[[ev.Event], None]
@@ -281,18 +286,72 @@ class FileStore:
         key = self.layout.rank_manifest_key(step, rank)
         return load_rank(as_memoryview(self.tier.read_blob(key)).tobytes(), key, self.name)
 
-    def verify(self, entry: FileEntry, blob: torch.Tensor) -> None:
+    def verify(self, entry: FileEntry, blob: torch.Tensor, hexdigest: str | None = None) -> None:
+        """Raise CorruptionError unless ``blob`` is the file the manifest describes. ``hexdigest``: the blob's
+        digest under this build's algorithm, if already computed while reading it."""
         if blob.numel() != entry.size:
             raise CorruptionError(f"size is {blob.numel()} bytes, the manifest says {entry.size}",
                                   tier=self.name, key=entry.key)
         algorithm = entry.checksum.split(":", 1)[0]
         if algorithm != ALGORITHM:
             raise CorruptionError(f"unknown checksum algorithm {algorithm!r}", tier=self.name, key=entry.key)
-        from .checksum import digest
-
-        if f"{ALGORITHM}:{digest(blob)}" != entry.checksum:
+        if hexdigest is None:
+            hexdigest = digest(blob)
+        if f"{ALGORITHM}:{hexdigest}" != entry.checksum:
             raise CorruptionError("checksum mismatch: the file's bytes differ from what was written",
                                   tier=self.name, key=entry.key)
+
+    def read_verified(self, entry: FileEntry, step: int | None, rank: int, *, verify: bool = True) -> torch.Tensor:
+        """The stored bytes of ``entry`` (with retries), checked against the manifest when ``verify``: a
+        :class:`CorruptionError` naming the file otherwise. Nothing of a file that fails the check is returned.
+
+        A ``local`` tier's file is read here, in parallel pieces hashed as they arrive (:func:`hostmem.read_file`),
+        instead of through ``read_blob`` (one ``readinto`` into pre-populated memory, then a second pass to hash):
+        the same bytes in private memory, about a third faster from a cold page cache."""
+        path = self._local_path(entry.key)
+        if path is None:
+            blob = self._retry(lambda: self.tier.read_blob(entry.key), step, rank, f"read {entry.key}")
+            if verify:
+                self.verify(entry, blob)
+            return blob
+        hash_it = verify and entry.checksum.startswith(f"{ALGORITHM}:")
+
+        def attempt() -> tuple[torch.Tensor, str | None]:
+            hasher = new_hasher() if hash_it else None
+            blob = self._read_local(entry.key, path, hasher)
+            return blob, hasher.hexdigest() if hasher is not None else None
+
+        blob, hexdigest = self._retry(attempt, step, rank, f"read {entry.key}")
+        if verify:
+            self.verify(entry, blob, hexdigest)
+        return blob
+
+    def _local_path(self, key: str) -> str | None:
+        """The file holding ``key`` if this store's tier is a plain ``local`` tier (not a wrapper of one)."""
+        files = getattr(self.tier, "files", None)
+        if type(self.tier) is LocalTier and isinstance(files, BlobFiles):
+            return files.path(key)
+        return None
+
+    def _read_local(self, key: str, path: str, hasher: Any) -> torch.Tensor:
+        """``LocalTier.read_blob``'s result and errors, read with :func:`hostmem.read_file`."""
+        files: BlobFiles = self.tier.files  # type: ignore[attr-defined]
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        except OSError as exc:
+            raise files.error(exc, key, "open", path, missing_ok=True) from exc
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                raise BlobNotFoundError("no such blob (not a file)", tier=self.name, key=key)
+            return read_file(fd, st.st_size, hasher=hasher)
+        except FileShrankError as exc:
+            raise PermanentTierError(f"{path} shrank while being read ({exc.got} of {exc.size} bytes)",
+                                     tier=self.name, key=key) from None
+        except OSError as exc:
+            raise files.error(exc, key, "read", path, missing_ok=True) from exc
+        finally:
+            os.close(fd)
 
     def decode_stored(self, entry: FileEntry, blob: torch.Tensor) -> torch.Tensor:
         if entry.compression is None:
@@ -307,10 +366,7 @@ class FileStore:
                   map_location: Any = None, trust_pickles: bool = False) -> dict[str, Any]:
         items: dict[str, Any] = {}
         for entry in self.layout.files_for_rank(manifest.files, manifest.parallel, coords):
-            blob = self._retry(lambda e=entry: self.tier.read_blob(e.key), manifest.step, coords.rank,
-                               f"read {entry.key}")
-            if verify:
-                self.verify(entry, blob)
+            blob = self.read_verified(entry, manifest.step, coords.rank, verify=verify)
             raw = self.decode_stored(entry, blob)
             if entry.meta.get("byte_grouping") and entry.compression is None:
                 raw = raw.clone()  # un-grouping works in place; never on the tier's own bytes

@@ -1,16 +1,34 @@
-"""Fresh host memory, fast: the kernel populates an anonymous mapping in one pass (MAP_POPULATE).
+"""Fresh host memory, fast, and files read into it.
 
-Faulting fresh pages one by one from a copy runs at a fraction of memory bandwidth (measured here: a
-``clone()`` of 1 GiB took 1.1-3.5 s; MAP_POPULATE 0.35 s, then the copy at full speed).
+* :func:`populated_empty`: the kernel populates an anonymous mapping in one pass (MAP_POPULATE). Faulting fresh
+  pages one by one from a copy runs at a fraction of memory bandwidth (measured here: a ``clone()`` of 1 GiB took
+  1.1-3.5 s; MAP_POPULATE 0.35 s, then the copy at full speed).
+* :func:`read_file`: a whole file into fresh private memory with parallel ``preadv`` calls, hashed on the way.
+  Populating first and reading after runs the two one after the other; letting the reads fault the pages in,
+  on several threads, overlaps the faults with the disk and with each other (2 GiB from a cold page cache here:
+  1.85 s populated + one ``readinto``, 1.3 s with 4 threads; ``torch.load`` of the same files 1.5-2.1 s).
 """
 
 from __future__ import annotations
 
 import mmap
+import os
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 import torch
 
 _POPULATE = getattr(mmap, "MAP_POPULATE", 0)
+READ_PIECE = 32 << 20  # bytes per preadv call of read_file (a multiple of the page size)
+READ_THREADS = 4  # preadv calls in flight: queue depth for the disk, page faults on more than one core
+
+
+class FileShrankError(Exception):
+    """The file ended before the size it had when it was opened (it was truncated while being read)."""
+
+    def __init__(self, got: int, size: int):
+        super().__init__(f"the file ended at byte {got} of {size}")
+        self.got, self.size = got, size
 
 
 def populated_empty(nbytes: int) -> torch.Tensor:
@@ -21,8 +39,59 @@ def populated_empty(nbytes: int) -> torch.Tensor:
     return torch.frombuffer(mm, dtype=torch.uint8)  # the tensor keeps the mapping alive
 
 
+def lazy_empty(nbytes: int) -> torch.Tensor:
+    """A writable uint8 tensor of ``nbytes`` in a fresh anonymous mapping whose pages appear on first touch (for a
+    buffer that parallel reads fill: the faults then spread over the reading threads)."""
+    if nbytes == 0:
+        return torch.empty(0, dtype=torch.uint8)
+    mm = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    return torch.frombuffer(mm, dtype=torch.uint8)
+
+
 def private_copy(data: torch.Tensor) -> torch.Tensor:
     """A copy of a 1-D uint8 host tensor in freshly populated memory."""
     out = populated_empty(data.numel())
     out.copy_(data)
+    return out
+
+
+def read_file(fd: int, size: int, *, hasher: Any = None, piece: int = READ_PIECE,
+              threads: int = READ_THREADS) -> torch.Tensor:
+    """The first ``size`` bytes of the open file ``fd`` in fresh private memory (a 1-D uint8 tensor).
+
+    Pieces of ``piece`` bytes are read with ``preadv`` on up to ``threads`` threads (``preadv`` releases the GIL);
+    ``hasher.update`` (if given) sees them in file order as they arrive, so the hash is ready with the last piece.
+    Raises ``OSError`` for a failed read and :class:`FileShrankError` if the file ends before ``size``.
+    """
+    out = lazy_empty(size)
+    if size == 0:
+        return out
+    view = memoryview(out.numpy())
+
+    def read_piece(start: int) -> None:
+        end = min(size, start + piece)
+        while start < end:
+            n = os.preadv(fd, [view[start:end]], start)
+            if n == 0:
+                raise FileShrankError(start, size)
+            start += n
+
+    starts = range(0, size, piece)
+    if len(starts) == 1 or threads <= 1:
+        for start in starts:
+            read_piece(start)
+            if hasher is not None:
+                hasher.update(view[start:start + piece])
+        return out
+    with ThreadPoolExecutor(min(threads, len(starts)), thread_name_prefix="tiered_ckpt-read") as pool:
+        futures = [pool.submit(read_piece, s) for s in starts]
+        try:
+            for start, fut in zip(starts, futures, strict=True):
+                fut.result()
+                if hasher is not None:
+                    hasher.update(view[start:start + piece])
+        except BaseException:
+            for fut in futures:
+                fut.cancel()  # the pool's exit still waits for the reads already running
+            raise
     return out

@@ -25,6 +25,7 @@ from .tiers.base import Tier
 FORMAT = "tiered_ckpt.snapshot"
 VERSION = 1
 ALIGN = 64
+ITEM_ALIGN = 4096
 
 
 @dataclass
@@ -73,12 +74,14 @@ class SlotMeta:
 
 def plan_items(items: dict[str, Any]) -> tuple[list[tuple[str, flat.SnapshotPlan, int]], int]:
     """Plan each item and place it in the slot: [(name, plan, offset)], total bytes."""
-    placed, offset = [], 0
+    placed, end = [], 0
     for name, value in items.items():
         plan = flat.plan_snapshot(value)
+        # Items start on a page boundary, so a file tier can write each one's bytes with O_DIRECT, no copy.
+        offset = end + (-end) % ITEM_ALIGN
         placed.append((name, plan, offset))
-        offset += plan.total_bytes + (-plan.total_bytes) % ALIGN
-    return placed, offset
+        end = offset + plan.total_bytes
+    return placed, end + (-end) % ALIGN
 
 
 class MemoryStore:

@@ -24,6 +24,7 @@ from .byte_grouping import grouped_chunks, ungroup_
 FLAT_MAGIC = b"TCKFLAT1"
 _PREFIX = struct.Struct("<8sQ")
 ALIGN = 64
+DATA_ALIGN = 4096  # where flat files start their data: a multiple of ALIGN (readers only assume ALIGN)
 
 
 @dataclass
@@ -58,9 +59,11 @@ class FlatFileCodec(FileCodec):
     supports_byte_grouping = True
 
     def encode(self, src: ItemSource, *, byte_grouping: bool = False) -> Iterable[Chunk]:
-        head = _PREFIX.pack(FLAT_MAGIC, len(src.header)) + src.header
-        pad = (-len(head)) % ALIGN
-        yield head + b"\0" * pad
+        # The header is padded with JSON whitespace up to a page boundary, so the tensor bytes (page-aligned in
+        # the slot) sit on a block boundary of the file too and an O_DIRECT writer sends them without a copy.
+        # Readers need nothing new: the data still starts at the first 64-byte boundary after the header.
+        header = src.header + b" " * ((-(_PREFIX.size + len(src.header))) % DATA_ALIGN)
+        yield _PREFIX.pack(FLAT_MAGIC, len(header)) + header
         if byte_grouping:
             yield from grouped_chunks(flat.decode_header(src.header), src.data)
         else:
@@ -102,11 +105,15 @@ class TorchFileCodec(FileCodec):
         # torch's slow one. The zip's top directory is named after the file, as torch.save names it.
         from ..megatron.torch_zip import iter_torch_save
 
-        return iter_torch_save(src.materialize(), archive=src.name)
+        # Large tensors are placed page-congruent with their slot memory so the local tier's O_DIRECT writer sends
+        # them without a copy; torch.load reads the padding as it reads torch.save's.
+        return iter_torch_save(src.materialize(), archive=src.name, page_congruent=True)
 
     def decode(self, blob: torch.Tensor, *, copy: bool = True, map_location: Any = None,
                trust_pickles: bool = False, where: str = "", byte_grouping: bool = False) -> Any:
-        from ..megatron.safe_load import load_bytes
+        from ..megatron.safe_load import load_bytes, load_views
 
+        if not copy:  # the caller owns these bytes (or wants views): storages are views of blob, no second copy
+            return load_views(blob, where=where, map_location=map_location or "cpu", trust_pickles=trust_pickles)
         return load_bytes(as_memoryview(blob), where=where, map_location=map_location or "cpu",
                           trust_pickles=trust_pickles)

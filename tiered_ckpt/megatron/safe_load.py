@@ -18,12 +18,14 @@ Megatron or the user registered themselves.
 
 from __future__ import annotations
 
+import functools
 import io
 import logging
 import os
 import pickle
 import re
 import struct
+import sys
 import threading
 import zipfile
 from collections.abc import Iterator
@@ -34,6 +36,7 @@ import torch
 
 from ..errors import DecodeError, TieredCkptError, UnsafePickleError
 from ..memfile import MemoryReader
+from ..tiers.base import as_memoryview
 from . import _standins
 
 log = logging.getLogger(__name__)
@@ -75,6 +78,69 @@ def load_bytes(
     """:func:`load` for a file's content already in memory (read without copying it)."""
     view = memoryview(data).cast("B")
     return _load(lambda: MemoryReader(view), where, map_location=map_location, trust_pickles=trust_pickles)
+
+
+def load_views(
+    blob: torch.Tensor,
+    *,
+    where: str = "<bytes>",
+    map_location: Any = "cpu",
+    trust_pickles: bool = False,
+) -> Any:
+    """:func:`load_bytes` whose tensors are views of ``blob`` (a 1-D uint8 CPU tensor holding the file) instead of
+    copies of it: for bytes this process owns, already read into private memory, this saves a second copy of every
+    storage (and its page faults). Storages are slices of ``blob``'s storage, exactly as ``torch.load(mmap=True)``
+    slices a mapped file, and keep that memory alive; the unpickler and allow-list are the same as :func:`load`'s.
+
+    Anything this path does not handle (not a zip file, a big-endian file, a refused pickle, a torch without the
+    hook it needs) goes through :func:`load_bytes`, which copies and raises the usual errors.
+    """
+    view = _views_source(blob)
+    if view is None:
+        return load_bytes(as_memoryview(blob), where=where, map_location=map_location, trust_pickles=trust_pickles)
+    try:
+        return _load_views(blob, view, where, map_location)
+    except Exception as exc:  # the reference path below decides: it loads, or raises the error users expect
+        fast_error = exc
+    result = load_bytes(view, where=where, map_location=map_location, trust_pickles=trust_pickles)
+    if not isinstance(fast_error, pickle.UnpicklingError | DecodeError):  # loads, but not as it should: say so
+        log.warning("%s: loaded with copies: the zero-copy path failed (%s: %s)", where, type(fast_error).__name__,
+                    _first_line(fast_error))
+    return result
+
+
+def _views_source(blob: torch.Tensor) -> memoryview | None:
+    """``blob``'s bytes if the zero-copy path applies: a contiguous uint8 CPU tensor holding a zip file, and a torch
+    whose loader accepts a ready storage (``overall_storage``, what ``torch.load(mmap=True)`` passes)."""
+    if (blob.device.type != "cpu" or blob.dtype != torch.uint8 or blob.dim() != 1 or not blob.is_contiguous()
+            or blob.numel() < 4 or not _has_storage_hook()):
+        return None
+    view = memoryview(blob.numpy()).cast("B")
+    return view if view[:4] == b"PK\x03\x04" else None
+
+
+@functools.cache
+def _has_storage_hook() -> bool:
+    import inspect
+
+    try:
+        return "overall_storage" in inspect.signature(torch.serialization._load).parameters
+    except (AttributeError, TypeError, ValueError):
+        return False
+
+
+def _load_views(blob: torch.Tensor, view: memoryview, where: str, map_location: Any) -> Any:
+    ts = torch.serialization
+    storage = blob.untyped_storage()
+    start = blob.storage_offset()
+    if start or storage.nbytes() != blob.numel():
+        storage = storage[start:start + blob.numel()]  # a view: offsets in the zip are relative to the file
+    with allow_megatron_globals(), _decode_errors(where), ts._open_zipfile_reader(MemoryReader(view)) as zf:
+        if ts._is_torchscript_zip(zf):
+            raise DecodeError(f"{where}: a TorchScript archive")  # load_bytes refuses it with torch's message
+        if zf.has_record("byteorder") and zf.get_record("byteorder") != sys.byteorder.encode():
+            raise DecodeError(f"{where}: byte order differs")  # swapping would write into blob: copy instead
+        return ts._load(zf, map_location, ts._weights_only_unpickler, overall_storage=storage, encoding="utf-8")
 
 
 def unsafe_globals(source: str | os.PathLike[str] | bytes | bytearray | memoryview) -> list[str]:

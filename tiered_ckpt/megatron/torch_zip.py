@@ -22,6 +22,7 @@ import pickle
 import struct
 import sys
 from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -39,6 +40,9 @@ PICKLE_PROTOCOL = 2  # torch.save's default
 ZIP64_MARKER = 0xFFFFFFFF  # the "see the zip64 extra field" marker
 ZIP64_FROM = 0xFFFFFFFF  # sizes and offsets from here on go to zip64 extra fields (lowered in tests)
 _TAIL = 4096
+PAGE = 4096
+_CRC_ASYNC_MIN = 1 << 20  # smaller pieces: the thread hand-off costs more than the CRC
+CONGRUENT_MIN = 256 << 10  # smaller tensors keep torch's 64-byte padding: < 4 KiB more per tensor is not worth it
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -56,6 +60,7 @@ class StreamedTensor:
     dtype: torch.dtype
     shape: tuple[int, ...]
     produce: Callable[[], Iterable[Any]]
+    address: int | None = None  # where the bytes sit in memory, when they do (see iter_torch_save's page_congruent)
 
     @property
     def numel(self) -> int:
@@ -149,7 +154,7 @@ class _Storages:
         if found is None:
             numel = storage.nbytes() // item
             raw = torch.empty(0, dtype=torch.uint8).set_(storage, 0, (storage.nbytes(),), (1,))
-            self.streams.append(StreamedTensor(t.dtype, (numel,), lambda raw=raw: [raw]))
+            self.streams.append(StreamedTensor(t.dtype, (numel,), lambda raw=raw: [raw], storage.data_ptr()))
             found = self._keys[storage._cdata] = (str(len(self.streams) - 1), t.dtype, storage)
         key, dtype, _ = found
         if dtype != t.dtype:
@@ -216,8 +221,21 @@ class _ZipStream:
     archive: str
     offset: int = 0
     entries: list[_Entry] = field(default_factory=list)
+    _pool: ThreadPoolExecutor | None = None
 
-    def record(self, name: str, chunks: Iterable[Any], size: int) -> Iterator[Any]:
+    def _crc_async(self, mv: memoryview, crc: int) -> Future:
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(1, thread_name_prefix="tiered_ckpt-crc")
+        return self._pool.submit(crc32, mv, crc)
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
+
+    def record(self, name: str, chunks: Iterable[Any], size: int, address: int | None = None) -> Iterator[Any]:
+        """One zip record. ``address``: place the data at a file offset congruent to it modulo a page (the
+        padding grows from < 64 bytes to < 4 KiB), so that an O_DIRECT writer can send it without a copy."""
         full = f"{self.archive}/{name}".encode()
         big_size, big_offset = size >= ZIP64_FROM, self.offset >= ZIP64_FROM
         zip64 = b""
@@ -226,7 +244,7 @@ class _ZipStream:
                 struct.pack("<Q", self.offset) if big_offset else b"")
             zip64 = struct.pack("<HH", 1, len(fields)) + fields
         start = self.offset + 30 + len(full) + len(zip64) + 4
-        pad = -start % ALIGNMENT
+        pad = -start % ALIGNMENT if address is None or address % ALIGNMENT else (address - start) % PAGE
         extra = zip64 + b"FB" + struct.pack("<H", pad) + b"Z" * pad
         # miniz streams data (descriptor after it, flag bit 3) except for empty records
         flags = 0x0808 if size else 0x0800
@@ -235,10 +253,14 @@ class _ZipStream:
         crc, n = 0, 0
         for chunk in chunks:
             mv = as_memoryview(chunk)
-            crc = crc32(mv, crc)
             n += len(mv)
             if n > size:
                 raise ValueError(f"record {name}: more than the announced {size} bytes")
+            # A large piece's CRC runs on a helper thread while the consumer writes the piece (both release the
+            # GIL); it is awaited before the producer is asked for the next piece, which may reuse this buffer.
+            pending = self._crc_async(mv, crc) if len(mv) >= _CRC_ASYNC_MIN else None
+            if pending is None:
+                crc = crc32(mv, crc)
             if len(mv) > _TAIL:
                 # Whoever writes the stream keeps the last chunk it got until it gets the next one: end each
                 # piece with a small copy, so that holding it does not keep the whole piece alive while the
@@ -247,7 +269,9 @@ class _ZipStream:
                 yield bytes(mv[-_TAIL:])
             elif len(mv):
                 yield mv
-            del chunk, mv  # let the producer free its piece before making the next one
+            if pending is not None:
+                crc = pending.result()
+            del chunk, mv, pending  # let the producer free its piece before making the next one
         if n != size:
             raise ValueError(f"record {name}: {n} bytes produced, {size} announced")
         tail = struct.pack("<IIQQ" if big_size else "<IIII", 0x08074B50, crc, size, size) if size else b""
@@ -277,23 +301,36 @@ class _ZipStream:
         return out.getvalue()
 
 
-def iter_torch_save(obj: Any, *, archive: str = "archive") -> Iterator[Any]:
+def iter_torch_save(obj: Any, *, archive: str = "archive", page_congruent: bool = False) -> Iterator[Any]:
     """The bytes of ``torch.save(obj, f)`` as a stream of chunks, tensors' data produced as it is written.
 
     ``archive`` is the zip's top directory: torch.save names it after the file (``distrib_optim`` for
     ``distrib_optim.pt``) or ``archive`` for a buffer. Pass a writer of chunks (``Tier.write_blob``) the
     result; peak memory is the largest piece a :class:`StreamedTensor` yields.
+
+    ``page_congruent``: every tensor of at least ``CONGRUENT_MIN`` bytes whose memory address is known starts at
+    a file offset equal to that address modulo 4 KiB (torch.save pads to 64 bytes; this pads more, in the same
+    padding field, so ``torch.load`` reads the file as it reads torch.save's). An O_DIRECT writer then sends the
+    tensors straight from their memory. Off, the bytes are exactly torch.save's.
     """
     if sys.byteorder != "little":  # pragma: no cover - we only run on little-endian hosts
         raise RuntimeError("only little-endian hosts are supported")
     pkl, streams = pickle_with_streams(obj)
     z = _ZipStream(archive)
+    try:
+        yield from _records(z, pkl, streams, page_congruent)
+    finally:
+        z.close()
+
+
+def _records(z: _ZipStream, pkl: bytes, streams: list[StreamedTensor], page_congruent: bool) -> Iterator[Any]:
     records = [("data.pkl", [pkl], len(pkl)), (".format_version", [b"1"], 1),
                (".storage_alignment", [str(ALIGNMENT).encode()], 2), ("byteorder", [b"little"], 6)]
     for name, chunks, size in records:
         yield from z.record(name, chunks, size)
     for i, s in enumerate(streams):
-        yield from z.record(f"data/{i}", _lazy(s.produce), s.nbytes)
+        address = s.address if page_congruent and s.nbytes >= CONGRUENT_MIN else None
+        yield from z.record(f"data/{i}", _lazy(s.produce), s.nbytes, address)
     yield from z.record("version", [b"3\n"], 2)
     written = [e.name.decode().split("/", 1)[1] for e in z.entries]
     # torch combines the CRCs it sees in data descriptors: empty records have none

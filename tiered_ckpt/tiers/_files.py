@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import logging
 import os
 import re
 import secrets
@@ -21,7 +22,10 @@ import torch
 from ..crashpoints import crash_point
 from ..errors import BlobNotFoundError, PermanentTierError, TierError, TransientTierError
 from ..hostmem import populated_empty
+from ._direct_io import DIRECT_MIN, DirectWriter, buffered_io
 from .base import as_memoryview, check_key, check_prefix
+
+log = logging.getLogger(__name__)
 
 TEMP_MARKER = ".tmp-"
 _TEMP_RE = re.compile(r"^\..+\.tmp-[0-9a-f]{16}$")
@@ -110,16 +114,22 @@ def _write_all(fd: int, views: list[memoryview]) -> None:
 
 
 def write_chunks(fd: int, chunks: Iterable[Any], fail: Callable[[OSError], Exception],
-                 check: Callable[[int, int], None] | None = None) -> int:
+                 check: Callable[[int, int], None] | None = None, direct: bool = False) -> int:
     """Write ``chunks`` to ``fd``; ``check(written_so_far, next_len)`` may raise before a chunk is written.
 
     A list or tuple is written with ``writev`` in batches; any other iterable chunk by chunk, each written
-    before the next is requested (producers may reuse their buffer). An ``OSError`` of the writes themselves
-    becomes ``fail(exc)``; whatever the producer raises propagates unchanged.
+    before the next is requested (producers may reuse their buffer). ``direct``: ``fd`` was opened with
+    ``O_DIRECT``; a :class:`~._direct_io.DirectWriter` writes streams and lists of at least ``DIRECT_MIN``
+    bytes, smaller lists are written through the page cache. An ``OSError`` of the writes
+    themselves becomes ``fail(exc)``; whatever the producer raises propagates unchanged.
     """
     if isinstance(chunks, (list, tuple)):
         views = [as_memoryview(c) for c in chunks]
         total = sum(len(v) for v in views)
+        if direct and total >= DIRECT_MIN:
+            return _write_direct(fd, views, fail, check)
+        if direct:  # a few bytes (a manifest, the tracker): one ordinary write
+            buffered_io(fd)
         if check is not None:
             check(0, total)
         try:
@@ -127,6 +137,8 @@ def write_chunks(fd: int, chunks: Iterable[Any], fail: Callable[[OSError], Excep
         except OSError as exc:
             raise fail(exc) from exc
         return total
+    if direct:
+        return _write_direct(fd, chunks, fail, check)
     written = 0
     for chunk in chunks:
         mv = as_memoryview(chunk)
@@ -140,17 +152,42 @@ def write_chunks(fd: int, chunks: Iterable[Any], fail: Callable[[OSError], Excep
     return written
 
 
+def _write_direct(fd: int, chunks: Iterable[Any], fail: Callable[[OSError], Exception],
+                  check: Callable[[int, int], None] | None) -> int:
+    writer = DirectWriter(fd)
+    written = 0
+    try:
+        for chunk in chunks:
+            mv = as_memoryview(chunk)
+            if check is not None:
+                check(written, len(mv))
+            try:
+                writer.write(mv)
+            except OSError as exc:
+                raise fail(exc) from exc
+            written += len(mv)
+            del chunk, mv  # the writer keeps no reference: let the producer free its piece
+        try:
+            writer.finish()
+        except OSError as exc:
+            raise fail(exc) from exc
+    finally:
+        writer.close()
+    return written
+
+
 class BlobFiles:
     """Blobs as files under ``root``; ``local`` and ``shm`` configure it (modes, fsync, capacity check)."""
 
     def __init__(self, tier: str, root: str, *, file_mode: int, dir_mode: int, fsync: bool,
-                 full_error: type[TierError] = PermanentTierError):
+                 full_error: type[TierError] = PermanentTierError, direct_io: bool = False):
         self.tier = tier
         self.root = root
         self.file_mode = file_mode
         self.dir_mode = dir_mode
         self.fsync = fsync
         self.full_error = full_error
+        self.direct_io = direct_io and hasattr(os, "O_DIRECT")  # off for good once the filesystem refuses it
 
     def path(self, key: str) -> str:
         return os.path.join(self.root, check_key(key))
@@ -158,6 +195,22 @@ class BlobFiles:
     def error(self, exc: OSError, key: str | None, op: str, path: str, missing_ok: bool = False) -> TierError:
         return tier_error(exc, tier=self.tier, key=key, op=op, path=path, full_error=self.full_error,
                           missing_ok=missing_ok)
+
+    def _open_new(self, path: str) -> tuple[int, bool]:
+        """Create ``path`` exclusively; with ``O_DIRECT`` when configured and the filesystem takes it."""
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC
+        if self.direct_io:
+            try:
+                return os.open(path, flags | os.O_DIRECT, self.file_mode), True
+            except OSError as exc:
+                if exc.errno != errno.EINVAL:
+                    raise
+                with contextlib.suppress(OSError):  # the refusal may come after the file was created
+                    os.unlink(path)
+                log.info("tier %r: %s does not take O_DIRECT; writing through the page cache", self.tier,
+                         self.root)
+                self.direct_io = False
+        return os.open(path, flags, self.file_mode), False
 
     def write(self, key: str, chunks: Iterable[Any], check: Callable[[int, int], None] | None = None) -> int:
         """Temp file in the target directory, write, (fsync), rename, (fsync the directory and new dirs)."""
@@ -168,7 +221,7 @@ class BlobFiles:
         for attempt in (1, 2):
             try:
                 created = make_dirs(self.root, rel_dir, self.dir_mode)
-                fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, self.file_mode)
+                fd, direct = self._open_new(tmp)
                 break
             except FileNotFoundError as exc:  # a concurrent delete pruned the directory just created
                 if attempt == 2:
@@ -177,7 +230,7 @@ class BlobFiles:
                 raise self.error(exc, key, "create", tmp) from exc
         try:
             try:
-                nbytes = write_chunks(fd, chunks, lambda exc: self.error(exc, key, "write", tmp), check)
+                nbytes = write_chunks(fd, chunks, lambda exc: self.error(exc, key, "write", tmp), check, direct)
                 if self.fsync:
                     try:
                         os.fsync(fd)

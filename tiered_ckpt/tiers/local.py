@@ -1,9 +1,10 @@
 """``local``: blobs as files on a node-local disk (NVMe, SSD), durable once ``write_blob`` returns.
 
-A write goes to a temporary file in the target directory, written with ``os.write``/``writev`` straight from
-the callers' buffers, ``fsync``-ed, renamed over the key, and the directory (and any directory it created)
-``fsync``-ed: after a crash the key holds the old blob or the new one, never a torn one. A disk that fills up
-raises :class:`~tiered_ckpt.errors.PermanentTierError` ("disk full") and leaves no temporary file behind.
+A write goes to a temporary file in the target directory, written straight from the callers' buffers (with
+``O_DIRECT`` past the page cache when ``direct_io`` allows it, see :mod:`._direct_io`; else ``os.write`` and
+``writev``), ``fsync``-ed, renamed over the key, and the directory (and any directory it created) ``fsync``-ed:
+after a crash the key holds the old blob or the new one, never a torn one. A disk that fills up raises
+:class:`~tiered_ckpt.errors.PermanentTierError` ("disk full") and leaves no temporary file behind.
 
 Reads use ``readinto`` into a freshly allocated tensor: one copy from the page cache, no Python-level buffers.
 (Not zero-copy: mapping the file instead would tie the tensor to a file that retention may delete or a later
@@ -15,6 +16,7 @@ from __future__ import annotations
 import os
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 
@@ -27,6 +29,9 @@ from .base import Capabilities, Chunk, Tier, TierContext, check_key
 class LocalOptions:
     path: str  # the directory holding this tier's blobs (created if missing)
     fsync: bool = True  # fsync files and directories (turn off only for tests or throw-away runs)
+    # Write files with O_DIRECT, past the page cache (see _direct_io); "auto": when fsync is on and the
+    # filesystem takes it. Buffered writes are paced by the kernel's dirty-page throttling, direct ones are not.
+    direct_io: bool | Literal["auto"] = "auto"
 
     def __post_init__(self) -> None:
         if not self.path:
@@ -49,7 +54,9 @@ class LocalTier(Tier):
                                      tier=name) from exc
         if not os.path.isdir(self.root):
             raise PermanentTierError(f"{self.root} is not a directory", tier=name)
-        self.files = BlobFiles(name, self.root, file_mode=0o644, dir_mode=0o755, fsync=options.fsync)
+        direct = options.fsync if options.direct_io == "auto" else bool(options.direct_io)
+        self.files = BlobFiles(name, self.root, file_mode=0o644, dir_mode=0o755, fsync=options.fsync,
+                               direct_io=direct)
 
     def write_blob(self, key: str, chunks: Iterable[Chunk]) -> int:
         return self.files.write(check_key(key), chunks)
@@ -76,4 +83,5 @@ class LocalTier(Tier):
         self.files.delete_prefix(prefix)
 
     def describe(self) -> str:
-        return f"local {self.root}" + ("" if self.options.fsync else " (fsync off)")
+        return f"local {self.root}" + ("" if self.options.fsync else " (fsync off)") + (
+            ", O_DIRECT" if self.files.direct_io else "")

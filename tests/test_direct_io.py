@@ -1,0 +1,222 @@
+"""The local tier's O_DIRECT write path (tiered_ckpt.tiers._direct_io) and its fallbacks."""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import mmap
+import os
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from tiered_ckpt import CheckpointEngine
+from tiered_ckpt.codecs.file_codecs import DATA_ALIGN, FlatFileCodec
+from tiered_ckpt.errors import PermanentTierError
+from tiered_ckpt.memory_store import ITEM_ALIGN, plan_items
+from tiered_ckpt.testing.contract import host_bytes, raw_files
+from tiered_ckpt.tiers import _direct_io
+from tiered_ckpt.tiers._direct_io import BLOCK, BOUNCE, DirectWriter
+
+
+def _takes_o_direct(directory) -> bool:
+    path = os.path.join(directory, ".probe")
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_DIRECT, 0o600)
+    except OSError:
+        return False
+    finally:
+        if os.path.exists(path):
+            os.unlink(path)
+    os.close(fd)
+    return True
+
+
+@pytest.fixture
+def direct_dir(tmp_path):
+    if not _takes_o_direct(tmp_path):
+        pytest.skip(f"{tmp_path} does not take O_DIRECT (the fallback tests below still run)")
+    return tmp_path
+
+
+def _aligned(nbytes: int) -> tuple[mmap.mmap, memoryview]:
+    m = mmap.mmap(-1, max(nbytes, 1))
+    return m, memoryview(m)[:nbytes]
+
+
+def _pattern(n: int, seed: int) -> bytes:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 256, (n,), dtype=torch.uint8, generator=g).numpy().tobytes()
+
+
+def _write_direct(path, pieces) -> int:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_DIRECT, 0o600)
+    try:
+        w = DirectWriter(fd)
+        try:
+            for p in pieces:
+                w.write(memoryview(p))
+            w.finish()
+        finally:
+            w.close()
+        return w.pos
+    finally:
+        os.close(fd)
+
+
+@settings(max_examples=25, deadline=None)
+@given(sizes=st.lists(st.integers(0, 3 * BOUNCE // 2), min_size=1, max_size=6), aligned=st.lists(st.booleans(),
+       min_size=6, max_size=6), seed=st.integers(0, 1000))
+def test_any_stream_round_trips(tmp_path_factory, sizes, aligned, seed):
+    directory = tmp_path_factory.mktemp("direct")
+    if not _takes_o_direct(directory):
+        pytest.skip("no O_DIRECT here")
+    keep, pieces = [], []
+    for i, (n, al) in enumerate(zip(sizes, aligned, strict=False)):
+        data = _pattern(n, seed + i)
+        if al:  # a page-aligned source (the zero-copy path when the file offset is aligned too)
+            m, mv = _aligned(n)
+            mv[:] = data
+            keep.append(m)
+            pieces.append(mv)
+        else:
+            pieces.append(data)
+    path = directory / "f"
+    written = _write_direct(path, pieces)
+    expect = b"".join(bytes(p) for p in pieces)
+    assert written == len(expect)
+    assert path.read_bytes() == expect  # exact size: the tail was not padded
+
+
+def test_aligned_bulk_is_written_without_the_bounce_buffer(direct_dir, monkeypatch):
+    m, mv = _aligned(8 * BLOCK + (3 << 20))
+    mv[:] = _pattern(len(mv), 1)
+    calls = []
+    real = os.pwrite
+
+    def pwrite(fd, data, pos):
+        calls.append((len(data), pos))
+        return real(fd, data, pos)
+
+    monkeypatch.setattr(os, "pwrite", pwrite)
+    path = direct_dir / "f"
+    _write_direct(path, [b"h" * BLOCK, mv])
+    assert path.read_bytes() == b"h" * BLOCK + bytes(mv)
+    # the header block, then the whole aligned piece in one write straight from its buffer
+    assert calls == [(BLOCK, 0), (len(mv), BLOCK)]
+
+
+def test_open_refused_falls_back_to_buffered(tmp_path, make_tier, monkeypatch, caplog):
+    tier = make_tier("local", path=tmp_path / "ckpt")
+    assert tier.files.direct_io
+    real = os.open
+
+    def open_(path, flags, mode=0o777, **kw):
+        if flags & os.O_DIRECT:
+            fd = real(path, flags & ~os.O_DIRECT, mode)  # as some filesystems do: create, then refuse
+            os.close(fd)
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real(path, flags, mode, **kw)
+
+    monkeypatch.setattr(os, "open", open_)
+    data = _pattern(3 << 20, 2)
+    with caplog.at_level("INFO"):
+        tier.write_blob("a/b.bin", iter([data[:12345], data[12345:]]))
+    monkeypatch.undo()
+    assert not tier.files.direct_io
+    assert "does not take O_DIRECT" in caplog.text
+    assert host_bytes(tier.read_blob("a/b.bin")) == data
+    assert raw_files(tier.root) == ["a/b.bin"]  # no temporary file left by the refused open
+
+
+def test_write_refused_midway_finishes_buffered(direct_dir, monkeypatch):
+    real = os.pwrite
+    refused = []
+
+    def pwrite(fd, data, pos):
+        if fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_DIRECT and pos >= BOUNCE:
+            refused.append(pos)
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real(fd, data, pos)
+
+    monkeypatch.setattr(os, "pwrite", pwrite)
+    data = _pattern(3 * BOUNCE + 1000, 3)
+    path = direct_dir / "f"
+    _write_direct(path, [data[:100], data[100:]])
+    assert refused and path.read_bytes() == data
+
+
+def test_disk_full_in_the_helper_thread_is_permanent_and_cleans_up(direct_dir, make_tier, monkeypatch):
+    tier = make_tier("local", path=direct_dir / "ckpt")
+    tier.write_blob("a/file.pt", [b"old"])
+    real = os.pwrite
+
+    def pwrite(fd, data, pos):
+        if pos >= BOUNCE:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(fd, data, pos)
+
+    monkeypatch.setattr(os, "pwrite", pwrite)
+    with pytest.raises(PermanentTierError, match="disk full") as info:
+        tier.write_blob("a/file.pt", iter([_pattern(4 * BOUNCE, 4)]))
+    monkeypatch.undo()
+    assert "key 'a/file.pt'" in str(info.value)
+    assert raw_files(tier.root) == ["a/file.pt"]
+    assert host_bytes(tier.read_blob("a/file.pt")) == b"old"
+
+
+def test_small_lists_go_through_the_page_cache(direct_dir, make_tier, monkeypatch):
+    tier = make_tier("local", path=direct_dir / "ckpt")
+    seen = []
+    real = _direct_io.DirectWriter.write
+    monkeypatch.setattr(_direct_io.DirectWriter, "write", lambda self, mv: (seen.append(len(mv)), real(self, mv)))
+    tier.publish("latest_checkpointed_iteration.txt", b"10")
+    assert seen == [] and host_bytes(tier.read_blob("latest_checkpointed_iteration.txt")) == b"10"
+
+
+@pytest.mark.parametrize("setting, expect", [("auto", True), (False, False), (True, True)])
+def test_direct_io_option(tmp_path, make_tier, setting, expect):
+    tier = make_tier("local", path=tmp_path / "ckpt", direct_io=setting)
+    assert tier.files.direct_io is expect
+    assert ("O_DIRECT" in tier.describe()) is expect
+
+
+def test_auto_is_off_without_fsync(tmp_path, make_tier):
+    assert not make_tier("local", path=tmp_path / "ckpt", fsync=False).files.direct_io
+
+
+def test_flat_files_put_the_data_on_a_page_boundary_and_slot_items_on_pages(tmp_path, shm_root):
+    items = {"a": {"w": torch.arange(1000, dtype=torch.float32)}, "b": {"v": torch.ones(7, dtype=torch.bfloat16)}}
+    placed, _ = plan_items(items)
+    assert all(off % ITEM_ALIGN == 0 for _, _, off in placed)
+    cfg = {"run_id": "direct", "layout": "rank_sharded", "drain": {"mode": "thread"},
+           "tiers": [{"name": "shm", "kind": "shm", "path": str(shm_root), "slots": 1},
+                     {"name": "local", "kind": "local", "path": str(tmp_path / "local")}]}
+    with CheckpointEngine(cfg) as engine:
+        engine.save(5, items).wait(timeout=60)
+    files = [p for p in (tmp_path / "local").rglob("*.flat")]
+    assert len(files) == 2
+    for path in files:
+        blob = torch.frombuffer(bytearray(path.read_bytes()), dtype=torch.uint8)
+        header, data = FlatFileCodec.split(blob, str(path))
+        assert (blob.numel() - data.numel()) % DATA_ALIGN == 0
+    with CheckpointEngine({**cfg, "tiers": cfg["tiers"][1:]}) as engine:
+        got = engine.load(copy=True).items
+    assert torch.equal(got["a"]["w"], items["a"]["w"]) and torch.equal(got["b"]["v"], items["b"]["v"])
+
+
+def test_flat_files_with_the_old_64_byte_alignment_still_decode():
+    from tiered_ckpt.codecs import flat
+    from tiered_ckpt.codecs.file_codecs import _PREFIX, ALIGN, FLAT_MAGIC
+
+    value = {"w": torch.arange(10, dtype=torch.int64)}
+    plan = flat.plan_snapshot(value)
+    header = flat.encode_header(plan)
+    buf = torch.empty(plan.total_bytes, dtype=torch.uint8)
+    flat.copy_into(plan, buf)
+    head = _PREFIX.pack(FLAT_MAGIC, len(header)) + header
+    blob = head + b"\0" * ((-len(head)) % ALIGN) + host_bytes(buf)
+    got = FlatFileCodec().decode(torch.frombuffer(bytearray(blob), dtype=torch.uint8), where="old.flat")
+    assert torch.equal(got["w"], value["w"])
