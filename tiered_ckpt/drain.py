@@ -19,7 +19,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 
 from . import events as ev
-from .checksum import ALGORITHM, digest
+from .checksum import snapshot_checksum
 from .crashpoints import crash_point
 from .errors import TierError
 from .file_store import FileStore
@@ -292,7 +292,7 @@ class DrainRuntime:
     def _digest_snapshot(self, mem: MemoryStore, meta: SlotMeta, sources: list) -> Future | None:
         if all(it.checksum for it in meta.items) or not mem.tier.capabilities.survives_process:
             return None
-        return self._hasher.submit(lambda: [f"{ALGORITHM}:{digest(src.data)}" for src in sources])
+        return self._hasher.submit(lambda: [snapshot_checksum(src.data) for src in sources])
 
     @staticmethod
     def _record_snapshot_checksums(mem: MemoryStore, meta: SlotMeta, digests: Future | None) -> None:

@@ -174,13 +174,12 @@ class MemoryStore:
         return [ItemSource(it.name, it.header.encode(), buf[it.offset:it.offset + it.nbytes]) for it in meta.items]
 
     def load(self, meta: SlotMeta, *, copy: bool, map_location: Any = None, verify: bool = True) -> dict[str, Any]:
-        from .checksum import ALGORITHM, digest
+        from .checksum import snapshot_matches
 
         out = {}
         for src, it in zip(self.item_sources(meta, cached=False), meta.items, strict=True):
             if verify and it.checksum:
-                got = f"{ALGORITHM}:{digest(src.data)}"
-                if got != it.checksum:
+                if not snapshot_matches(src.data, it.checksum):
                     raise CorruptionError(f"snapshot of item {it.name!r} does not match its checksum",
                                           tier=self.tier.name, key=self.data_key(meta.slot))
             try:
