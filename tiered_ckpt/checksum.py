@@ -83,7 +83,8 @@ def _forget_pool() -> None:  # a forked child has the pool object but not its th
 os.register_at_fork(after_in_child=_forget_pool)
 
 
-def _hash_pool() -> ThreadPoolExecutor:
+def hash_pool() -> ThreadPoolExecutor:
+    """Threads for hashing (and copying) pieces in parallel: xxhash and numpy copies release the GIL."""
     global _pool
     with _pool_lock:
         if _pool is None:
@@ -95,12 +96,16 @@ def _piece_digests(mv: memoryview, piece: int) -> list[str]:
     pieces = [mv[i:i + piece] for i in range(0, len(mv), piece)] or [mv]
     if len(pieces) == 1:
         return [xxhash.xxh3_128(pieces[0]).hexdigest()]
-    return list(_hash_pool().map(lambda p: xxhash.xxh3_128(p).hexdigest(), pieces))
+    return list(hash_pool().map(lambda p: xxhash.xxh3_128(p).hexdigest(), pieces))
 
 
 def snapshot_checksum(data: Chunk) -> str:
     """The checksum of a memory snapshot's item: xxh3-128 of each 64 MiB piece, computed in parallel."""
     return f"{_SNAPSHOT_TAG}:" + ",".join(_piece_digests(as_memoryview(data), SNAPSHOT_PIECE))
+
+
+def is_piecewise(checksum: str) -> bool:
+    return checksum.partition(":")[0] == _SNAPSHOT_TAG
 
 
 def snapshot_matches(data: Chunk, checksum: str) -> bool:

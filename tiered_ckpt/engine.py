@@ -241,10 +241,17 @@ class CheckpointEngine:
                 out[name] = []
         return out
 
-    def load(self, step: int | None = None, *, copy: bool | None = None, map_location: Any = None) -> LoadResult:
+    def load(self, step: int | None = None, *, copy: bool | None = None, map_location: Any = None,
+             into: dict[str, Any] | None = None) -> LoadResult:
         """The newest step every rank can read (or ``step``), each rank from its fastest tier holding a verified
-        copy. With several ranks this is collective: every rank must call it, and all resume at the same step."""
+        copy. With several ranks this is collective: every rank must call it, and all resume at the same step.
+
+        ``into``: item name → state shaped like the one saved (the very dict passed to ``save``, say); its tensors
+        receive the checkpoint's values in place, and the result's items hold them (see :mod:`.load_into`). If
+        ``load`` raises, those tensors may hold partial data."""
         copy = self.config.load.copy if copy is None else copy
+        if into is not None and (not isinstance(into, dict) or not all(isinstance(k, str) for k in into)):
+            raise ValueError("into must be a dict of item name (str) → state, like the items given to save()")
         available = self.available_steps()
         mine = {s for steps in available.values() for s in steps}
         rejected: set[int] = set()
@@ -256,7 +263,7 @@ class CheckpointEngine:
                 detail = f" ({'; '.join(fallbacks)})" if fallbacks else ""
                 raise NoCheckpointError(f"no step that every rank can load: rank {self.coords.rank} found no "
                                         f"loadable copy of {what} on any tier{detail}")
-            result = self._load_step(chosen, available, copy, map_location, fallbacks)
+            result = self._load_step(chosen, available, copy, map_location, fallbacks, into)
             if self.coordinator.all_succeeded(result is not None):
                 assert result is not None
                 return result
@@ -266,13 +273,13 @@ class CheckpointEngine:
                 raise NoCheckpointError(f"step {step} cannot be loaded by every rank ({'; '.join(fallbacks)})")
 
     def _load_step(self, step: int, available: dict[str, list[int]], copy: bool, map_location: Any,
-                   fallbacks: list[str]) -> LoadResult | None:
+                   fallbacks: list[str], into: dict[str, Any] | None = None) -> LoadResult | None:
         for name in self.pipeline.order:
             if step not in available.get(name, []):
                 continue
             t0 = time.perf_counter()
             try:
-                items, verified, nbytes = self._load_from(name, step, copy, map_location)
+                items, verified, nbytes = self._load_from(name, step, copy, map_location, into)
             except (CorruptionError, DecodeError, TierError, OSError) as exc:
                 fallbacks.append(f"tier {name!r} step {step}: {exc}")
                 self._emit(ev.Event(ev.FALLBACK, step=step, rank=self.coords.rank, tier=name, message=str(exc),
@@ -298,7 +305,12 @@ class CheckpointEngine:
         return LayoutMismatchError(f"step {step} on tier {tier!r} was saved with another parallel layout "
                                    f"({', '.join(changed)}): {why}")
 
-    def _load_from(self, name: str, step: int, copy: bool, map_location: Any) -> tuple[dict, bool, int]:
+    def _load_from(self, name: str, step: int, copy: bool, map_location: Any,
+                   into: dict[str, Any] | None = None) -> tuple[dict, bool, int]:
+        if into is not None and not isinstance(self.pipeline.stores[name], MemoryStore):
+            # From files: load as usual, then copy into the targets (the fused path is for memory snapshots).
+            items, verified, nbytes = self._load_from(name, step, copy, map_location)
+            return _apply_into(items, into), verified, nbytes
         store = self.pipeline.stores[name]
         verify = self.config.load.verify
         trust = self.config.load.trust_pickles
@@ -309,7 +321,7 @@ class CheckpointEngine:
             meta = max(metas, key=lambda m: m.created)
             if meta.parallel and self._layout_change(meta.parallel, step, name):
                 raise TierError(f"step {step} here is a snapshot of another parallel layout", tier=name)
-            items = store.load(meta, copy=copy, map_location=map_location, verify=verify)
+            items = store.load(meta, copy=copy, map_location=map_location, verify=verify, into=into)
             verified = verify and all(it.checksum for it in meta.items)
             return items, verified, meta.total_bytes
         if not store.tier.exists(store.layout.manifest_key(step)):
@@ -369,6 +381,18 @@ class CheckpointEngine:
 
     def tier_config(self, name: str) -> TierConfig:
         return self.config.tier(name)
+
+
+def _apply_into(items: dict[str, Any], into: dict[str, Any]) -> dict[str, Any]:
+    from .load_into import copy_pairs, pair_into
+
+    out = {}
+    for name, value in items.items():
+        if name in into:
+            value, pairs = pair_into(value, into[name], f"item {name!r}")
+            copy_pairs(pairs)
+        out[name] = value
+    return out
 
 
 def _tensors(obj: Any) -> list[torch.Tensor]:

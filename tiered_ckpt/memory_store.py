@@ -173,15 +173,20 @@ class MemoryStore:
         buf = self.data(meta, cached=cached)
         return [ItemSource(it.name, it.header.encode(), buf[it.offset:it.offset + it.nbytes]) for it in meta.items]
 
-    def load(self, meta: SlotMeta, *, copy: bool, map_location: Any = None, verify: bool = True) -> dict[str, Any]:
+    def load(self, meta: SlotMeta, *, copy: bool, map_location: Any = None, verify: bool = True,
+             into: dict[str, Any] | None = None) -> dict[str, Any]:
+        """The snapshot's items. ``into``: restore the tensors it holds in place (see :mod:`.load_into`)."""
         from .checksum import snapshot_matches
 
         out = {}
         for src, it in zip(self.item_sources(meta, cached=False), meta.items, strict=True):
+            target = into.get(it.name) if into is not None else None
+            if target is not None:
+                out[it.name] = self._load_into(meta, src, it, target, copy=copy, verify=verify)
+                continue
             if verify and it.checksum:
                 if not snapshot_matches(src.data, it.checksum):
-                    raise CorruptionError(f"snapshot of item {it.name!r} does not match its checksum",
-                                          tier=self.tier.name, key=self.data_key(meta.slot))
+                    raise self._mismatch(meta, it)
             try:
                 info = flat.decode_header(src.header)
                 data = src.data
@@ -192,3 +197,40 @@ class MemoryStore:
             except DecodeError as exc:
                 raise CorruptionError(str(exc), tier=self.tier.name, key=self.meta_key(meta.slot)) from None
         return out
+
+    def _load_into(self, meta: SlotMeta, src: ItemSource, it: SlotItem, target: Any, *, copy: bool,
+                   verify: bool) -> Any:
+        from .load_into import copy_pairs, copy_verified, pair_into, tensors
+
+        try:
+            views = flat.restore(flat.decode_header(src.header), src.data, copy=False)
+        except DecodeError as exc:
+            raise CorruptionError(str(exc), tier=self.tier.name, key=self.meta_key(meta.slot)) from None
+        result, pairs = pair_into(views, target, f"item {it.name!r}")
+        if verify and it.checksum:
+            if not copy_verified(src.data, it.checksum, pairs):
+                raise self._mismatch(meta, it)
+        else:
+            copy_pairs(pairs)
+        if copy:  # what had no target still points into the slot: give it memory of its own
+            paired = {id(d) for _, d in pairs}
+            leftovers = [t for t in tensors(result) if id(t) not in paired]
+            if leftovers:
+                copies = {id(t): t.clone() for t in leftovers}
+                result = _replace_tensors(result, copies)
+        return result
+
+    def _mismatch(self, meta: SlotMeta, it: SlotItem) -> CorruptionError:
+        return CorruptionError(f"snapshot of item {it.name!r} does not match its checksum", tier=self.tier.name,
+                               key=self.data_key(meta.slot))
+
+
+def _replace_tensors(tree: Any, new: dict[int, Any]) -> Any:
+    if isinstance(tree, torch.Tensor):
+        return new.get(id(tree), tree)
+    if isinstance(tree, dict):
+        out = {k: _replace_tensors(v, new) for k, v in tree.items()}
+        return out if type(tree) is dict else type(tree)(out)
+    if type(tree) in (list, tuple):
+        return type(tree)(_replace_tensors(v, new) for v in tree)
+    return tree
