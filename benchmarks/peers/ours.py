@@ -2,8 +2,9 @@
 
 Measures: ``prepare()``; the first ``save()`` after it and warm ones (``handle.blocking_s``); the time from the
 snapshot to the local tier's commit (the ``commit`` event's ``seconds``, which starts when ``save()`` returns);
-restore from shm as zero-copy views copied into the existing tensors (what a resume's ``load_state_dict`` does)
-and as ``load(copy=True)`` into fresh memory; restore from the local disk (page cache dropped) into the existing
+restore from shm into the existing tensors, verified, with ``load(into=...)`` (what a resume needs), as
+zero-copy views then ``copy_`` into them (what a resume's ``load_state_dict`` does after ``load()``) and as
+``load(copy=True)`` into fresh memory; restore from the local disk (page cache dropped) into the existing
 tensors; the host memory the saves added; and, with a fresh engine, a first ``save()`` without ``prepare()``.
 
 The machine's limits are measured in this same process, alternating with the candidate under the same load:
@@ -22,8 +23,10 @@ import time
 import uuid
 
 import _common as c
+import torch
 
 from tiered_ckpt import CheckpointEngine, hookimpl
+from tiered_ckpt.checksum import digest
 from tiered_ckpt.memory_store import plan_items
 from tiered_ckpt.plugins import get_plugin_manager
 
@@ -101,9 +104,18 @@ def main() -> int:
         out["memory"] = c.memory_report(before, peak, sampled, nslots * slot_total, kids_baseline)
         out["memory"]["slots"] = nslots
 
-        # Restore from shm, alternating the two ways, three times each.
-        views_s, views_load_s, fresh_s, copy_out_s = [], [], [], []
+        # Restore from shm, alternating the three ways, three times each.
+        views_s, views_load_s, fresh_s, copy_out_s, into_s = [], [], [], [], []
+        saved = [digest(t.reshape(-1).view(torch.uint8)) for t in tensors]
         for i in range(3):
+            for t in tensors:  # the first bytes of every tensor changed, as training would change all of them
+                t.view(-1)[:16].add_(1)
+            s, res = c.timed(lambda: engine.load(into=items))  # verified, straight into the model's tensors
+            into_s.append(s)
+            assert res.tier == "shm" and res.verified, (res.tier, res.verified)
+            assert [digest(t.reshape(-1).view(torch.uint8)) for t in tensors] == saved, "load(into=...) missed"
+            del res
+            c.settle()
             t0 = time.perf_counter()
             res = engine.load(copy=False)
             t1 = time.perf_counter()
@@ -124,6 +136,7 @@ def main() -> int:
             copy_out_s.append(baseline.copy_out())
         out["limit_copy_out_s"] = copy_out_s
         out["restore_shm_views_copy_s"] = views_s
+        out["restore_shm_into_s"] = into_s
         out["restore_shm_views_load_part_s"] = views_load_s
         out["restore_shm_fresh_s"] = fresh_s
         engine.close()
