@@ -11,7 +11,7 @@ from helpers import assert_same, make_items
 
 from tiered_ckpt import CheckpointEngine
 from tiered_ckpt.checksum import SNAPSHOT_PIECE, snapshot_checksum
-from tiered_ckpt.load_into import copy_verified, pair_into
+from tiered_ckpt.load_into import copy_verified, pair_into, tensors
 
 
 def _config(shm_root, tmp_path, *names, **top):
@@ -24,7 +24,7 @@ def _config(shm_root, tmp_path, *names, **top):
 def _scrambled(items):
     """A copy of ``items`` whose tensors hold other values (what a freshly built model holds)."""
     out = copy_module.deepcopy(items)
-    for t in _all_tensors(out):
+    for t in tensors(out):
         if t.dtype == torch.bool:
             t.logical_not_()
         elif t.is_floating_point():
@@ -32,17 +32,6 @@ def _scrambled(items):
         else:
             t.add_(3)
     return out
-
-
-def _all_tensors(tree):
-    if isinstance(tree, torch.Tensor):
-        yield tree
-    elif isinstance(tree, dict):
-        for v in tree.values():
-            yield from _all_tensors(v)
-    elif isinstance(tree, list | tuple):
-        for v in tree:
-            yield from _all_tensors(v)
 
 
 def _big_items(seed: int = 0) -> dict:
@@ -63,12 +52,12 @@ def test_values_land_in_the_callers_tensors(shm_root, tmp_path, names):
         engine.save(7, items).wait(timeout=60)
     with CheckpointEngine(cfg) as engine:  # a restart: shm snapshots survive it, in-process staging does not
         target = _scrambled(items)
-        before = {id(t) for t in _all_tensors(target)}
+        before = {id(t) for t in tensors(target)}
         res = engine.load(into=target)
     assert res.tier == names[0] and res.verified and res.step == 7
     assert_same(items, target)  # in place
     assert_same(items, res.items)
-    assert {id(t) for t in _all_tensors(res.items)} == before  # the result holds the caller's tensors
+    assert {id(t) for t in tensors(res.items)} == before  # the result holds the caller's tensors
 
 
 def test_a_large_item_spanning_several_pieces_is_copied_exactly(shm_root, tmp_path):

@@ -123,24 +123,19 @@ def copy_bytes(dst: torch.Tensor, src: torch.Tensor, *, purpose: str = "drain", 
 def host_register(ptr: int, nbytes: int) -> str | None:
     """``cudaHostRegister`` ``nbytes`` of host memory at ``ptr``. None on success, else the CUDA error (the
     memory then stays pageable and usable as before)."""
-    try:
-        cudart = torch.cuda.cudart()
-        rc = cudart.cudaHostRegister(ptr, nbytes, HOST_REGISTER_DEFAULT)
-    except Exception as exc:  # CUDA that cannot start here, a binding that refuses the call: report, not raise
-        return f"{type(exc).__name__}: {exc}"
-    if int(rc) == 0:
-        return None
-    error = _error_text(cudart, rc)
-    clear_last_error()
-    return error
+    return _cudart_call(lambda cudart: cudart.cudaHostRegister(ptr, nbytes, HOST_REGISTER_DEFAULT))
 
 
 def host_unregister(ptr: int) -> str | None:
     """``cudaHostUnregister`` of a range :func:`host_register` pinned; None on success, else the CUDA error."""
+    return _cudart_call(lambda cudart: cudart.cudaHostUnregister(ptr))
+
+
+def _cudart_call(call: Any) -> str | None:
     try:
         cudart = torch.cuda.cudart()
-        rc = cudart.cudaHostUnregister(ptr)
-    except Exception as exc:
+        rc = call(cudart)
+    except Exception as exc:  # CUDA that cannot start here, a binding that refuses the call: report, not raise
         return f"{type(exc).__name__}: {exc}"
     if int(rc) == 0:
         return None
