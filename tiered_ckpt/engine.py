@@ -13,8 +13,6 @@ import time
 import weakref
 from typing import Any
 
-import torch
-
 from . import events as ev
 from .codecs import flat
 from .config import Config, TierConfig, load_config
@@ -32,6 +30,7 @@ from .errors import (
 from .file_store import FileStore
 from .handles import LoadResult, SaveHandle
 from .layouts.base import MODEL_ITEM, OPTIM_ITEM
+from .load_into import tensors
 from .locking import RunLock
 from .memory_store import MemoryStore, SlotItem, SlotMeta, plan_items
 from .parallel import ParallelLayout, RankCoords, detect, local_rank
@@ -350,7 +349,7 @@ class CheckpointEngine:
             items = legacy.load_rank_items(store.tier, step, self.coords, trust_pickles=trust, verify=verify)
         except (LayoutMismatchError, NoCheckpointError) as exc:
             raise TierError(str(exc), tier=store.name) from None
-        nbytes = sum(t.numel() * t.element_size() for t in _tensors(items))
+        nbytes = sum(t.numel() * t.element_size() for t in tensors(items))
         return dict(items), bool(items.verified), nbytes
 
     # ----- lifecycle ---------------------------------------------------------------------------------------
@@ -393,16 +392,6 @@ def _apply_into(items: dict[str, Any], into: dict[str, Any]) -> dict[str, Any]:
             copy_pairs(pairs)
         out[name] = value
     return out
-
-
-def _tensors(obj: Any) -> list[torch.Tensor]:
-    if isinstance(obj, torch.Tensor):
-        return [obj]
-    if isinstance(obj, dict):
-        return [t for v in obj.values() for t in _tensors(v)]
-    if isinstance(obj, (list, tuple)):
-        return [t for v in obj for t in _tensors(v)]
-    return []
 
 
 def _attach_observers(pm: PluginManager, config: Config) -> list[Any]:

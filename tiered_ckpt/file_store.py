@@ -9,8 +9,6 @@ removes the newest committed step. A step without its checkpoint manifest does n
 from __future__ import annotations
 
 import logging
-import os
-import stat
 import time
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -25,8 +23,7 @@ from .codecs.file_codecs import FileCodec, FlatFileCodec, ItemSource
 from .compression import compress_chunks, decompress_to_tensor
 from .config import TierConfig
 from .crashpoints import crash_point
-from .errors import BlobNotFoundError, CorruptionError, DecodeError, PermanentTierError, TierError
-from .hostmem import FileShrankError, read_file
+from .errors import BlobNotFoundError, CorruptionError, DecodeError, TierError
 from .layouts.base import Layout
 from .manifest import (
     CheckpointManifest,
@@ -39,9 +36,7 @@ from .manifest import (
 )
 from .parallel import ParallelLayout, RankCoords
 from .retry import call_with_retry
-from .tiers._files import BlobFiles
 from .tiers.base import Chunk, Tier, as_memoryview
-from .tiers.local import LocalTier
 
 log = logging.getLogger(__name__)
 Emit = Callable[[ev.Event], None]
@@ -305,53 +300,19 @@ class FileStore:
         """The stored bytes of ``entry`` (with retries), checked against the manifest when ``verify``: a
         :class:`CorruptionError` naming the file otherwise. Nothing of a file that fails the check is returned.
 
-        A ``local`` tier's file is read here, in parallel pieces hashed as they arrive (:func:`hostmem.read_file`),
-        instead of through ``read_blob`` (one ``readinto`` into pre-populated memory, then a second pass to hash):
-        the same bytes in private memory, about a third faster from a cold page cache."""
-        path = self._local_path(entry.key)
-        if path is None:
-            blob = self._retry(lambda: self.tier.read_blob(entry.key), step, rank, f"read {entry.key}")
-            if verify:
-                self.verify(entry, blob)
-            return blob
+        The checksum is computed while the tier reads (``Tier.read_blob_hashed``: the ``local`` tier hashes its
+        parallel pieces as they arrive), not in a second pass over the bytes."""
         hash_it = verify and entry.checksum.startswith(f"{ALGORITHM}:")
 
         def attempt() -> tuple[torch.Tensor, str | None]:
             hasher = new_hasher() if hash_it else None
-            blob = self._read_local(entry.key, path, hasher)
+            blob = self.tier.read_blob_hashed(entry.key, hasher)
             return blob, hasher.hexdigest() if hasher is not None else None
 
         blob, hexdigest = self._retry(attempt, step, rank, f"read {entry.key}")
         if verify:
             self.verify(entry, blob, hexdigest)
         return blob
-
-    def _local_path(self, key: str) -> str | None:
-        """The file holding ``key`` if this store's tier is a plain ``local`` tier (not a wrapper of one)."""
-        files = getattr(self.tier, "files", None)
-        if type(self.tier) is LocalTier and isinstance(files, BlobFiles):
-            return files.path(key)
-        return None
-
-    def _read_local(self, key: str, path: str, hasher: Any) -> torch.Tensor:
-        """``LocalTier.read_blob``'s result and errors, read with :func:`hostmem.read_file`."""
-        files: BlobFiles = self.tier.files  # type: ignore[attr-defined]
-        try:
-            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-        except OSError as exc:
-            raise files.error(exc, key, "open", path, missing_ok=True) from exc
-        try:
-            st = os.fstat(fd)
-            if not stat.S_ISREG(st.st_mode):
-                raise BlobNotFoundError("no such blob (not a file)", tier=self.name, key=key)
-            return read_file(fd, st.st_size, hasher=hasher)
-        except FileShrankError as exc:
-            raise PermanentTierError(f"{path} shrank while being read ({exc.got} of {exc.size} bytes)",
-                                     tier=self.name, key=key) from None
-        except OSError as exc:
-            raise files.error(exc, key, "read", path, missing_ok=True) from exc
-        finally:
-            os.close(fd)
 
     def decode_stored(self, entry: FileEntry, blob: torch.Tensor) -> torch.Tensor:
         if entry.compression is None:

@@ -4,7 +4,8 @@
   bytes, then the tensor bytes exactly as they sit in the memory slot. Writing it is a straight copy of the slot
   (no serialization work), and reading it can map tensors without copying.
 * ``torch`` — ``torch.save``'s zip format, for the files Megatron-LM must read (``model_optim_rng.pt``,
-  ``distrib_optim.pt``). Loading goes through the restricted unpickler (never arbitrary code).
+  ``distrib_optim.pt``). Loading goes through the restricted unpickler (never arbitrary code); with ``copy=False``
+  (bytes the caller owns, such as a file tier's private read) its storages are views of those bytes, not copies.
 """
 
 from __future__ import annotations

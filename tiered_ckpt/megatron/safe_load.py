@@ -121,10 +121,16 @@ def _views_source(blob: torch.Tensor) -> memoryview | None:
 
 @functools.cache
 def _has_storage_hook() -> bool:
+    """Whether this torch has the internals :func:`_load_views` uses (private, but what ``torch.load(mmap=True)``
+    itself calls since torch 2.1); without them every load copies, silently."""
     import inspect
 
+    ts = torch.serialization
     try:
-        return "overall_storage" in inspect.signature(torch.serialization._load).parameters
+        if not all(callable(getattr(ts, name, None)) for name in
+                   ("_open_zipfile_reader", "_is_torchscript_zip", "_load")) or ts._weights_only_unpickler is None:
+            return False
+        return "overall_storage" in inspect.signature(ts._load).parameters
     except (AttributeError, TypeError, ValueError):
         return False
 
@@ -138,8 +144,10 @@ def _load_views(blob: torch.Tensor, view: memoryview, where: str, map_location: 
     with allow_megatron_globals(), _decode_errors(where), ts._open_zipfile_reader(MemoryReader(view)) as zf:
         if ts._is_torchscript_zip(zf):
             raise DecodeError(f"{where}: a TorchScript archive")  # load_bytes refuses it with torch's message
-        if zf.has_record("byteorder") and zf.get_record("byteorder") != sys.byteorder.encode():
-            raise DecodeError(f"{where}: byte order differs")  # swapping would write into blob: copy instead
+        # torch swaps a foreign byte order in place (and guesses one for files without the record): that would
+        # write into blob, so such files take the copying path.
+        if not zf.has_record("byteorder") or zf.get_record("byteorder") != sys.byteorder.encode():
+            raise DecodeError(f"{where}: not marked {sys.byteorder}-endian")
         return ts._load(zf, map_location, ts._weights_only_unpickler, overall_storage=storage, encoding="utf-8")
 
 

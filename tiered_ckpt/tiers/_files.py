@@ -21,7 +21,7 @@ import torch
 
 from ..crashpoints import crash_point
 from ..errors import BlobNotFoundError, PermanentTierError, TierError, TransientTierError
-from ..hostmem import populated_empty
+from ..hostmem import FileShrankError, read_file
 from ._direct_io import DIRECT_MIN, DirectWriter, buffered_io
 from .base import as_memoryview, check_key, check_prefix
 
@@ -33,7 +33,6 @@ _TEMP_RE = re.compile(r"^\..+\.tmp-[0-9a-f]{16}$")
 _TRANSIENT_ERRNOS = {errno.EAGAIN, errno.EBUSY, errno.ETIMEDOUT, errno.ESTALE, errno.EINTR, errno.EREMOTEIO}
 _FULL_ERRNOS = {errno.ENOSPC, errno.EDQUOT}
 _MAX_IOV = 512  # chunks per writev call (IOV_MAX is 1024 on Linux)
-_POPULATE_MIN = 1 << 20
 _WRITE_MAX = 1 << 30  # bytes per write call (Linux caps one write at 2 GiB - 4 KiB)
 
 
@@ -261,27 +260,26 @@ class BlobFiles:
                 raise self.error(exc, key, "fsync the directory of", final) from exc
         return nbytes
 
-    def read_into_tensor(self, key: str) -> torch.Tensor:
-        """The whole file, read with ``readinto`` straight into a new tensor (one copy, no Python buffers)."""
+    def read_into_tensor(self, key: str, hasher: Any = None) -> torch.Tensor:
+        """The whole file in fresh private memory, read in parallel pieces (:func:`~..hostmem.read_file`: the
+        page setup of the new memory overlaps the disk reads); ``hasher.update`` sees the pieces in order."""
         path = self.path(key)
         try:
-            with open(path, "rb", buffering=0) as f:
-                size = os.fstat(f.fileno()).st_size
-                if size == 0:
-                    return torch.empty(0, dtype=torch.uint8)
-                # Pages populated in one go: faulting them in one by one during the read costs more than the read.
-                out = populated_empty(size) if size >= _POPULATE_MIN else torch.empty(size, dtype=torch.uint8)
-                mv = memoryview(out.numpy())
-                pos = 0
-                while pos < size:
-                    n = f.readinto(mv[pos:pos + _WRITE_MAX])
-                    if not n:
-                        raise PermanentTierError(f"{path} shrank while being read ({pos} of {size} bytes)",
-                                                 tier=self.tier, key=key)
-                    pos += n
-                return out
+            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        except OSError as exc:
+            raise self.error(exc, key, "open", path, missing_ok=True) from exc
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                raise BlobNotFoundError("no such blob (not a file)", tier=self.tier, key=key)
+            return read_file(fd, st.st_size, hasher=hasher)
+        except FileShrankError as exc:
+            raise PermanentTierError(f"{path} shrank while being read ({exc.got} of {exc.size} bytes)",
+                                     tier=self.tier, key=key) from None
         except OSError as exc:
             raise self.error(exc, key, "read", path, missing_ok=True) from exc
+        finally:
+            os.close(fd)
 
     def read_range(self, key: str, offset: int, length: int) -> bytes:
         path = self.path(key)

@@ -163,6 +163,16 @@ class Tier(ABC):
     @abstractmethod
     def read_blob(self, key: str) -> torch.Tensor: ...
 
+    def read_blob_hashed(self, key: str, hasher: Any = None) -> torch.Tensor:
+        """``read_blob``, feeding the bytes to ``hasher.update`` (if given) in order. Tiers that can hash while
+        they read (``local``: pieces hashed as they arrive) override it; this default hashes after reading."""
+        blob = self.read_blob(key)
+        if hasher is not None:
+            mv = as_memoryview(blob)
+            for start in range(0, len(mv), 64 << 20):
+                hasher.update(mv[start:start + (64 << 20)])
+        return blob
+
     def read_range(self, key: str, offset: int, length: int) -> bytes:
         data = self.read_blob(key)
         if offset < 0 or length < 0 or offset + length > data.numel():

@@ -6,9 +6,10 @@ A write goes to a temporary file in the target directory, written straight from 
 after a crash the key holds the old blob or the new one, never a torn one. A disk that fills up raises
 :class:`~tiered_ckpt.errors.PermanentTierError` ("disk full") and leaves no temporary file behind.
 
-Reads use ``readinto`` into a freshly allocated tensor: one copy from the page cache, no Python-level buffers.
-(Not zero-copy: mapping the file instead would tie the tensor to a file that retention may delete or a later
-save may replace, and page-faulting a disk file is no faster than reading it.)
+Reads go into fresh private memory, in 32 MiB pieces on several threads (``preadv``), hashed in order as they
+arrive when the caller verifies (``read_blob_hashed``). Not zero-copy: a mapping of the file would turn a disk
+error into SIGBUS instead of a fallback to the next tier, re-read pages dropped under memory pressure after
+they were verified, and follow any later write to the file.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from __future__ import annotations
 import os
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 
@@ -63,6 +64,9 @@ class LocalTier(Tier):
 
     def read_blob(self, key: str) -> torch.Tensor:
         return self.files.read_into_tensor(key)
+
+    def read_blob_hashed(self, key: str, hasher: Any = None) -> torch.Tensor:
+        return self.files.read_into_tensor(key, hasher)
 
     def read_range(self, key: str, offset: int, length: int) -> bytes:
         return self.files.read_range(key, offset, length)
