@@ -27,7 +27,7 @@ import xxhash
 
 from .checksum import SNAPSHOT_PIECE, hash_pool, is_piecewise, snapshot_matches
 
-_SUB = 1 << 20  # bytes copied, then hashed while still in cache (a fraction of a core's L2 + L3 share)
+_SUB = 1 << 20  # bytes copied, then hashed while still in cache (half of one core's 2 MiB L2 here)
 
 
 def pair_into(loaded: Any, into: Any, where: str) -> tuple[Any, list[tuple[torch.Tensor, torch.Tensor]]]:

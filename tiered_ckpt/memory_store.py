@@ -179,7 +179,10 @@ class MemoryStore:
         from .checksum import snapshot_matches
 
         out = {}
-        for src, it in zip(self.item_sources(meta, cached=False), meta.items, strict=True):
+        # Views handed to the caller need a mapping of their own (see ``data``); a load into the caller's tensors
+        # with copies of the rest hands out none, and the kept mapping spares populating a new one.
+        cached = into is not None and copy
+        for src, it in zip(self.item_sources(meta, cached=cached), meta.items, strict=True):
             target = into.get(it.name) if into is not None else None
             if target is not None:
                 out[it.name] = self._load_into(meta, src, it, target, copy=copy, verify=verify)
