@@ -142,3 +142,18 @@ def test_process_drain_from_a_script_without_main_guard(tmp_path, shm_root):
     proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=180)
     assert proc.returncode == 0 and proc.stdout.count("DONE") == 1, proc.stderr[-3000:]
     assert (tmp_path / "local" / "iter_0000001" / "tiered_ckpt" / "manifest.json").exists()
+
+
+@pytest.mark.parametrize("ops", [["list"], ["read_blob"]])
+def test_transient_errors_while_listing_steps_are_retried(shm_root, tmp_path, recorder, ops):
+    """A throttled listing or manifest read must not hide a tier's steps from this rank (it would resume older)."""
+    path = tmp_path / "flaky"
+    run_id = f"f{uuid.uuid4().hex[:8]}"
+    with CheckpointEngine(_config(shm_root, tmp_path, _faulty("flaky", path), run_id=run_id)) as engine:
+        engine.save(1, make_items(1)).wait(timeout=60)
+    only_flaky = {"run_id": run_id, "drain": {"mode": "thread"},
+                  "tiers": [_faulty("flaky", path, transient_errors=2, ops=ops)]}
+    with CheckpointEngine(only_flaky) as engine:
+        assert engine.available_steps()["flaky"] == [1]
+        assert len(recorder.kinds("retry", "flaky")) == 2
+        assert_same(make_items(1), engine.load().items)

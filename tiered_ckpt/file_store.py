@@ -250,13 +250,16 @@ class FileStore:
         Steps saved with another parallel layout are listed too: ``load()`` re-splits them where the format
         allows (DP changes of Megatron's items) or says clearly what changed."""
         rank = coords.rank
-        steps = self.committed_steps()
+        # Transient errors (a throttled object store, EAGAIN) are retried here as on the load path: a listing
+        # that gave up at once would hide the tier's newest step from this rank alone.
+        steps = self._retry(self.committed_steps, None, rank, "list committed steps")
         for stale in set(self._manifests) - set(steps):
             del self._manifests[stale]
         out = []
         for step in steps:
             try:
-                manifest = self.read_manifest(step, cached=True)
+                manifest = self._retry(lambda s=step: self.read_manifest(s, cached=True), step, rank,
+                                       f"read {self.layout.manifest_key(step)}")
             except BlobNotFoundError:
                 continue  # removed since it was listed
             except CorruptionError as exc:
