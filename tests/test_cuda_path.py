@@ -239,6 +239,24 @@ def test_the_engine_pins_its_slots_and_hop_targets(fake_cuda, shm_root, tmp_path
     assert fake_cuda.cudart.registered == {}, "close() must unregister every slot"
 
 
+def test_slots_prepared_before_cuda_came_up_are_pinned_at_the_next_save(fake_cuda, shm_root, tmp_path):
+    """``prepare()`` before the model moved to the GPU: under ``pin: auto`` nothing is pinned then, and the next
+    save after CUDA came up pins the slot it writes (the engine asks the tier for its slot at every save)."""
+    fake_cuda.initialized = False
+    cfg = {"run_id": f"pin-{uuid.uuid4().hex[:8]}", "drain": {"mode": "thread"},
+           "tiers": [{"name": "host", "kind": "shm", "path": shm_root, "slots": 1}]}
+    items = make_items(5)
+    with CheckpointEngine(cfg) as engine:
+        engine.prepare(items)
+        host = engine.pipeline.stores["host"]
+        assert fake_cuda.cudart.calls == [] and not host.tier.is_pinned(host.data_key(0))
+        fake_cuda.initialized = True
+        engine.save(1, items).wait(timeout=60)
+        assert host.tier.is_pinned(host.data_key(0))
+        assert_same(items, engine.load(copy=True).items)
+    assert fake_cuda.cudart.registered == {}
+
+
 def test_the_drain_worker_never_pins(fake_cuda, shm_root, tmp_path):
     """The worker's own entry point, run in this process as a fresh spawned worker would be (CUDA never
     initialised): it maps the snapshot and drains it without a single CUDA call."""

@@ -106,11 +106,11 @@ class MemoryStore:
 
     # ----- writing -----------------------------------------------------------------------------------------
     def buffer(self, slot: int, nbytes: int) -> torch.Tensor:
-        """The slot's writable buffer, allocated (and pre-faulted) once; grown when the items grew."""
-        buf = self._buffers.get(slot)
-        if buf is None or buf.numel() < nbytes:
-            buf = self.tier.allocate_slot(self.data_key(slot), nbytes)
-            self._buffers[slot] = buf
+        """The slot's writable buffer, allocated (and pre-faulted) once; grown when the items grew.
+
+        The tier is asked every time (it hands back the same memory while it is big enough): that lets it notice
+        a slot file replaced behind its back, and page-lock (``pin: auto``) a slot made before CUDA was up."""
+        buf = self._buffers[slot] = self.tier.allocate_slot(self.data_key(slot), nbytes)
         return buf
 
     def invalidate(self, slot: int) -> None:
