@@ -8,6 +8,7 @@ the drain has computed them). The JSON is written last and deleted first: a slot
 from __future__ import annotations
 
 import json
+import logging
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -21,6 +22,8 @@ from .errors import BlobNotFoundError, CorruptionError, DecodeError
 from .hostmem import private_copy
 from .manifest import content_digest
 from .tiers.base import Tier
+
+log = logging.getLogger(__name__)
 
 FORMAT = "tiered_ckpt.snapshot"
 VERSION = 1
@@ -93,6 +96,7 @@ class MemoryStore:
         self.nslots = nslots
         self._buffers: dict[int, torch.Tensor] = {}
         self._read_cache: dict[int, tuple[tuple, torch.Tensor]] = {}
+        self._reported: set[str] = set()  # malformed slot records already logged
 
     @property
     def name(self) -> str:
@@ -139,7 +143,10 @@ class MemoryStore:
             try:
                 slot = int(name[5:-5])
                 meta = self.read_meta(slot)
-            except (ValueError, CorruptionError):
+            except (ValueError, CorruptionError) as exc:
+                if key not in self._reported:  # once per record: metas() runs at every load and listing
+                    self._reported.add(key)
+                    log.warning("tier %r: slot record %s is unreadable and is ignored: %s", self.tier.name, key, exc)
                 continue
             if meta is not None:
                 found[slot] = meta

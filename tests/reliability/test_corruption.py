@@ -274,3 +274,13 @@ def test_a_tracker_that_names_no_step_is_replaced_by_the_next_commit(copy, text)
         assert engine.load().step == 2
         engine.save(3, items(3)).wait(timeout=60)
     assert (copy.root / "local" / "latest_checkpointed_iteration.txt").read_text() == "3"
+
+
+def test_an_unreadable_slot_record_is_logged_once_and_skipped(copy, caplog):
+    record = copy.path("shm", "record")
+    record.write_text("{not json")
+    with CheckpointEngine(copy.config("shm", "local")) as engine, caplog.at_level("WARNING"):
+        assert engine.load().tier == "local"
+        assert engine.load().tier == "local"
+    warned = [r for r in caplog.records if "is unreadable and is ignored" in r.getMessage()]
+    assert len(warned) == 1 and record.name in warned[0].getMessage()
