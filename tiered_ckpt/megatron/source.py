@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from ..checksum import new_hasher
 from ..compression import decompress_to_tensor
 from ..errors import CorruptionError, LayoutMismatchError, UnsafePickleError
 from ..layouts.base import META_DIR
@@ -95,16 +96,20 @@ class StepSource:
         """A directory's ``model_optim_rng.pt`` in full, verified when there is a manifest."""
         key = self.key(directory, MODEL_FILENAME)
         where = tier_io.where(self.tier, key)
-        blob = self.tier.read_blob(key)
-        self.model_bytes_read += blob.numel()
         entry = self.entry(key)
+        # Hashed while it is read (the local tier hashes its parallel pieces as they arrive), not in a second pass.
+        hasher = new_hasher() if entry is not None and self.verify else None
+        blob = self.tier.read_blob_hashed(key, hasher)
+        self.model_bytes_read += blob.numel()
         if entry is not None:
-            if self.verify:
-                from ..checksum import digest
-
-                tier_io.check_digest(entry, blob.numel(), digest(blob), where)
+            if hasher is not None:
+                tier_io.check_digest(entry, blob.numel(), hasher.hexdigest(), where)
             if entry.compression is not None:
                 blob = decompress_to_tensor(blob, entry.raw_size or 0, where=key, tier=self.tier.name)
+                return safe_load.load_views(blob, where=where, trust_pickles=self.trust_pickles)
+        if not self.tier.capabilities.zero_copy_read and blob.device.type == "cpu":
+            # Bytes read into memory of our own: the storages can be views of them instead of second copies.
+            return safe_load.load_views(blob, where=where, trust_pickles=self.trust_pickles)
         return safe_load.load_bytes(as_memoryview(blob), where=where, trust_pickles=self.trust_pickles)
 
     # ----- the optimizer's state, per directory --------------------------------------------------------------
