@@ -107,6 +107,9 @@ class StepSource:
             if entry.compression is not None:
                 blob = decompress_to_tensor(blob, entry.raw_size or 0, where=key, tier=self.tier.name)
                 return safe_load.load_views(blob, where=where, trust_pickles=self.trust_pickles)
+        return self._load_blob(blob, where)
+
+    def _load_blob(self, blob: torch.Tensor, where: str) -> Any:
         if not self.tier.capabilities.zero_copy_read and blob.device.type == "cpu":
             # Bytes read into memory of our own: the storages can be views of them instead of second copies.
             return safe_load.load_views(blob, where=where, trust_pickles=self.trust_pickles)
@@ -226,8 +229,7 @@ class StepSource:
             key = self.key(f"rank_{rank:05d}", DISTRIB_OPTIM_FILENAME)
             blob = self.tier.read_blob(key)
             self.model_bytes_read += blob.numel()
-            items["distrib_optim"] = safe_load.load_bytes(as_memoryview(blob), where=tier_io.where(self.tier, key),
-                                                          trust_pickles=self.trust_pickles)
+            items["distrib_optim"] = self._load_blob(blob, tier_io.where(self.tier, key))
             formats["distrib_optim"] = "dlrover"
         elif info.layout == "rank_sharded" and target.dp == info.topology.dp:
             f = self.lazy(self.key(f"rank_{rank:05d}", DISTRIB_OPTIM_FILENAME))
