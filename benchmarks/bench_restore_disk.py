@@ -42,9 +42,9 @@ from ours import config  # noqa: E402
 
 from tiered_ckpt import CheckpointEngine  # noqa: E402
 from tiered_ckpt.checksum import digest  # noqa: E402
+from tiered_ckpt.hostmem import populated_empty  # noqa: E402
 from tiered_ckpt.megatron import safe_load  # noqa: E402
 from tiered_ckpt.tiers.base import as_memoryview  # noqa: E402
-from tiered_ckpt.tiers.local import LocalOptions, LocalTier  # noqa: E402
 
 RESULTS = BENCH / "results" / "restore_disk.json"
 
@@ -90,41 +90,48 @@ def run_ours(run_id: str, local: str, items: dict[str, Any], check: bool) -> dic
     return {"total_s": t2 - t0, "load_s": t1 - t0, "peak_growth_mib": grew}
 
 
-def run_torch(local: str, files: dict[str, str], items: dict[str, Any]) -> dict[str, float]:
+def _timed_files(local: str, files: dict[str, str], items: dict[str, Any], load: Any) -> dict[str, float]:
+    """Drop the cache, then ``load(path)`` each file and copy it into the items' tensors; times and peak."""
     c.drop_cache(local)
     start = peak_window()
     load_s = 0.0
     t0 = time.perf_counter()
     for item, path in files.items():
         t = time.perf_counter()
-        obj = torch.load(path, weights_only=False)
+        obj = load(path)
         load_s += time.perf_counter() - t
         c.copy_into(items[item], obj)
         del obj
     total = time.perf_counter() - t0
     return {"total_s": total, "load_s": load_s, "peak_growth_mib": peak_growth_mib(start)}
+
+
+def run_torch(local: str, files: dict[str, str], items: dict[str, Any]) -> dict[str, float]:
+    return _timed_files(local, files, items, lambda path: torch.load(path, weights_only=False))
+
+
+def _old_read(path: str) -> torch.Tensor:
+    """How ``LocalTier.read_blob`` read before ``hostmem.read_file``: populate the whole buffer, then one
+    ``readinto``."""
+    with open(path, "rb", buffering=0) as f:
+        size = os.fstat(f.fileno()).st_size
+        out = populated_empty(size)
+        view, pos = memoryview(out.numpy()), 0
+        while pos < size:
+            pos += f.readinto(view[pos:pos + (1 << 30)])
+    return out
 
 
 def run_old_path(local: str, files: dict[str, str], items: dict[str, Any]) -> dict[str, float]:
-    """The path ``load()`` took for these files before ``FileStore.read_verified`` and ``safe_load.load_views``:
-    ``LocalTier.read_blob`` (populate, then one ``readinto``), a second pass to hash, and ``load_bytes`` (which
+    """The path ``load()`` took for these files before ``Tier.read_blob_hashed`` and ``safe_load.load_views``:
+    the old ``read_blob`` (populate, then one ``readinto``), a second pass to hash, and ``load_bytes`` (which
     copies every storage out of that buffer)."""
-    tier = LocalTier("local", LocalOptions(local))
-    c.drop_cache(local)
-    start = peak_window()
-    load_s = 0.0
-    t0 = time.perf_counter()
-    for item, path in files.items():
-        t = time.perf_counter()
-        blob = tier.read_blob(os.path.relpath(path, local))
+    def load(path: str) -> Any:
+        blob = _old_read(path)
         digest(blob)
-        obj = safe_load.load_bytes(as_memoryview(blob), where=path)
-        del blob
-        load_s += time.perf_counter() - t
-        c.copy_into(items[item], obj)
-        del obj
-    total = time.perf_counter() - t0
-    return {"total_s": total, "load_s": load_s, "peak_growth_mib": peak_growth_mib(start)}
+        return safe_load.load_bytes(as_memoryview(blob), where=path)
+
+    return _timed_files(local, files, items, load)
 
 
 def main() -> int:
