@@ -125,35 +125,18 @@ def write_chunks(fd: int, chunks: Iterable[Any], fail: Callable[[OSError], Excep
     if isinstance(chunks, (list, tuple)):
         views = [as_memoryview(c) for c in chunks]
         total = sum(len(v) for v in views)
-        if direct and total >= DIRECT_MIN:
-            return _write_direct(fd, views, fail, check)
-        if direct:  # a few bytes (a manifest, the tracker): one ordinary write
-            buffered_io(fd)
-        if check is not None:
-            check(0, total)
-        try:
-            _write_all(fd, views)
-        except OSError as exc:
-            raise fail(exc) from exc
-        return total
-    if direct:
-        return _write_direct(fd, chunks, fail, check)
-    written = 0
-    for chunk in chunks:
-        mv = as_memoryview(chunk)
-        if check is not None:
-            check(written, len(mv))
-        try:
-            _write_all(fd, [mv])
-        except OSError as exc:
-            raise fail(exc) from exc
-        written += len(mv)
-    return written
-
-
-def _write_direct(fd: int, chunks: Iterable[Any], fail: Callable[[OSError], Exception],
-                  check: Callable[[int, int], None] | None) -> int:
-    writer = DirectWriter(fd)
+        if not direct or total < DIRECT_MIN:
+            if direct:  # a few bytes (a manifest, the tracker): one ordinary write
+                buffered_io(fd)
+            if check is not None:
+                check(0, total)
+            try:
+                _write_all(fd, views)
+            except OSError as exc:
+                raise fail(exc) from exc
+            return total
+        chunks = views
+    writer = DirectWriter(fd) if direct else None
     written = 0
     try:
         for chunk in chunks:
@@ -161,17 +144,22 @@ def _write_direct(fd: int, chunks: Iterable[Any], fail: Callable[[OSError], Exce
             if check is not None:
                 check(written, len(mv))
             try:
-                writer.write(mv)
+                if writer is None:
+                    _write_all(fd, [mv])
+                else:
+                    writer.write(mv)
             except OSError as exc:
                 raise fail(exc) from exc
             written += len(mv)
-            del chunk, mv  # the writer keeps no reference: let the producer free its piece
-        try:
-            writer.finish()
-        except OSError as exc:
-            raise fail(exc) from exc
+            del chunk, mv  # neither way keeps a reference: let the producer free its piece
+        if writer is not None:
+            try:
+                writer.finish()
+            except OSError as exc:
+                raise fail(exc) from exc
     finally:
-        writer.close()
+        if writer is not None:
+            writer.close()
     return written
 
 
