@@ -30,7 +30,7 @@ from .errors import (
 from .file_store import FileStore
 from .handles import LoadResult, SaveHandle
 from .layouts.base import MODEL_ITEM, OPTIM_ITEM
-from .load_into import tensors
+from .load_into import apply_into, tensors
 from .locking import RunLock
 from .memory_store import MemoryStore, SlotItem, SlotMeta, plan_items
 from .parallel import ParallelLayout, RankCoords, detect, local_rank
@@ -309,7 +309,7 @@ class CheckpointEngine:
         if into is not None and not isinstance(self.pipeline.stores[name], MemoryStore):
             # From files: load as usual, then copy into the targets (the fused path is for memory snapshots).
             items, verified, nbytes = self._load_from(name, step, copy, map_location)
-            return _apply_into(items, into), verified, nbytes
+            return apply_into(items, into), verified, nbytes
         store = self.pipeline.stores[name]
         verify = self.config.load.verify
         trust = self.config.load.trust_pickles
@@ -380,18 +380,6 @@ class CheckpointEngine:
 
     def tier_config(self, name: str) -> TierConfig:
         return self.config.tier(name)
-
-
-def _apply_into(items: dict[str, Any], into: dict[str, Any]) -> dict[str, Any]:
-    from .load_into import copy_pairs, pair_into
-
-    out = {}
-    for name, value in items.items():
-        if name in into:
-            value, pairs = pair_into(value, into[name], f"item {name!r}")
-            copy_pairs(pairs)
-        out[name] = value
-    return out
 
 
 def _attach_observers(pm: PluginManager, config: Config) -> list[Any]:

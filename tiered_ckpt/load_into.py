@@ -18,7 +18,7 @@ into them, and if no tier can be loaded they must not be used.
 from __future__ import annotations
 
 import bisect
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
@@ -30,31 +30,53 @@ from .checksum import SNAPSHOT_PIECE, hash_pool, is_piecewise, snapshot_matches
 _SUB = 1 << 20  # bytes copied, then hashed while still in cache (half of one core's 2 MiB L2 here)
 
 
-def pair_into(loaded: Any, into: Any, where: str) -> tuple[Any, list[tuple[torch.Tensor, torch.Tensor]]]:
+_ABSENT = object()  # no counterpart in ``into``
+
+
+def pair_into(loaded: Any, into: Any, where: str, unmatched: Callable[[torch.Tensor], torch.Tensor] | None = None
+              ) -> tuple[Any, list[tuple[torch.Tensor, torch.Tensor]]]:
     """``loaded`` with each tensor that has a counterpart in ``into`` replaced by that counterpart, and the
-    (loaded, target) pairs to copy. Raises ``ValueError`` for a counterpart of another shape or dtype."""
+    (loaded, target) pairs to copy. Raises ``ValueError`` for a counterpart of another shape or dtype.
+    ``unmatched``: applied to every loaded tensor without a counterpart (a copy, say); None keeps them."""
     pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
-    return _pair(loaded, into, where, pairs), pairs
+    return _pair(loaded, into, where, pairs, unmatched), pairs
 
 
-def _pair(loaded: Any, into: Any, path: str, pairs: list) -> Any:
+def _pair(loaded: Any, into: Any, path: str, pairs: list, unmatched: Callable | None) -> Any:
     if isinstance(loaded, torch.Tensor):
         if not isinstance(into, torch.Tensor):
-            return loaded
+            return loaded if unmatched is None else unmatched(loaded)
         if into.shape != loaded.shape or into.dtype != loaded.dtype:
             raise ValueError(f"load(into=...): {path} is {_describe(loaded)} in the checkpoint but "
                              f"{_describe(into)} in into")
         pairs.append((loaded, into))
         return into
-    if isinstance(loaded, dict) and isinstance(into, dict):
-        out = {k: _pair(v, into[k], f"{path}[{k!r}]", pairs) if k in into else v for k, v in loaded.items()}
-        if type(loaded) is not dict:
-            out = type(loaded)(out)
-        return out
-    if isinstance(loaded, list | tuple) and isinstance(into, list | tuple) and len(loaded) == len(into):
-        values = [_pair(v, t, f"{path}[{i}]", pairs) for i, (v, t) in enumerate(zip(loaded, into, strict=True))]
-        return type(loaded)(values) if type(loaded) in (list, tuple) else loaded
+    if isinstance(loaded, dict):
+        if not isinstance(into, dict):
+            if unmatched is None:
+                return loaded
+            into = {}  # nothing to pair below: walked only for ``unmatched``
+        out = {k: _pair(v, into.get(k, _ABSENT), f"{path}[{k!r}]", pairs, unmatched) for k, v in loaded.items()}
+        return out if type(loaded) is dict else type(loaded)(out)
+    if type(loaded) in (list, tuple):
+        if not (isinstance(into, list | tuple) and len(into) == len(loaded)):
+            if unmatched is None:
+                return loaded
+            into = [_ABSENT] * len(loaded)
+        return type(loaded)(_pair(v, t, f"{path}[{i}]", pairs, unmatched)
+                            for i, (v, t) in enumerate(zip(loaded, into, strict=True)))
     return loaded
+
+
+def apply_into(items: dict[str, Any], into: dict[str, Any]) -> dict[str, Any]:
+    """Loaded items (from a file tier, say) with the tensors ``into`` has counterparts for copied into those."""
+    out = {}
+    for name, value in items.items():
+        if name in into:
+            value, pairs = pair_into(value, into[name], f"item {name!r}")
+            copy_pairs(pairs)
+        out[name] = value
+    return out
 
 
 def _describe(t: torch.Tensor) -> str:

@@ -21,14 +21,14 @@ from .crashpoints import crash_point
 from .errors import BlobNotFoundError, CorruptionError, DecodeError
 from .hostmem import private_copy
 from .manifest import content_digest
-from .tiers.base import Tier
+from .tiers.base import IO_BLOCK, Tier
 
 log = logging.getLogger(__name__)
 
 FORMAT = "tiered_ckpt.snapshot"
 VERSION = 1
 ALIGN = 64
-ITEM_ALIGN = 4096
+ITEM_ALIGN = IO_BLOCK  # where items start in a slot
 
 
 @dataclass
@@ -210,37 +210,21 @@ class MemoryStore:
 
     def _load_into(self, meta: SlotMeta, src: ItemSource, it: SlotItem, target: Any, *, copy: bool,
                    verify: bool) -> Any:
-        from .load_into import copy_pairs, copy_verified, pair_into, tensors
+        from .load_into import copy_pairs, copy_verified, pair_into
 
         try:
             views = flat.restore(flat.decode_header(src.header), src.data, copy=False)
         except DecodeError as exc:
             raise CorruptionError(str(exc), tier=self.tier.name, key=self.meta_key(meta.slot)) from None
-        result, pairs = pair_into(views, target, f"item {it.name!r}")
+        # with copy, what has no target gets memory of its own: it would otherwise point into the slot
+        result, pairs = pair_into(views, target, f"item {it.name!r}", torch.Tensor.clone if copy else None)
         if verify and it.checksum:
             if not copy_verified(src.data, it.checksum, pairs):
                 raise self._mismatch(meta, it)
         else:
             copy_pairs(pairs)
-        if copy:  # what had no target still points into the slot: give it memory of its own
-            paired = {id(d) for _, d in pairs}
-            leftovers = [t for t in tensors(result) if id(t) not in paired]
-            if leftovers:
-                copies = {id(t): t.clone() for t in leftovers}
-                result = _replace_tensors(result, copies)
         return result
 
     def _mismatch(self, meta: SlotMeta, it: SlotItem) -> CorruptionError:
         return CorruptionError(f"snapshot of item {it.name!r} does not match its checksum", tier=self.tier.name,
                                key=self.data_key(meta.slot))
-
-
-def _replace_tensors(tree: Any, new: dict[int, Any]) -> Any:
-    if isinstance(tree, torch.Tensor):
-        return new.get(id(tree), tree)
-    if isinstance(tree, dict):
-        out = {k: _replace_tensors(v, new) for k, v in tree.items()}
-        return out if type(tree) is dict else type(tree)(out)
-    if type(tree) in (list, tuple):
-        return type(tree)(_replace_tensors(v, new) for v in tree)
-    return tree
