@@ -18,14 +18,14 @@ from typing import Any
 import torch
 
 from ..errors import DecodeError
-from ..tiers.base import Chunk, as_memoryview
+from ..tiers.base import IO_BLOCK, Chunk, as_memoryview
 from . import flat
 from .byte_grouping import grouped_chunks, ungroup_
 
 FLAT_MAGIC = b"TCKFLAT1"
 _PREFIX = struct.Struct("<8sQ")
 ALIGN = 64
-DATA_ALIGN = 4096  # where flat files start their data: a multiple of ALIGN (readers only assume ALIGN)
+DATA_ALIGN = IO_BLOCK  # where flat files start their data: a multiple of ALIGN (readers only assume ALIGN)
 
 
 @dataclass

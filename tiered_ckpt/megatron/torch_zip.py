@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from ..tiers.base import as_memoryview
+from ..tiers.base import IO_BLOCK, as_memoryview
 
 try:  # ISA-L's CRC-32 runs at ~20 GB/s, zlib's at ~4: on a 2 GiB file that is most of the cost above a raw write
     from isal.isal_zlib import crc32
@@ -40,7 +40,6 @@ PICKLE_PROTOCOL = 2  # torch.save's default
 ZIP64_MARKER = 0xFFFFFFFF  # the "see the zip64 extra field" marker
 ZIP64_FROM = 0xFFFFFFFF  # sizes and offsets from here on go to zip64 extra fields (lowered in tests)
 _TAIL = 4096
-PAGE = 4096
 _CRC_ASYNC_MIN = 1 << 20  # smaller pieces: the thread hand-off costs more than the CRC
 CONGRUENT_MIN = 256 << 10  # smaller tensors keep torch's 64-byte padding: < 4 KiB more per tensor is not worth it
 
@@ -244,7 +243,7 @@ class _ZipStream:
                 struct.pack("<Q", self.offset) if big_offset else b"")
             zip64 = struct.pack("<HH", 1, len(fields)) + fields
         start = self.offset + 30 + len(full) + len(zip64) + 4
-        pad = -start % ALIGNMENT if address is None or address % ALIGNMENT else (address - start) % PAGE
+        pad = -start % ALIGNMENT if address is None or address % ALIGNMENT else (address - start) % IO_BLOCK
         extra = zip64 + b"FB" + struct.pack("<H", pad) + b"Z" * pad
         # miniz streams data (descriptor after it, flag bit 3) except for empty records
         flags = 0x0808 if size else 0x0800

@@ -26,7 +26,9 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import numpy as np
 
-BLOCK = 4096
+from .base import IO_BLOCK
+
+BLOCK = IO_BLOCK
 BOUNCE = 4 << 20  # bytes per bounce buffer: two of them, so 8 MiB of host memory while a file is written
 DIRECT_MIN = 1 << 20  # a list of chunks smaller than this (a manifest, a tracker) is written the ordinary way
 _ZERO_COPY_MIN = 1 << 20  # a smaller aligned piece goes through the bounce buffer: not worth a separate write
