@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from .checksum import ALGORITHM, HashingStream
 from .errors import BlobNotFoundError, CorruptionError, TierError
 from .file_store import FileStore
+from .megatron.loadable import is_megatron_file
 from .memory_store import MemoryStore
 
 
@@ -119,4 +120,18 @@ def verify_step(store: FileStore, step: int, progress: bool = False) -> VerifyRe
             report.problems.append(f"{entry.key}: size {stream.nbytes}, manifest says {entry.size}")
         elif f"{ALGORITHM}:{stream.hexdigest}" != entry.checksum:
             report.problems.append(f"{entry.key}: checksum mismatch")
+        elif is_megatron_file(entry.key):  # intact, but would Megatron-LM load it?
+            problem = _megatron_refusal(store, entry.key)
+            if problem:
+                report.problems.append(problem)
     return report
+
+
+def _megatron_refusal(store: FileStore, key: str) -> str | None:
+    from .megatron.loadable import explain, file_refusals
+
+    try:
+        refused = file_refusals(store.tier, key)
+    except Exception as exc:  # not a readable torch file: say so rather than pass it
+        return f"{key}: not a readable torch file ({type(exc).__name__}: {exc})"
+    return explain(key, refused) if refused else None

@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import hashlib
+import pickle
 import re
 import warnings
 from collections.abc import Iterator
@@ -14,6 +15,8 @@ from typing import Any, NamedTuple
 
 import numpy as np
 import torch
+
+from ..pickle_by_name import NamedReduce
 
 FORMAT_NAME = "tiered_ckpt.flat"
 FORMAT_VERSION = 1
@@ -80,6 +83,22 @@ class EnumStandIn:
 
     def __repr__(self) -> str:
         return f"<EnumStandIn {self.module}.{self.qualname}.{self.name}: {self.value!r}>"
+
+    def __reduce_by_name__(self) -> NamedReduce:
+        return NamedReduce(self.module, self.qualname, (self.value,))  # what Enum.__reduce_ex__ gives
+
+    def __reduce_ex__(self, protocol: int) -> Any:
+        # Any other pickler would write a tiered_ckpt global that no reader of the file knows.
+        raise pickle.PicklingError(
+            f"{self!r} stands in for {self.module}.{self.qualname}, which was not imported when the snapshot was "
+            f"restored: import {self.module} before loading, or write the file with tiered_ckpt's torch writer "
+            "(tiered_ckpt.megatron.torch_zip), which emits the original global")
+
+    def __copy__(self) -> EnumStandIn:
+        return self
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> EnumStandIn:
+        return self
 
 
 class SnapshotPlan:

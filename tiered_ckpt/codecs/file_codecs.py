@@ -108,7 +108,8 @@ class TorchFileCodec(FileCodec):
 
         # Large tensors are placed page-congruent with their slot memory so the local tier's O_DIRECT writer sends
         # them without a copy; torch.load reads the padding as it reads torch.save's.
-        return iter_torch_save(src.materialize(), archive=src.name, page_congruent=True)
+        # Every torch file we write is one Megatron-LM reads: refuse what its weights-only loader would refuse.
+        return iter_torch_save(src.materialize(), archive=src.name, page_congruent=True, megatron_loadable=True)
 
     def decode(self, blob: torch.Tensor, *, copy: bool = True, map_location: Any = None,
                trust_pickles: bool = False, where: str = "", byte_grouping: bool = False) -> Any:

@@ -30,6 +30,8 @@ import threading
 import types
 from typing import Any, ClassVar
 
+from ..pickle_by_name import NamedReduce
+
 log = logging.getLogger(__name__)
 
 # Megatron's allow-listed enums (megatron/core/safe_globals.py) by full name, with member names by value.
@@ -95,6 +97,9 @@ class MegatronEnumStandIn:
     def __reduce_ex__(self, protocol: int) -> tuple[Any, ...]:
         return (pickle_target(type(self)), (self.value,))
 
+    def __reduce_by_name__(self) -> NamedReduce:
+        return NamedReduce(type(self).__module__, type(self).__qualname__, (self.value,))
+
     def __copy__(self) -> MegatronEnumStandIn:
         return self
 
@@ -116,6 +121,9 @@ class MegatronRecordStandIn:
         if target is type(self):
             return (copyreg.__newobj__, (target,), state)  # NEWOBJ + BUILD, as the dataclass pickles
         return (target, (), state)  # the real class: built with its defaults, then BUILD sets the fields
+
+    def __reduce_by_name__(self) -> NamedReduce:
+        return NamedReduce(type(self).__module__, type(self).__qualname__, (), dict(self.__dict__), newobj=True)
 
     def __eq__(self, other: object) -> bool:
         return type(other) is type(self) and other.__dict__ == self.__dict__
@@ -176,7 +184,10 @@ def pickle_target(cls: type) -> type:
                 setattr(mod, _MARK, True)
                 sys.modules[name] = mod
             elif name == module and not _is_placeholder(mod):
-                raise pickle.PicklingError(f"cannot pickle {qualname}: {module} is imported, without it")
+                raise pickle.PicklingError(
+                    f"cannot pickle {qualname} with this pickler: {module} is imported but has no {qualname} (the "
+                    "checkpoint comes from another Megatron version); write it with "
+                    "tiered_ckpt.megatron.torch_zip.iter_torch_save, which emits the original global")
         setattr(sys.modules[module], qualname, cls)
     return cls
 

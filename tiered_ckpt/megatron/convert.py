@@ -29,14 +29,14 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from ..config import load_config
-from ..errors import ConfigError, LayoutMismatchError, NoCheckpointError
+from ..errors import ConfigError, LayoutMismatchError, NoCheckpointError, UnsafePickleError
 from ..file_store import FileStore
 from ..manifest import FileEntry
 from ..parallel import ParallelLayout
 from ..pipeline import make_store
 from ..plugins import get_plugin_manager
 from ..tiers.base import Tier
-from . import legacy, rank_shard, tier_io
+from . import legacy, loadable, rank_shard, tier_io
 from .merge import plan_dirs, write_megatron_file
 from .naming import DISTRIB_OPTIM_FILENAME, MODEL_FILENAME, RELEASE, MegatronTopology
 from .source import StepSource, model_dirs
@@ -158,6 +158,18 @@ def _target_topology(src: MegatronTopology, dp: int | None) -> MegatronTopology:
     return MegatronTopology(tp=src.tp, pp=src.pp, dp=dp // src.ep, ep=src.ep, cp=src.cp, order=src.order)
 
 
+def _check_megatron_loadable(source: StepSource, key: str, report: ConvertReport) -> None:
+    """A model file Megatron-LM would refuse is not converted (unless the user trusts pickles: then a note)."""
+    refused = loadable.file_refusals(source.tier, key)
+    if not refused:
+        return
+    message = loadable.explain(tier_io.where(source.tier, key), refused)
+    if not source.trust_pickles:
+        raise UnsafePickleError(message + "; the converted checkpoint would not load in Megatron-LM either (pass "
+                                "--trust-pickles to convert it anyway, for tiered_ckpt's own loader)")
+    report.notes.append(message)
+
+
 def _write(source: StepSource, dst: Tier, to: str, target: MegatronTopology, report: ConvertReport,
            bar: Any) -> list[FileEntry]:
     info, src = source.info, source.tier
@@ -167,6 +179,7 @@ def _write(source: StepSource, dst: Tier, to: str, target: MegatronTopology, rep
     writers = model_dirs(target)
     for d, writer in writers.items():
         key = source.key(d, MODEL_FILENAME)
+        _check_megatron_loadable(source, key, report)
         entries.append(tier_io.copy_file(src, key, dst, key, item=MODEL_ITEM, rank=writer, entry=source.entry(key),
                                          stats=stats, progress=progress))
     same_dp = target.dp == info.topology.dp

@@ -9,6 +9,7 @@ Files must store their records uncompressed, as ``torch.save`` does.
 
 from __future__ import annotations
 
+import functools
 import io
 import pickle
 import struct
@@ -144,7 +145,12 @@ class LazyTorchFile:
         order = self.records.get(f"{self.prefix}/byteorder")
         if order is not None and self._read_record(f"{self.prefix}/byteorder") != b"little":
             raise DecodeError(f"{self.where}: big-endian torch files are not supported")
-        self.obj = self._unpickle(self._read_record(pkl_names[0], limit=MAX_PICKLE_BYTES))
+        self._pkl_name = pkl_names[0]
+
+    @functools.cached_property
+    def obj(self) -> Any:
+        """The content, unpickled with the allow-list (on first use: :meth:`pickle_bytes` needs no unpickling)."""
+        return self._unpickle(self.pickle_bytes())
 
     # ----- zip structure ------------------------------------------------------------------------------------
     def _central_directory(self) -> dict[str, _Record]:
@@ -194,6 +200,10 @@ class LazyTorchFile:
             if rec.data_offset + rec.size > self.size:
                 raise DecodeError(f"{self.where}: record {name} runs past the end of the file")
         return rec
+
+    def pickle_bytes(self, limit: int | None = None) -> bytes:
+        """The file's ``data.pkl`` record (its pickle, tensors as persistent ids)."""
+        return self._read_record(self._pkl_name, MAX_PICKLE_BYTES if limit is None else limit)
 
     def _read_record(self, name: str, limit: int | None = None) -> bytes:
         rec = self._data_offset(name)

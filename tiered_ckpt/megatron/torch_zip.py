@@ -28,6 +28,8 @@ from typing import Any
 
 import torch
 
+from .. import pickle_by_name
+from ..pickle_by_name import StandInDetector
 from ..tiers.base import IO_BLOCK, as_memoryview
 
 try:  # ISA-L's CRC-32 runs at ~20 GB/s, zlib's at ~4: on a 2 GiB file that is most of the cost above a raw write
@@ -188,7 +190,7 @@ def _prepare(obj: Any, st: _Storages, memo: dict[int, Any] | None = None) -> Any
     return out
 
 
-class _Pickler(pickle.Pickler):
+class _Pickler(StandInDetector):
     def persistent_id(self, obj: Any) -> Any:
         return obj.pid if isinstance(obj, _StorageRef) else None
 
@@ -198,9 +200,9 @@ def pickle_with_streams(obj: Any) -> tuple[bytes, list[StreamedTensor]]:
     rest is pickled as is, so anything torch.save accepts without tensors inside custom objects)."""
     st = _Storages()
     prepared = _prepare(obj, st)
-    buf = io.BytesIO()
-    _Pickler(buf, protocol=PICKLE_PROTOCOL).dump(prepared)
-    return buf.getvalue(), st.streams
+    # Stand-ins of classes not imported here (Megatron's enums in a drain worker) are written under their
+    # original global names, as the real objects pickle: see tiered_ckpt.pickle_by_name.
+    return pickle_by_name.dumps(prepared, protocol=PICKLE_PROTOCOL, pickler=_Pickler), st.streams
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -300,7 +302,8 @@ class _ZipStream:
         return out.getvalue()
 
 
-def iter_torch_save(obj: Any, *, archive: str = "archive", page_congruent: bool = False) -> Iterator[Any]:
+def iter_torch_save(obj: Any, *, archive: str = "archive", page_congruent: bool = False,
+                    megatron_loadable: bool = False) -> Iterator[Any]:
     """The bytes of ``torch.save(obj, f)`` as a stream of chunks, tensors' data produced as it is written.
 
     ``archive`` is the zip's top directory: torch.save names it after the file (``distrib_optim`` for
@@ -311,15 +314,31 @@ def iter_torch_save(obj: Any, *, archive: str = "archive", page_congruent: bool 
     a file offset equal to that address modulo 4 KiB (torch.save pads to 64 bytes; this pads more, in the same
     padding field, so ``torch.load`` reads the file as it reads torch.save's). An O_DIRECT writer then sends the
     tensors straight from their memory. Off, the bytes are exactly torch.save's.
+
+    ``megatron_loadable``: refuse (:class:`~tiered_ckpt.errors.EncodeError`, before the first byte) an object
+    whose pickle names a global that Megatron's weights-only loader rejects, rather than write a file that
+    Megatron-LM cannot load.
     """
     if sys.byteorder != "little":  # pragma: no cover - we only run on little-endian hosts
         raise RuntimeError("only little-endian hosts are supported")
     pkl, streams = pickle_with_streams(obj)
+    if megatron_loadable:
+        _check_megatron_loadable(pkl, archive)
     z = _ZipStream(archive)
     try:
         yield from _records(z, pkl, streams, page_congruent)
     finally:
         z.close()
+
+
+def _check_megatron_loadable(pkl: bytes, archive: str) -> None:
+    from ..errors import EncodeError
+    from .loadable import explain, refused_globals
+
+    refused = refused_globals(pkl)
+    if refused:
+        raise EncodeError(explain(f"{archive}.pt", refused) + ": keep such objects out of the checkpoint, or "
+                          "turn them into plain values (str, int, dict) before saving")
 
 
 def _records(z: _ZipStream, pkl: bytes, streams: list[StreamedTensor], page_congruent: bool) -> Iterator[Any]:
