@@ -140,8 +140,11 @@ class CheckpointEngine:
                                 seconds=wait_s, message="every slot was still draining; save() waited"))
         return slot, wait_s
 
-    def save(self, step: int, items: dict[str, Any]) -> SaveHandle:
-        """Snapshot ``items`` (item name → state dict) into the fastest tier; drain the rest in the background."""
+    def save(self, step: int, items: dict[str, Any], *, persistent: bool = True) -> SaveHandle:
+        """Snapshot ``items`` (item name → state dict) into the fastest tier; drain the rest in the background.
+
+        ``persistent=False``: memory tiers only (Megatron's non-persistent checkpoints): no file tier takes this
+        step, and it does not count for their ``every``."""
         if self._closed:
             raise TieredCkptError("save() on a closed engine")
         if not isinstance(step, int) or isinstance(step, bool) or step < 0:
@@ -155,8 +158,11 @@ class CheckpointEngine:
             self._emit(ev.Event(ev.REPLAN, step=step, rank=self.coords.rank, tier=self.pipeline.entry, nbytes=total,
                                 message="the items' structure changed; the snapshot layout was re-planned"))
         self._fingerprints = fingerprints
-        self._ordinal += 1
-        due = self.pipeline.due_tiers(self._ordinal)
+        if persistent:
+            self._ordinal += 1
+            due = self.pipeline.due_tiers(self._ordinal)
+        else:
+            due = tuple(n for n in self.pipeline.order[1:] if isinstance(self.pipeline.stores[n], MemoryStore))
         slot, _ = self._acquire_slot(step)
         if slot is None:
             return SaveHandle(step, time.perf_counter() - t0, self.pipeline.entry, (), skipped=True)

@@ -181,8 +181,9 @@ class MemoryStore:
         return [ItemSource(it.name, it.header.encode(), buf[it.offset:it.offset + it.nbytes]) for it in meta.items]
 
     def load(self, meta: SlotMeta, *, copy: bool, map_location: Any = None, verify: bool = True,
-             into: dict[str, Any] | None = None) -> dict[str, Any]:
-        """The snapshot's items. ``into``: restore the tensors it holds in place (see :mod:`.load_into`)."""
+             into: dict[str, Any] | None = None, only: set[str] | None = None) -> dict[str, Any]:
+        """The snapshot's items (those named in ``only``, if given). ``into``: restore the tensors it holds in
+        place (see :mod:`.load_into`)."""
         from .checksum import snapshot_matches
 
         out = {}
@@ -190,6 +191,8 @@ class MemoryStore:
         # with copies of the rest hands out none, and the kept mapping spares populating a new one.
         cached = into is not None and copy
         for src, it in zip(self.item_sources(meta, cached=cached), meta.items, strict=True):
+            if only is not None and it.name not in only:
+                continue
             target = into.get(it.name) if into is not None else None
             if target is not None:
                 out[it.name] = self._load_into(meta, src, it, target, copy=copy, verify=verify)

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import logging
 import random
+import weakref
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -215,73 +216,304 @@ def _megatron_defaults(args: Any, rng_tracker: Any) -> tuple[Any, Any]:
     return args, rng_tracker
 
 
-def save_checkpoint(iteration: int, model: Any, optimizer: Any, opt_param_scheduler: Any,
-                    num_floating_point_operations_so_far: float = 0, checkpointing_context: Any = None, *,
-                    engine: Any, args: Any = None, rng_tracker: Any = None,
-                    model_on_every_rank: bool = False) -> Any:
-    """Megatron's ``save_checkpoint`` into ``engine``; returns the engine's SaveHandle (``.wait()`` for the
-    durable tiers). Blocks only for the engine's snapshot copy.
+# ------------------------------------------------------------------------------------------------------------
+# the engine: given, kept in Megatron's checkpointing_context, or built once from TIERED_CKPT_CONFIG
 
-    ``model_on_every_rank``: snapshot ``model_optim_rng`` on every rank, not only DP rank 0 of each model-parallel
-    group (costs memory; lets every rank restore from its own memory tier without reading a file tier).
-    """
-    args, rng_tracker = _megatron_defaults(args, rng_tracker)
-    chunks = model if isinstance(model, list | tuple) else [model]
+CONFIG_ENV = "TIERED_CKPT_CONFIG"
+CONTEXT_KEY = "tiered_ckpt_engine"
+_default_engine: Any = None
+
+
+def layout_from_args(args: Any) -> Any:
+    """The job's :class:`~tiered_ckpt.ParallelLayout` from Megatron's args (Megatron's rank order)."""
+    from ..parallel import ParallelLayout
+
+    def size(name: str) -> int:
+        return int(getattr(args, name, None) or 1)
+
+    tp, pp = size("tensor_model_parallel_size"), size("pipeline_model_parallel_size")
+    ep, cp = size("expert_model_parallel_size"), size("context_parallel_size")
+    dp = getattr(args, "data_parallel_size", None)
+    if dp is None:
+        world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+        dp = world // (tp * pp * cp)
+    if dp % ep:
+        raise ConfigError(f"args.data_parallel_size={dp} is not a multiple of expert_model_parallel_size={ep}")
+    return ParallelLayout(tp=tp, pp=pp, ep=ep, cp=cp, dp=dp // ep)
+
+
+def engine_for(engine: Any, checkpointing_context: Any, args: Any) -> Any:
+    """The engine to use: ``engine``; else the one kept in ``checkpointing_context``; else one built (once per
+    process, closed at exit) from the configuration file named by ``$TIERED_CKPT_CONFIG`` and the job's layout."""
+    global _default_engine
+    if engine is None and isinstance(checkpointing_context, dict):
+        engine = checkpointing_context.get(CONTEXT_KEY)
+    if engine is None:
+        if _default_engine is None:
+            import atexit
+            import os
+
+            path = os.environ.get(CONFIG_ENV)
+            if not path:
+                raise ConfigError(f"no engine: pass engine=..., or set {CONFIG_ENV} to a tiers.yaml (the drop-in "
+                                  "builds its engine from it)")
+            from ..engine import CheckpointEngine
+
+            _default_engine = CheckpointEngine(path, layout_from_args(args))
+            atexit.register(_default_engine.close)  # the last save drains before the process exits
+        engine = _default_engine
+    if isinstance(checkpointing_context, dict):
+        checkpointing_context.setdefault(CONTEXT_KEY, engine)
+    return engine
+
+
+def _check_rank_args(engine: Any, **given: Any) -> None:
+    """Megatron's explicit ranks and groups must be the engine's view of this rank (else: the wrong files)."""
+    c = engine.coords
+    mine = {"tensor_rank": c.tp, "pipeline_rank": c.pp, "expert_rank": c.ep,
+            "pipeline_parallel": c.layout.pp > 1, "expert_parallel": c.layout.ep > 1}
+    for name, value in given.items():
+        if name in mine and value is not None and value != mine[name]:
+            raise ConfigError(f"{name}={value!r}, but the engine's layout {c.layout.to_dict()} puts rank {c.rank} "
+                              f"at {mine[name]!r}: give the engine the job's ParallelLayout")
+    for name, want in (("tp_group", c.tp), ("pp_group", c.pp)):
+        group = given.get(name)
+        if group is not None and torch.distributed.is_initialized():
+            got = torch.distributed.get_group_rank(group, c.rank) if hasattr(torch.distributed, "get_group_rank") \
+                else None
+            if got is not None and got != want:
+                raise ConfigError(f"{name}: rank {c.rank} is rank {got} of the group Megatron passed, the engine's "
+                                  f"layout says {want}: give the engine the job's ParallelLayout")
+
+
+_prepared: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()  # engine -> its pre-faulting thread
+
+
+def _prepare_in_background(engine: Any, build_items: Any) -> None:
+    """Size and pre-fault the engine's slots for this job's items off the critical path, so that the first
+    save_checkpoint copies into ready memory (the next save joins the thread first)."""
+    import threading
+
+    if engine in _prepared:
+        return
+
+    def work() -> None:
+        try:
+            engine.prepare(build_items())
+        except Exception as exc:  # the save then allocates as usual: slower, never wrong
+            log.warning("could not prepare the memory slots in advance: %s", exc)
+
+    thread = threading.Thread(target=work, name="tiered-ckpt-prepare", daemon=True)
+    _prepared[engine] = thread
+    thread.start()
+
+
+def _join_prepare(engine: Any) -> None:
+    thread = _prepared.get(engine)
+    if thread is not None:
+        thread.join()
+
+
+def _items(iteration: int, chunks: list[Any], optimizer: Any, opt_param_scheduler: Any, flops: float, args: Any,
+           rng_tracker: Any, engine: Any, model_on_every_rank: bool) -> dict[str, Any]:
     coords = engine.coords
     topology = rank_shard.as_topology(coords.layout)
     items: dict[str, Any] = {}
     if model_on_every_rank or (coords.dp == 0 and coords.cp == 0):
-        items[MODEL_ITEM] = model_optim_rng_item(iteration, chunks, optimizer, opt_param_scheduler,
-                                                 num_floating_point_operations_so_far, args, rng_tracker)
+        items[MODEL_ITEM] = model_optim_rng_item(iteration, chunks, optimizer, opt_param_scheduler, flops, args,
+                                                 rng_tracker)
     if not getattr(args, "no_save_optim", False):
         shard = rank_shard_item(optimizer, topology, coords.rank)
         if shard is not None:
             items[OPTIM_ITEM] = shard
+    return items
+
+
+def save_checkpoint(iteration: int, model: Any, optimizer: Any, opt_param_scheduler: Any,
+                    num_floating_point_operations_so_far: float, checkpointing_context: Any = None,
+                    pipeline_rank: int | None = None, expert_rank: int | None = None,
+                    tensor_rank: int | None = None, pipeline_parallel: bool | None = None,
+                    expert_parallel: bool | None = None, non_persistent_ckpt: bool = False,
+                    train_data_iterator: Any = None, preprocess_common_state_dict_fn: Any = None,
+                    release: bool = False, tp_group: Any = None, pp_group: Any = None, dp_cp_group: Any = None,
+                    dp_group: Any = None, expt_dp_group: Any = None, rng_state_key_prefix: str = "", *,
+                    engine: Any = None, args: Any = None, rng_tracker: Any = None,
+                    model_on_every_rank: bool = False) -> Any:
+    """Megatron-LM's ``save_checkpoint`` (legacy ``torch`` format), into a CheckpointEngine; every parameter of
+    Megatron's function, in its order and with its defaults (docs/megatron.md lists what each does here).
+    Blocks only for the engine's snapshot copy; returns the engine's SaveHandle (Megatron returns None and its
+    callers ignore the value; ``.wait()`` on it waits for the durable tiers).
+
+    * ``non_persistent_ckpt=True``: memory tiers only (Megatron's frequent, disposable checkpoints); file tiers
+      skip the step. Loads pick the newest step as usual, so a newer non-persistent one wins, as in Megatron.
+    * ``checkpointing_context``: the engine is kept in it (key ``tiered_ckpt_engine``).
+    * ranks and groups (``tensor_rank``, ``pipeline_rank``, ``expert_rank``, ``pipeline_parallel``,
+      ``expert_parallel``, ``tp_group``, ``pp_group``, ``dp_group``, ``expt_dp_group``): checked against the
+      engine's layout, and the DP groups against each DistributedOptimizer's; a mismatch is an error.
+    * ``train_data_iterator``, ``preprocess_common_state_dict_fn``, ``rng_state_key_prefix``, ``dp_cp_group``:
+      what Megatron does with them in the ``torch`` format is nothing (they serve ``torch_dist``), so nothing here;
+      ``args.dataloader_save`` (dataloader state files) is refused. ``release=True`` is refused.
+    * ``engine``: else the one in ``checkpointing_context``, else one built from ``$TIERED_CKPT_CONFIG``.
+    * ``model_on_every_rank``: snapshot ``model_optim_rng`` on every rank, not only DP rank 0 of each
+      model-parallel group (memory for speed: a DP rank > 0 resuming from memory then reads its own snapshot
+      instead of its holder's).
+    """
+    args, rng_tracker = _megatron_defaults(args, rng_tracker)
+    engine = engine_for(engine, checkpointing_context, args)
+    if release:
+        raise ConfigError("release=True: release checkpoints (iteration-less, model only) are not written through "
+                          "the engine; save a normal step and export it with `tiered-ckpt convert`")
+    if train_data_iterator is not None and getattr(args, "dataloader_save", None):
+        raise ConfigError("args.dataloader_save: Megatron's dataloader state files are not supported by the "
+                          "adapter; unset dataloader_save")
+    _check_rank_args(engine, tensor_rank=tensor_rank, pipeline_rank=pipeline_rank, expert_rank=expert_rank,
+                     pipeline_parallel=pipeline_parallel, expert_parallel=expert_parallel, tp_group=tp_group,
+                     pp_group=pp_group)
+    chunks = model if isinstance(model, list | tuple) else [model]
+    _check_dp_groups(engine, optimizer, dp_group, expt_dp_group)
+    items = _items(iteration, chunks, optimizer, opt_param_scheduler, num_floating_point_operations_so_far, args,
+                   rng_tracker, engine, model_on_every_rank)
     if not items:
-        raise ConfigError(f"rank {coords.rank} has nothing to save (no distributed optimizer, not DP rank 0)")
-    return engine.save(iteration, items)
+        raise ConfigError(f"rank {engine.coords.rank} has nothing to save (no distributed optimizer, not DP rank 0)")
+    _join_prepare(engine)
+    handle = engine.save(iteration, items, persistent=not non_persistent_ckpt)
+    # After the first save, the other slots are pre-faulted in the background (the first one already is).
+    _prepare_in_background(engine, lambda: items)
+    return handle
+
+
+def _check_dp_groups(engine: Any, optimizer: Any, dp_group: Any, expt_dp_group: Any) -> None:
+    """The DP groups Megatron passed must be those the engine's layout gives (our checkpoint's DP split)."""
+    topology = rank_shard.as_topology(engine.coords.layout)
+    for kind, group in (("dense", dp_group), ("expert", expt_dp_group)):
+        live = _live_group_ranks(group) if group is not None else None
+        if live is None:
+            continue
+        if kind == "dense" and engine.coords.layout.ep > 1:
+            continue  # Megatron's dp_group (no expert ranks) is not the dense optimizer's group with EP
+        want = rank_shard.dp_group(topology, engine.coords.rank, kind)
+        if sorted(live) != sorted(want):
+            raise LayoutMismatchError(f"rank {engine.coords.rank}: {'dp_group' if kind == 'dense' else 'expt_dp_group'}"
+                                      f" holds ranks {live}, the engine's layout "
+                                      f"{rank_shard.topology_dict(topology)} gives {want}: give the engine the "
+                                      "job's ParallelLayout")
 
 
 # ------------------------------------------------------------------------------------------------------------
 # loading
 
 
-def load_checkpoint(model: Any, optimizer: Any, opt_param_scheduler: Any, load_arg: str = "load", strict: bool = True,
-                    checkpointing_context: Any = None, *, engine: Any, args: Any = None, rng_tracker: Any = None,
-                    step: int | None = None) -> tuple[int, float]:
-    """Megatron's ``load_checkpoint`` from ``engine``: the newest step every rank can read (or ``step``);
-    returns ``(iteration, num_floating_point_operations_so_far)``. Honours ``args.finetune``,
-    ``no_load_optim`` and ``no_load_rng`` like Megatron.
+def load_checkpoint(ddp_model: Any, optimizer: Any, opt_param_scheduler: Any, load_arg: str = "load",
+                    strict: bool = True, checkpointing_context: Any = None, skip_load_to_model_and_opt: bool = False,
+                    tp_group: Any = None, pp_group: Any = None, dp_cp_group: Any = None, dp_group: Any = None,
+                    expt_dp_group: Any = None, rng_state_key_prefix: str = "", *, engine: Any = None,
+                    args: Any = None, rng_tracker: Any = None, step: int | None = None,
+                    model: Any = None) -> tuple[int, float]:
+    """Megatron-LM's ``load_checkpoint`` (legacy ``torch`` format) from a CheckpointEngine: every parameter of
+    Megatron's function, in its order and with its defaults; returns ``(iteration,
+    num_floating_point_operations_so_far)``, ``(0, 0)`` when no checkpoint exists anywhere (as Megatron; but
+    never when a tier could not be reached: then :class:`~tiered_ckpt.errors.NoCheckpointError` is raised on
+    every rank). Collective: every rank calls it.
+
+    * ``load_arg``: ``"load"`` reads the engine's tiers (``args.load`` is where the engine's file tier should
+      point); another name (``"pretrained_checkpoint"``, say) reads the Megatron checkpoint in that directory
+      ``getattr(args, load_arg)`` (and, as in Megatron, sets ``finetune`` semantics only if ``args.finetune``).
+    * ``strict``: passed to each chunk's ``load_state_dict``; a strict failure is retried non-strictly, as
+      Megatron does, with the missing and unexpected keys logged (never silently swallowed).
+    * ``skip_load_to_model_and_opt``: the model's and optimizer's ``load_state_dict`` are skipped; the
+      distributed-optimizer shards, scheduler and RNG are still restored (Megatron's behaviour).
+    * ``checkpointing_context``, groups, ``rng_state_key_prefix``: as in :func:`save_checkpoint`.
+    * ``step``: a given iteration instead of the newest; ``model``: an alias of ``ddp_model`` (Megatron's
+      upcycling code passes it under that name).
+    * a DP rank > 0 resumes from memory without ``model_on_every_rank``: see :mod:`.model_item`.
+    Honours ``args.finetune``, ``no_load_optim``, ``no_load_rng`` and ``exit_on_missing_checkpoint`` like Megatron.
     """
+    from ..errors import NoCheckpointError
+    from . import model_item
+
+    if model is not None:
+        if ddp_model is not None:
+            raise ConfigError("load_checkpoint: give the model once (ddp_model or model)")
+        ddp_model = model
     args, rng_tracker = _megatron_defaults(args, rng_tracker)
-    loaded = engine.load(step)
-    items = loaded.items
-    state = items.get(MODEL_ITEM)
-    if state is None:
-        state = _model_item_from_files(engine, loaded.step)
+    engine = engine_for(engine, checkpointing_context, args)
+    _check_rank_args(engine, tp_group=tp_group, pp_group=pp_group)
+    _check_dp_groups(engine, optimizer, dp_group, expt_dp_group)
+    chunks = [unwrap(c) for c in (ddp_model if isinstance(ddp_model, list | tuple) else [ddp_model])]
+    if load_arg != "load":
+        return _load_megatron_dir(getattr(args, load_arg, None), load_arg, chunks, optimizer, opt_param_scheduler,
+                                  strict, skip_load_to_model_and_opt, args, rng_tracker, engine)
+    try:
+        loaded = engine.load(step)
+    except NoCheckpointError:
+        reachable = set(engine.available_steps())
+        everyone_reached = engine.coordinator.all_succeeded(reachable == set(engine.pipeline.order))
+        if step is not None or not everyone_reached or getattr(args, "exit_on_missing_checkpoint", False):
+            raise
+        log.warning("no checkpoint on any tier: starting from iteration 0 (Megatron's behaviour)")
+        _prepare_in_background(engine, lambda: _items(0, chunks, optimizer, opt_param_scheduler, 0, args,
+                                                      rng_tracker, engine, False))
+        return 0, 0
+    state, source = model_item.resolve(engine, loaded)
+    log.info("rank %d: step %d from tier %r (model_optim_rng from %s)", engine.coords.rank, loaded.step,
+             loaded.tier, source)
+    result = _apply(state, loaded.items, chunks, optimizer, opt_param_scheduler, strict, skip_load_to_model_and_opt,
+                    args, rng_tracker, engine.coords, where=f"step {loaded.step}")
+    _prepare_in_background(engine, lambda: _items(result[0], chunks, optimizer, opt_param_scheduler, result[1], args,
+                                                  rng_tracker, engine, False))
+    return result
+
+
+def _load_megatron_dir(path: Any, load_arg: str, chunks: list[Any], optimizer: Any, opt_param_scheduler: Any,
+                       strict: bool, skip: bool, args: Any, rng_tracker: Any, engine: Any) -> tuple[int, float]:
+    """``load_arg`` other than ``"load"``: the Megatron checkpoint in ``getattr(args, load_arg)``."""
+    from ..errors import NoCheckpointError
+    from . import legacy
+    from .convert import open_store
+
+    if not path:
+        raise ConfigError(f"load_arg={load_arg!r}: args.{load_arg} is not set")
+    store = open_store(path, engine.config.layout, load_arg)
+    try:
+        items = legacy.load_rank_items(store.tier, None, engine.coords, trust_pickles=engine.config.load.trust_pickles)
+    except NoCheckpointError:
+        if getattr(args, "exit_on_missing_checkpoint", False):
+            raise
+        log.warning("args.%s=%s holds no checkpoint: starting from iteration 0", load_arg, path)
+        return 0, 0
+    if MODEL_ITEM not in items:
+        raise LayoutMismatchError(f"args.{load_arg}={path}: no model_optim_rng for rank {engine.coords.rank}")
+    return _apply(items[MODEL_ITEM], items, chunks, optimizer, opt_param_scheduler, strict, skip, args,
+                  rng_tracker, engine.coords, where=f"args.{load_arg}={path}")
+
+
+def _apply(state: dict[str, Any], items: Mapping[str, Any], chunks: list[Any], optimizer: Any,
+           opt_param_scheduler: Any, strict: bool, skip: bool, args: Any, rng_tracker: Any, coords: Any, *,
+           where: str) -> tuple[int, float]:
+    """Megatron's restore of one rank from its ``model_optim_rng`` dict and ``distrib_optim`` item."""
     finetune = bool(getattr(args, "finetune", False))
     if "iteration" not in state and "total_iters" not in state:
-        raise LayoutMismatchError(f"step {loaded.step}: model_optim_rng has no iteration (Megatron stops here too)")
+        raise LayoutMismatchError(f"{where}: model_optim_rng has no iteration (Megatron stops here too)")
     iteration = 0 if finetune else int(state.get("iteration", state.get("total_iters")))
-    chunks = [unwrap(c) for c in (model if isinstance(model, list | tuple) else [model])]
-    if len(chunks) == 1:
-        chunks[0].load_state_dict(state["model"], strict=strict)
-    else:
-        for i, chunk in enumerate(chunks):
-            if f"model{i}" in state:
-                chunk.load_state_dict(state[f"model{i}"], strict=strict)
+    if not skip:
+        if len(chunks) == 1:
+            _load_chunk(chunks[0], state["model"], strict, where)
+        else:
+            for i, chunk in enumerate(chunks):
+                if f"model{i}" in state:
+                    _load_chunk(chunk, state[f"model{i}"], strict, f"{where} model{i}")
     if not (finetune or getattr(args, "no_load_optim", False)):
         if optimizer is not None:
-            if "optimizer" in state:
+            if "optimizer" in state and not skip:
                 optimizer.load_state_dict(state["optimizer"])
             if OPTIM_ITEM in items:
-                apply_distrib_optim(optimizer, items[OPTIM_ITEM], engine.coords)
+                apply_distrib_optim(optimizer, items[OPTIM_ITEM], coords)
         if opt_param_scheduler is not None:
             sched = state.get("opt_param_scheduler", state.get("lr_scheduler"))
             if sched is not None:
                 opt_param_scheduler.load_state_dict(sched)
     if not (finetune or getattr(args, "no_load_rng", False)) and "rng_state" in state:
-        _set_rng(state["rng_state"], args, engine.coords, rng_tracker)
+        _set_rng(state["rng_state"], args, coords, rng_tracker)
     ckpt_args = state.get("args")
     if ckpt_args is not None and args is not None and not finetune:
         for name in ("consumed_train_samples", "skipped_train_samples", "consumed_valid_samples"):
@@ -289,20 +521,18 @@ def load_checkpoint(model: Any, optimizer: Any, opt_param_scheduler: Any, load_a
     return iteration, state.get("num_floating_point_operations_so_far", 0)
 
 
-def _model_item_from_files(engine: Any, step: int) -> dict[str, Any]:
-    """``model_optim_rng`` of this rank's model-parallel group from a file tier, for a rank that did not
-    snapshot it (DP rank > 0 loading from a memory tier)."""
-    for store in engine.pipeline.file_stores().values():
-        try:
-            manifest = store.read_manifest(step)
-            items = store.load_rank(manifest, engine.coords, trust_pickles=engine.config.load.trust_pickles)
-        except Exception as exc:  # try the next tier
-            log.info("model_optim_rng of step %d not readable from tier %r: %s", step, store.name, exc)
-            continue
-        if MODEL_ITEM in items:
-            return items[MODEL_ITEM]
-    raise LayoutMismatchError(f"rank {engine.coords.rank}: step {step} has no model_optim_rng for this rank on any "
-                              "file tier (save with model_on_every_rank=True to restore it from memory)")
+def _load_chunk(chunk: Any, sd: Any, strict: bool, where: str) -> None:
+    """Megatron's model load: strict first; on failure, non-strict with what did not match logged."""
+    try:
+        chunk.load_state_dict(sd, strict=strict)
+        return
+    except Exception as exc:
+        if not strict:
+            raise
+        first = exc
+    result = chunk.load_state_dict(sd, strict=False)
+    log.warning("%s: the strict model load failed (%s); loaded non-strictly as Megatron does: %s", where,
+                str(first).splitlines()[0] if str(first) else type(first).__name__, result)
 
 
 def apply_distrib_optim(optimizer: Any, obj: Any, coords: Any) -> None:

@@ -1,0 +1,166 @@
+"""Where a rank that did not snapshot ``model_optim_rng`` gets it on load: from memory, whatever its DP rank.
+
+Megatron writes ``model_optim_rng`` once per model-parallel group (DP rank 0, CP rank 0); the adapter snapshots it
+there only, so a DP rank > 0 resuming from a memory tier holds its optimizer shards but not the model. It gets the
+model's item, in this order (docs/megatron.md, "Resuming every rank from memory"):
+
+1. its own items (``model_on_every_rank=True``, or a file tier that holds the whole model file);
+2. the holder's snapshot in this node's shared memory, read straight from the holder's slot (checksum-verified,
+   and the very snapshot the holder itself loaded);
+3. from the holder over the coordinator's gloo group (another node): the holder flat-encodes what it loaded and
+   sends it with its checksum, the receiver verifies and decodes it with the snapshot codec (no pickle);
+4. a file tier.
+
+With ``torch.distributed`` initialised this is collective: every rank of the job calls :func:`resolve` (two small
+all-gathers, then point-to-point sends only for ranks on other nodes than their holder).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from typing import Any
+
+import torch
+
+from ..checksum import snapshot_checksum, snapshot_matches
+from ..codecs import flat
+from ..errors import CorruptionError, LayoutMismatchError
+from ..memory_store import MemoryStore
+
+log = logging.getLogger(__name__)
+MODEL_ITEM = "model_optim_rng"
+
+
+def holder_rank(engine: Any) -> int:
+    """The rank that snapshots this rank's ``model_optim_rng``: same TP, PP and EP, DP rank 0, CP rank 0."""
+    c = engine.coords
+    return c.layout.rank_of(tp=c.tp, pp=c.pp, ep=c.ep, dp=0, cp=0)
+
+
+def resolve(engine: Any, loaded: Any) -> tuple[dict[str, Any], str]:
+    """``(model_optim_rng, where it came from)`` for this rank after ``loaded = engine.load(...)``."""
+    mine = loaded.items.get(MODEL_ITEM)
+    holder = holder_rank(engine)
+    coordinator = engine.coordinator
+    if not coordinator.distributed:
+        if mine is not None:
+            return mine, loaded.tier
+        found = _from_node_snapshot(engine, holder, loaded.step, checksum=None)
+        if found is not None:
+            return found, f"shm of rank {holder}"
+        return _from_files(engine, loaded.step), "file tier"
+    # Round 1: who holds the item, and (for snapshots) with which checksum.
+    offers = coordinator.all_gather(_offer(engine, loaded) if mine is not None else None)
+    result: tuple[dict[str, Any], str] | None = (mine, loaded.tier) if mine is not None else None
+    need = False
+    if result is None:
+        offer = offers[holder]
+        if offer is not None and offer.get("checksum") and holder in coordinator.node_ranks:
+            found = _from_node_snapshot(engine, holder, loaded.step, checksum=offer["checksum"])
+            if found is not None:
+                result = (found, f"shm of rank {holder}")
+        need = result is None and offer is not None
+    # Round 2: who needs it sent, then the sends (holder -> each receiver; no cycles, so no deadlock).
+    needs = coordinator.all_gather(holder if need else None)
+    receivers = [r for r, h in enumerate(needs) if h == engine.coords.rank]
+    if receivers:
+        _send(mine, receivers, coordinator.group)
+    if need:
+        result = (_receive(holder, coordinator.group, engine.coords.rank), f"rank {holder} over gloo")
+    if result is None:
+        result = (_from_files(engine, loaded.step), "file tier")
+    return result
+
+
+def _offer(engine: Any, loaded: Any) -> dict[str, Any]:
+    """What a holder tells the others: its snapshot's checksum of the item when it loaded from memory."""
+    store = engine.pipeline.stores.get(loaded.tier)
+    if isinstance(store, MemoryStore):
+        for meta in store.metas().values():
+            if meta.step == loaded.step:
+                for it in meta.items:
+                    if it.name == MODEL_ITEM and it.checksum:
+                        return {"tier": loaded.tier, "checksum": it.checksum}
+    return {"tier": loaded.tier, "checksum": None}
+
+
+def _from_node_snapshot(engine: Any, holder: int, step: int, checksum: str | None) -> dict[str, Any] | None:
+    """The holder's snapshot of ``step`` from a memory tier on this node (``checksum``: that very snapshot)."""
+    layout = engine.coords.layout.to_dict()
+    for store in engine.pipeline.stores.values():
+        if not isinstance(store, MemoryStore):
+            continue
+        view = MemoryStore(store.tier, holder, store.nslots)
+        for meta in sorted(view.metas().values(), key=lambda m: -m.created):
+            item = next((it for it in meta.items if it.name == MODEL_ITEM), None)
+            if meta.step != step or item is None or (checksum is not None and item.checksum != checksum):
+                continue
+            if meta.parallel and any(meta.parallel.get(k, 1) != layout[k] for k in ("tp", "pp", "dp", "ep", "cp")):
+                continue  # a snapshot of another parallel layout (an older job)
+            try:
+                return view.load(meta, copy=True, verify=True, only={MODEL_ITEM})[MODEL_ITEM]
+            except CorruptionError as exc:
+                log.warning("rank %d: rank %d's snapshot of step %d on tier %r is unusable: %s",
+                            engine.coords.rank, holder, step, store.name, exc)
+    return None
+
+
+def _from_files(engine: Any, step: int) -> dict[str, Any]:
+    """``model_optim_rng`` of this rank's model-parallel group from a file tier."""
+    tried = []
+    for store in engine.pipeline.file_stores().values():
+        try:
+            manifest = store.read_manifest(step)
+            items = store.load_rank(manifest, engine.coords, trust_pickles=engine.config.load.trust_pickles)
+        except Exception as exc:  # try the next tier
+            tried.append(f"tier {store.name!r}: {exc}")
+            continue
+        if MODEL_ITEM in items:
+            return items[MODEL_ITEM]
+        tried.append(f"tier {store.name!r}: no {MODEL_ITEM} for this rank")
+    raise LayoutMismatchError(
+        f"rank {engine.coords.rank}: step {step} has no model_optim_rng for this rank: not in its snapshot, not in "
+        f"rank {holder_rank(engine)}'s (its model-parallel group's DP rank 0) on this node or over the network, "
+        f"and not on a file tier ({'; '.join(tried) or 'none configured'})")
+
+
+# ------------------------------------------------------------------------------------------------------------
+# over the coordinator's gloo group
+
+
+def _send(item: dict[str, Any], receivers: list[int], group: Any) -> None:
+    import torch.distributed as dist
+
+    plan = flat.plan_snapshot(item)
+    data = torch.empty(plan.total_bytes, dtype=torch.uint8)
+    flat.copy_into(plan, data)
+    header = flat.encode_header(plan)
+    preamble = json.dumps({"header": len(header), "data": plan.total_bytes,
+                           "checksum": snapshot_checksum(data)}).encode()
+    tensors = [torch.tensor([len(preamble)], dtype=torch.int64), _bytes(preamble), _bytes(header), data]
+    for r in receivers:
+        for t in tensors:
+            dist.send(t, r, group=group)
+
+
+def _receive(holder: int, group: Any, rank: int) -> dict[str, Any]:
+    import torch.distributed as dist
+
+    n = torch.empty(1, dtype=torch.int64)
+    dist.recv(n, holder, group=group)
+    preamble = torch.empty(int(n.item()), dtype=torch.uint8)
+    dist.recv(preamble, holder, group=group)
+    meta = json.loads(bytes(preamble.numpy()))
+    header = torch.empty(meta["header"], dtype=torch.uint8)
+    dist.recv(header, holder, group=group)
+    data = torch.empty(meta["data"], dtype=torch.uint8)
+    dist.recv(data, holder, group=group)
+    if not snapshot_matches(data, meta["checksum"]):
+        raise CorruptionError(f"rank {rank}: model_optim_rng received from rank {holder} does not match its "
+                              "checksum")
+    return flat.restore(flat.decode_header(bytes(header.numpy())), data, copy=False)
+
+
+def _bytes(data: bytes) -> torch.Tensor:
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)
