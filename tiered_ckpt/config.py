@@ -1,4 +1,4 @@
-"""The configuration: YAML file or dict → validated frozen dataclasses (DESIGN.md section 4).
+"""The configuration: YAML file or dict → validated frozen dataclasses (docs/configuration.md).
 
 Common keys of a tier (name, kind, enabled, every, keep, slots, when_full, compression, retry) are checked here;
 every other key of a tier entry belongs to its kind and is checked against that kind's ``Options`` dataclass,

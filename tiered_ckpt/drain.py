@@ -1,4 +1,4 @@
-"""The drain: moves each saved step down the tiers in the background (DESIGN.md section 2 and 6).
+"""The drain: moves each saved step down the tiers in the background (docs/architecture.md).
 
 A :class:`DrainRuntime` owns one thread per tier. Each tier takes the steps due to it in order, and writes each
 from the *nearest tier above it that holds the step*: the snapshot slot for the first tier below it, otherwise

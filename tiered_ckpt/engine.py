@@ -42,7 +42,7 @@ _live: weakref.WeakSet[CheckpointEngine] = weakref.WeakSet()
 
 
 class CheckpointEngine:
-    """Tiered checkpointing for one rank. See DESIGN.md section 9 for the contract."""
+    """Tiered checkpointing for one rank. See docs/architecture.md."""
 
     def __init__(self, config: Any, parallel: ParallelLayout | RankCoords | None = None, *,
                  rank: int | None = None, plugin_manager: PluginManager | None = None):

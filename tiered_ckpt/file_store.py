@@ -1,4 +1,4 @@
-"""The commit protocol on a file tier (DESIGN.md section 6), written once above the tier primitives.
+"""The commit protocol on a file tier, written once above the tier primitives.
 
 Per step and rank: each item's file is written under its layout path (the tier makes the write atomic), its
 checksum computed while the bytes stream out; then the rank manifest. The committing rank writes the checkpoint

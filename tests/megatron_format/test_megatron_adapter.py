@@ -3,6 +3,7 @@ faked as the spec describes them (fakes.py), then the saved checkpoint converted
 
 from __future__ import annotations
 
+import inspect
 import random
 import uuid
 from pathlib import Path
@@ -217,3 +218,100 @@ def test_megatron_layout_through_the_commit_hook(tmp_path: Path, shm_root: str) 
     items = legacy.load_rank_items(tier, None, ParallelLayout(tp=2, dp=1).coords(1))  # verified, re-split to DP 1
     assert items.verified and items.layout == "megatron"
     assert_same(SyntheticJob(ModelSpec(), tp=2, pp=1, dp=1, seed=9).rank_shard(1), items["distrib_optim"])
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Megatron's call signatures (megatron/training/checkpointing.py at the fixtures' commit) and training.py's calls
+
+MEGATRON_SAVE = [
+    ("iteration", inspect.Parameter.empty), ("model", inspect.Parameter.empty), ("optimizer", inspect.Parameter.empty),
+    ("opt_param_scheduler", inspect.Parameter.empty),
+    ("num_floating_point_operations_so_far", inspect.Parameter.empty), ("checkpointing_context", None),
+    ("pipeline_rank", None), ("expert_rank", None), ("tensor_rank", None), ("pipeline_parallel", None),
+    ("expert_parallel", None), ("non_persistent_ckpt", False), ("train_data_iterator", None),
+    ("preprocess_common_state_dict_fn", None), ("release", False), ("tp_group", None), ("pp_group", None),
+    ("dp_cp_group", None), ("dp_group", None), ("expt_dp_group", None), ("rng_state_key_prefix", ""),
+]
+MEGATRON_LOAD = [
+    ("ddp_model", inspect.Parameter.empty), ("optimizer", inspect.Parameter.empty),
+    ("opt_param_scheduler", inspect.Parameter.empty), ("load_arg", "load"), ("strict", True),
+    ("checkpointing_context", None), ("skip_load_to_model_and_opt", False), ("tp_group", None), ("pp_group", None),
+    ("dp_cp_group", None), ("dp_group", None), ("expt_dp_group", None), ("rng_state_key_prefix", ""),
+]
+
+
+@pytest.mark.parametrize(("func", "megatron"), [(adapter.save_checkpoint, MEGATRON_SAVE),
+                                                (adapter.load_checkpoint, MEGATRON_LOAD)], ids=["save", "load"])
+def test_signatures_are_megatrons(func, megatron) -> None:
+    params = [p for p in inspect.signature(func).parameters.values()
+              if p.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD]
+    assert [(p.name, p.default) for p in params] == megatron  # same names, order and defaults
+    assert all(p.default is not inspect.Parameter.empty for p in inspect.signature(func).parameters.values()
+               if p.kind is inspect.Parameter.KEYWORD_ONLY)  # ours come after, all optional
+
+
+def test_training_py_calls_work_verbatim(tmp_path: Path, shm_root: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The calls Megatron's training.py makes (save_checkpoint_and_time, the resume in setup_model_and_optimizer),
+    keyword for keyword, with the engine built from TIERED_CKPT_CONFIG and kept in checkpointing_context."""
+    import yaml
+
+    job = SyntheticJob(ModelSpec(num_layers=2), tp=1, pp=1, dp=1, seed=9)
+    rank = fake_rank(job, 0)
+    want = fingerprint(rank)
+    cfg = _config(f"t{uuid.uuid4().hex[:8]}", shm_root, tmp_path / "shared", "shm", "shared")
+    (tmp_path / "tiers.yaml").write_text(yaml.safe_dump(cfg))
+    monkeypatch.setenv(adapter.CONFIG_ENV, str(tmp_path / "tiers.yaml"))
+    monkeypatch.setattr(adapter, "_default_engine", None)
+    rank.args.data_parallel_size = 1
+    checkpointing_context: dict = {}
+    try:
+        for non_persistent in (False, True):  # a persistent save, then a non-persistent one (memory only)
+            it = job.iteration + int(non_persistent)
+            handle = adapter.save_checkpoint(
+                it, rank.model, rank.optimizer, rank.scheduler, 55.0, checkpointing_context,
+                non_persistent_ckpt=non_persistent, train_data_iterator=iter([]),
+                preprocess_common_state_dict_fn=lambda sd: sd, tp_group=None, pp_group=None, dp_cp_group=None,
+                dp_group=None, expt_dp_group=None, rng_state_key_prefix="", args=rank.args,
+                rng_tracker=rank.rng_tracker)
+            handle.wait(timeout=60)
+        engine = checkpointing_context[adapter.CONTEXT_KEY]
+        assert engine is adapter._default_engine
+        assert engine.available_steps() == {"shm": [job.iteration, job.iteration + 1], "shared": [job.iteration]}
+        scramble(rank)
+        got = adapter.load_checkpoint(
+            rank.model, rank.optimizer, rank.scheduler, checkpointing_context=checkpointing_context,
+            skip_load_to_model_and_opt=False, tp_group=None, pp_group=None, dp_cp_group=None, dp_group=None,
+            expt_dp_group=None, rng_state_key_prefix="", args=rank.args, rng_tracker=rank.rng_tracker)
+        assert got == (job.iteration + 1, 55.0)  # the newer, non-persistent step wins, as in Megatron
+        assert fingerprint(rank) == want
+        with pytest.raises(ConfigError, match="release=True"):
+            adapter.save_checkpoint(1, rank.model, rank.optimizer, rank.scheduler, 0, checkpointing_context,
+                                    release=True, args=rank.args, rng_tracker=rank.rng_tracker)
+        with pytest.raises(ConfigError, match="tensor_rank=1"):
+            adapter.save_checkpoint(1, rank.model, rank.optimizer, rank.scheduler, 0, checkpointing_context,
+                                    tensor_rank=1, args=rank.args, rng_tracker=rank.rng_tracker)
+    finally:
+        if adapter._default_engine is not None:
+            adapter._default_engine.close()
+
+
+def test_no_checkpoint_anywhere_is_iteration_zero_but_an_unreachable_tier_is_an_error(
+        tmp_path: Path, shm_root: str) -> None:
+    from tiered_ckpt.errors import NoCheckpointError
+
+    job = SyntheticJob(ModelSpec(num_layers=2), tp=1, pp=1, dp=1, seed=10)
+    rank = fake_rank(job, 0)
+    cfg = _config(f"z{uuid.uuid4().hex[:8]}", shm_root, tmp_path / "shared", "shm", "shared")
+    with CheckpointEngine(cfg, ParallelLayout(), rank=0) as engine:
+        assert adapter.load_checkpoint(rank.model, rank.optimizer, rank.scheduler, engine=engine, args=rank.args,
+                                       rng_tracker=rank.rng_tracker) == (0, 0)
+        rank.args.exit_on_missing_checkpoint = True
+        with pytest.raises(NoCheckpointError):
+            adapter.load_checkpoint(rank.model, rank.optimizer, rank.scheduler, engine=engine, args=rank.args,
+                                    rng_tracker=rank.rng_tracker)
+        rank.args.exit_on_missing_checkpoint = False
+        real = engine.available_steps
+        engine.available_steps = lambda: {k: v for k, v in real().items() if k != "shared"}  # could not list it
+        with pytest.raises(NoCheckpointError):
+            adapter.load_checkpoint(rank.model, rank.optimizer, rank.scheduler, engine=engine, args=rank.args,
+                                    rng_tracker=rank.rng_tracker)
