@@ -315,3 +315,26 @@ def test_no_checkpoint_anywhere_is_iteration_zero_but_an_unreachable_tier_is_an_
         with pytest.raises(NoCheckpointError):
             adapter.load_checkpoint(rank.model, rank.optimizer, rank.scheduler, engine=engine, args=rank.args,
                                     rng_tracker=rank.rng_tracker)
+
+
+@pytest.mark.slow
+def test_every_rank_resumes_from_memory_across_nodes(tmp_path: Path, shm_root: str) -> None:
+    """TP 2 x DP 2 on two "nodes" with a shm each, memory tier only, every process dead after the save: rank 2's
+    holder (rank 0) is on the other node (gloo), rank 3's (rank 1) on its own (its shm)."""
+    from test_multirank import run_ranks
+
+    node_of = {0: "a", 1: "b", 2: "b", 3: "b"}
+    for node in "ab":
+        (Path(shm_root) / node).mkdir()
+    cfg = {"run_id": f"n{uuid.uuid4().hex[:8]}", "layout": "rank_sharded",
+           "tiers": [{"name": "shm", "kind": "shm", "path": "${NODE_SHM}"}]}
+    spec = {"config": cfg, "job": {"tp": 2, "pp": 1, "dp": 2, "seed": 11}}
+    env_of = {r: {"NODE_SHM": str(Path(shm_root) / n)} for r, n in node_of.items()}
+    worker = Path(__file__).with_name("adapter_worker.py")
+    run_ranks(4, {**spec, "mode": "save"}, node_of=node_of, env_of=env_of, worker=worker)
+    resumed = run_ranks(4, {**spec, "mode": "load"}, node_of=node_of, env_of=env_of, worker=worker)
+    for rank, r in resumed.items():
+        assert "error" not in r, (rank, r)
+        assert r["same"] and r["result"] == [SyntheticJob(**spec["job"]).iteration, 3.0], (rank, r)
+    sources = {rank: r["source"][0].rsplit("(model_optim_rng from ", 1)[1] for rank, r in resumed.items()}
+    assert sources == {0: "shm)", 1: "shm)", 2: "rank 0 over gloo)", 3: "shm of rank 1)"}

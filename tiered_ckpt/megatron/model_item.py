@@ -5,8 +5,8 @@ there only, so a DP rank > 0 resuming from a memory tier holds its optimizer sha
 model's item, in this order (docs/megatron.md, "Resuming every rank from memory"):
 
 1. its own items (``model_on_every_rank=True``, or a file tier that holds the whole model file);
-2. the holder's snapshot in this node's shared memory, read straight from the holder's slot (checksum-verified,
-   and the very snapshot the holder itself loaded);
+2. the holder's snapshot in this node's shared memory, read straight from the holder's slot: the very snapshot the
+   holder itself loaded (same record, same checksum), verified against its checksum where it has one;
 3. from the holder over the coordinator's gloo group (another node): the holder flat-encodes what it loaded and
    sends it with its checksum, the receiver verifies and decodes it with the snapshot codec (no pickle);
 4. a file tier.
@@ -46,7 +46,7 @@ def resolve(engine: Any, loaded: Any) -> tuple[dict[str, Any], str]:
     if not coordinator.distributed:
         if mine is not None:
             return mine, loaded.tier
-        found = _from_node_snapshot(engine, holder, loaded.step, checksum=None)
+        found = _from_node_snapshot(engine, holder, loaded.step, None)
         if found is not None:
             return found, f"shm of rank {holder}"
         return _from_files(engine, loaded.step), "file tier"
@@ -56,8 +56,8 @@ def resolve(engine: Any, loaded: Any) -> tuple[dict[str, Any], str]:
     need = False
     if result is None:
         offer = offers[holder]
-        if offer is not None and offer.get("checksum") and holder in coordinator.node_ranks:
-            found = _from_node_snapshot(engine, holder, loaded.step, checksum=offer["checksum"])
+        if offer is not None and offer["snapshot"] is not None and holder in coordinator.node_ranks:
+            found = _from_node_snapshot(engine, holder, loaded.step, offer["snapshot"])
             if found is not None:
                 result = (found, f"shm of rank {holder}")
         need = result is None and offer is not None
@@ -74,19 +74,21 @@ def resolve(engine: Any, loaded: Any) -> tuple[dict[str, Any], str]:
 
 
 def _offer(engine: Any, loaded: Any) -> dict[str, Any]:
-    """What a holder tells the others: its snapshot's checksum of the item when it loaded from memory."""
+    """What a holder tells the others: which snapshot it loaded the item from (its record's creation time, and
+    the item's checksum where the drain computed one), or only the tier when it loaded from files."""
     store = engine.pipeline.stores.get(loaded.tier)
     if isinstance(store, MemoryStore):
         for meta in store.metas().values():
-            if meta.step == loaded.step:
-                for it in meta.items:
-                    if it.name == MODEL_ITEM and it.checksum:
-                        return {"tier": loaded.tier, "checksum": it.checksum}
-    return {"tier": loaded.tier, "checksum": None}
+            if meta.step == loaded.step and any(it.name == MODEL_ITEM for it in meta.items):
+                checksum = next(it.checksum for it in meta.items if it.name == MODEL_ITEM)
+                return {"tier": loaded.tier, "snapshot": {"created": meta.created, "checksum": checksum or None}}
+    return {"tier": loaded.tier, "snapshot": None}
 
 
-def _from_node_snapshot(engine: Any, holder: int, step: int, checksum: str | None) -> dict[str, Any] | None:
-    """The holder's snapshot of ``step`` from a memory tier on this node (``checksum``: that very snapshot)."""
+def _from_node_snapshot(engine: Any, holder: int, step: int,
+                        snapshot: dict[str, Any] | None) -> dict[str, Any] | None:
+    """The holder's snapshot of ``step`` from a memory tier on this node (``snapshot``: the very one the holder
+    loaded, by creation time and checksum)."""
     layout = engine.coords.layout.to_dict()
     for store in engine.pipeline.stores.values():
         if not isinstance(store, MemoryStore):
@@ -94,7 +96,10 @@ def _from_node_snapshot(engine: Any, holder: int, step: int, checksum: str | Non
         view = MemoryStore(store.tier, holder, store.nslots)
         for meta in sorted(view.metas().values(), key=lambda m: -m.created):
             item = next((it for it in meta.items if it.name == MODEL_ITEM), None)
-            if meta.step != step or item is None or (checksum is not None and item.checksum != checksum):
+            if meta.step != step or item is None:
+                continue
+            if snapshot is not None and (meta.created != snapshot["created"]
+                                         or (item.checksum or None) != snapshot["checksum"]):
                 continue
             if meta.parallel and any(meta.parallel.get(k, 1) != layout[k] for k in ("tp", "pp", "dp", "ep", "cp")):
                 continue  # a snapshot of another parallel layout (an older job)
