@@ -1,0 +1,293 @@
+"""The Megatron adapter end to end on genuine megatron-core (GPTModel, DDP, DistributedOptimizer, scheduler, RNG
+tracker) trained on CPU with gloo, 4 to 8 ranks (harness.py).
+
+Scenarios: (a) save in both layouts, resume at the same DP, continue bit-exact; (b) load at DP 1 and DP 4, full
+optimizer state bit-exact; (c) every model_optim_rng.pt loads with Megatron's own weights_only allow-list, enums
+intact; (d) SIGKILL after a memory-only save, every rank resumes from memory; (e) a checkpoint Megatron-LM's own
+training code wrote loads into the live optimizer bit-exact.
+
+The engines use the library's default drain (a separate process); MEGATRON_REAL_DRAIN=thread runs the same tests
+with the in-process drain.
+"""
+
+from __future__ import annotations
+
+import os
+import pickletools
+import shutil
+import signal
+import tempfile
+import uuid
+import zipfile
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+pytest.importorskip("megatron.core", reason="megatron-core is in the test extra")
+
+import harness  # noqa: E402
+from harness import build_job, differences, fingerprint, full_state, launch, train  # noqa: E402
+
+from tiered_ckpt import CheckpointEngine  # noqa: E402
+from tiered_ckpt.megatron import adapter  # noqa: E402
+
+FIXTURES = Path("/work/shared/fixtures/megatron")
+SAVED_AT, RESUMED_TO, FLOPS = 3, 5, 123456.0
+DRAIN = os.environ.get("MEGATRON_REAL_DRAIN")  # None: the library's default (process)
+
+
+@dataclass(frozen=True)
+class Spec:
+    tp: int
+    pp: int
+    precision: str
+    buckets: bool = False  # overlap_grad_reduce with 6000-element buckets (8 on the first stage), as the fixture
+
+    @property
+    def id(self) -> str:
+        return f"tp{self.tp}-pp{self.pp}-{self.precision}" + ("-buckets" if self.buckets else "")
+
+    def job(self) -> harness.Job:
+        # Dropout draws from the CPU generator and, in attention, from the tracker's: a resume that restores
+        # the wrong RNG state trains differently.
+        return build_job(self.tp, self.pp, self.precision, seed=20, dropout=0.1,
+                         bucket_size=6000 if self.buckets else None, overlap_grad_reduce=self.buckets)
+
+
+SPECS = [Spec(1, 2, "fp32", buckets=True), Spec(2, 1, "bf16"),
+         pytest.param(Spec(1, 2, "bf16"), marks=pytest.mark.slow),
+         pytest.param(Spec(2, 1, "fp32", buckets=True), marks=pytest.mark.slow)]
+
+
+def config(run_id: str, *, shm: str | None = None, files: Path | None = None, layout: str = "rank_sharded") -> dict:
+    tiers = []
+    if shm is not None:
+        tiers.append({"name": "shm", "kind": "shm", "path": shm})
+    if files is not None:
+        tiers.append({"name": "shared", "kind": "fsspec", "url": f"file://{files}"})
+    cfg: dict[str, Any] = {"run_id": run_id, "layout": layout, "tiers": tiers}
+    if DRAIN:
+        cfg["drain"] = {"mode": DRAIN}
+    return cfg
+
+
+def save(job: harness.Job, engine: CheckpointEngine) -> Any:
+    return adapter.save_checkpoint(job.iteration, job.model, job.optimizer, job.scheduler, FLOPS, engine=engine,
+                                   args=job.args, rng_tracker=job.tracker)
+
+
+def load(job: harness.Job, engine: CheckpointEngine) -> tuple[int, float]:
+    iteration, flops = adapter.load_checkpoint(job.model, job.optimizer, job.scheduler, engine=engine,
+                                               args=job.args, rng_tracker=job.tracker)
+    job.iteration = job.args.iteration = iteration
+    return iteration, flops
+
+
+# ------------------------------------------------------------------------------------------------------------
+# what the ranks run (module level: the rank processes import this module to find them)
+
+
+def rank_train_save_continue(rank: int, world: int, spec: Spec, cfgs: list[dict]) -> dict[str, Any]:
+    """Train to SAVED_AT, save through the adapter into each config, train on to RESUMED_TO (the reference)."""
+    job = spec.job()
+    train(job, SAVED_AT)
+    engines = [CheckpointEngine(cfg, job.layout, rank=rank) for cfg in cfgs]
+    handles = [save(job, e) for e in engines]
+    saved = full_state(job)
+    train(job, RESUMED_TO)
+    for h in handles:
+        h.wait(timeout=120)
+    for e in engines:
+        e.close()
+    return {"coords": harness.coords(), "full_state": saved, "fingerprint": fingerprint(job)}
+
+
+def rank_resume(rank: int, world: int, spec: Spec, cfgs: list[dict]) -> list[Any]:
+    """For each config: a new job loads the checkpoint and trains to RESUMED_TO."""
+    out = []
+    for cfg in cfgs:
+        job = spec.job()
+        with CheckpointEngine(cfg, job.layout, rank=rank) as engine:
+            loaded = load(job, engine)
+        train(job, RESUMED_TO)
+        out.append((loaded, fingerprint(job)))
+    return out
+
+
+def rank_load_full_state(rank: int, world: int, spec: Spec, cfgs: list[dict]) -> dict[str, Any]:
+    out = []
+    for cfg in cfgs:
+        job = spec.job()
+        with CheckpointEngine(cfg, job.layout, rank=rank) as engine:
+            loaded = load(job, engine)
+        out.append((loaded, full_state(job)))
+    return {"coords": harness.coords(), "loads": out}
+
+
+def rank_save_to_memory_and_die(rank: int, world: int, spec: Spec, cfg: dict) -> None:
+    job = spec.job()
+    train(job, SAVED_AT)
+    engine = CheckpointEngine(cfg, job.layout, rank=rank)
+    save(job, engine).wait(timeout=120)
+    harness.kill_self()
+
+
+def rank_load_fixture(rank: int, world: int, ckpt: Path, run_id: str) -> dict[str, Any]:
+    # The fixture's model (its args): 4 layers, hidden 64, FFN 256, 4 heads, seq 16, vocab 128, tied embeddings,
+    # micro batch 1 x 6 micro-batches x DP 2 = global batch 12, ddp_bucket_size 6000 with overlap_grad_reduce.
+    job = build_job(1, 2, "fp32", seed=1234, micro_batch=1, global_batch=12, bucket_size=6000,
+                    overlap_grad_reduce=True)
+    cfg = {"run_id": run_id, "tiers": [{"name": "megatron", "kind": "fsspec", "url": f"file://{ckpt}"}],
+           **({"drain": {"mode": DRAIN}} if DRAIN else {})}
+    with CheckpointEngine(cfg, job.layout, rank=rank) as engine:
+        loaded = load(job, engine)
+    model = {k: v.clone() for k, v in adapter.unwrap(job.model[0]).state_dict_for_save_checkpoint().items()
+             if isinstance(v, torch.Tensor)}
+    return {"loaded": loaded, "shards": harness.local_shards(job), "model": model,
+            "consumed_train_samples": job.args.consumed_train_samples}
+
+
+# ------------------------------------------------------------------------------------------------------------
+# fixtures
+
+
+@pytest.fixture(scope="module")
+def shm_dir() -> Iterator[str]:
+    """Like the plugin's ``shm_root``, for the module: a fresh directory on /dev/shm."""
+    path = tempfile.mkdtemp(prefix="tiered-ckpt-test-", dir="/dev/shm" if os.access("/dev/shm", os.W_OK) else None)
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+@dataclass
+class SavedRun:
+    spec: Spec
+    files: dict[str, Path]  # layout -> the file tier's directory
+    run_ids: dict[str, str]
+    ranks: list[dict[str, Any]]  # rank_train_save_continue's results
+
+    def reference(self, coords: tuple[int, int, int]) -> dict[str, Any]:
+        return next(r for r in self.ranks if r["coords"] == coords)
+
+
+@pytest.fixture(scope="module", params=SPECS, ids=lambda s: s.id)
+def saved(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory, shm_dir: str) -> SavedRun:
+    spec: Spec = request.param
+    root = tmp_path_factory.mktemp(spec.id)
+    layouts = ("rank_sharded", "megatron")
+    files = {lay: root / lay for lay in layouts}
+    run_ids = {lay: f"real-{lay}-{uuid.uuid4().hex[:8]}" for lay in layouts}
+    cfgs = [config(run_ids["rank_sharded"], shm=shm_dir, files=files["rank_sharded"]),
+            config(run_ids["megatron"], files=files["megatron"], layout="megatron")]
+    ranks = launch(rank_train_save_continue, 4, spec, cfgs)
+    return SavedRun(spec, files, run_ids, ranks)
+
+
+def file_configs(run: SavedRun) -> list[dict]:
+    """New engines with the file tier only (nothing in memory)."""
+    return [config(run.run_ids[lay], files=run.files[lay], layout=lay) for lay in run.files]
+
+
+# ------------------------------------------------------------------------------------------------------------
+# tests
+
+
+def test_resume_same_dp_bit_exact(saved: SavedRun) -> None:
+    """(a) Both layouts: a new job loads step 3 from the file tier and trains to 5 exactly like the run that
+    never stopped."""
+    results = launch(rank_resume, 4, saved.spec, file_configs(saved))
+    for rank, per_layout in enumerate(results):
+        for layout, (loaded, got) in zip(saved.files, per_layout, strict=True):
+            assert loaded == (SAVED_AT, FLOPS)
+            want = saved.ranks[rank]["fingerprint"]
+            assert differences(want, got) == [], f"rank {rank}, layout {layout}"
+
+
+@pytest.mark.parametrize("dp", [1, 4])
+def test_load_at_other_dp_full_state(saved: SavedRun, dp: int) -> None:
+    """(b) At DP 1 and DP 4 (same TP/PP), both layouts: every param's full optimizer state is the saved one."""
+    world = saved.spec.tp * saved.spec.pp * dp
+    results = launch(rank_load_full_state, world, saved.spec, file_configs(saved))
+    for rank, res in enumerate(results):
+        tp, pp, _ = res["coords"]
+        want = saved.reference((tp, pp, 0))["full_state"]
+        for layout, (loaded, got) in zip(saved.files, res["loads"], strict=True):
+            assert loaded == (SAVED_AT, FLOPS)
+            assert differences(want, got) == [], f"DP {dp} rank {rank}, layout {layout}"
+
+
+def _pickle_globals(path: Path) -> set[str]:
+    with zipfile.ZipFile(path) as z:
+        data = z.read(next(n for n in z.namelist() if n.endswith("/data.pkl")))
+    found, strings = set(), []
+    for op, arg, _ in pickletools.genops(data):
+        if op.name in ("SHORT_BINUNICODE", "BINUNICODE", "UNICODE", "BINUNICODE8"):
+            strings.append(arg)
+        elif op.name == "GLOBAL":
+            found.add(arg.replace(" ", "."))
+        elif op.name == "STACK_GLOBAL":
+            found.add(f"{strings[-2]}.{strings[-1]}")
+    return found
+
+
+def test_model_files_load_with_megatron_allow_list(saved: SavedRun) -> None:
+    """(c) Every model_optim_rng.pt the engine wrote loads with torch's weights_only loader and the globals
+    Megatron registers (megatron/core/safe_globals.py), its enums are Megatron's, and no global names us."""
+    from megatron.core.enums import ModelType
+    from megatron.core.safe_globals import SAFE_GLOBALS
+    from megatron.core.transformer.enums import AttnBackend, CudaGraphScope
+
+    paths = sorted(p for d in saved.files.values() for p in d.rglob("model_optim_rng.pt"))
+    assert len(paths) == 2 * saved.spec.tp * saved.spec.pp, paths
+    for path in paths:
+        names = _pickle_globals(path)
+        assert not [n for n in names if n.startswith("tiered_ckpt")], (path, sorted(names))
+        with torch.serialization.safe_globals(SAFE_GLOBALS):
+            state = torch.load(path, weights_only=True)
+        args = state["args"]
+        assert args.model_type is ModelType.encoder_or_decoder, (path, args.model_type)
+        assert args.attention_backend is AttnBackend.auto, (path, args.attention_backend)
+        assert args.cuda_graph_scope == [CudaGraphScope.attn] and args.exit_signal is signal.SIGTERM, path
+        assert args.params_dtype == (torch.bfloat16 if saved.spec.precision == "bf16" else torch.float32)
+        assert state["iteration"] == SAVED_AT and state["num_floating_point_operations_so_far"] == FLOPS
+
+
+@pytest.mark.slow
+def test_sigkill_after_memory_only_save_resumes_every_rank(saved: SavedRun, shm_root: str) -> None:
+    """(d) Only the shm tier: save, wait, SIGKILL every rank; a new set of ranks with the same run_id and shm
+    path resumes every rank (DP rank > 0 included) from memory, and continues bit-exact."""
+    cfg = config(f"real-mem-{uuid.uuid4().hex[:8]}", shm=shm_root)
+    codes = launch(rank_save_to_memory_and_die, 4, saved.spec, cfg, expect_kill=True)
+    assert codes == [-signal.SIGKILL] * 4
+    results = launch(rank_resume, 4, saved.spec, [cfg])
+    for rank, [(loaded, got)] in enumerate(results):
+        assert loaded == (SAVED_AT, FLOPS)
+        assert differences(saved.ranks[rank]["fingerprint"], got) == [], f"rank {rank}"
+
+
+def test_megatron_written_checkpoint_loads_bit_exact(tmp_path: Path) -> None:
+    """(e) The fixture dp2_tp1_pp2 (legacy torch format, written by Megatron-LM's own save_checkpoint) loads
+    through the adapter into the genuine model and DistributedOptimizer at DP 2: every rank's local shards and
+    model tensors are Megatron's, bit for bit."""
+    src = FIXTURES / "dp2_tp1_pp2"
+    if not src.is_dir():
+        pytest.skip(f"{src} is not here")
+    ckpt = tmp_path / "dp2_tp1_pp2"
+    shutil.copytree(src, ckpt, ignore=shutil.ignore_patterns("reload_dp*", "local_shards", "truth.json"))
+    results = launch(rank_load_fixture, 4, ckpt, f"real-fixture-{uuid.uuid4().hex[:8]}")
+    from tiered_ckpt.megatron import safe_load
+
+    for rank, res in enumerate(results):
+        assert res["loaded"] == (10, safe_load.load(ckpt / "iter_0000010/mp_rank_00_000/model_optim_rng.pt")[
+            "num_floating_point_operations_so_far"])
+        assert res["consumed_train_samples"] == 120
+        want = torch.load(src / "local_shards" / f"rank_{rank:05d}.pt", weights_only=True)
+        assert differences(want, res["shards"]) == [], f"rank {rank}"
+        stage = rank // 2  # rank = tp + TP * (dp + DP * pp)
+        model = safe_load.load(ckpt / f"iter_0000010/mp_rank_00_{stage:03d}/model_optim_rng.pt")["model"]
+        want_model = {k: v for k, v in model.items() if isinstance(v, torch.Tensor)}
+        assert differences(want_model, res["model"]) == [], f"rank {rank}"
