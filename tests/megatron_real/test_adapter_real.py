@@ -24,18 +24,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import harness  # noqa: E402
 import pytest
 import torch
-
-pytest.importorskip("megatron.core", reason="megatron-core is in the test extra")
-
-import harness  # noqa: E402
 from harness import build_job, differences, fingerprint, full_state, launch, train  # noqa: E402
 
 from tiered_ckpt import CheckpointEngine  # noqa: E402
 from tiered_ckpt.megatron import adapter  # noqa: E402
 
-FIXTURES = Path("/work/shared/fixtures/megatron")
+FIXTURES = Path(__file__).parents[1] / "data" / "megatron"  # copies of the genuine checkpoints in shared/
 SAVED_AT, RESUMED_TO, FLOPS = 3, 5, 123456.0
 DRAIN = os.environ.get("MEGATRON_REAL_DRAIN")  # None: the library's default (process)
 

@@ -289,9 +289,21 @@ def _check_rank_args(engine: Any, **given: Any) -> None:
 _prepared: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()  # engine -> its pre-faulting thread
 
 
+def _prepare_now(engine: Any, build_items: Any) -> None:
+    """Size and pre-fault every slot for this job's items (at ``load_checkpoint``: before training starts, so
+    the first ``save_checkpoint`` copies into ready memory without the user calling ``prepare()``)."""
+    if engine in _prepared:
+        return
+    _prepared[engine] = None
+    try:
+        engine.prepare(build_items())
+    except Exception as exc:  # the save then allocates as usual: slower, never wrong
+        log.warning("could not prepare the memory slots in advance: %s: %s", type(exc).__name__, exc)
+
+
 def _prepare_in_background(engine: Any, build_items: Any) -> None:
-    """Size and pre-fault the engine's slots for this job's items off the critical path, so that the first
-    save_checkpoint copies into ready memory (the next save joins the thread first)."""
+    """After the first save of a job that never called ``load_checkpoint``: pre-fault the other slots while
+    training runs (the next save joins the thread first)."""
     import threading
 
     if engine in _prepared:
@@ -301,7 +313,8 @@ def _prepare_in_background(engine: Any, build_items: Any) -> None:
         try:
             engine.prepare(build_items())
         except Exception as exc:  # the save then allocates as usual: slower, never wrong
-            log.warning("could not prepare the memory slots in advance: %s", exc)
+            if not getattr(engine, "_closed", False):
+                log.warning("could not prepare the memory slots in advance: %s: %s", type(exc).__name__, exc)
 
     thread = threading.Thread(target=work, name="tiered-ckpt-prepare", daemon=True)
     _prepared[engine] = thread
@@ -451,16 +464,16 @@ def load_checkpoint(ddp_model: Any, optimizer: Any, opt_param_scheduler: Any, lo
         if step is not None or not everyone_reached or getattr(args, "exit_on_missing_checkpoint", False):
             raise
         log.warning("no checkpoint on any tier: starting from iteration 0 (Megatron's behaviour)")
-        _prepare_in_background(engine, lambda: _items(0, chunks, optimizer, opt_param_scheduler, 0, args,
-                                                      rng_tracker, engine, False))
+        _prepare_now(engine, lambda: _items(0, chunks, optimizer, opt_param_scheduler, 0, args, rng_tracker, engine,
+                                            False))
         return 0, 0
     state, source = model_item.resolve(engine, loaded)
     log.info("rank %d: step %d from tier %r (model_optim_rng from %s)", engine.coords.rank, loaded.step,
              loaded.tier, source)
     result = _apply(state, loaded.items, chunks, optimizer, opt_param_scheduler, strict, skip_load_to_model_and_opt,
                     args, rng_tracker, engine.coords, where=f"step {loaded.step}")
-    _prepare_in_background(engine, lambda: _items(result[0], chunks, optimizer, opt_param_scheduler, result[1], args,
-                                                  rng_tracker, engine, False))
+    _prepare_now(engine, lambda: _items(result[0], chunks, optimizer, opt_param_scheduler, result[1], args,
+                                        rng_tracker, engine, False))
     return result
 
 
