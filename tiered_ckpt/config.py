@@ -16,7 +16,17 @@ from typing import Any, Literal
 import yaml
 
 from .errors import ConfigError, PluginError
-from .validate import NonNegativeInt, PositiveInt, Seconds, _join, build_dataclass, coerce
+from .validate import (
+    NonNegativeInt,
+    PositiveInt,
+    Seconds,
+    _join,
+    build_dataclass,
+    coerce,
+    field_names,
+    suggest,
+    unknown_key_error,
+)
 
 _RUN_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
 _TIER_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
@@ -99,6 +109,16 @@ class Config:
 
 
 _COMMON_TIER_KEYS = {"name", "kind", "enabled", "every", "keep", "slots", "when_full", "compression", "retry"}
+# Common keys that only one family of tiers reads: given to the other, they would be silently ignored.
+_FILE_TIER_KEYS = {
+    "every": "a memory tier takes every save",
+    "keep": "a memory tier holds the newest `slots` snapshots (set slots instead)",
+    "compression": "a memory tier holds raw snapshots, never compressed",
+}
+_MEMORY_TIER_KEYS = {
+    "slots": "only memory tiers hold slots",
+    "when_full": "only memory tiers hold slots that can all be busy",
+}
 
 
 def expand_env(value: Any, path: str = "", source: str | None = None, env: dict[str, str] | None = None) -> Any:
@@ -139,19 +159,37 @@ def _tier_config(raw: Any, index: int, registries: Any, source: str | None) -> T
         tier_cls = registries.tiers.get(kind)
     except PluginError as exc:
         raise ConfigError(str(exc), source=source, key_path=f"{path}.kind") from None
+    option_keys = set(field_names(tier_cls.Options))
+    unknown = [k for k in raw if k not in _COMMON_TIER_KEYS and k not in option_keys]
+    own = {k: v for k, v in raw.items() if k not in _COMMON_TIER_KEYS and k in option_keys}
+    if unknown:
+        memory = _memory_hint(tier_cls, own)
+        skip = _FILE_TIER_KEYS if memory else _MEMORY_TIER_KEYS
+        allowed = (_COMMON_TIER_KEYS - set(skip)) | option_keys
+        raise unknown_key_error(unknown[0], allowed, path, source, where=f"for a {kind} tier")
     common = {k: v for k, v in raw.items() if k in _COMMON_TIER_KEYS}
-    own = {k: v for k, v in raw.items() if k not in _COMMON_TIER_KEYS}
     options = build_dataclass(tier_cls.Options, own, path, source)
     tc = build_dataclass(TierConfig, common, path, source)
     try:
-        memory = tc.slots is not None and tier_cls.capabilities_for(options).memory
+        memory = tier_cls.capabilities_for(options).memory
     except ConfigError as exc:  # a kind that validates more of its options here (the faulty plugin's inner tier)
         where = _join(path, exc.key_path) if exc.key_path else path
         raise ConfigError(exc.message, source=source, key_path=where) from None
-    if tc.slots is not None and not memory:
-        raise ConfigError(f"only memory tiers hold slots; kind {kind!r} does not", source=source,
-                          key_path=f"{path}.slots")
+    inapplicable = _FILE_TIER_KEYS if memory else _MEMORY_TIER_KEYS
+    for key, why in inapplicable.items():
+        if key in common:
+            message = (f"does not apply to a memory tier (kind {kind!r}): {why}; remove the key" if memory
+                       else f"{why}; kind {kind!r} does not (remove the key)")
+            raise ConfigError(message, source=source, key_path=f"{path}.{key}")
     return TierConfig(**{**tc.__dict__, "options": options})
+
+
+def _memory_hint(tier_cls: Any, own: dict[str, Any]) -> bool:
+    """Whether a tier of this kind is a memory tier, for the list of keys an error shows (best effort)."""
+    try:
+        return bool(tier_cls.capabilities_for(build_dataclass(tier_cls.Options, own)).memory)
+    except Exception:
+        return bool(getattr(tier_cls.capabilities, "memory", False))
 
 
 def load_config(config: Any, *, registries: Any = None, env: dict[str, str] | None = None) -> Config:
@@ -186,6 +224,10 @@ def load_config(config: Any, *, registries: Any = None, env: dict[str, str] | No
     except RecursionError:
         raise ConfigError("the configuration contains itself (a YAML alias inside its own anchor) or is nested "
                           "too deeply", source=source, key_path="<root>") from None
+    top_keys = set(field_names(Config)) - {"source"}
+    unknown = [k for k in raw if k not in top_keys]
+    if unknown:
+        raise unknown_key_error(unknown[0], top_keys, "", source)
     raw_tiers = raw.get("tiers")
     if not isinstance(raw_tiers, list) or not raw_tiers:
         got = "nothing" if raw_tiers is None else repr(raw_tiers)
@@ -198,9 +240,7 @@ def load_config(config: Any, *, registries: Any = None, env: dict[str, str] | No
                               key_path=f"tiers[{i}].name")
         seen[t.name] = i
     rest = {k: v for k, v in raw.items() if k != "tiers"}
-    cfg = build_dataclass(Config, {**rest, "tiers": []}, "", source) if "source" not in rest else None
-    if cfg is None:
-        raise ConfigError("unknown key", source=source, key_path="source")
+    cfg = build_dataclass(Config, {**rest, "tiers": []}, "", source)
     if not _RUN_ID.fullmatch(cfg.run_id):
         raise ConfigError(f'expected letters, digits, "_", "-" or "." (at most 128), got "{cfg.run_id}"',
                           source=source, key_path="run_id")
@@ -212,5 +252,5 @@ def load_config(config: Any, *, registries: Any = None, env: dict[str, str] | No
 
 __all__ = [
     "CompressionConfig", "Config", "DrainConfig", "EventsConfig", "LoadConfig", "RetryConfig", "TierConfig",
-    "load_config", "expand_env", "NonNegativeInt",
+    "load_config", "expand_env", "NonNegativeInt", "suggest",
 ]

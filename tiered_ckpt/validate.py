@@ -7,13 +7,17 @@ tier gets the same strict checking (unknown keys are errors) by declaring typed 
 from __future__ import annotations
 
 import dataclasses
+import difflib
+import functools
 import math
+import os
+import pathlib
 import re
 import types
 import typing
 from typing import Any, Literal, NewType, Union
 
-from .errors import ConfigError
+from .errors import ConfigError, PluginError
 
 # A byte count: an int, or a string with a unit ("8GiB", "512 MB", "1e9").
 Size = NewType("Size", int)
@@ -91,6 +95,8 @@ def _type_name(tp: Any) -> str:
         return "a number"
     if tp is str:
         return "a string"
+    if _is_path_type(tp):
+        return "a path"
     origin = typing.get_origin(tp)
     if origin is Literal:
         return "one of " + ", ".join(repr(a) for a in typing.get_args(tp))
@@ -159,6 +165,10 @@ def coerce(tp: Any, value: Any, path: str, source: str | None) -> Any:
         if isinstance(value, str):
             return value
         raise fail()
+    if _is_path_type(tp):
+        if isinstance(value, (str, os.PathLike)) and not isinstance(value, bool) and os.fspath(value) != "":
+            return tp(value)
+        raise fail()
     if origin is dict:
         if not isinstance(value, dict):
             raise fail()
@@ -174,7 +184,69 @@ def coerce(tp: Any, value: Any, path: str, source: str | None) -> Any:
         if isinstance(value, tp):
             return value
         return build_dataclass(tp, value, path, source)
-    raise TypeError(f"validator does not support annotation {tp!r} at {path}")
+    raise PluginError(f"{path}: annotation {tp!r} cannot be read from a configuration file ({SUPPORTED_TYPES})")
+
+
+#: What a field of a configuration dataclass (a tier kind's ``Options``) may be annotated with.
+SUPPORTED_TYPES = ("supported: str, bool, int, float, pathlib.Path, Literal[...], Size, Seconds, PositiveInt, "
+                   "NonNegativeInt, Any, a dataclass, list[T], tuple[T, ...], dict[K, V], and unions of these "
+                   "(T | None for an optional key)")
+
+
+def _is_path_type(tp: Any) -> bool:
+    return isinstance(tp, type) and issubclass(tp, pathlib.PurePath)
+
+
+def _supported(tp: Any) -> bool:
+    if tp is Any or tp in (str, bool, int, float, Size, Seconds, PositiveInt, NonNegativeInt, type(None)):
+        return True
+    if _is_path_type(tp) or dataclasses.is_dataclass(tp):
+        return True
+    origin = typing.get_origin(tp)
+    if origin is Literal:
+        return True
+    if origin in (Union, types.UnionType, list, tuple, dict):
+        return all(a is Ellipsis or _supported(a) for a in typing.get_args(tp))
+    return tp in (list, tuple, dict)
+
+
+@functools.cache
+def _checked_hints(cls: type) -> dict[str, Any]:
+    """The field annotations of ``cls``, refused at once (naming the class and field) where a configuration file
+    could never give a value of that type: a plugin author finds out at the first load, not a user at a typo."""
+    try:
+        hints = typing.get_type_hints(cls)
+    except Exception as exc:  # a forward reference that does not resolve, say
+        raise PluginError(f"{cls.__module__}.{cls.__qualname__}: cannot read its field annotations: {exc}") from None
+    for f in dataclasses.fields(cls):
+        if f.init and not _supported(hints[f.name]):
+            raise PluginError(f"{cls.__module__}.{cls.__qualname__}.{f.name}: annotation {hints[f.name]!r} "
+                              f"cannot be read from a configuration file ({SUPPORTED_TYPES}; see docs/plugins.md)")
+    return hints
+
+
+def suggest(key: Any, candidates: Any) -> str:
+    """``; did you mean 'keep'?`` for the closest of ``candidates`` to a misspelt ``key``, or ``""``."""
+    if not isinstance(key, str):
+        return ""
+    close = difflib.get_close_matches(key, sorted(candidates), n=1, cutoff=0.6)
+    return f"; did you mean {close[0]!r}?" if close else ""
+
+
+def shown_key(key: Any) -> str:
+    """A key as a key path shows it: bare when printable, repr() otherwise."""
+    return key if isinstance(key, str) and key.isprintable() and key.strip() == key and key else repr(key)
+
+
+def unknown_key_error(key: Any, allowed: Any, path: str, source: str | None, where: str = "here") -> ConfigError:
+    known = ", ".join(sorted(allowed))
+    return ConfigError(f"unknown key (allowed {where}: {known}){suggest(key, allowed)}", source=source,
+                       key_path=_join(path, shown_key(key)))
+
+
+def field_names(cls: type) -> list[str]:
+    """The keys a configuration mapping for ``cls`` may hold."""
+    return [f.name for f in dataclasses.fields(cls) if f.init]
 
 
 def build_dataclass(cls: type, data: Any, path: str = "", source: str | None = None) -> Any:
@@ -183,14 +255,11 @@ def build_dataclass(cls: type, data: Any, path: str = "", source: str | None = N
         data = {}
     if not isinstance(data, dict):
         raise ConfigError(f"expected a mapping, got {_describe(data)}", source=source, key_path=path or "<root>")
-    hints = typing.get_type_hints(cls)
+    hints = _checked_hints(cls)
     fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
     unknown = [k for k in data if k not in fields]
     if unknown:
-        known = ", ".join(sorted(fields))
-        key = unknown[0]
-        shown = key if isinstance(key, str) and key.isprintable() and key.strip() == key and key else repr(key)
-        raise ConfigError(f"unknown key (allowed here: {known})", source=source, key_path=_join(path, shown))
+        raise unknown_key_error(unknown[0], fields, path, source)
     kwargs = {}
     for name, f in fields.items():
         sub = _join(path, name)
@@ -201,12 +270,18 @@ def build_dataclass(cls: type, data: Any, path: str = "", source: str | None = N
                               source=source, key_path=sub)
     try:
         return cls(**kwargs)
-    except ConfigError as exc:
-        if exc.source is None and source is not None:
-            raise ConfigError(exc.message, source=source, key_path=exc.key_path) from None
-        raise
+    except ConfigError as exc:  # a __post_init__ check; its key path is relative to this mapping
+        where = exc.key_path
+        if where and where.split(".", 1)[0].split("[", 1)[0] in fields:
+            where = _join(path, where)
+        raise ConfigError(exc.message, source=exc.source or source, key_path=where or path or "<root>") from None
     except (ValueError, TypeError) as exc:  # a dataclass __post_init__ check
-        raise ConfigError(str(exc), source=source, key_path=path or "<root>") from None
+        # "device: expected ..." names the field: the key path does, so the message reads tiers[0].device: ...
+        message = str(exc)
+        head, sep, rest = message.partition(": ")
+        if sep and head in fields:
+            raise ConfigError(rest, source=source, key_path=_join(path, head)) from None
+        raise ConfigError(message, source=source, key_path=path or "<root>") from None
 
 
 def _join(path: str, key: str) -> str:
