@@ -105,7 +105,7 @@ class Pipeline:
 
             if shared == 0:
                 self.drain = ProcessDrain(self.config, self.coords, self.order, self.local_rank, self.node_ranks,
-                                          self.emit, on_tier_done, on_slot_released)
+                                          self.emit, on_tier_done, on_slot_released, stores=self.stores)
             else:
                 self.drain = SplitDrain(self, shared, on_tier_done, on_slot_released)
         else:
@@ -132,11 +132,31 @@ def build_stores(config: Config, pm: PluginManager, coords: RankCoords, local_ra
     return {n: make_store(pm, config, cfgs[n], coords, local_rank, emit) for n in names}
 
 
+def _placed(exc: ConfigError, config: Config, name: str) -> ConfigError:
+    """A tier's ConfigError (its key path ``tier 'NAME'.key`` or ``key``) as the configuration's ``tiers[i].key``."""
+    if exc.source is not None and exc.key_path and exc.key_path.startswith("tiers["):
+        return exc
+    index = next(i for i, t in enumerate(config.tiers) if t.name == name)
+    rel = exc.key_path or ""
+    prefix = f"tier {name!r}"
+    if rel.startswith(prefix):
+        rel = rel[len(prefix):].lstrip(".")
+    path = f"tiers[{index}].{rel}" if rel else f"tiers[{index}]"
+    return ConfigError(f"{exc.message} (tier {name!r})", source=config.source, key_path=path)
+
+
 def build_pipeline(config: Config, pm: PluginManager, coords: RankCoords, local_rank: int,
                    emit: Callable[[ev.Event], None], node_ranks: list[int] | None = None) -> Pipeline:
     cfgs: dict[str, TierConfig] = {}
     for cfg in config.tiers:
-        if tier_enabled(pm, cfg):
+        try:
+            enabled = tier_enabled(pm, cfg)
+            check = getattr(pm.registries.tiers.get(cfg.kind), "check_usable", None)
+            if enabled and check is not None:
+                check(cfg.options)  # what only this machine can tell (pin: true and no CUDA), before any save
+        except ConfigError as exc:
+            raise _placed(exc, config, cfg.name) from None
+        if enabled:
             cfgs[cfg.name] = cfg
         else:
             reason = "enabled: false" if cfg.enabled is False else "not available on this machine"
@@ -157,5 +177,10 @@ def build_pipeline(config: Config, pm: PluginManager, coords: RankCoords, local_
         order.insert(0, STAGING)
     stores = {}
     for name in order:
-        stores[name] = make_store(pm, config, cfgs[name], coords, local_rank, emit)
+        try:
+            stores[name] = make_store(pm, config, cfgs[name], coords, local_rank, emit)
+        except ConfigError as exc:
+            for store in stores.values():
+                store.tier.close()
+            raise _placed(exc, config, name) if name != STAGING else exc from None
     return Pipeline(config, coords, pm, order, cfgs, stores, emit, local_rank, node_ranks or [coords.rank])

@@ -56,6 +56,9 @@ from .base import Capabilities, Chunk, Tier, TierContext, check_key, check_prefi
 log = logging.getLogger(__name__)
 
 MEMORY_FILESYSTEMS = ("tmpfs", "ramfs")
+_PIN_WITHOUT_CUDA = ("pin is true but CUDA is not available in this process (no GPU, driver or CUDA build of "
+                     "torch), so slots cannot be page-locked. Set pin: auto to pin only where the process uses "
+                     "CUDA, or pin: false")
 _MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)  # Linux >= 5.14; Python < 3.13 lacks the name
 _MADV_POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22)
 _POPULATE_READ_MIN = 1 << 20  # below this, faulting pages in on first touch costs nothing worth a syscall
@@ -308,6 +311,12 @@ class ShmTier(Tier):
             return tensor
 
     # ----- page-locking ------------------------------------------------------------------------------------
+    @classmethod
+    def check_usable(cls, options: ShmOptions) -> None:
+        """At engine build: ``pin: true`` needs CUDA in this process (a ConfigError now, not at the first save)."""
+        if options.pin is True and not torch.cuda.is_available():
+            raise ConfigError(_PIN_WITHOUT_CUDA, key_path="pin")
+
     def _want_pin(self) -> bool:
         """Whether slots allocated now should be page-locked. Only slot allocation asks: readers (the drain
         worker maps slots through ``read_blob``) never pin, and ``auto`` touches no CUDA API at all in a process
@@ -318,9 +327,7 @@ class ShmTier(Tier):
         if pin == "auto":
             return cuda_streams.cuda_in_use()
         if not torch.cuda.is_available():
-            raise ConfigError("pin is true but CUDA is not available in this process (no GPU, driver or CUDA "
-                              "build of torch), so slots cannot be page-locked. Set pin: auto to pin only where "
-                              "the process uses CUDA, or pin: false", key_path=f"tier {self.name!r}.pin")
+            raise ConfigError(_PIN_WITHOUT_CUDA, key_path=f"tier {self.name!r}.pin")
         return True
 
     def _pin(self, key: str, slot: _Slot) -> None:
