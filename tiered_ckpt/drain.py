@@ -122,6 +122,11 @@ class DrainRuntime:
             th.start()
         return q
 
+    def busy(self) -> bool:
+        """Whether a submitted request has not finished on every due tier yet."""
+        with self._cond:
+            return self._pending > 0
+
     def wait_idle(self, timeout: float | None = None) -> bool:
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._cond:

@@ -22,13 +22,23 @@ from typing import TYPE_CHECKING, Any
 
 from . import events as ev
 from .config import Config
-from .drain import DrainRequest, DrainRuntime
+from .drain import DrainRequest, DrainRuntime, Store
+from .file_store import FileStore
 from .parallel import RankCoords
 
 if TYPE_CHECKING:
     from .pipeline import Pipeline
 
 log = logging.getLogger(__name__)
+
+# Test hook: the worker does not report ready until this file exists (a slow start-up, made deterministic).
+START_GATE_ENV = "TIERED_CKPT_WORKER_START_GATE"
+
+
+def _wait_for_gate() -> None:
+    gate = os.environ.get(START_GATE_ENV)
+    while gate and not os.path.exists(gate):
+        time.sleep(0.05)
 
 
 def worker_main(config: Config, coords: RankCoords, order: list[str], local_rank: int, node_ranks: list[int],
@@ -43,6 +53,7 @@ def worker_main(config: Config, coords: RankCoords, order: list[str], local_rank
         results.put(("event", event))
 
     try:
+        _wait_for_gate()
         pm = PluginManager()
         stores = build_stores(config, pm, coords, local_rank, order, emit)
         runtime = DrainRuntime(
@@ -94,22 +105,70 @@ def _main_module_hidden() -> Iterator[None]:
 
 
 class ProcessDrain:
-    """The training-process side of the worker: submits requests, relays events and outcomes."""
+    """The training-process side of the worker: submits requests, relays events and outcomes.
+
+    The worker takes a second or more to come up (``spawn``, then importing torch). Until it says it is ready,
+    requests are drained by threads of this process (a :class:`DrainRuntime` over ``stores``, the training
+    process's own tier objects), so the first saves never wait for a slot on the worker's start-up. Once it is
+    ready, every later request goes to the worker, as soon as those threads have finished what they took: the
+    two never drain at the same time, so each tier still takes its steps in order. Only where every tier
+    below the shared-memory one is a file tier (a memory hop needs the worker's own slots); otherwise requests
+    queue for the worker as they always did.
+    """
 
     def __init__(self, config: Config, coords: RankCoords, order: list[str], local_rank: int, node_ranks: list[int],
-                 emit: Callable[[ev.Event], None], on_tier_done: Callable, on_slot_released: Callable):
+                 emit: Callable[[ev.Event], None], on_tier_done: Callable, on_slot_released: Callable,
+                 stores: dict[str, Store] | None = None):
         self.config, self.coords, self.order, self.local_rank = config, coords, order, local_rank
         self.node_ranks = node_ranks
         self.emit = emit
         self.on_tier_done = on_tier_done
         self.on_slot_released = on_slot_released
-        self._cond = threading.Condition()
+        self._cond = threading.Condition(threading.RLock())
         self._outstanding: dict[tuple[int, float], tuple[DrainRequest, set[str], bool]] = {}
         self._proc: Any = None
         self._closing = False
+        self._ready = threading.Event()
+        self._stores = stores if stores is not None and all(
+            isinstance(stores.get(n), FileStore) for n in order[1:]) else None
+        self._local: DrainRuntime | None = None
+        self._here_pending = 0  # requests the threads here took and have not finished
+        self._held: list[DrainRequest] = []  # for the worker, once the threads here are done
+        self.drained_here = 0  # requests drained by this process's threads while the worker was starting
         self._start()
 
+    def _local_runtime(self) -> DrainRuntime:
+        if self._local is None:
+            assert self._stores is not None
+            self._local = DrainRuntime(self._stores, self.order, self.coords, self.emit, self.on_tier_done,
+                                       self.on_slot_released, on_job_done=self._local_job_done,
+                                       commit_wait_s=self.config.drain.commit_timeout_s, node_ranks=self.node_ranks)
+        return self._local
+
+    def _drain_here(self, req: DrainRequest) -> None:
+        # Called with self._cond held (an RLock: a request with no due tier finishes inside submit).
+        self.drained_here += 1
+        self._here_pending += 1
+        self._local_runtime().submit(req)
+
+    def _local_job_done(self, req: DrainRequest, results: dict, slots: dict) -> None:
+        send: list[DrainRequest] = []
+        with self._cond:
+            self._here_pending -= 1
+            if self._here_pending == 0 and self._held:
+                held, self._held = self._held, []
+                for r in held:
+                    if self._ready.is_set():
+                        self._outstanding[(r.step, r.created)] = (r, set(r.due), False)
+                        send.append(r)
+                    else:  # the worker went away meanwhile: keep draining here
+                        self._drain_here(r)
+            self._cond.notify_all()
+        for r in send:
+            self._requests.put(r)
+
     def _start(self) -> None:
+        self._ready.clear()
         ctx = mp.get_context("spawn")
         self._requests = ctx.Queue()
         self._results = ctx.Queue()
@@ -127,6 +186,12 @@ class ProcessDrain:
             if self._proc is None or not self._proc.is_alive():
                 log.warning("the drain worker is not running; starting a new one")
                 self._start()
+            if self._stores is not None and not self._ready.is_set():
+                self._drain_here(req)
+                return
+            if self._here_pending or self._held:  # the worker is up: it takes this once the threads are done
+                self._held.append(req)
+                return
             self._outstanding[(req.step, req.created)] = (req, set(req.due), False)
         self._requests.put(req)
 
@@ -143,14 +208,17 @@ class ProcessDrain:
                 self._worker_died(proc)
                 return
             kind = msg[0]
-            if kind == "event":
+            if kind == "ready":
+                self._ready.set()
+            elif kind == "event":
                 self.emit(msg[1])
             elif kind == "tier_done":
                 _, step, tier, ok, err = msg
-                with self._cond:
+                with self._cond:  # the oldest request of that step still due there (each tier keeps order)
                     for (s, _), (_req, left, _rel) in self._outstanding.items():
-                        if s == step:
+                        if s == step and tier in left:
                             left.discard(tier)
+                            break
                 self.on_tier_done(step, tier, ok, err)
             elif kind == "slot_released":
                 _, tier, slot, step = msg
@@ -172,6 +240,7 @@ class ProcessDrain:
 
     def _worker_died(self, proc: Any, why: str | None = None) -> None:
         reason = why or f"the drain worker exited (code {proc.exitcode})"
+        self._ready.clear()
         with self._cond:
             lost = list(self._outstanding.values())
             self._outstanding.clear()
@@ -188,8 +257,10 @@ class ProcessDrain:
 
     def wait_idle(self, timeout: float | None = None) -> bool:
         deadline = None if timeout is None else time.monotonic() + timeout
+        if self._local is not None and not self._local.wait_idle(timeout):
+            return False
         with self._cond:
-            while self._outstanding:
+            while self._outstanding or self._held:
                 left = None if deadline is None else deadline - time.monotonic()
                 if left is not None and left <= 0:
                     return False
@@ -199,6 +270,8 @@ class ProcessDrain:
     def close(self, timeout: float | None = None) -> bool:
         idle = self.wait_idle(timeout)
         self._closing = True
+        if self._local is not None:
+            self._local.close(None if idle else 0)
         if self._proc is not None and self._proc.is_alive():
             self._requests.put(None)
             self._proc.join(timeout=None if idle else 5.0)
@@ -222,7 +295,8 @@ class SplitDrain:
                                   pipeline.coords, pipeline.emit, on_tier_done, on_slot_released,
                                   on_job_done=self._forward, **pipeline.drain_options())
         self.proc = ProcessDrain(pipeline.config, pipeline.coords, order[shared:], pipeline.local_rank,
-                                 pipeline.node_ranks, pipeline.emit, on_tier_done, self._far_slot_released)
+                                 pipeline.node_ranks, pipeline.emit, on_tier_done, self._far_slot_released,
+                                 stores={n: pipeline.stores[n] for n in order[shared:]})
 
     def submit(self, req: DrainRequest) -> None:
         near = tuple(t for t in req.due if t in self.near_names)
