@@ -13,6 +13,8 @@ import time
 import weakref
 from typing import Any
 
+import torch
+
 from . import events as ev
 from .codecs import flat
 from .config import Config, TierConfig, load_config
@@ -26,15 +28,16 @@ from .errors import (
     NoCheckpointError,
     TieredCkptError,
     TierError,
+    TierUnavailableError,
 )
 from .file_store import FileStore
-from .handles import LoadResult, SaveHandle
+from .handles import LoadResult, SaveHandle, SavesFailedError
 from .layouts.base import MODEL_ITEM, OPTIM_ITEM
-from .load_into import apply_into, tensors
+from .load_into import apply_into, check_into_names, tensors
 from .locking import RunLock
 from .memory_store import MemoryStore, SlotItem, SlotMeta, plan_items
 from .parallel import ParallelLayout, RankCoords, detect, local_rank
-from .pipeline import Pipeline, build_pipeline
+from .pipeline import STAGING, Pipeline, build_pipeline
 from .plugins import PluginManager, get_plugin_manager
 
 log = logging.getLogger(__name__)
@@ -61,7 +64,8 @@ class CheckpointEngine:
             raise
         self._closed = False
         self._ordinal = 0
-        self._handles: dict[int, SaveHandle] = {}
+        self._handles: dict[int, list[SaveHandle]] = {}  # per step, oldest first: a step may be saved twice
+        self._failures: dict[int, dict[str, str]] = {}  # since the last engine.wait(): step → tier → why
         self._fingerprints: tuple[str, ...] | None = None
         self._cond = threading.Condition()
         entry = self.pipeline.entry_store
@@ -88,14 +92,17 @@ class CheckpointEngine:
 
     # ----- drain callbacks ---------------------------------------------------------------------------------
     def _tier_done(self, step: int, tier: str, ok: bool, error: str | None) -> None:
+        # Each tier drains its steps in order, so an outcome is the oldest pending save of that step on that tier.
         with self._cond:
-            handle = self._handles.get(step)
-        if handle is not None:
-            handle._resolve(tier, ok, error)
-            if handle.done():
-                with self._cond:
-                    if self._handles.get(step) is handle:
-                        del self._handles[step]
+            if not ok:
+                self._failures.setdefault(step, {})[tier] = error or "failed"
+            handles = self._handles.get(step, [])
+            handle = next((h for h in handles if tier in h.due and not h.done(tier)), None)
+            if handle is not None:
+                handle._resolve(tier, ok, error)
+            handles[:] = [h for h in handles if not h.done()]
+            if not handles:
+                self._handles.pop(step, None)
 
     def _slot_released(self, tier: str, slot: int, step: int) -> None:
         if tier != self.pipeline.entry:
@@ -151,6 +158,11 @@ class CheckpointEngine:
             raise ValueError(f"step must be a non-negative integer, got {step!r}")
         if not isinstance(items, dict) or not items or not all(isinstance(k, str) and k for k in items):
             raise ValueError("items must be a non-empty dict of item name (str) → state")
+        if all(isinstance(v, torch.Tensor) for v in items.values()):
+            names = ", ".join(repr(k) for k in list(items)[:3]) + (", ..." if len(items) > 3 else "")
+            raise ValueError(f"save({step}, items): every value of items is a tensor ({names}): this looks like one "
+                             "state dict given as the items, which would store each tensor as an item of its own. "
+                             f"Name it: save({step}, {{\"model\": model.state_dict()}})")
         t0 = time.perf_counter()
         placed, total = plan_items(items)
         fingerprints = tuple(p.fingerprint for _, p, _ in placed)
@@ -191,7 +203,7 @@ class CheckpointEngine:
         self._slot_step[slot] = step
         handle = SaveHandle(step, blocking, self.pipeline.entry, due)
         with self._cond:
-            self._handles[step] = handle
+            self._handles.setdefault(step, []).append(handle)
         self._emit(ev.Event(ev.SNAPSHOT, step=step, rank=self.coords.rank, tier=self.pipeline.entry,
                             seconds=blocking, nbytes=total, detail={"slot": slot, "due": list(due)}))
         self._drain.submit(DrainRequest(step=step, source=self.pipeline.entry, slot=slot, due=due,
@@ -216,7 +228,7 @@ class CheckpointEngine:
                 self._slot_busy.add(meta.slot)
             handle = SaveHandle(meta.step, 0.0, self.pipeline.entry, due)
             with self._cond:
-                self._handles[meta.step] = handle
+                self._handles.setdefault(meta.step, []).append(handle)
             self.recovered.append(handle)
             self._emit(ev.Event(ev.RECOVER, step=meta.step, rank=self.coords.rank, tier=self.pipeline.entry,
                                 nbytes=meta.total_bytes, detail={"due": list(due), "slot": meta.slot},
@@ -225,10 +237,16 @@ class CheckpointEngine:
                                             created=meta.created, recover=True))
 
     # ----- loading -----------------------------------------------------------------------------------------
-    def available_steps(self) -> dict[str, list[int]]:
-        """Per tier (fastest first): the committed steps holding this rank's part."""
+    @property
+    def tiers(self) -> list[str]:
+        """The configured tiers that are enabled here, fastest first (without internal ones such as the hidden
+        ``_staging`` buffers): the keys :meth:`available_steps` has when every tier could be listed."""
+        return [n for n in self.pipeline.order if n != STAGING]
+
+    def _list_tiers(self) -> tuple[dict[str, list[int]], dict[str, str]]:
         out: dict[str, list[int]] = {}
-        for name in self.pipeline.order:
+        unreachable: dict[str, str] = {}
+        for name in self.tiers:
             store = self.pipeline.stores[name]
             try:
                 if isinstance(store, MemoryStore):
@@ -237,19 +255,34 @@ class CheckpointEngine:
                     out[name] = sorted({m.step for m in store.metas().values() if not m.parallel or all(
                         m.parallel.get(k) == v for k, v in here.items())})
                 else:
-                    out[name] = store.steps_for_rank(self.coords)
-                    legacy = store.legacy_step() if not out[name] else None
-                    if legacy is not None:
-                        out[name] = [legacy]
+                    steps = store.steps_for_rank(self.coords)
+                    legacy = store.legacy_step() if not steps else None
+                    out[name] = [legacy] if legacy is not None else steps
             except (TierError, OSError) as exc:
                 log.warning("cannot list tier %r: %s", name, exc)
-                out[name] = []
-        return out
+                unreachable[name] = f"{type(exc).__name__}: {exc}"
+        return out, unreachable
+
+    def available_steps(self) -> dict[str, list[int]]:
+        """Per configured tier (fastest first) that could be listed: the committed steps holding this rank's
+        part. A tier that could not be listed is left out (:meth:`unreachable_tiers` says why), so
+        ``set(available_steps()) == set(engine.tiers)`` means every tier was looked at."""
+        return self._list_tiers()[0]
+
+    def unreachable_tiers(self) -> dict[str, str]:
+        """The configured tiers that cannot be listed right now (tier → why); empty when every tier can."""
+        return self._list_tiers()[1]
 
     def load(self, step: int | None = None, *, copy: bool | None = None, map_location: Any = None,
              into: dict[str, Any] | None = None) -> LoadResult:
         """The newest step every rank can read (or ``step``), each rank from its fastest tier holding a verified
         copy. With several ranks this is collective: every rank must call it, and all resume at the same step.
+
+        A tier that cannot be listed (an unreachable object store, say) is left out: the step loaded is then
+        the newest the other tiers hold, ``result.unreachable`` names what was not seen (and a
+        ``tier_unreachable`` event). Where nothing loadable is found, :class:`NoCheckpointError` means every
+        tier of every rank was looked at and holds nothing; :class:`TierUnavailableError` (not a
+        NoCheckpointError) that some tier could not be looked at: do not start from scratch on that one.
 
         ``into``: item name → state shaped like the one saved (the very dict passed to ``save``, say); its tensors
         receive the checkpoint's values in place, and the result's items hold them (see :mod:`.load_into`). If
@@ -257,7 +290,9 @@ class CheckpointEngine:
         copy = self.config.load.copy if copy is None else copy
         if into is not None and (not isinstance(into, dict) or not all(isinstance(k, str) for k in into)):
             raise ValueError("into must be a dict of item name (str) → state, like the items given to save()")
-        available = self.available_steps()
+        available, unreachable = self._list_tiers()
+        for name, why in unreachable.items():
+            self._emit(ev.Event(ev.TIER_UNREACHABLE, step=step, rank=self.coords.rank, tier=name, message=why))
         mine = {s for steps in available.values() for s in steps}
         rejected: set[int] = set()
         fallbacks: list[str] = []
@@ -266,16 +301,37 @@ class CheckpointEngine:
             if chosen is None:
                 what = f"step {step}" if step is not None else "a checkpoint"
                 detail = f" ({'; '.join(fallbacks)})" if fallbacks else ""
-                raise NoCheckpointError(f"no step that every rank can load: rank {self.coords.rank} found no "
-                                        f"loadable copy of {what} on any tier{detail}")
+                self._nothing_loadable(unreachable, f"no step that every rank can load: rank {self.coords.rank} "
+                                                    f"found no loadable copy of {what} on any tier{detail}")
             result = self._load_step(chosen, available, copy, map_location, fallbacks, into)
             if self.coordinator.all_succeeded(result is not None):
                 assert result is not None
+                result.unreachable = dict(unreachable)
+                if unreachable:
+                    log.warning("load: step %d from tier %r without seeing tier(s) %s: a newer step may be there",
+                                result.step, result.tier, ", ".join(repr(t) for t in unreachable))
                 return result
             # Some rank could not read its part of this step anywhere: everyone moves to an older one together.
             rejected.add(chosen)
             if step is not None:
-                raise NoCheckpointError(f"step {step} cannot be loaded by every rank ({'; '.join(fallbacks)})")
+                self._nothing_loadable(unreachable, f"step {step} cannot be loaded by every rank "
+                                                    f"({'; '.join(fallbacks)})")
+
+    def _nothing_loadable(self, unreachable: dict[str, str], message: str) -> None:
+        """Raise NoCheckpointError when every rank listed every tier, else TierUnavailableError (collective: every
+        rank raises the same one)."""
+        if self.coordinator.all_succeeded(not unreachable):
+            raise NoCheckpointError(message)
+        if unreachable:
+            seen = ", ".join(repr(t) for t in self.tiers if t not in unreachable) or "none"
+            why = "; ".join(f"tier {t!r}: {r}" for t, r in unreachable.items())
+            raise TierUnavailableError(
+                f"nothing loadable found, but rank {self.coords.rank} could not list every tier ({why}); the "
+                f"tiers it could list ({seen}) hold nothing loadable: {message}. Not \"no checkpoint\": fix the "
+                "tier (or set enabled: false on it to start without it) and load again", unreachable)
+        raise TierUnavailableError(
+            f"nothing loadable found, and another rank could not list every tier (its log and "
+            f"tier_unreachable events say which): {message}", {})
 
     def _load_step(self, step: int, available: dict[str, list[int]], copy: bool, map_location: Any,
                    fallbacks: list[str], into: dict[str, Any] | None = None) -> LoadResult | None:
@@ -315,7 +371,7 @@ class CheckpointEngine:
         if into is not None and not isinstance(self.pipeline.stores[name], MemoryStore):
             # From files: load as usual, then copy into the targets (the fused path is for memory snapshots).
             items, verified, nbytes = self._load_from(name, step, copy, map_location)
-            return apply_into(items, into), verified, nbytes
+            return apply_into(items, into, f"step {step} on tier {name!r}"), verified, nbytes
         store = self.pipeline.stores[name]
         verify = self.config.load.verify
         trust = self.config.load.trust_pickles
@@ -326,6 +382,8 @@ class CheckpointEngine:
             meta = max(metas, key=lambda m: m.created)
             if meta.parallel and self._layout_change(meta.parallel, step, name):
                 raise TierError(f"step {step} here is a snapshot of another parallel layout", tier=name)
+            if into is not None:
+                check_into_names(into, [it.name for it in meta.items], f"step {step} on tier {name!r}")
             items = store.load(meta, copy=copy, map_location=map_location, verify=verify, into=into)
             verified = verify and all(it.checksum for it in meta.items)
             return items, verified, meta.total_bytes
@@ -360,9 +418,15 @@ class CheckpointEngine:
 
     # ----- lifecycle ---------------------------------------------------------------------------------------
     def wait(self, timeout: float | None = None) -> None:
-        """Wait until every save so far has drained (committed or failed) on every due tier."""
+        """Wait until every save so far has drained (committed or failed) on every due tier; then raise
+        :class:`~tiered_ckpt.handles.SavesFailedError` (a SaveError) naming every step and tier that failed since
+        the previous ``wait()``, as ``handle.wait()`` does for its own step."""
         if not self._drain.wait_idle(timeout):
             raise TimeoutError(f"drain still busy after {timeout} s")
+        with self._cond:
+            failures, self._failures = self._failures, {}
+        if failures:
+            raise SavesFailedError(failures)
 
     def close(self, timeout: float | None = None) -> None:
         if self._closed:

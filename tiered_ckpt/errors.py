@@ -31,7 +31,24 @@ class PluginError(TieredCkptError):
 
 
 class EncodeError(TieredCkptError, TypeError):
-    """A value in a state dict cannot be encoded without pickle. The message names its key path."""
+    """A value in a state dict cannot be encoded without pickle. The message names its key path (and, from
+    ``save()``, the item): ``item 'model' at layers[0]: cannot encode ...``.
+
+    ``path``: the key path inside the value encoded (``""``: the value itself); ``item``: the item's name;
+    ``detail``: the message without either. None when the raiser did not give them."""
+
+    def __init__(self, message: str, *, path: str | None = None, item: str | None = None):
+        self.detail = message
+        self.path = path
+        self.item = item
+        where = []
+        if item is not None:
+            where.append(f"item {item!r}")
+        if path:
+            where.append(f"at {path}" if item is not None else path)
+        elif path is not None and item is None:
+            where.append("<root>")
+        super().__init__(" ".join(where) + ": " + message if where else message)
 
 
 class DecodeError(TieredCkptError, ValueError):
@@ -87,6 +104,23 @@ class CorruptionError(TieredCkptError):
 
 class NoCheckpointError(TieredCkptError, FileNotFoundError):
     """No tier holds a complete, verifiable checkpoint (for the requested step)."""
+
+
+class TierUnavailableError(TieredCkptError):
+    """``load()`` found nothing loadable on the tiers it could list, and some tier could not be listed at all
+    (an unreachable object store, a permission error): "could not look", never "nothing there". Deliberately
+    *not* a :class:`NoCheckpointError`, so that a resume script that starts from scratch on "nothing there"
+    stops here instead. ``unreachable`` maps each tier this rank could not list to why (empty when only other
+    ranks could not)."""
+
+    def __init__(self, message: str, unreachable: dict[str, str] | None = None):
+        self.unreachable = dict(unreachable or {})
+        super().__init__(message)
+
+
+class LoadIntoError(TieredCkptError, ValueError):
+    """``load(into=...)`` was given a target the checkpoint cannot go into: an item name it does not hold, or a
+    tensor of another shape or dtype. The message names the item, the key path and both shapes."""
 
 
 class UnsafePickleError(TieredCkptError):

@@ -41,5 +41,6 @@ EVICT = "evict"  # retention removed a step from a tier
 RETRY = "retry"  # a transient failure is being retried on a tier
 FALLBACK = "fallback"  # load found a tier's copy unusable and moves to the next one
 LOAD = "load"  # a step was loaded (tier = where it came from)
+TIER_UNREACHABLE = "tier_unreachable"  # load() could not list a tier's steps (message = why); it loads without it
 RECOVER = "recover"  # after a restart, a snapshot found in memory is queued for draining
 TIER_DISABLED = "tier_disabled"  # a tier was turned off (e.g. gpu with enabled: auto and no CUDA)

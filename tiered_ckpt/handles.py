@@ -21,6 +21,18 @@ class SaveError(TieredCkptError):
         super().__init__(f"step {step} was not committed on every due tier: {detail}")
 
 
+class SavesFailedError(SaveError):
+    """``engine.wait()``: saves since the previous ``engine.wait()`` that some tier could not take.
+    ``steps`` maps step → (tier → reason); ``step`` and ``failures`` are the first one's, as in SaveError."""
+
+    def __init__(self, steps: dict[int, dict[str, str]]):
+        self.steps = {s: dict(f) for s, f in sorted(steps.items())}
+        first = next(iter(self.steps))
+        super().__init__(first, self.steps[first])
+        detail = "; ".join(f"step {s} on tier {t!r}: {why}" for s, f in self.steps.items() for t, why in f.items())
+        self.args = (f"{len(self.steps)} save(s) not committed on every due tier: {detail}",)
+
+
 class SaveHandle:
     """A save in flight. ``blocking_s`` is how long ``save()`` blocked; ``wait()`` follows the drain."""
 
@@ -82,6 +94,9 @@ class LoadResult:
     seconds: float = 0.0
     nbytes: int = 0
     fallbacks: list[str] = field(default_factory=list)  # what was tried first and why it was skipped
+    # Tiers this rank could not list (tier → why): the step is the newest on the tiers it could see; one of
+    # these may hold a newer one. Empty when every tier was listed.
+    unreachable: dict[str, str] = field(default_factory=dict)
 
     def __iter__(self):  # step, items, tier = engine.load()
         return iter((self.step, self.items, self.tier))

@@ -26,6 +26,7 @@ import torch
 import xxhash
 
 from .checksum import SNAPSHOT_PIECE, hash_pool, is_piecewise, snapshot_matches
+from .errors import LoadIntoError
 
 _SUB = 1 << 20  # bytes copied, then hashed while still in cache (half of one core's 2 MiB L2 here)
 
@@ -36,7 +37,8 @@ _ABSENT = object()  # no counterpart in ``into``
 def pair_into(loaded: Any, into: Any, where: str, unmatched: Callable[[torch.Tensor], torch.Tensor] | None = None
               ) -> tuple[Any, list[tuple[torch.Tensor, torch.Tensor]]]:
     """``loaded`` with each tensor that has a counterpart in ``into`` replaced by that counterpart, and the
-    (loaded, target) pairs to copy. Raises ``ValueError`` for a counterpart of another shape or dtype.
+    (loaded, target) pairs to copy. Raises :class:`LoadIntoError` (a ValueError) for a counterpart of another
+    shape or dtype.
     ``unmatched``: applied to every loaded tensor without a counterpart (a copy, say); None keeps them."""
     pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
     return _pair(loaded, into, where, pairs, unmatched), pairs
@@ -47,8 +49,8 @@ def _pair(loaded: Any, into: Any, path: str, pairs: list, unmatched: Callable | 
         if not isinstance(into, torch.Tensor):
             return loaded if unmatched is None else unmatched(loaded)
         if into.shape != loaded.shape or into.dtype != loaded.dtype:
-            raise ValueError(f"load(into=...): {path} is {_describe(loaded)} in the checkpoint but "
-                             f"{_describe(into)} in into")
+            raise LoadIntoError(f"load(into=...): {path} is {_describe(loaded)} in the checkpoint but "
+                                f"{_describe(into)} in into")
         pairs.append((loaded, into))
         return into
     if isinstance(loaded, dict):
@@ -68,8 +70,21 @@ def _pair(loaded: Any, into: Any, path: str, pairs: list, unmatched: Callable | 
     return loaded
 
 
-def apply_into(items: dict[str, Any], into: dict[str, Any]) -> dict[str, Any]:
+def check_into_names(into: dict[str, Any], saved: list[str], where: str) -> None:
+    """An item name in ``into`` that the checkpoint does not hold is a typo, never silently nothing."""
+    unknown = [name for name in into if name not in saved]
+    if unknown:
+        import difflib
+
+        close = difflib.get_close_matches(unknown[0], saved, n=1, cutoff=0.6)
+        hint = f"; did you mean {close[0]!r}?" if close else ""
+        raise LoadIntoError(f"load(into=...): no item {unknown[0]!r} in {where} (its items: "
+                            f"{', '.join(repr(n) for n in saved) or 'none'}){hint}")
+
+
+def apply_into(items: dict[str, Any], into: dict[str, Any], where: str = "the checkpoint") -> dict[str, Any]:
     """Loaded items (from a file tier, say) with the tensors ``into`` has counterparts for copied into those."""
+    check_into_names(into, list(items), where)
     out = {}
     for name, value in items.items():
         if name in into:

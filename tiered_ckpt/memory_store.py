@@ -18,7 +18,7 @@ import torch
 from .codecs import flat
 from .codecs.file_codecs import ItemSource
 from .crashpoints import crash_point
-from .errors import BlobNotFoundError, CorruptionError, DecodeError
+from .errors import BlobNotFoundError, CorruptionError, DecodeError, EncodeError
 from .hostmem import private_copy
 from .manifest import content_digest
 from .tiers.base import IO_BLOCK, Tier
@@ -79,7 +79,10 @@ def plan_items(items: dict[str, Any]) -> tuple[list[tuple[str, flat.SnapshotPlan
     """Plan each item and place it in the slot: [(name, plan, offset)], total bytes."""
     placed, end = [], 0
     for name, value in items.items():
-        plan = flat.plan_snapshot(value)
+        try:
+            plan = flat.plan_snapshot(value)
+        except EncodeError as exc:
+            raise EncodeError(exc.detail, path=exc.path or "", item=name) from None
         # Items start on a page boundary, so a file tier can write each one's bytes with O_DIRECT, no copy.
         offset = end + (-end) % ITEM_ALIGN
         placed.append((name, plan, offset))

@@ -35,12 +35,12 @@ from tiered_ckpt.codecs._flat_common import (
 from tiered_ckpt.errors import EncodeError
 
 
-def _where(path: str) -> str:
-    return path or "<root>"
-
-
 def _cannot(obj: Any, path: str, what: str = "object") -> EncodeError:
-    return EncodeError(f"{_where(path)}: cannot encode {what} of type {_type_name(obj)} without pickle")
+    hint = ""
+    if isinstance(obj, (torch.nn.Module, torch.optim.Optimizer)):
+        hint = ("; a module or an optimizer is not state: save its .state_dict() (or the items "
+                "tiered_ckpt.state.items_of(model=..., optimizer=...) builds)")
+    return EncodeError(f"cannot encode {what} of type {_type_name(obj)} without pickle{hint}", path=path)
 
 
 def _child(path: str, key: Any) -> str:
@@ -157,7 +157,7 @@ class _Planner:
         kv = {}
         for k, v in attrs.items():
             if type(k) is not str:
-                raise EncodeError(f"{_where(path)}: argparse.Namespace attribute name {k!r} is not a str")
+                raise EncodeError(f"argparse.Namespace attribute name {k!r} is not a str", path=path)
             kv[k] = self.enc(v, f"{path}.{k}")
         return {"$": "namespace", "kv": kv}
 
@@ -202,18 +202,17 @@ class _Planner:
 
     def enc_tensor(self, t: torch.Tensor, path: str) -> Any:
         kind = "parameter" if type(t) is torch.nn.Parameter else "tensor"
-        where = _where(path)
         if t.is_nested:
-            raise EncodeError(f"{where}: cannot encode a nested tensor in a flat snapshot")
+            raise EncodeError("cannot encode a nested tensor in a flat snapshot", path=path)
         if t.layout is not torch.strided:
-            raise EncodeError(f"{where}: cannot encode a tensor with layout {t.layout} (only dense tensors)")
+            raise EncodeError(f"cannot encode a tensor with layout {t.layout} (only dense tensors)", path=path)
         if t.is_quantized:
-            raise EncodeError(f"{where}: cannot encode a quantized tensor ({t.dtype}) in a flat snapshot")
+            raise EncodeError(f"cannot encode a quantized tensor ({t.dtype}) in a flat snapshot", path=path)
         if t.is_meta:
-            raise EncodeError(f"{where}: cannot encode a meta tensor (it has no data)")
+            raise EncodeError("cannot encode a meta tensor (it has no data)", path=path)
         dtype = t.dtype
         if dtype not in _STORABLE_DTYPES:
-            raise EncodeError(f"{where}: cannot encode a tensor of dtype {dtype}")
+            raise EncodeError(f"cannot encode a tensor of dtype {dtype}", path=path)
         shape = t.shape
         n = t.numel()
         requires_grad = t.requires_grad
@@ -234,7 +233,7 @@ class _Planner:
         dt = a.dtype
         why = _check_np_dtype(dt)
         if why is not None:
-            raise EncodeError(f"{_where(path)}: cannot encode an array of {why} without pickle")
+            raise EncodeError(f"cannot encode an array of {why} without pickle", path=path)
         key = (
             ("np", a.__array_interface__["data"][0], a.shape, a.strides, dt.str) if a.size else ("id", id(a))
         )
@@ -265,21 +264,19 @@ class _Planner:
             }
         if isinstance(obj, torch.Tensor):
             if obj.is_nested:
-                raise EncodeError(f"{_where(path)}: cannot encode a nested tensor in a flat snapshot")
-            raise EncodeError(
-                f"{_where(path)}: cannot encode tensor subclass {_type_name(obj)} without pickle"
-            )
+                raise EncodeError("cannot encode a nested tensor in a flat snapshot", path=path)
+            raise EncodeError(f"cannot encode tensor subclass {_type_name(obj)} without pickle", path=path)
         if isinstance(obj, np.ndarray) and type(obj) is np.memmap:
             return self.enc_ndarray(obj, path)
         if isinstance(obj, np.generic):
             why = _check_np_dtype(obj.dtype, scalar=True)
             if why is not None:
-                raise EncodeError(f"{_where(path)}: cannot encode a numpy scalar of {why} without pickle")
+                raise EncodeError(f"cannot encode a numpy scalar of {why} without pickle", path=path)
             raw = obj.tobytes() if obj.dtype.itemsize else b""  # np.str_('') still gives 4 bytes
             return {"$": "npscalar", "dtype": obj.dtype.str, "b64": base64.b64encode(raw).decode()}
         if isinstance(obj, np.dtype):
             if obj.fields is not None or obj.subdtype is not None:
-                raise EncodeError(f"{_where(path)}: cannot encode structured numpy dtype {obj!r}")
+                raise EncodeError(f"cannot encode structured numpy dtype {obj!r}", path=path)
             return {"$": "npdtype", "v": obj.str}
         if isinstance(obj, tuple) and hasattr(type(obj), "_fields"):  # namedtuple: restored as a plain tuple
             return self.enc_tuple(obj, path)
@@ -312,7 +309,7 @@ class _Planner:
             k, (enum.Enum, np.generic, np.dtype, pathlib.PurePath)
         ):
             return self.enc(k, path)
-        raise EncodeError(f"{_where(path)}: cannot encode {what} of type {_type_name(k)} without pickle")
+        raise EncodeError(f"cannot encode {what} of type {_type_name(k)} without pickle", path=path)
 
 
 _ENCODERS: dict[type, Any] = {
@@ -349,7 +346,5 @@ def plan_snapshot(items: Any, *, root: str = "") -> SnapshotPlan:
         with _gc_paused():
             tree = planner.enc(items, root)
     except RecursionError:
-        raise EncodeError(
-            f"{_where(root)}: structure is nested too deeply (or contains a reference cycle)"
-        ) from None
+        raise EncodeError("structure is nested too deeply (or contains a reference cycle)", path=root) from None
     return SnapshotPlan(planner.entries, planner.sources, planner.cursor, tree)
