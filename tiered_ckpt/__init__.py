@@ -21,6 +21,7 @@ _EXPORTS = {
     "NoCheckpointError": "errors",
     "TieredCkptError": "errors",
     "TierError": "errors",
+    "TierUnavailableError": "errors",
     "Event": "events",
     "LoadResult": "handles",
     "SaveError": "handles",
@@ -32,14 +33,22 @@ _EXPORTS = {
 
 __all__ = [
     "CheckpointEngine", "Config", "ConfigError", "CorruptionError", "Event", "LoadResult", "NoCheckpointError",
-    "ParallelLayout", "RankCoords", "SaveError", "SaveHandle", "TierError", "TieredCkptError", "hookimpl",
+    "ParallelLayout", "RankCoords", "SaveError", "SaveHandle", "TierError", "TierUnavailableError", "TieredCkptError",
+    "hookimpl",
     "load_config", "__version__",
 ]
 
 if TYPE_CHECKING:
     from .config import Config, load_config
     from .engine import CheckpointEngine
-    from .errors import ConfigError, CorruptionError, NoCheckpointError, TieredCkptError, TierError
+    from .errors import (
+        ConfigError,
+        CorruptionError,
+        NoCheckpointError,
+        TieredCkptError,
+        TierError,
+        TierUnavailableError,
+    )
     from .events import Event
     from .handles import LoadResult, SaveError, SaveHandle
     from .hookspecs import hookimpl
