@@ -1,8 +1,9 @@
 """The configuration: YAML file or dict → validated frozen dataclasses (docs/configuration.md).
 
-Common keys of a tier (name, kind, enabled, every, keep, slots, when_full, compression, retry) are checked here;
-every other key of a tier entry belongs to its kind and is checked against that kind's ``Options`` dataclass,
-found through the plugin registry, so third-party kinds get the same strictness.
+Common keys of a tier (name, kind, enabled, every, keep, slots, when_full, on_close, compression, retry) are checked
+here; every other key of a tier entry belongs to its kind and is checked against that kind's ``Options``
+dataclass, found through the plugin registry, so third-party kinds get the same strictness. A common key that the
+kind would ignore (``keep`` on a memory tier, ``slots`` on a file tier) is an error too.
 """
 
 from __future__ import annotations
@@ -64,6 +65,9 @@ class TierConfig:
     keep: PositiveInt | None = None  # committed steps kept; None = all (memory tiers: their slot count)
     slots: PositiveInt | None = None  # memory tiers: snapshot buffers held (2 = double buffering)
     when_full: Literal["wait", "skip"] = "wait"  # memory tiers: what save() does when every slot is draining
+    # memory tiers that outlive the process (shm): what a clean close() does with the slots. "keep": they stay
+    # for a restart to resume from memory; "release": those whose step a file tier committed are deleted.
+    on_close: Literal["keep", "release"] = "keep"
     compression: CompressionConfig | None = None
     retry: RetryConfig = field(default_factory=RetryConfig)
     options: Any = None  # the kind's own Options dataclass instance
@@ -108,7 +112,8 @@ class Config:
         raise KeyError(name)
 
 
-_COMMON_TIER_KEYS = {"name", "kind", "enabled", "every", "keep", "slots", "when_full", "compression", "retry"}
+_COMMON_TIER_KEYS = {"name", "kind", "enabled", "every", "keep", "slots", "when_full", "on_close", "compression",
+                     "retry"}
 # Common keys that only one family of tiers reads: given to the other, they would be silently ignored.
 _FILE_TIER_KEYS = {
     "every": "a memory tier takes every save",
@@ -118,6 +123,7 @@ _FILE_TIER_KEYS = {
 _MEMORY_TIER_KEYS = {
     "slots": "only memory tiers hold slots",
     "when_full": "only memory tiers hold slots that can all be busy",
+    "on_close": "only memory tiers hold slots to keep or release",
 }
 
 

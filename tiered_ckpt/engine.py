@@ -437,10 +437,38 @@ class CheckpointEngine:
             if not self._drain.close(timeout):
                 log.warning("close(): drains still pending after %.0f s; the shm snapshot stays for recovery",
                             timeout)
+            else:
+                self._release_memory()
         finally:
             self.pipeline.close()
             self._detach()
             _live.discard(self)
+
+    def _release_memory(self) -> None:
+        """``on_close: release``: delete this rank's slots on memory tiers that outlive the process, where a file
+        tier committed the step (a slot holding a step nothing else has stays: it is the only copy)."""
+        tiers = [n for n in self.tiers if isinstance(self.pipeline.stores[n], MemoryStore)
+                 and self.pipeline.cfgs[n].on_close == "release"
+                 and self.pipeline.stores[n].tier.capabilities.survives_process]
+        if not tiers:
+            return
+        durable: set[int] = set()
+        for fs in self.pipeline.file_stores().values():
+            try:
+                durable.update(fs.committed_steps())
+            except (TierError, OSError) as exc:
+                log.warning("close(): cannot list tier %r (%s); slots it may hold stay in memory", fs.name, exc)
+        for name in tiers:
+            store = self.pipeline.stores[name]
+            assert isinstance(store, MemoryStore)
+            try:
+                kept = store.release_slots(durable)
+            except (TierError, OSError) as exc:
+                log.warning("close(): tier %r: cannot release its slots: %s", name, exc)
+                continue
+            if kept:
+                log.info("close(): tier %r keeps step(s) %s in memory: no file tier committed them", name,
+                         ", ".join(map(str, kept)))
 
     def __enter__(self) -> CheckpointEngine:
         return self

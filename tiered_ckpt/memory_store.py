@@ -127,6 +127,26 @@ class MemoryStore:
         crash_point("memory.publish")
         self.tier.publish(self.meta_key(meta.slot), meta.to_json())
 
+    def release_slots(self, durable: set[int]) -> list[int]:
+        """Delete this rank's slots (record first, then data) except those holding a step not in ``durable``;
+        return the steps kept. Slots without a record hold nothing and go too."""
+        metas = self.metas()
+        kept = sorted(m.step for m in metas.values() if m.step not in durable)
+        slots = set()
+        for key in self.tier.list(f"rank_{self.rank:05d}/"):
+            name = key.rsplit("/", 1)[-1]
+            stem, _, ext = name.partition(".")
+            if stem.startswith("slot_") and stem[5:].isdigit() and ext in ("json", "data"):
+                slots.add(int(stem[5:]))
+        for slot in sorted(slots):
+            if slot in metas and metas[slot].step not in durable:
+                continue
+            self.tier.delete(self.meta_key(slot))  # the record first: never a record without its data
+            self.tier.delete(self.data_key(slot))
+            self._buffers.pop(slot, None)
+            self._read_cache.pop(slot, None)
+        return kept
+
     # ----- reading -----------------------------------------------------------------------------------------
     def read_meta(self, slot: int) -> SlotMeta | None:
         try:

@@ -33,6 +33,7 @@ warning if not: a disk-backed "shm" turns a memory-speed snapshot into a disk wr
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import logging
 import mmap
@@ -208,8 +209,14 @@ class ShmTier(Tier):
                 tier=self.name, key=key)
 
     # ----- blob primitives ---------------------------------------------------------------------------------
+    def _ensure_root(self) -> None:
+        """The run's directory, made again if a closing tier of another rank removed it while it was empty."""
+        if not os.path.isdir(self.root):
+            self._prepare_dirs(os.path.dirname(os.path.dirname(self.root)), self.context.user)
+
     def write_blob(self, key: str, chunks: Iterable[Chunk]) -> int:
         check_key(key)
+        self._ensure_root()
         nbytes = self.files.write(key, chunks, check=lambda _written, n: self._check_room(key, n))
         self._drop_slot(key)
         return nbytes
@@ -278,6 +285,7 @@ class ShmTier(Tier):
             raise ValueError(f"nbytes must be >= 0, got {nbytes}")
         path = self.files.path(key)
         pin = self._want_pin()  # before anything is allocated: `pin: true` without CUDA fails here
+        self._ensure_root()
         with self._lock:
             slot = self._slots.get(key)
             if slot is not None:
@@ -383,10 +391,21 @@ class ShmTier(Tier):
         return f"shm {self.root} ({self.filesystem_type})"
 
     def close(self) -> None:
+        """Forget every slot mapping (unregistered first); then remove this run's directories that are empty
+        (``{path}/{user}/{run_id}/`` and its ``rank_*``), so a run whose slots were all deleted leaves nothing."""
         with self._lock:
             slots, self._slots = list(self._slots.items()), {}
         for key, slot in slots:
             slot.release(self.name, key)
+        try:
+            names = os.listdir(self.root)
+        except OSError:
+            return
+        for name in names:
+            with contextlib.suppress(OSError):  # not empty (another rank's, kept snapshots), or gone already
+                os.rmdir(os.path.join(self.root, name))
+        with contextlib.suppress(OSError):
+            os.rmdir(self.root)
 
 
 def _prefault(mm: mmap.mmap, tensor: torch.Tensor) -> None:
