@@ -14,12 +14,18 @@ tier::
 
 Every test applies to every tier, except those about a capability the tier says it lacks (slots need
 ``capabilities.memory``, view semantics ``capabilities.zero_copy_read``): those are skipped with the
-capability as the reason. The semantics tested are the ones :mod:`tiered_ckpt.tiers.base` documents.
+capability as the reason. The semantics tested are the ones :mod:`tiered_ckpt.tiers.base` documents, plus one
+about configuration: the tier's ``options``, written into a ``tiers.yaml`` entry, load back equal through
+:func:`~tiered_ckpt.config.load_config` (every field type is one a file can express, no field is hidden by a
+common tier key such as ``keep``).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import enum
 import os
+import pathlib
 import threading
 import time
 from typing import Any
@@ -65,6 +71,22 @@ def raw_files(root: Any) -> list[str]:
     for dirpath, _, files in os.walk(root):
         out += [os.path.relpath(os.path.join(dirpath, f), root) for f in files]
     return sorted(out)
+
+
+def yaml_value(value: Any) -> Any:
+    """``value`` (an Options field) as a YAML file would hold it: paths as strings, tuples as lists,
+    dataclasses as mappings."""
+    if isinstance(value, pathlib.PurePath):
+        return str(value)
+    if isinstance(value, enum.Enum):
+        return value.value
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return {f.name: yaml_value(getattr(value, f.name)) for f in dataclasses.fields(value) if f.init}
+    if isinstance(value, (list, tuple)):
+        return [yaml_value(v) for v in value]
+    if isinstance(value, dict):
+        return {k: yaml_value(v) for k, v in value.items()}
+    return value
 
 
 def _digest(data: Any) -> str:
@@ -503,3 +525,28 @@ class TierContract:
         self.require(tier, "memory", "holds no slots")
         with pytest.raises(ValueError):
             tier.allocate_slot("snap/0", -1)
+
+    # ----- configuration ---------------------------------------------------------------------------------------
+    def test_options_load_from_a_yaml_file(self, tier: Tier, tmp_path: Any) -> None:
+        import yaml
+
+        from ..config import _COMMON_TIER_KEYS, load_config
+        from ..plugins import Registries, get_plugin_manager
+        from ..registry import Registry
+
+        cls = type(tier)
+        options = tier.options
+        if options is None or not dataclasses.is_dataclass(options):
+            pytest.skip("the tier has no Options dataclass")
+        fields = [f.name for f in dataclasses.fields(options) if f.init]
+        hidden = sorted(set(fields) & _COMMON_TIER_KEYS)
+        assert not hidden, f"{cls.__name__}.Options fields {hidden} can never be set: a tier entry's key of that " \
+                           "name is the common tier key"
+        entry = {"name": "contract", "kind": cls.kind, **{n: yaml_value(getattr(options, n)) for n in fields}}
+        path = tmp_path / "tiers.yaml"
+        path.write_text(yaml.safe_dump({"tiers": [entry]}))
+        kinds = Registry("tier kind")
+        kinds.add(cls.kind, cls)
+        default = get_plugin_manager().registries
+        config = load_config(str(path), registries=Registries(kinds, default.layouts, default.codecs))
+        assert config.tiers[0].options == options
