@@ -260,7 +260,8 @@ class CheckpointEngine:
                     out[name] = [legacy] if legacy is not None else steps
             except (TierError, OSError) as exc:
                 log.warning("cannot list tier %r: %s", name, exc)
-                unreachable[name] = f"{type(exc).__name__}: {exc}"
+                why = str(exc).removeprefix(f"tier {name!r}: ")
+                unreachable[name] = why if isinstance(exc, TierError) else f"{type(exc).__name__}: {why}"
         return out, unreachable
 
     def available_steps(self) -> dict[str, list[int]]:
@@ -322,16 +323,14 @@ class CheckpointEngine:
         rank raises the same one)."""
         if self.coordinator.all_succeeded(not unreachable):
             raise NoCheckpointError(message)
+        advice = ("This is not \"no checkpoint\": one may be on a tier that could not be looked at. Make it "
+                  "reachable and load again (or set enabled: false on it to resume without it)")
         if unreachable:
-            seen = ", ".join(repr(t) for t in self.tiers if t not in unreachable) or "none"
             why = "; ".join(f"tier {t!r}: {r}" for t, r in unreachable.items())
-            raise TierUnavailableError(
-                f"nothing loadable found, but rank {self.coords.rank} could not list every tier ({why}); the "
-                f"tiers it could list ({seen}) hold nothing loadable: {message}. Not \"no checkpoint\": fix the "
-                "tier (or set enabled: false on it to start without it) and load again", unreachable)
-        raise TierUnavailableError(
-            f"nothing loadable found, and another rank could not list every tier (its log and "
-            f"tier_unreachable events say which): {message}", {})
+            raise TierUnavailableError(f"rank {self.coords.rank} could not list {why}. Nothing loadable on the other "
+                                       f"tiers: {message}. {advice}", unreachable)
+        raise TierUnavailableError(f"another rank could not list every tier (its log and tier_unreachable events say "
+                                   f"which). Nothing loadable on the tiers listed: {message}. {advice}", {})
 
     def _load_step(self, step: int, available: dict[str, list[int]], copy: bool, map_location: Any,
                    fallbacks: list[str], into: dict[str, Any] | None = None) -> LoadResult | None:
