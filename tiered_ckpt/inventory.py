@@ -1,34 +1,121 @@
 """What is on a tier: steps with their state (committed or partial), size and age; verification by re-hashing.
 
-Used by the ``ls``, ``inspect``, ``verify`` and ``gc`` commands; reads only, never changes a tier.
+Used by the ``ls``, ``inspect``, ``verify`` and ``gc`` commands; reads only, never changes a tier. Opening a
+tier for them must not change anything either: :func:`absent_before_open` says, before a tier is built (some
+kinds create their directory when built), whether there is anything to open at all, and :func:`absent_location`
+asks a built URL tier whether its directory or bucket exists. "Nothing there" (no such directory or bucket) and
+"could not look" (:class:`Unreadable`: unreachable, permission denied) are different answers.
 """
 
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, TextIO
 
-from .checksum import ALGORITHM, HashingStream
-from .errors import BlobNotFoundError, CorruptionError, TierError
-from .file_store import FileStore
-from .megatron.loadable import is_megatron_file
-from .memory_store import MemoryStore
+from .errors import BlobNotFoundError, ConfigError, CorruptionError, TieredCkptError, TierError
+
+if TYPE_CHECKING:
+    from .config import TierConfig
+    from .file_store import FileStore
+    from .memory_store import MemoryStore
+    from .tiers.base import Tier
+
+CONFIG_SUFFIXES = (".yaml", ".yml", ".json")
+
+
+class Unreadable(TieredCkptError):
+    """A tier that could not be looked at (unreachable, permission denied): nothing is known of its contents."""
+
+
+def absent_before_open(cfg: TierConfig, run_id: str, user: str) -> str | None:
+    """Why a ``local`` or ``shm`` tier has nothing to open (its directory does not exist), or None.
+
+    Checked before the tier is built, because building those kinds creates the directory. A path that is a file
+    is a usage error (:class:`ConfigError`); one that cannot be looked at raises :class:`Unreadable`."""
+    path = getattr(cfg.options, "path", None)
+    if cfg.kind not in ("local", "shm") or not isinstance(path, str):
+        return None
+    path = os.path.abspath(os.path.expanduser(path))
+    where = path if cfg.kind == "local" else os.path.join(path, user, run_id)
+    try:
+        os.stat(where)
+    except FileNotFoundError:
+        if cfg.kind == "local":
+            return "no such directory"
+        return f"no snapshots of run {run_id!r} ({where} does not exist)"
+    except OSError as exc:
+        raise Unreadable(f"{where}: {exc.strerror or exc}") from None
+    if not os.path.isdir(where):
+        hint = (f"; to read it as a configuration: --config {path}" if path.endswith(CONFIG_SUFFIXES) else
+                "; give the directory that holds the checkpoints (or --config tiers.yaml)")
+        raise ConfigError(f"{path} is a file, not a checkpoint directory{hint}")
+    if not os.access(where, os.R_OK | os.X_OK):
+        raise Unreadable(f"{where}: permission denied")
+    return None
+
+
+def absent_location(tier: Tier) -> str | None:
+    """For a tier on an fsspec file system: why its directory or bucket is not there, or None if it is.
+
+    Raises :class:`Unreadable` when the store could not be asked (no answer, access denied, no credentials) and
+    :class:`ConfigError` when the URL names a file."""
+    fs, root = getattr(tier, "fs", None), getattr(tier, "root", None)
+    if fs is None or not isinstance(root, str) or not hasattr(fs, "info"):
+        return None
+    url = getattr(tier.options, "url", root)
+    try:
+        info = fs.info(root)
+    except FileNotFoundError:
+        info = None
+    except Exception as exc:
+        raise Unreadable(_redacted(tier, _why(exc))) from None
+    if info is not None:
+        if info.get("type") == "file":
+            raise ConfigError(_redacted(tier, f"{url} is a file, not a checkpoint directory"))
+        return None
+    protocol = fs.protocol[0] if isinstance(fs.protocol, (tuple, list)) else fs.protocol
+    if protocol in ("s3", "s3a", "gs", "gcs", "az", "abfs"):  # is it the bucket that is missing?
+        bucket = root.split("/", 1)[0]
+        try:
+            fs.info(bucket)
+        except FileNotFoundError:
+            return f"no such bucket {bucket!r}"
+        except Exception as exc:
+            raise Unreadable(_redacted(tier, f"bucket {bucket!r}: {_why(exc)}")) from None
+        return "nothing stored under this prefix"
+    return "no such directory"
+
+
+def _why(exc: BaseException) -> str:
+    text = str(exc) or type(exc).__name__
+    return text if type(exc).__name__ in text else f"{type(exc).__name__}: {text}"
+
+
+def _redacted(tier: Tier, text: str) -> str:
+    redact = getattr(tier, "_redact", None)
+    return redact(text) if callable(redact) else text
 
 
 @dataclass
 class StepInfo:
     tier: str
-    step: int
-    state: str  # "committed", "partial" (files or rank votes but no checkpoint manifest), "snapshot" (memory)
+    step: int | None  # None: a row about a whole run whose snapshots could not be read
+    state: str  # "committed", "partial" (files or rank votes but no checkpoint manifest), "snapshot ..." (memory)
     nbytes: int
     age_s: float | None
     files: int
     ranks: list[int] = field(default_factory=list)
+    run_id: str | None = None  # memory tiers: whose snapshot it is
 
     def to_dict(self) -> dict:
-        return {"tier": self.tier, "step": self.step, "state": self.state, "bytes": self.nbytes,
-                "age_s": None if self.age_s is None else round(self.age_s, 1), "files": self.files,
-                "ranks": self.ranks}
+        out = {"tier": self.tier, "step": self.step, "state": self.state, "bytes": self.nbytes,
+               "age_s": None if self.age_s is None else round(self.age_s, 1), "files": self.files,
+               "ranks": self.ranks}
+        if self.run_id is not None:
+            out["run_id"] = self.run_id
+        return out
 
 
 def file_steps(store: FileStore) -> list[StepInfo]:
@@ -61,13 +148,15 @@ def file_steps(store: FileStore) -> list[StepInfo]:
 
 
 def memory_steps(store: MemoryStore, ranks: list[int] | None = None) -> list[StepInfo]:
+    from .memory_store import MemoryStore
+
     now = time.time()
     out = []
     for rank in ranks if ranks is not None else memory_ranks(store):
         view = MemoryStore(store.tier, rank, store.nslots)
         for _, meta in sorted(view.metas().items()):
             out.append(StepInfo(store.name, meta.step, "snapshot", meta.total_bytes, now - meta.created,
-                                len(meta.items), [rank]))
+                                len(meta.items), [rank], run_id=meta.run_id))
     return sorted(out, key=lambda s: (s.step, s.ranks))
 
 
@@ -93,9 +182,15 @@ class VerifyReport:
         return not self.problems
 
 
-def verify_step(store: FileStore, step: int, progress: bool = False) -> VerifyReport:
-    """Re-hash every file of a committed step against its manifest (a progress bar on a terminal)."""
+def verify_step(store: FileStore, step: int, progress: bool | TextIO = False) -> VerifyReport:
+    """Re-hash every file of a committed step against its manifest.
+
+    ``progress``: True for a progress bar on stderr, or a stream to draw it on. It counts the manifest's bytes
+    (its total is the step's size) and ends at 100%, files that failed included."""
     from tqdm import tqdm
+
+    from .checksum import ALGORITHM, HashingStream
+    from .megatron.loadable import is_megatron_file
 
     report = VerifyReport(store.name, step)
     try:
@@ -103,28 +198,37 @@ def verify_step(store: FileStore, step: int, progress: bool = False) -> VerifyRe
     except (CorruptionError, TierError) as exc:
         report.problems.append(str(exc))
         return report
-    bar = tqdm(manifest.files, desc=f"verify {store.name} step {step}", unit="file", disable=not progress,
-               leave=False)
-    for entry in bar:
-        try:
-            blob = store.tier.read_blob(entry.key)
-        except (TierError, OSError) as exc:
-            report.problems.append(f"{entry.key}: cannot read: {exc}")
-            continue
-        stream = HashingStream([blob])
-        for _ in stream:
-            pass
-        report.checked += 1
-        report.nbytes += stream.nbytes
-        if stream.nbytes != entry.size:
-            report.problems.append(f"{entry.key}: size {stream.nbytes}, manifest says {entry.size}")
-        elif f"{ALGORITHM}:{stream.hexdigest}" != entry.checksum:
-            report.problems.append(f"{entry.key}: checksum mismatch")
-        elif is_megatron_file(entry.key):  # intact, but would Megatron-LM load it?
-            problem = _megatron_refusal(store, entry.key)
-            if problem:
-                report.problems.append(problem)
+    stream_out: Any = None if isinstance(progress, bool) else progress
+    with tqdm(total=sum(e.size for e in manifest.files), desc=f"verify {store.name} step {step}", unit="B",
+              unit_scale=True, unit_divisor=1024, disable=not progress, file=stream_out, leave=True) as bar:
+        for entry in manifest.files:
+            try:
+                _verify_file(store, entry, report, ALGORITHM, HashingStream, is_megatron_file)
+            finally:
+                bar.update(entry.size)
     return report
+
+
+def _verify_file(store: FileStore, entry: Any, report: VerifyReport, algorithm: str, hashing: Any,
+                 is_megatron_file: Any) -> None:
+    try:
+        blob = store.tier.read_blob(entry.key)
+    except (TierError, OSError) as exc:
+        report.problems.append(f"{entry.key}: cannot read: {exc}")
+        return
+    stream = hashing([blob])
+    for _ in stream:
+        pass
+    report.checked += 1
+    report.nbytes += stream.nbytes
+    if stream.nbytes != entry.size:
+        report.problems.append(f"{entry.key}: size {stream.nbytes}, manifest says {entry.size}")
+    elif f"{algorithm}:{stream.hexdigest}" != entry.checksum:
+        report.problems.append(f"{entry.key}: checksum mismatch")
+    elif is_megatron_file(entry.key):  # intact, but would Megatron-LM load it?
+        problem = _megatron_refusal(store, entry.key)
+        if problem:
+            report.problems.append(problem)
 
 
 def _megatron_refusal(store: FileStore, key: str) -> str | None:

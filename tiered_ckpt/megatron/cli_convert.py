@@ -2,7 +2,11 @@
 
 Exit codes are the CLI's (``tiered_ckpt.cli``): 0 converted; 1 the source failed verification or cannot be
 converted (corrupt file, layout mismatch, unsafe pickle); 2 bad usage (unknown layout, bad DP, destination not
-empty); 3 no checkpoint at the source (no tracker and no step, missing step directory).
+empty); 3 no checkpoint at the source (no such directory, no tracker and no step, missing step directory); 4 a
+tier could not be read or written (unreachable, permission denied). With ``--json`` a failure is
+``{"error": ..., "exit_code": N}`` on stdout.
+
+``--storage-option KEY=VALUE`` and ``--endpoint-url`` apply to SRC and DST when they are URLs.
 """
 
 from __future__ import annotations
@@ -12,11 +16,29 @@ import json
 from typing import Any
 
 
+def _target(text: str, name: str, options: dict[str, Any]) -> Any:
+    """``text`` itself, or for a URL with storage options from the command line, a tier built with them."""
+    from ..cli import _is_url
+
+    if not options or not _is_url(text):
+        return text
+    from ..config import load_config
+    from ..plugins import get_plugin_manager
+    from ..tiers.base import TierContext
+
+    pm = get_plugin_manager()
+    cfg = load_config({"tiers": [{"name": name, "kind": "fsspec", "url": text, "options": options}]},
+                      registries=pm.registries).tiers[0]
+    return pm.registries.tiers.get(cfg.kind)(name, cfg.options, TierContext())
+
+
 def cmd_convert(args: argparse.Namespace) -> int:
+    from ..cli import storage_options
     from .convert import convert
 
-    report = convert(args.src, args.dst, to=args.to, dp=args.dp, step=args.step, progress=not args.json,
-                     trust_pickles=args.trust_pickles)
+    options = storage_options(args.storage_option, args.endpoint_url)
+    report = convert(_target(args.src, "source", options), _target(args.dst, "destination", options), to=args.to,
+                     dp=args.dp, step=args.step, progress=not args.json, trust_pickles=args.trust_pickles)
     if args.json:
         print(json.dumps(report.to_dict(), indent=1, default=str))
         return 0
@@ -34,6 +56,8 @@ def cmd_convert(args: argparse.Namespace) -> int:
 
 def add_convert_command(sub: Any, add: Any) -> argparse.ArgumentParser:
     """Register ``convert`` with the CLI's ``add(name, func, help, target=False)`` helper."""
+    from ..cli import add_storage_flags
+
     p = add("convert", cmd_convert, "convert a Megatron checkpoint between the megatron and rank_sharded layouts, "
                                     "or re-split it for another DP size", target=False)
     p.add_argument("src", help="the source: a directory or fsspec URL holding Megatron's tracker and iter_* dirs")
@@ -44,4 +68,5 @@ def add_convert_command(sub: Any, add: Any) -> argparse.ArgumentParser:
     p.add_argument("--step", type=int, help="the iteration to convert (default: the source's tracker)")
     p.add_argument("--trust-pickles", action="store_true",
                    help="allow pickled classes outside Megatron's allow-list in the source (trusted files only)")
+    add_storage_flags(p)
     return p

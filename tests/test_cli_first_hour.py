@@ -1,0 +1,330 @@
+"""The command line as a new user meets it: read-only commands that create nothing, exit codes as README says,
+JSON errors, a quiet SIGPIPE and Ctrl-C, a fast --help, truthful snapshot states, storage options for URLs."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import textwrap
+import uuid
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import make_items
+
+from tiered_ckpt import CheckpointEngine
+from tiered_ckpt.cli import (
+    EXIT_BROKEN_PIPE,
+    EXIT_INTERRUPTED,
+    EXIT_NOT_FOUND,
+    EXIT_OK,
+    EXIT_UNREADABLE,
+    EXIT_USAGE,
+    build_parser,
+    main,
+    storage_options,
+)
+from tiered_ckpt.housekeeping import lock_path
+
+ROOT = Path(__file__).resolve().parents[1]
+_SCRIPT = Path(sys.executable).parent / "tiered-ckpt"  # the installed console script, as a user runs it
+CLI = [str(_SCRIPT)] if _SCRIPT.exists() else [sys.executable, "-m", "tiered_ckpt.cli"]
+
+
+def run(capsys, *argv: str) -> tuple[int, str, str]:
+    code = main(list(argv))
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+def saved(root: Path, shm: str, steps=(1, 2), run_id: str | None = None) -> dict:
+    """A run with committed ``steps`` on a local tier (and their snapshots in shm); the engine closed cleanly."""
+    cfg = {"run_id": run_id or f"c{uuid.uuid4().hex[:8]}", "drain": {"mode": "thread"},
+           "tiers": [{"name": "shm", "kind": "shm", "path": shm}, {"name": "disk", "kind": "local", "path": str(root)}]}
+    with CheckpointEngine(cfg) as engine:
+        for step in steps:
+            engine.save(step, make_items(step)).wait(timeout=60)
+    return cfg
+
+
+# ----- 1. read-only commands ------------------------------------------------------------------------------
+@pytest.mark.parametrize("command", [["ls"], ["inspect"], ["verify"], ["verify", "--all"], ["gc"]])
+def test_read_only_commands_on_a_missing_directory_create_nothing_and_exit_3(command, tmp_path, capsys):
+    missing = tmp_path / "no" / "such" / "dir"
+    code, out, err = run(capsys, *command, str(missing))
+    assert code == EXIT_NOT_FOUND
+    assert err.strip() == f"tiered-ckpt {command[0]}: {missing}: no such directory"
+    assert not (tmp_path / "no").exists()
+
+
+def test_ls_of_a_configuration_whose_directories_do_not_exist_creates_nothing(tmp_path, capsys):
+    run_id = f"fresh{uuid.uuid4().hex[:8]}"
+    cfg = tmp_path / "tiers.yaml"
+    cfg.write_text(json.dumps({"run_id": run_id, "tiers": [
+        {"name": "host", "kind": "shm", "path": str(tmp_path / "shm")},
+        {"name": "disk", "kind": "local", "path": str(tmp_path / "ckpt")}]}))
+    code, out, err = run(capsys, "ls", "--config", str(cfg))
+    assert code == EXIT_NOT_FOUND
+    assert "no checkpoints on any tier (tier 'disk': no such directory)" in err
+    assert sorted(os.listdir(tmp_path)) == ["tiers.yaml"]
+    assert not os.path.exists(lock_path(run_id))  # liveness is read from lock files, never by creating them
+    code, out, err = run(capsys, "gc", "--config", str(cfg), "--stale")
+    assert code == EXIT_OK and "nothing to remove" in out
+    assert sorted(os.listdir(tmp_path)) == ["tiers.yaml"] and not os.path.exists(lock_path(run_id))
+
+
+def test_an_empty_directory_is_nothing_found_not_success(tmp_path, capsys):
+    code, out, err = run(capsys, "ls", str(tmp_path))
+    assert code == EXIT_NOT_FOUND and err.strip() == f"tiered-ckpt ls: no checkpoints in {tmp_path}"
+    code, out, err = run(capsys, "inspect", str(tmp_path))
+    assert code == EXIT_NOT_FOUND and err.strip() == f"tiered-ckpt inspect: {tmp_path} holds no committed checkpoint"
+    assert os.listdir(tmp_path) == []
+
+
+def test_a_file_given_as_the_directory_is_a_usage_error_that_says_so(tmp_path, capsys):
+    db = tmp_path / "some.db"
+    db.write_bytes(b"x")
+    code, out, err = run(capsys, "ls", str(db))
+    assert code == EXIT_USAGE
+    assert f"{db} is a file, not a checkpoint directory; give the directory that holds the checkpoints" in err
+    yaml_file = tmp_path / "tiers.yaml"
+    yaml_file.write_text("tiers: []\n")
+    code, out, err = run(capsys, "ls", str(yaml_file))
+    assert code == EXIT_USAGE and f"to read it as a configuration: --config {yaml_file}" in err
+    assert "cannot create" not in err
+
+
+def test_a_bucket_that_does_not_exist_or_cannot_be_reached_is_not_no_checkpoints(s3_server, s3_bucket, capsys,
+                                                                                  monkeypatch):
+    for name in ("AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"):
+        monkeypatch.delenv(name, raising=False)
+    creds = ["-o", f"key={s3_server.access_key}", "-o", f"secret={s3_server.secret_key}",
+             "-o", f"client_kwargs.region_name={s3_server.region}"]
+    bucket = f"no-such-bucket-{uuid.uuid4().hex[:8]}"
+    code, out, err = run(capsys, "ls", f"s3://{bucket}/x", "--endpoint-url", s3_server.endpoint, *creds)
+    assert code == EXIT_NOT_FOUND and err.strip() == f"tiered-ckpt ls: s3://{bucket}/x: no such bucket {bucket!r}"
+    assert bucket not in {b["Name"] for b in s3_server.client().list_buckets()["Buckets"]}
+    code, out, err = run(capsys, "ls", f"s3://{s3_bucket}/x", "--endpoint-url", s3_server.endpoint, *creds)
+    assert code == EXIT_NOT_FOUND and "nothing stored under this prefix" in err
+    # Nobody answers there: "could not look", with the tier and the reason; never "no checkpoints".
+    code, out, err = run(capsys, "ls", f"s3://{s3_bucket}/x", "--endpoint-url", "http://127.0.0.1:9", *creds,
+                         "--json")
+    doc = json.loads(out)
+    assert code == doc["exit_code"] == EXIT_UNREADABLE
+    assert doc["error"].startswith(f"could not read s3://{s3_bucket}/x: ") and "127.0.0.1:9" in doc["error"]
+    assert s3_server.secret_key not in out
+
+
+# ----- 2. --json errors -----------------------------------------------------------------------------------
+def test_json_errors_are_json_on_stdout_with_the_exit_code(tmp_path, capsys):
+    missing = str(tmp_path / "missing")
+    cases = [
+        (["ls", missing], EXIT_NOT_FOUND, f"{missing}: no such directory"),
+        (["inspect", str(tmp_path)], EXIT_NOT_FOUND, f"{tmp_path} holds no committed checkpoint"),
+        (["verify", missing], EXIT_NOT_FOUND, f"{missing}: no such directory"),
+        (["gc", missing], EXIT_NOT_FOUND, f"{missing}: no such directory"),
+        (["ls"], EXIT_USAGE, "configuration error: give a checkpoint directory or URL, or --config tiers.yaml"),
+        (["convert", missing, str(tmp_path / "dst"), "--to", "megatron"], EXIT_NOT_FOUND,
+         f"{missing}: no such directory"),
+        (["ls", "--no-such-flag"], EXIT_USAGE, "tiered-ckpt: unrecognized arguments: --no-such-flag"),
+        (["verify", "--step", "x"], EXIT_USAGE, "tiered-ckpt verify: argument --step: invalid int value: 'x'"),
+    ]
+    for argv, code, message in cases:
+        if argv[-1] in ("--no-such-flag", "x"):
+            with pytest.raises(SystemExit) as info:
+                main([*argv, "--json"])
+            got, out, err = info.value.code, *capsys.readouterr()
+        else:
+            got, out, err = run(capsys, *argv, "--json")
+        assert got == code, argv
+        assert json.loads(out) == {"error": message, "exit_code": code}, argv
+        assert err == "", argv
+    assert not os.path.exists(missing) and not (tmp_path / "dst").exists()
+
+
+# ----- 3. SIGPIPE -----------------------------------------------------------------------------------------
+def test_a_reader_that_goes_away_gets_no_traceback(tmp_path, shm_root):
+    root = tmp_path / "ckpt"
+    saved(root, shm_root)
+    read_end, write_end = os.pipe()
+    os.close(read_end)  # the reader is gone before anything is written: every write meets EPIPE
+    try:
+        proc = subprocess.run([*CLI, "inspect", str(root)], stdout=write_end, stderr=subprocess.PIPE, timeout=120,
+                              cwd=ROOT)
+    finally:
+        os.close(write_end)
+    assert proc.stderr.decode() == ""
+    assert proc.returncode == EXIT_BROKEN_PIPE
+    # The everyday form: `| head -1` (the rest of the table goes nowhere).
+    shell = subprocess.run(["bash", "-c", f"{' '.join(CLI)} inspect {root} | head -1"], capture_output=True,
+                           timeout=120, cwd=ROOT)
+    assert shell.stdout.decode().startswith("tier 'target'") and shell.stderr.decode() == ""
+
+
+# ----- 4. --help -----------------------------------------------------------------------------------------
+def test_help_and_argument_errors_do_not_import_torch():
+    script = textwrap.dedent("""
+        import sys
+        from tiered_ckpt.cli import main
+        for argv in (["--help"], ["ls", "--help"], ["convert", "--help"], ["verify", "--no-such-flag"]):
+            try:
+                main(argv)
+            except SystemExit:
+                pass
+        heavy = sorted(m for m in ("torch", "numpy", "tiered_ckpt.engine", "tiered_ckpt.pipeline") if m in sys.modules)
+        print("HEAVY", heavy, file=sys.stderr)
+    """)
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr
+    assert "HEAVY []" in proc.stderr
+
+
+def test_help_texts_show_no_rst_markup(capsys):
+    parser = build_parser()
+    commands = parser._subparsers._group_actions[0].choices
+    texts = [parser.format_help()] + [p.format_help() for p in commands.values()]
+    for text in texts:
+        assert "``" not in text and ":class:" not in text and ":func:" not in text
+    assert "exit status: 0 success" in texts[0]
+
+
+# ----- 5. gc --stale with a configuration; snapshot states in ls ------------------------------------------
+def test_gc_stale_with_a_configuration_looks_in_its_shm_path(tmp_path, shm_root, capsys):
+    dead = f"dead{uuid.uuid4().hex[:6]}"
+    with CheckpointEngine({"run_id": dead, "drain": {"mode": "thread"},
+                           "tiers": [{"name": "shm", "kind": "shm", "path": shm_root}]}) as engine:
+        engine.save(4, {"state": {"w": torch.ones(100)}}).wait(timeout=60)
+    cfg = tmp_path / "tiers.yaml"
+    cfg.write_text(json.dumps({"run_id": "other", "tiers": [{"name": "host", "kind": "shm", "path": shm_root}]}))
+    code, out, _ = run(capsys, "gc", "--config", str(cfg), "--stale", "--json")
+    runs = {f["run_id"]: f for f in json.loads(out)["found"]}
+    assert code == EXIT_OK and dead in runs and runs[dead]["steps"] == [4]
+    code, out, _ = run(capsys, "gc", "--config", str(cfg), "--stale")
+    assert f"would remove  shared memory of run {dead!r} (closed, steps 4)" in out
+
+
+def _crashed_run(shm: str, run_id: str, step: int) -> None:
+    """A process that put ``step`` into shared memory and died without close() (os._exit: no clean-up)."""
+    script = textwrap.dedent(f"""
+        import os, torch
+        from tiered_ckpt import CheckpointEngine
+        engine = CheckpointEngine({{"run_id": {run_id!r}, "drain": {{"mode": "thread"}},
+                                   "tiers": [{{"name": "shm", "kind": "shm", "path": {shm!r}}}]}})
+        engine.save({step}, {{"state": {{"w": torch.ones(10)}}}}).wait(timeout=60)
+        os._exit(0)
+    """)
+    subprocess.run([sys.executable, "-c", script], check=True, timeout=120, cwd=ROOT)
+
+
+def test_ls_tells_live_closed_and_stale_snapshots_apart_and_prints_no_step_minus_one(tmp_path, shm_root, capsys):
+    root = tmp_path / "ckpt"
+    cfg = saved(root, shm_root)  # closed cleanly: whatever is left in memory is on disk too
+    path = tmp_path / "tiers.json"
+    path.write_text(json.dumps(cfg))
+    code, out, _ = run(capsys, "ls", "--config", str(path), "--json")
+    rows = json.loads(out)
+    mine = [r for r in rows if r["tier"] == "shm" and r.get("run_id") == cfg["run_id"]]
+    assert code == EXIT_OK
+    assert all(r["state"] == "snapshot (closed; on every file tier)" for r in mine)
+    assert all(r["step"] is None or r["step"] >= 0 for r in rows)
+    # The same run_id dies after a save that never reached the disk: that snapshot is stale.
+    _crashed_run(shm_root, cfg["run_id"], 7)
+    other = f"other{uuid.uuid4().hex[:6]}"
+    _crashed_run(shm_root, other, 5)
+    code, out, _ = run(capsys, "ls", "--config", str(path), "--json")
+    rows = json.loads(out)
+    states = {(r["run_id"], r["step"]): r["state"] for r in rows if r["tier"] == "shm"}
+    assert states[(cfg["run_id"], 7)] == ("snapshot (stale: its process ended without close(); not on 'disk': the "
+                                         f"next engine of run {cfg['run_id']!r} drains it)")
+    assert states[(other, 5)] == f"run {other!r}: stale: its process ended without close(); gc --stale removes it"
+    with CheckpointEngine(cfg) as engine:  # a live engine (it drains step 7 as it starts)
+        engine.wait(timeout=60)
+        code, out, _ = run(capsys, "ls", "--config", str(path))
+        assert "snapshot (live engine)" in out
+        assert " -1 " not in out
+    code, out, _ = run(capsys, "ls", "--config", str(path), "--json")
+    states = {(r.get("run_id"), r["step"]): r["state"] for r in json.loads(out)}
+    assert states[(None, 7)] == "committed"
+    assert "stale" not in states.get((cfg["run_id"], 7), "")
+
+
+# ----- 6. storage options ---------------------------------------------------------------------------------
+def test_storage_option_values():
+    assert storage_options(["anon=true", "block=8", "client_kwargs.region_name=eu-west-1", 'token="123"',
+                            "profile=dev", "empty="], "http://localhost:9000") == {
+        "anon": True, "block": 8, "client_kwargs": {"region_name": "eu-west-1"}, "token": "123", "profile": "dev",
+        "empty": "", "endpoint_url": "http://localhost:9000"}
+    with pytest.raises(ValueError, match="expected KEY=VALUE"):
+        storage_options(["anon"], None)
+
+
+def test_storage_options_and_endpoint_reach_the_url_tier(s3_server, s3_bucket, shm_root, tmp_path, capsys,
+                                                         monkeypatch):
+    url = f"s3://{s3_bucket}/run"
+    cfg = {"run_id": f"s{uuid.uuid4().hex[:8]}", "drain": {"mode": "thread"},
+           "tiers": [{"name": "shm", "kind": "shm", "path": shm_root},
+                     {"name": "s3", "kind": "fsspec", "url": url, "options": s3_server.storage_options()}]}
+    with CheckpointEngine(cfg) as engine:
+        engine.save(3, make_items(3)).wait(timeout=120)
+    for name in ("AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"):
+        monkeypatch.delenv(name, raising=False)
+    flags = ["--endpoint-url", s3_server.endpoint, "--storage-option", f"key={s3_server.access_key}",
+             "--storage-option", f"secret={s3_server.secret_key}",
+             "--storage-option", f"client_kwargs.region_name={s3_server.region}"]
+    code, out, _ = run(capsys, "ls", url, *flags, "--json")
+    assert code == EXIT_OK and [(r["step"], r["state"]) for r in json.loads(out)] == [(3, "committed")]
+    code, out, _ = run(capsys, "verify", url, *flags, "--json")
+    assert code == EXIT_OK and [r["ok"] for r in json.loads(out)] == [True]
+    code, out, _ = run(capsys, "inspect", url, *flags)
+    assert code == EXIT_OK and f"fsspec {url} at {s3_server.endpoint}" in out
+    # With a configuration: the flags are added to its fsspec tiers' own options.
+    bare = {**cfg, "tiers": [{"name": "s3", "kind": "fsspec", "url": url}]}
+    path = tmp_path / "tiers.yaml"
+    path.write_text(json.dumps(bare))
+    code, out, _ = run(capsys, "ls", "--config", str(path), *flags, "--json")
+    assert code == EXIT_OK and [r["step"] for r in json.loads(out)] == [3]
+    code, out, err = run(capsys, "ls", str(tmp_path), "--endpoint-url", s3_server.endpoint)
+    assert code == EXIT_USAGE and "are for URLs" in err
+
+
+# ----- 7. progress and Ctrl-C -----------------------------------------------------------------------------
+def test_verify_progress_bar_has_a_total_and_ends_at_100_percent(tmp_path, shm_root):
+    from tiered_ckpt.cli import _config_for_target
+    from tiered_ckpt.inventory import verify_step
+    from tiered_ckpt.parallel import RankCoords
+    from tiered_ckpt.pipeline import build_stores
+    from tiered_ckpt.plugins import get_plugin_manager
+
+    root = tmp_path / "ckpt"
+    saved(root, shm_root, steps=(1,))
+    config = _config_for_target(str(root), "rank_sharded")
+    store = build_stores(config, get_plugin_manager(), RankCoords(rank=0), 0, ["target"], lambda e: None)["target"]
+    total = sum(f.size for f in store.read_manifest(1).files)
+    bar = io.StringIO()
+    report = verify_step(store, 1, progress=bar)
+    last = bar.getvalue().replace("\r", "\n").strip().splitlines()[-1]
+    done = re.search(r"(\S+)/(\S+) \[", last)
+    assert report.ok and total > 0
+    assert "100%" in last and done and done.group(1) == done.group(2), last
+
+
+def test_ctrl_c_prints_one_line_and_exits_130(tmp_path):
+    fifo = tmp_path / "tiers.yaml"
+    os.mkfifo(fifo)
+    proc = subprocess.Popen([*CLI, "ls", "--config", str(fifo)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            cwd=ROOT)
+    try:
+        with open(fifo, "w"):  # returns once the command opened the file to read it: it is inside the command
+            proc.send_signal(signal.SIGINT)
+            _, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == EXIT_INTERRUPTED
+    assert err.decode().splitlines() == ["tiered-ckpt ls: interrupted"]
