@@ -124,21 +124,39 @@ def _param_maps(opt: Any, geo: OptimizerGeometry) -> list[list[Mapping[Any, Any]
     return out
 
 
-def local_shards(opt: Any, geo: OptimizerGeometry) -> dict[str, torch.Tensor]:
+# Per DistributedOptimizer: the local-shard tensors of its last save, reused while its geometry is unchanged, so a
+# warm save copies into memory that is already faulted in (a fresh 3 x N/DP fp32 per save costs page faults).
+_shard_buffers: weakref.WeakKeyDictionary[Any, tuple[Any, dict[str, torch.Tensor]]] = weakref.WeakKeyDictionary()
+
+
+def local_shards(opt: Any, geo: OptimizerGeometry, *, reuse: bool = False,
+                 fill: bool = True) -> dict[str, torch.Tensor]:
     """This rank's contiguous local shards of one DistributedOptimizer (spec 2.2 step 1): fp32 zeros of
-    ``N_b / DP`` per bucket and state key, each param's main param and moments copied in at ``gbuf_local``."""
-    out: dict[str, torch.Tensor] = {}
+    ``N_b / DP`` per bucket and state key, each param's main param and moments copied in at ``gbuf_local``.
+
+    ``reuse``: the same tensors as the previous call for ``opt`` (each call overwrites them: the engine copies
+    them into its slot before ``save`` returns). ``fill=False``: zeros only, for sizing slots before the
+    optimizer has state (before its first step); with ``reuse``, the first save then fills those tensors."""
+    sig = [(b.dtype_key, [k.numel for k in b.buckets]) for b in geo.buffers], geo.state_keys
+    cached = _shard_buffers.get(opt) if reuse else None
+    out: dict[str, torch.Tensor] = cached[1] if cached is not None and cached[0] == sig else {}
+    fresh = not out
     for g, buckets in enumerate(_param_maps(opt, geo)):
         buf = geo.buffers[g]
         for b, param_map in enumerate(buckets):
-            local = {k: torch.zeros(buf.shard_numel(b), dtype=torch.float32) for k in geo.state_keys}
+            if fresh:
+                for k in geo.state_keys:
+                    out[shard_key(g, b, k)] = torch.zeros(buf.shard_numel(b), dtype=torch.float32)
+            if not fill:
+                continue
+            local = {k: out[shard_key(g, b, k)] for k in geo.state_keys}
             for model_param, ranges in param_map.items():
                 tensors = opt._get_main_param_and_optimizer_states(model_param)
                 start, end = ranges["gbuf_local"].start, ranges["gbuf_local"].end
                 for k in geo.state_keys:
                     local[k][start:end].copy_(tensors[k].detach().reshape(-1))
-            for k in geo.state_keys:
-                out[shard_key(g, b, k)] = local[k]
+    if reuse and fresh:
+        _shard_buffers[opt] = (sig, out)
     return out
 
 
@@ -156,13 +174,16 @@ def apply_local_shards(opt: Any, geo: OptimizerGeometry, shards: Mapping[str, An
 # building the items
 
 
-def rank_shard_item(optimizer: Any, topology: MegatronTopology, rank: int) -> dict[str, Any] | None:
-    """The ``distrib_optim`` item of this rank (None when the optimizer is not distributed)."""
+def rank_shard_item(optimizer: Any, topology: MegatronTopology, rank: int, *, reuse: bool = False,
+                    fill: bool = True) -> dict[str, Any] | None:
+    """The ``distrib_optim`` item of this rank (None when the optimizer is not distributed); ``reuse`` and
+    ``fill`` as in :func:`local_shards`."""
     subs = []
     for opt in distributed_optimizers(optimizer):
         kind, group = dp_layout(opt, topology, rank)
         geo = live_geometry(opt, len(group))
-        subs.append(rank_shard.SubOptimizerShard(geo, group.index(rank), tuple(group), local_shards(opt, geo), kind))
+        shards = local_shards(opt, geo, reuse=reuse, fill=fill)
+        subs.append(rank_shard.SubOptimizerShard(geo, group.index(rank), tuple(group), shards, kind))
     return rank_shard.build(rank=rank, topology=topology, optimizers=subs) if subs else None
 
 
@@ -298,7 +319,8 @@ def _prepare_now(engine: Any, build_items: Any) -> None:
     try:
         engine.prepare(build_items())
     except Exception as exc:  # the save then allocates as usual: slower, never wrong
-        log.warning("could not prepare the memory slots in advance: %s: %s", type(exc).__name__, exc)
+        log.warning("could not prepare the memory slots in advance: %s: %s", type(exc).__name__, exc,
+                    exc_info=True)
 
 
 def _prepare_in_background(engine: Any, build_items: Any) -> None:
@@ -314,7 +336,8 @@ def _prepare_in_background(engine: Any, build_items: Any) -> None:
             engine.prepare(build_items())
         except Exception as exc:  # the save then allocates as usual: slower, never wrong
             if not getattr(engine, "_closed", False):
-                log.warning("could not prepare the memory slots in advance: %s: %s", type(exc).__name__, exc)
+                log.warning("could not prepare the memory slots in advance: %s: %s", type(exc).__name__, exc,
+                    exc_info=True)
 
     thread = threading.Thread(target=work, name="tiered-ckpt-prepare", daemon=True)
     _prepared[engine] = thread
@@ -328,15 +351,18 @@ def _join_prepare(engine: Any) -> None:
 
 
 def _items(iteration: int, chunks: list[Any], optimizer: Any, opt_param_scheduler: Any, flops: float, args: Any,
-           rng_tracker: Any, engine: Any, model_on_every_rank: bool) -> dict[str, Any]:
+           rng_tracker: Any, engine: Any, model_on_every_rank: bool, *, template: bool = False) -> dict[str, Any]:
+    """What ``save_checkpoint`` snapshots on this rank; ``template``: shaped like it, for sizing the slots (the
+    optimizer shards as zeros: before the first step Megatron's optimizer has no moments to read)."""
     coords = engine.coords
     topology = rank_shard.as_topology(coords.layout)
     items: dict[str, Any] = {}
     if model_on_every_rank or (coords.dp == 0 and coords.cp == 0):
-        items[MODEL_ITEM] = model_optim_rng_item(iteration, chunks, optimizer, opt_param_scheduler, flops, args,
-                                                 rng_tracker)
+        # (a template leaves out optimizer.state_dict(): small, and Megatron's asserts before the first step)
+        items[MODEL_ITEM] = model_optim_rng_item(iteration, chunks, None if template else optimizer,
+                                                 opt_param_scheduler, flops, args, rng_tracker)
     if not getattr(args, "no_save_optim", False):
-        shard = rank_shard_item(optimizer, topology, coords.rank)
+        shard = rank_shard_item(optimizer, topology, coords.rank, reuse=True, fill=not template)
         if shard is not None:
             items[OPTIM_ITEM] = shard
     return items
@@ -465,7 +491,7 @@ def load_checkpoint(ddp_model: Any, optimizer: Any, opt_param_scheduler: Any, lo
             raise
         log.warning("no checkpoint on any tier: starting from iteration 0 (Megatron's behaviour)")
         _prepare_now(engine, lambda: _items(0, chunks, optimizer, opt_param_scheduler, 0, args, rng_tracker, engine,
-                                            False))
+                                            False, template=True))
         return 0, 0
     state, source = model_item.resolve(engine, loaded)
     log.info("rank %d: step %d from tier %r (model_optim_rng from %s)", engine.coords.rank, loaded.step,
@@ -473,7 +499,7 @@ def load_checkpoint(ddp_model: Any, optimizer: Any, opt_param_scheduler: Any, lo
     result = _apply(state, loaded.items, chunks, optimizer, opt_param_scheduler, strict, skip_load_to_model_and_opt,
                     args, rng_tracker, engine.coords, where=f"step {loaded.step}")
     _prepare_now(engine, lambda: _items(result[0], chunks, optimizer, opt_param_scheduler, result[1], args,
-                                        rng_tracker, engine, False))
+                                        rng_tracker, engine, False, template=True))
     return result
 
 
