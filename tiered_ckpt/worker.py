@@ -31,15 +31,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-# Test hook: the worker does not report ready until this file exists (a slow start-up, made deterministic).
-START_GATE_ENV = "TIERED_CKPT_WORKER_START_GATE"
-
-
-def _wait_for_gate() -> None:
-    gate = os.environ.get(START_GATE_ENV)
-    while gate and not os.path.exists(gate):
-        time.sleep(0.05)
-
 
 def worker_main(config: Config, coords: RankCoords, order: list[str], local_rank: int, node_ranks: list[int],
                 requests: Any, results: Any, parent_pid: int) -> None:
@@ -53,7 +44,6 @@ def worker_main(config: Config, coords: RankCoords, order: list[str], local_rank
         results.put(("event", event))
 
     try:
-        _wait_for_gate()
         pm = PluginManager()
         stores = build_stores(config, pm, coords, local_rank, order, emit)
         runtime = DrainRuntime(

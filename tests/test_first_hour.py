@@ -1,0 +1,377 @@
+"""A user's first hour (issue 17, part B): a resume never starts over by mistake, the quick start never stalls and
+leaves nothing behind, configuration and API mistakes point at the fix, plugin options may be paths."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+import pytest
+import torch
+from helpers import assert_same
+
+from tiered_ckpt import CheckpointEngine, NoCheckpointError, SaveError, TierUnavailableError, state
+from tiered_ckpt.config import load_config
+from tiered_ckpt.errors import ConfigError, EncodeError, LoadIntoError, PluginError
+from tiered_ckpt.handles import SavesFailedError
+from tiered_ckpt.locking import lock_dir
+from tiered_ckpt.testing.contract import TierContract
+from tiered_ckpt.tiers.base import _user_name
+from tiered_ckpt.tiers.local import LocalTier
+from tiered_ckpt.validate import build_dataclass
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def run_id() -> str:
+    return f"fh{uuid.uuid4().hex[:8]}"
+
+
+@pytest.fixture
+def own_lock_dir(tmp_path, monkeypatch):
+    """Lock files of this test's engines in a directory of its own (to look at what close() leaves)."""
+    monkeypatch.setenv("TIERED_CKPT_LOCK_DIR", str(tmp_path / "locks"))
+    return tmp_path / "locks"
+
+
+def unreachable_s3(name: str = "s3") -> dict:
+    """An S3 tier whose endpoint refuses connections: listing it fails at once, as with a store that is down."""
+    pytest.importorskip("s3fs")
+    return {"name": name, "kind": "fsspec", "url": f"s3://bucket/{uuid.uuid4().hex[:8]}", "timeout_s": 2,
+            "request_attempts": 1, "retry": {"attempts": 1},
+            "options": {"endpoint_url": "http://127.0.0.1:9", "key": "k", "secret": "s"}}
+
+
+# ----- 1. "nothing there" is not "could not look" ---------------------------------------------------------------
+def test_an_unreachable_tier_is_named_and_the_newest_reachable_step_loads(tmp_path, recorder):
+    cfg = {"run_id": run_id(), "drain": {"mode": "thread"},
+           "tiers": [{"name": "disk", "kind": "local", "path": str(tmp_path / "disk")}, unreachable_s3()]}
+    with CheckpointEngine(cfg) as engine:
+        with pytest.raises(SaveError):
+            engine.save(1, {"model": {"w": torch.arange(4.0)}}).wait(timeout=60)
+        assert engine.available_steps() == {"disk": [1]}  # s3 could not be listed: no key, not []
+        assert engine.tiers == ["disk", "s3"]
+        assert "Could not connect" in engine.unreachable_tiers()["s3"]
+        loaded = engine.load()
+        assert (loaded.step, loaded.tier) == (1, "disk")
+        assert list(loaded.unreachable) == ["s3"] and "Could not connect" in loaded.unreachable["s3"]
+        assert [e.tier for e in recorder.kinds("tier_unreachable")] == ["s3"]
+
+
+def test_nothing_loadable_with_an_unreachable_tier_is_not_no_checkpoint(tmp_path):
+    cfg = {"run_id": run_id(), "drain": {"mode": "thread"},
+           "tiers": [{"name": "disk", "kind": "local", "path": str(tmp_path / "disk")}, unreachable_s3("remote")]}
+    with CheckpointEngine(cfg) as engine:
+        with pytest.raises(TierUnavailableError) as info:
+            engine.load()
+    assert not isinstance(info.value, NoCheckpointError)
+    assert list(info.value.unreachable) == ["remote"]
+    message = str(info.value)
+    assert "could not list tier 'remote'" in message and "Could not connect" in message
+    assert 'not "no checkpoint"' in message
+    print(message)
+
+
+def test_nothing_saved_anywhere_is_still_no_checkpoint(tmp_path):
+    cfg = {"run_id": run_id(), "drain": {"mode": "thread"},
+           "tiers": [{"name": "disk", "kind": "local", "path": str(tmp_path / "disk")}]}
+    with CheckpointEngine(cfg) as engine, pytest.raises(NoCheckpointError):
+        engine.load()
+
+
+def test_the_staging_tier_is_never_listed_or_loaded_from(tmp_path):
+    cfg = {"run_id": run_id(), "tiers": [{"name": "disk", "kind": "local", "path": str(tmp_path / "disk")}]}
+    with CheckpointEngine(cfg) as engine:
+        engine.save(3, {"model": {"w": torch.ones(3)}}).wait(timeout=60)
+        assert engine.available_steps() == {"disk": [3]}
+        loaded = engine.load()
+        assert (loaded.step, loaded.tier) == (3, "disk") and not loaded.unreachable
+        assert engine.pipeline.order == ["_staging", "disk"] and engine.tiers == ["disk"]
+
+
+# ----- 2. the quick start: no stall, safe twice, nothing left behind ---------------------------------------------
+def test_the_first_saves_never_wait_for_the_drain_worker_to_start(shm_root, tmp_path, monkeypatch, recorder):
+    """The worker process is held at its start-up (its interpreter waits for a gate file, as one importing torch
+    from a slow filesystem would) while three saves go through two slots: they drain in threads here, and no save
+    waits for a slot; once the worker is up, it takes the next ones."""
+    gate, site = tmp_path / "gate", tmp_path / "slow-start"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(
+        "import os, sys, time\n"
+        "if '--multiprocessing-fork' in sys.argv:  # a spawned child: the drain worker\n"
+        f"    while not os.path.exists({str(gate)!r}):\n"
+        "        time.sleep(0.05)\n")
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(site), os.environ.get("PYTHONPATH")])))
+    cfg = {"run_id": run_id(), "drain": {"mode": "process"},
+           "tiers": [{"name": "host", "kind": "shm", "path": shm_root, "slots": 2},
+                     {"name": "disk", "kind": "local", "path": str(tmp_path / "disk")}]}
+    with CheckpointEngine(cfg) as engine:
+        try:
+            first = engine.save(1, {"model": {"w": torch.full((256,), 1.0)}})
+            engine.save(2, {"model": {"w": torch.full((256,), 2.0)}})
+            first.wait(timeout=30)  # drained although the worker is not up
+            engine.save(3, {"model": {"w": torch.full((256,), 3.0)}}).wait(timeout=30)
+            assert not recorder.kinds("slot_wait")
+            assert engine._drain.drained_here == 3 and not engine._drain._ready.is_set()
+        finally:
+            gate.touch()
+        assert engine._drain._ready.wait(120), "the worker never came up"
+        engine.save(4, {"model": {"w": torch.full((256,), 4.0)}}).wait(timeout=60)
+        assert engine._drain.drained_here == 3  # step 4 went to the worker
+        engine.wait(timeout=60)
+        assert engine.available_steps()["disk"] == [1, 2, 3, 4]
+        assert torch.equal(engine.load().items["model"]["w"], torch.full((256,), 4.0))
+
+
+def _quick_start() -> str:
+    text = (ROOT / "README.md").read_text()
+    section = text[text.index("## Quick start"):]
+    return re.search(r"```python\n(.*?)```", section, re.S).group(1)
+
+
+def test_the_quick_start_runs_twice_and_leaves_only_its_checkpoint_directory(tmp_path):
+    script = tmp_path / "quick_start.py"
+    script.write_text(_quick_start())
+    env = {**os.environ, "TMPDIR": str(tmp_path)}
+    env.pop("TIERED_CKPT_LOCK_DIR", None)
+    shm_user_dir = Path("/dev/shm/tiered_ckpt") / _user_name()
+    runs = []
+    for _ in range(2):
+        proc = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=env, capture_output=True, text=True,
+                              timeout=300)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        match = re.search(r"^(quickstart-\w+): resumed step 3 from tier 'host'$", proc.stdout, re.M)
+        assert match, proc.stdout
+        runs.append(match.group(1))
+        assert not (shm_user_dir / match.group(1)).exists(), "memory slots left in /dev/shm after close()"
+    assert runs[0] != runs[1]
+    locks = tmp_path / f"tiered_ckpt-{_user_name()}"
+    assert not locks.exists() or os.listdir(locks) == [], "lock directories left after close()"
+    ckpt_dirs = sorted(p for p in tmp_path.iterdir() if p.name.startswith("quickstart-") and p.is_dir())
+    assert len(ckpt_dirs) == 2  # what the README says stays: each run's checkpoint directory, steps 2 and 3
+    for d in ckpt_dirs:
+        assert sorted(p.name for p in d.iterdir() if p.name.startswith("iter_")) == ["iter_0000002", "iter_0000003"]
+
+
+def test_on_close_release_frees_the_slots_whose_steps_are_on_disk(shm_root, tmp_path, own_lock_dir):
+    rid = run_id()
+    run_dir = Path(shm_root) / _user_name() / rid
+    cfg = {"run_id": rid, "drain": {"mode": "thread"},
+           "tiers": [{"name": "host", "kind": "shm", "path": shm_root, "on_close": "release"},
+                     {"name": "disk", "kind": "local", "path": str(tmp_path / "disk")}]}
+    with CheckpointEngine(cfg) as engine:
+        engine.save(1, {"model": {"w": torch.ones(100)}}).wait(timeout=60)
+        engine.save(2, {"model": {"w": torch.ones(100)}}, persistent=False).wait(timeout=60)  # memory only
+        assert run_dir.is_dir()
+    # Step 1 is on disk: its slot went. Step 2 is nowhere else: it stays, the only copy.
+    assert sorted(p.name for p in (run_dir / "rank_00000").iterdir()) == ["slot_1.data", "slot_1.json"]
+    with CheckpointEngine(cfg) as engine:
+        assert engine.available_steps() == {"host": [2], "disk": [1]}
+        engine.save(3, {"model": {"w": torch.ones(100)}}).wait(timeout=60)
+    assert not run_dir.exists()  # every slot's step is on disk now: nothing left in /dev/shm
+    assert list(own_lock_dir.iterdir()) == []  # nor a lock directory for the run
+    keep = {**cfg, "run_id": run_id(), "tiers": [{**cfg["tiers"][0], "on_close": "keep"}, cfg["tiers"][1]]}
+    with CheckpointEngine(keep) as engine:
+        engine.save(4, {"model": {"w": torch.ones(100)}}).wait(timeout=60)
+    assert (Path(shm_root) / _user_name() / keep["run_id"] / "rank_00000" / "slot_0.json").exists()  # the default
+
+
+def test_a_closed_engine_leaves_no_lock_directory(tmp_path, monkeypatch):
+    monkeypatch.delenv("TIERED_CKPT_LOCK_DIR", raising=False)
+    monkeypatch.setattr("tempfile.tempdir", str(tmp_path))
+    rid = run_id()
+    cfg = {"run_id": rid, "drain": {"mode": "thread"},
+           "tiers": [{"name": "disk", "kind": "local", "path": str(tmp_path / "disk")}]}
+    with CheckpointEngine(cfg):
+        assert os.listdir(os.path.join(tempfile.gettempdir(), f"tiered_ckpt-{_user_name()}", rid)) == [
+            "rank_00000.lock"]
+    assert os.listdir(os.path.join(tempfile.gettempdir(), f"tiered_ckpt-{_user_name()}")) == []
+    with CheckpointEngine(cfg):  # and the next engine of that run_id locks as before
+        assert os.path.isdir(lock_dir(rid))
+
+
+# ----- 3. configuration errors that point at the fix -------------------------------------------------------------
+@pytest.mark.parametrize("text, expected", [
+    ("tiers: [{name: a, kind: local, path: /x, keeep: 2}]",
+     "tiers.yaml: tiers[0].keeep: unknown key (allowed for a local tier: compression, direct_io, enabled, every, "
+     "fsync, keep, kind, name, path, retry); did you mean 'keep'?"),
+    ("tier: [{name: a, kind: local, path: /x}]",
+     "tiers.yaml: tier: unknown key (allowed here: drain, events, layout, load, run_id, tiers); did you mean "
+     "'tiers'?"),
+    ("tiers: [{name: a, kind: local, path: /x}, {name: m, kind: shm, keep: 2}]",
+     "tiers.yaml: tiers[1].keep: does not apply to a memory tier (kind 'shm')"),
+    ("tiers: [{name: m, kind: shm, every: 10}]", "tiers.yaml: tiers[0].every: does not apply to a memory tier"),
+    ("tiers: [{name: m, kind: shm, compression: {codec: zstd}}]",
+     "tiers.yaml: tiers[0].compression: does not apply to a memory tier (kind 'shm'): a memory tier holds raw "
+     "snapshots, never compressed; remove the key"),
+    ("tiers: [{name: a, kind: local, path: /x, when_full: skip}]", "tiers.yaml: tiers[0].when_full: only memory"),
+    ("tiers: [{name: m, kind: shm, slotz: 3}]", "tiers.yaml: tiers[0].slotz: unknown key (allowed for a shm tier: "
+     "enabled, kind, min_free, name, on_close, path, pin, retry, slots, when_full); did you mean 'slots'?"),
+    ("tiers: [{name: g, kind: gpu, device: tpu}]", 'tiers.yaml: tiers[0].device: expected a torch device'),
+    ("tiers: [{name: a, kind: local, path: /x, retry: {atempts: 3}}]",
+     "tiers.yaml: tiers[0].retry.atempts: unknown key (allowed here: attempts, deadline_s, initial_s, max_s); "
+     "did you mean 'attempts'?"),
+])
+def test_config_errors_name_the_file_the_key_and_the_fix(tmp_path, text, expected):
+    path = tmp_path / "tiers.yaml"
+    path.write_text(text)
+    with pytest.raises(ConfigError) as info:
+        load_config(str(path))
+    assert str(info.value).replace(str(tmp_path) + "/", "").startswith(expected), str(info.value)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+def test_pin_true_without_cuda_fails_when_the_engine_is_built(tmp_path, shm_root):
+    path = tmp_path / "tiers.yaml"
+    path.write_text(f"run_id: {run_id()}\ndrain: {{mode: thread}}\n"
+                    f"tiers: [{{name: host, kind: shm, path: {shm_root}, pin: true}}]\n")
+    with pytest.raises(ConfigError, match=r"tiers\.yaml: tiers\[0\]\.pin: pin is true but CUDA is not available"):
+        CheckpointEngine(str(path))
+
+
+# ----- 4. API traps -------------------------------------------------------------------------------------------
+@pytest.fixture
+def engine(shm_root, tmp_path):
+    cfg = {"run_id": run_id(), "drain": {"mode": "thread"},
+           "tiers": [{"name": "host", "kind": "shm", "path": shm_root},
+                     {"name": "disk", "kind": "local", "path": str(tmp_path / "disk")}]}
+    with CheckpointEngine(cfg) as engine:
+        yield engine
+
+
+def test_a_bare_state_dict_as_items_is_refused(engine):
+    model = torch.nn.Linear(4, 4)
+    with pytest.raises(ValueError, match=r"save\(12, items\): every value of items is a tensor \('weight', "
+                                         r"'bias'\).*save\(12, \{\"model\": model.state_dict\(\)\}\)"):
+        engine.save(12, model.state_dict())
+    assert engine.available_steps() == {"host": [], "disk": []}
+
+
+def test_a_module_as_an_item_says_to_call_state_dict(engine):
+    with pytest.raises(EncodeError, match=r"^item 'model': cannot encode object of type "
+                                          r"torch.nn.modules.linear.Linear without pickle; .*\.state_dict\(\)"):
+        engine.save(11, {"model": torch.nn.Linear(2, 2)})
+    with pytest.raises(EncodeError, match=r"^item 'train' at optim\['inner'\]: cannot encode object of type "
+                                          r"torch.optim.sgd.SGD"):
+        engine.save(11, {"train": {"optim": {"inner": torch.optim.SGD([torch.zeros(1, requires_grad=True)])}}})
+
+
+@pytest.mark.parametrize("tier", ["host", "disk"])
+def test_load_into_an_unknown_item_or_another_shape_is_an_error(engine, tier):
+    items = {"model": {"w": torch.arange(6.0), "b": torch.zeros(2)}, "meta": {"step": 1}}
+    engine.save(1, items).wait(timeout=60)
+    if tier == "disk":
+        engine.pipeline.stores["host"].invalidate(0)  # the snapshot is gone: the disk copy is loaded
+    with pytest.raises(LoadIntoError, match=rf"no item 'modle' in step 1 on tier '{tier}' \(its items: 'model', "
+                                            r"'meta'\); did you mean 'model'\?"):
+        engine.load(into={"modle": {"w": torch.empty(6)}})
+    with pytest.raises(LoadIntoError, match=r"item 'model'\['w'\] is float32\[6\] in the checkpoint but "
+                                            r"float32\[2, 3\] in into"):
+        engine.load(into={"model": {"w": torch.empty(2, 3), "b": torch.empty(2)}})
+    target = {"model": {"w": torch.empty(6), "b": torch.ones(2)}}
+    assert engine.load(into=target).tier == tier and torch.equal(target["model"]["w"], torch.arange(6.0))
+
+
+def test_engine_wait_raises_for_a_failed_tier_like_handle_wait(tmp_path):
+    cfg = {"run_id": run_id(), "drain": {"mode": "thread"},
+           "tiers": [{"name": "disk", "kind": "local", "path": str(tmp_path / "disk")}, unreachable_s3()]}
+    with CheckpointEngine(cfg) as engine:
+        engine.save(1, {"model": {"w": torch.ones(2)}})
+        engine.save(2, {"model": {"w": torch.ones(2)}})
+        with pytest.raises(SavesFailedError) as info:
+            engine.wait(timeout=60)
+        assert isinstance(info.value, SaveError) and sorted(info.value.steps) == [1, 2]
+        assert list(info.value.steps[1]) == ["s3"] and "step 2 on tier 's3'" in str(info.value)
+        engine.wait(timeout=60)  # each failure is reported once
+
+
+def test_saving_a_step_twice_while_the_first_is_in_flight_keeps_both_handles(shm_root, tmp_path):
+    slow = {"name": "disk", "kind": "faulty", "latency_s": 0.5,
+            "inner": {"kind": "local", "path": str(tmp_path / "disk")}}
+    cfg = {"run_id": run_id(), "drain": {"mode": "thread"},
+           "tiers": [{"name": "host", "kind": "shm", "path": shm_root}, slow]}
+    with CheckpointEngine(cfg) as engine:
+        first = engine.save(5, {"model": {"w": torch.ones(4)}})
+        second = engine.save(5, {"model": {"w": torch.full((4,), 2.0)}})
+        first.wait(timeout=30)  # was never resolved: the second handle replaced it
+        second.wait(timeout=30)
+        assert first.results == second.results == {"disk": True}
+        assert torch.equal(engine.load().items["model"]["w"], torch.full((4,), 2.0))
+
+
+def test_models_and_optimizers_through_tiered_ckpt_state(engine):
+    torch.manual_seed(0)
+
+    def build():
+        model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+        return model, torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+    model, optimizer = build()
+    model(torch.randn(3, 4)).sum().backward()
+    optimizer.step()
+    items = state.items_of(model=model, optimizer=optimizer, meta={"step": 7})
+    assert sorted(items) == ["meta", "model", "optimizer"] and "0.weight" in items["optimizer"]["state"]
+    engine.save(7, items).wait(timeout=60)
+    for tier in ("host", "disk"):
+        fresh, fresh_optimizer = build()
+        if tier == "disk":
+            engine.pipeline.stores["host"].invalidate(0)
+        result = engine.load()
+        assert result.tier == tier
+        state.apply(result, model=fresh, optimizer=fresh_optimizer)
+        assert_same(model.state_dict(), fresh.state_dict())
+        assert_same(optimizer.state_dict()["state"], fresh_optimizer.state_dict()["state"])
+    with pytest.raises(TypeError, match="give its .state_dict"):
+        state.items_of(model=model, other=optimizer)
+    with pytest.raises(ValueError, match="no item 'optimizer'"):
+        state.apply({"model": items["model"]}, model=fresh, optimizer=fresh_optimizer)
+
+
+# ----- 5. plugins: Path options, documented types, Options from YAML --------------------------------------------
+@dataclass(frozen=True)
+class PathOptions:
+    path: Path
+    scratch: Path | None = None
+    fsync: bool = True
+    direct_io: bool | Literal["auto"] = "auto"
+
+
+class PathLocalTier(LocalTier):
+    """The local tier, its options typed as a plugin author would: paths as ``pathlib.Path``."""
+
+    kind = "pathlocal"
+    Options = PathOptions
+
+
+def test_an_options_field_typed_path_loads_from_yaml(tmp_path):
+    options = build_dataclass(PathOptions, {"path": str(tmp_path), "scratch": "~/x"}, "tiers[0]", "tiers.yaml")
+    assert options.path == tmp_path and options.scratch == Path("~/x")
+    with pytest.raises(ConfigError, match=r"tiers\.yaml: tiers\[0\]\.path: expected a path, got 3"):
+        build_dataclass(PathOptions, {"path": 3}, "tiers[0]", "tiers.yaml")
+
+
+def test_an_unsupported_options_field_type_names_the_field():
+    @dataclass(frozen=True)
+    class DeviceOptions:
+        device: torch.device = torch.device("cpu")
+
+    with pytest.raises(PluginError, match=r"DeviceOptions\.device: annotation .*cannot be read from a "
+                                          r"configuration file \(supported: str, bool, int, float, pathlib\.Path"):
+        build_dataclass(DeviceOptions, {})
+
+
+class TestPathOptionsTier(TierContract):
+    """The contract suite, its YAML test included, over a tier whose options hold a pathlib.Path."""
+
+    @pytest.fixture
+    def tier(self, tmp_path, tier_context):
+        tier = PathLocalTier("pathlocal", PathOptions(path=tmp_path / "root"), tier_context)
+        yield tier
+        tier.close()
