@@ -375,3 +375,14 @@ class TestPathOptionsTier(TierContract):
         tier = PathLocalTier("pathlocal", PathOptions(path=tmp_path / "root"), tier_context)
         yield tier
         tier.close()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+def test_errors_of_a_tier_being_built_name_the_file_and_tiers_i(tmp_path):
+    path = tmp_path / "tiers.yaml"
+    path.write_text(f"run_id: {run_id()}\ndrain: {{mode: thread}}\n"
+                    f"tiers: [{{name: disk, kind: local, path: {tmp_path / 'disk'}}}, "
+                    "{name: hbm, kind: gpu, enabled: true}]\n")
+    with pytest.raises(ConfigError, match=r"tiers\.yaml: tiers\[1\]\.enabled: enabled is true but the device cannot "
+                                          r"be used: .*\(tier 'hbm'\)$"):
+        CheckpointEngine(str(path))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -137,10 +138,7 @@ def _placed(exc: ConfigError, config: Config, name: str) -> ConfigError:
     if exc.source is not None and exc.key_path and exc.key_path.startswith("tiers["):
         return exc
     index = next(i for i, t in enumerate(config.tiers) if t.name == name)
-    rel = exc.key_path or ""
-    prefix = f"tier {name!r}"
-    if rel.startswith(prefix):
-        rel = rel[len(prefix):].lstrip(".")
+    rel = re.sub(r"^tier '[^']*'\.?", "", exc.key_path or "")  # "tier 'hbm'.enabled" → "enabled"
     path = f"tiers[{index}].{rel}" if rel else f"tiers[{index}]"
     return ConfigError(f"{exc.message} (tier {name!r})", source=config.source, key_path=path)
 
