@@ -1,4 +1,5 @@
-"""Fixtures shared by every test directory (the tier fixtures come from tiered_ckpt's own pytest plugin)."""
+"""Fixtures shared by every test directory. The tier fixtures (``make_tier``, ``shm_root``, ``s3_server``, ...) come
+from tiered_ckpt's pytest plugin, which is opt-in: declared here, not loaded into every pytest run."""
 
 from __future__ import annotations
 
@@ -9,6 +10,8 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))  # `helpers` for tests in sub-directories too
 from helpers import Recorder  # noqa: E402
+
+pytest_plugins = ["tiered_ckpt.testing.pytest_plugin"]
 
 
 @pytest.fixture

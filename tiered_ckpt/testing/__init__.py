@@ -2,8 +2,10 @@
 
 * :class:`TierContract` (``tiered_ckpt.testing.contract``): subclass it and provide a ``tier`` fixture; every
   built-in kind and every plugin kind runs it.
-* ``tiered_ckpt.testing.pytest_plugin`` (registered as a ``pytest11`` entry point, so installed projects get
-  it automatically): the fixtures ``shm_root``, ``tier_context``, ``tier_registry`` and ``make_tier``.
+* ``tiered_ckpt.testing.pytest_plugin`` (opt-in: ``pytest -p tiered_ckpt.testing.pytest_plugin`` or
+  ``pytest_plugins = ["tiered_ckpt.testing.pytest_plugin"]`` in a conftest.py): the fixtures ``shm_root``,
+  ``tier_context``, ``tier_registry``, ``make_tier`` and the S3 ones (``s3_server``, ``s3_bucket``,
+  ``s3_fault_proxy``).
 
 This package is imported when pytest loads the plugin, so it imports nothing heavy itself: ``TierContract``
 (which needs torch and numpy) is loaded on first access.

@@ -1,4 +1,10 @@
-"""pytest fixtures for code that uses or extends tiered_ckpt (a ``pytest11`` plugin: installed, it is active).
+"""pytest fixtures for code that uses or extends tiered_ckpt. Opt-in: ``pytest -p tiered_ckpt.testing.pytest_plugin``,
+or in a ``conftest.py`` at the top of your tests::
+
+    pytest_plugins = ["tiered_ckpt.testing.pytest_plugin"]
+
+(It is not a ``pytest11`` entry point: a pytest run that does not ask for it neither imports it nor gains its
+fixtures.)
 
 * ``shm_root``: a fresh directory under ``/dev/shm``, removed afterwards (``tmp_path`` where there is none).
 * ``tier_context``: a :class:`~tiered_ckpt.tiers.base.TierContext` with a unique ``run_id``.
@@ -11,8 +17,8 @@
 * ``s3_server`` (session), ``s3_bucket``, ``s3_fault_proxy``: moto's S3 server over HTTP on a free loopback
   port, a fresh bucket per test, and a fault-injecting proxy in front of it (``tiered_ckpt.testing.s3``).
 
-This module is imported by pytest at start-up in every project that has tiered_ckpt installed, so it imports
-only the standard library and pytest; tiered_ckpt itself is imported inside the fixtures.
+Loading it costs nothing until a fixture is used: it imports only the standard library and pytest (and
+``tiered_ckpt``'s package, whose names load on first use); torch and the rest are imported inside the fixtures.
 """
 
 from __future__ import annotations

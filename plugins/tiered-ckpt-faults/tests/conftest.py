@@ -1,9 +1,11 @@
-"""Fixtures for the plugin's tests (tiered_ckpt's own fixtures come from its pytest11 plugin)."""
+"""Fixtures for the plugin's tests (tiered_ckpt's own fixtures come from its opt-in pytest plugin)."""
 
 from __future__ import annotations
 
 import pytest
 from tiered_ckpt_faults import FaultyTier
+
+pytest_plugins = ["tiered_ckpt.testing.pytest_plugin"]
 
 
 @pytest.fixture(autouse=True)
