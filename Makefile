@@ -5,8 +5,15 @@ VENV ?= .venv
 TORCH_SPEC ?= torch==2.13.0
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+# `make lowest`: a second venv with every declared lower bound installed exactly (.ci/lower_bounds.py reads them
+# from pyproject.toml), torch pinned first as above, and a smoke subset run in it.
+LOWEST_VENV ?= .venv-lowest
+LOWEST_BIN := $(LOWEST_VENV)/bin
+LOWEST_TESTS ?= tests/test_config.py tests/test_checksum.py tests/test_compression.py tests/test_flat_codec.py \
+	tests/test_plugins.py tests/test_cli.py tests/test_cli_first_hour.py tests/test_s3.py \
+	plugins/tiered-ckpt-faults/tests/test_faults.py
 
-.PHONY: venv test demo bench lint clean
+.PHONY: venv test demo bench lint lowest clean
 
 venv: $(STAMP)
 
@@ -15,7 +22,7 @@ $(STAMP): pyproject.toml plugins/tiered-ckpt-faults/pyproject.toml
 	$(BIN)/pip install --quiet --upgrade pip
 	# torch first and pinned: an unpinned resolve would pull a multi-GB CUDA build.
 	$(BIN)/pip install --quiet "$(TORCH_SPEC)"
-	$(BIN)/pip install --quiet -e ".[test]"
+	$(BIN)/pip install --quiet -e ".[test,dev]"
 	$(BIN)/pip install --quiet -e plugins/tiered-ckpt-faults
 	touch $(STAMP)
 
@@ -32,5 +39,16 @@ bench: venv
 lint: venv
 	$(BIN)/ruff check .
 
+lowest:
+	rm -rf $(LOWEST_VENV)
+	$(PYTHON) -m venv $(LOWEST_VENV)
+	$(LOWEST_BIN)/pip install --quiet --upgrade pip
+	$(LOWEST_BIN)/pip install --quiet "$(TORCH_SPEC)"
+	$(PYTHON) .ci/lower_bounds.py > $(LOWEST_VENV)/lower-bounds.txt
+	$(LOWEST_BIN)/pip install --quiet -r $(LOWEST_VENV)/lower-bounds.txt
+	$(LOWEST_BIN)/pip install --quiet --no-deps -e . -e plugins/tiered-ckpt-faults
+	$(LOWEST_BIN)/pip check
+	$(LOWEST_BIN)/python -m pytest -q -p no:cacheprovider $(LOWEST_TESTS)
+
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) $(LOWEST_VENV) build *.egg-info

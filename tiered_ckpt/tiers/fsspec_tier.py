@@ -171,7 +171,9 @@ class FsspecTier(Tier):
         try:
             self.fs, root = fsspec.core.url_to_fs(options.url, **storage)
         except (ImportError, ValueError, TypeError) as exc:
-            raise ConfigError(redact(f"cannot open {options.url}: {exc}", self._secrets),
+            # fsspec says "Install s3fs to access S3"; our extra brings the version we test with
+            hint = " (pip install 'tiered-ckpt[s3]')" if isinstance(exc, ImportError) and self._s3 else ""
+            raise ConfigError(redact(f"cannot open {options.url}: {exc}{hint}", self._secrets),
                               key_path=f"tier {name!r}.url") from None
         self.root = root.rstrip("/")
         if not self.root.strip("/"):
