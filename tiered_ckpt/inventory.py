@@ -79,7 +79,10 @@ def absent_location(tier: Tier) -> str | None:
     if protocol in ("s3", "s3a", "gs", "gcs", "az", "abfs"):  # is it the bucket that is missing?
         bucket = root.split("/", 1)[0]
         try:
-            fs.info(bucket)
+            if protocol in ("s3", "s3a") and hasattr(fs, "call_s3"):
+                fs.call_s3("head_bucket", Bucket=bucket)  # older s3fs's info() of an empty bucket says "not found"
+            else:
+                fs.info(bucket)
         except FileNotFoundError:
             return f"no such bucket {bucket!r}"
         except Exception as exc:
