@@ -72,6 +72,10 @@ class CheckpointEngine:
         self._slot_step: dict[int, int] = {s: m.step for s, m in entry.metas().items()} if self._entry_persists else {}
         self._slot_busy: set[int] = set()
         self.recovered: list[SaveHandle] = []
+        for store in self.pipeline.stores.values():
+            if isinstance(store, MemoryStore) and store.tier.capabilities.survives_process:
+                for rel in store.remove_temp_files():  # before the drain starts: no writer of ours is there yet
+                    log.info("tier %r: removed %s, left by a killed process", store.name, rel)
         self._drain = self.pipeline.start_drain(self._tier_done, self._slot_released)
         _live.add(self)
         self._recover()

@@ -127,6 +127,18 @@ class MemoryStore:
         crash_point("memory.publish")
         self.tier.publish(self.meta_key(meta.slot), meta.to_json())
 
+    def remove_temp_files(self) -> list[str]:
+        """Temporary files in this rank's slot directory: slot records a killed process was writing. Only for the
+        engine starting with this run's lock for this rank (nothing else writes there then); returns them."""
+        files = getattr(self.tier, "files", None)
+        if files is None or not hasattr(files, "temp_files"):
+            return []
+        prefix = f"rank_{self.rank:05d}/"
+        gone = [rel for rel in files.temp_files() if rel.startswith(prefix)]
+        for rel in gone:
+            files.remove_temp_file(rel)
+        return gone
+
     def release_slots(self, durable: set[int]) -> list[int]:
         """Delete this rank's slots (record first, then data) except those holding a step not in ``durable``;
         return the steps kept. Slots without a record hold nothing and go too."""

@@ -263,6 +263,12 @@ class ProcessDrain:
         if self._local is not None:
             self._local.close(None if idle else 0)
         if self._proc is not None and self._proc.is_alive():
+            with self._cond:
+                unused = not self._ready.is_set() and not self._outstanding and not self._held
+            if unused:  # still starting and never given anything: no need to wait for its start-up
+                self._proc.terminate()
+                self._proc.join(5.0)
+                return idle
             self._requests.put(None)
             self._proc.join(timeout=None if idle else 5.0)
             if self._proc.is_alive():
