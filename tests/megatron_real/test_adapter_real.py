@@ -251,6 +251,11 @@ def test_model_files_load_with_megatron_allow_list(saved: SavedRun) -> None:
         assert args.cuda_graph_scope == [CudaGraphScope.attn] and args.exit_signal is signal.SIGTERM, path
         assert args.params_dtype == (torch.bfloat16 if saved.spec.precision == "bf16" else torch.float32)
         assert state["iteration"] == SAVED_AT and state["num_floating_point_operations_so_far"] == FLOPS
+    # and `tiered-ckpt verify` (checksums, plus the same check of Megatron's loader) passes them
+    from tiered_ckpt.cli import main as cli_main
+
+    for d in saved.files.values():
+        assert cli_main(["verify", str(d)]) == 0, d
 
 
 @pytest.mark.slow

@@ -29,7 +29,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from ..config import load_config
-from ..errors import ConfigError, LayoutMismatchError, NoCheckpointError, UnsafePickleError
+from ..errors import ConfigError, DecodeError, LayoutMismatchError, NoCheckpointError, UnsafePickleError
 from ..file_store import FileStore
 from ..manifest import FileEntry
 from ..parallel import ParallelLayout
@@ -136,6 +136,9 @@ def convert(
     with StepSource(src_tier, info, trust_pickles=trust_pickles, verify=verify) as source, \
             _progress_bar(progress, _estimate(src_tier, info)) as bar:
         entries = _write(source, dst_tier, to, target, report, bar)
+        if not isinstance(bar, _NoBar):  # the total was an estimate: a finished bar says 100%, never 97% or "?"
+            bar.total = bar.n
+            bar.refresh()
         report.bytes_read += source.bytes_read
         tier_io.commit_step(store, step_no, target, entries)
     report.files = [{"key": e.key, "item": e.item, "rank": e.rank, "size": e.size, "checksum": e.checksum}
@@ -158,13 +161,16 @@ def _target_topology(src: MegatronTopology, dp: int | None) -> MegatronTopology:
     return MegatronTopology(tp=src.tp, pp=src.pp, dp=dp // src.ep, ep=src.ep, cp=src.cp, order=src.order)
 
 
-def _check_megatron_loadable(source: StepSource, key: str, report: ConvertReport) -> None:
+def _check_megatron_loadable(tier: Tier, key: str, report: ConvertReport, trust_pickles: bool) -> None:
     """A model file Megatron-LM would refuse is not converted (unless the user trusts pickles: then a note)."""
-    refused = loadable.file_refusals(source.tier, key)
+    try:
+        refused = loadable.file_refusals(tier, key)
+    except DecodeError as exc:
+        refused = [str(exc)]
     if not refused:
         return
-    message = loadable.explain(tier_io.where(source.tier, key), refused)
-    if not source.trust_pickles:
+    message = loadable.explain(tier_io.where(tier, key), refused)
+    if not trust_pickles:
         raise UnsafePickleError(message + "; the converted checkpoint would not load in Megatron-LM either (pass "
                                 "--trust-pickles to convert it anyway, for tiered_ckpt's own loader)")
     report.notes.append(message)
@@ -179,9 +185,9 @@ def _write(source: StepSource, dst: Tier, to: str, target: MegatronTopology, rep
     writers = model_dirs(target)
     for d, writer in writers.items():
         key = source.key(d, MODEL_FILENAME)
-        _check_megatron_loadable(source, key, report)
         entries.append(tier_io.copy_file(src, key, dst, key, item=MODEL_ITEM, rank=writer, entry=source.entry(key),
                                          stats=stats, progress=progress))
+        _check_megatron_loadable(dst, key, report, source.trust_pickles)  # the verified copy: not committed yet
     same_dp = target.dp == info.topology.dp
     if to == "megatron":
         if info.layout == "rank_sharded":

@@ -19,6 +19,8 @@ import pickletools
 
 import numpy as np
 
+from ..errors import DecodeError
+
 # megatron/core/safe_globals.py (Megatron-LM d98e8a64dd, megatron-core 0.16): the Megatron classes by name.
 MEGATRON_CLASSES = (
     "megatron.core.enums.ModelType",
@@ -70,7 +72,10 @@ def refused_globals(pkl: bytes) -> list[str]:
     refuses; [] when it would load. Pickle protocols above 2 use opcodes torch's loader lacks: named too."""
     allowed = allowed_globals()
     refused: set[str] = set()
-    ops = list(pickletools.genops(pkl))
+    try:
+        ops = list(pickletools.genops(pkl))
+    except Exception as exc:  # pickletools raises ValueError, UnicodeDecodeError, ... on garbage
+        raise DecodeError(f"not a readable pickle ({type(exc).__name__}: {exc})") from None
     for i, (op, arg, _) in enumerate(ops):
         if op.name == "STACK_GLOBAL":
             refused.add("STACK_GLOBAL (pickle protocol 4 or later)")
