@@ -309,10 +309,15 @@ def test_no_checkpoint_anywhere_is_iteration_zero_but_an_unreachable_tier_is_an_
         with pytest.raises(NoCheckpointError):
             adapter.load_checkpoint(rank.model, rank.optimizer, rank.scheduler, engine=engine, args=rank.args,
                                     rng_tracker=rank.rng_tracker)
-        rank.args.exit_on_missing_checkpoint = False
-        real = engine.available_steps
-        engine.available_steps = lambda: {k: v for k, v in real().items() if k != "shared"}  # could not list it
-        with pytest.raises(NoCheckpointError):
+    # A tier that cannot be looked at is never "no checkpoint": not (0, 0), an error naming it, on every rank.
+    from tiered_ckpt.errors import TierUnavailableError
+
+    cfg["tiers"].append({"name": "remote", "kind": "fsspec", "url": f"s3://bucket/{uuid.uuid4().hex[:8]}",
+                         "timeout_s": 2, "options": {"endpoint_url": "http://127.0.0.1:9", "key": "k", "secret": "s"}})
+    cfg["run_id"] = f"z{uuid.uuid4().hex[:8]}"
+    rank.args.exit_on_missing_checkpoint = False
+    with CheckpointEngine(cfg, ParallelLayout(), rank=0) as engine:
+        with pytest.raises(TierUnavailableError, match="remote"):
             adapter.load_checkpoint(rank.model, rank.optimizer, rank.scheduler, engine=engine, args=rank.args,
                                     rng_tracker=rank.rng_tracker)
 

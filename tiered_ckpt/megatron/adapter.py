@@ -451,7 +451,7 @@ def load_checkpoint(ddp_model: Any, optimizer: Any, opt_param_scheduler: Any, lo
     """Megatron-LM's ``load_checkpoint`` (legacy ``torch`` format) from a CheckpointEngine: every parameter of
     Megatron's function, in its order and with its defaults; returns ``(iteration,
     num_floating_point_operations_so_far)``, ``(0, 0)`` when no checkpoint exists anywhere (as Megatron; but
-    never when a tier could not be reached: then :class:`~tiered_ckpt.errors.NoCheckpointError` is raised on
+    never when a tier could not be reached: then :class:`~tiered_ckpt.errors.TierUnavailableError` is raised on
     every rank). Collective: every rank calls it.
 
     * ``load_arg``: ``"load"`` reads the engine's tiers (``args.load`` is where the engine's file tier should
@@ -485,9 +485,9 @@ def load_checkpoint(ddp_model: Any, optimizer: Any, opt_param_scheduler: Any, lo
     try:
         loaded = engine.load(step)
     except NoCheckpointError:
-        reachable = set(engine.available_steps())
-        everyone_reached = engine.coordinator.all_succeeded(reachable == set(engine.pipeline.order))
-        if step is not None or not everyone_reached or getattr(args, "exit_on_missing_checkpoint", False):
+        # Every rank listed every tier and found nothing (a tier that could not be listed makes load() raise
+        # TierUnavailableError instead, on every rank): Megatron's fresh start.
+        if step is not None or getattr(args, "exit_on_missing_checkpoint", False):
             raise
         log.warning("no checkpoint on any tier: starting from iteration 0 (Megatron's behaviour)")
         _prepare_now(engine, lambda: _items(0, chunks, optimizer, opt_param_scheduler, 0, args, rng_tracker, engine,
