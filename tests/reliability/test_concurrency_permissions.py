@@ -135,14 +135,16 @@ def test_shm_of_a_killed_run_is_reported_stale_and_removed_only_by_gc(shm_root, 
         code, out = cli("ls", "--config", str(dead_path), "--json")
         shm_rows = [r for r in json.loads(out) if r["tier"] == "shm"]
         assert code == EXIT_OK
-        assert [(r["step"], r["state"]) for r in shm_rows if r["step"] >= 0] == [
-            (1, "snapshot (stale: no live engine)")]
+        assert [(r["step"], r["state"].split(";")[0]) for r in shm_rows if r["state"].startswith("snapshot")] == [
+            (1, "snapshot (stale: its process ended without close()")]
+        assert f"run {live['run_id']!r}: live engine" in [r["state"] for r in shm_rows]  # the other run, as it is
         # ls of the live run: its own snapshot is live, the dead run is listed as another stale run.
         code, out = cli("ls", "--config", str(live_path), "--json")
         rows = [r for r in json.loads(out) if r["tier"] == "shm"]
-        assert (7, "snapshot") in [(r["step"], r["state"]) for r in rows]
-        assert f"stale run {dead['run_id']!r}" in [r["state"] for r in rows]
-        assert not [r for r in rows if r["state"] == f"stale run {live['run_id']!r}"]
+        assert (7, "snapshot (live engine)") in [(r["step"], r["state"]) for r in rows]
+        assert [r["state"].split(";")[0] for r in rows if r["run_id"] == dead["run_id"]] == [
+            f"run {dead['run_id']!r}: stale: its process ended without close()"]
+        assert not [r for r in rows if r["run_id"] == live["run_id"] and "stale" in r["state"]]
 
         # gc --stale: a dry run lists the dead run only; --delete removes it; the live one stays.
         user_dir = Path(shm_root) / _user_name()

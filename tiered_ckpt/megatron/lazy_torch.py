@@ -133,7 +133,7 @@ class LazyTensor(LazyArray):
 class LazyTorchFile:
     """A torch zip file opened for range reads: :attr:`obj` is its content with :class:`LazyTensor`s."""
 
-    def __init__(self, reader: RangeReader):
+    def __init__(self, reader: RangeReader, *, unpickle: bool = True):
         self.reader = reader
         self.where = reader.where
         self.size = reader.size()
@@ -146,10 +146,13 @@ class LazyTorchFile:
         if order is not None and self._read_record(f"{self.prefix}/byteorder") != b"little":
             raise DecodeError(f"{self.where}: big-endian torch files are not supported")
         self._pkl_name = pkl_names[0]
+        if unpickle:
+            self.obj  # noqa: B018 - refuse an unsafe or broken pickle when the file is opened
 
     @functools.cached_property
     def obj(self) -> Any:
-        """The content, unpickled with the allow-list (on first use: :meth:`pickle_bytes` needs no unpickling)."""
+        """The content, unpickled with the allow-list (``unpickle=False``: on first use, for callers that only
+        look at :meth:`pickle_bytes`)."""
         return self._unpickle(self.pickle_bytes())
 
     # ----- zip structure ------------------------------------------------------------------------------------
@@ -323,9 +326,9 @@ def _zip64_fields(extra: bytes, usize: int, csize: int, offset: int) -> tuple[in
     return usize, csize, offset
 
 
-def open_lazy(tier: Any, key: str, *, where: str | None = None) -> LazyTorchFile:
+def open_lazy(tier: Any, key: str, *, where: str | None = None, unpickle: bool = True) -> LazyTorchFile:
     """Open ``key`` on ``tier`` (anything with ``size(key)`` and ``read_range(key, offset, length)``)."""
-    return LazyTorchFile(RangeReader(tier, key, where=where))
+    return LazyTorchFile(RangeReader(tier, key, where=where), unpickle=unpickle)
 
 
 def materialize(obj: Any) -> Any:

@@ -118,7 +118,7 @@ def file_refusals(tier: object, key: str) -> list[str]:
     from . import tier_io
     from .lazy_torch import open_lazy
 
-    return refused_globals(open_lazy(tier, key, where=tier_io.where(tier, key)).pickle_bytes())
+    return refused_globals(open_lazy(tier, key, where=tier_io.where(tier, key), unpickle=False).pickle_bytes())
 
 
 def is_megatron_file(key: str) -> bool:
