@@ -131,6 +131,11 @@ class FakeChainedOptimizer:
         for o, s in zip(self.chained_optimizers, states, strict=True):
             o.load_state_dict(s)
 
+    def reload_model_params(self) -> None:
+        """Megatron's: copy the model's weights into the fp32 main params (counted here; the fakes keep no
+        link between the two)."""
+        self.reloads = getattr(self, "reloads", 0) + 1
+
 
 class FakeModelChunk(torch.nn.Module):
     """A model chunk holding the shard's params (bf16) under Megatron's names, plus ``_extra_state`` entries."""

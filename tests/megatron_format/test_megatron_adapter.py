@@ -157,6 +157,8 @@ def test_finetune_and_no_load_flags(tmp_path: Path, shm_root: str) -> None:
                                        rng_tracker=rank.rng_tracker)[0] == 0
         got = fingerprint(rank)
         assert got["model"] == want["model"] and got["optim"] != want["optim"] and got["tracker"] == {}
+        # bf16: the optimizer's main params follow the loaded weights, as Megatron's load does
+        assert getattr(rank.optimizer, "reloads", 0) == (1 if rank.args.bf16 else 0)
         rank.args.finetune, rank.args.no_load_optim, rank.args.no_load_rng = False, True, True
         assert adapter.load_checkpoint(rank.model, rank.optimizer, rank.scheduler, engine=engine, args=rank.args,
                                        rng_tracker=rank.rng_tracker)[0] == job.iteration

@@ -224,16 +224,22 @@ def model_optim_rng_item(iteration: int, model: Sequence[Any], optimizer: Any, o
 
 
 def _megatron_defaults(args: Any, rng_tracker: Any) -> tuple[Any, Any]:
-    if args is None or rng_tracker is None:
+    """``args`` from ``megatron.training.get_args()`` and the tracker from megatron.core's
+    ``get_cuda_rng_tracker()`` when not given (each wherever it is importable)."""
+    if args is None:
         try:
-            from megatron.core import tensor_parallel  # type: ignore[import-not-found]
             from megatron.training import get_args  # type: ignore[import-not-found]
         except ImportError:
-            if args is None:
-                raise ConfigError("args: pass Megatron's args (megatron.training is not importable here)") from None
-            return args, rng_tracker
-        args = get_args() if args is None else args
-        rng_tracker = tensor_parallel.get_cuda_rng_tracker() if rng_tracker is None else rng_tracker
+            raise ConfigError("args: pass Megatron's args (megatron.training is not importable here)") from None
+        args = get_args()
+    if rng_tracker is None:
+        try:
+            from megatron.core import tensor_parallel  # type: ignore[import-not-found]
+        except ImportError:  # no Megatron: the checkpoint then holds no tracker states, and says so at load
+            log.warning("no rng_tracker given and megatron.core is not importable: the CUDA RNG tracker's states "
+                        "are not saved (pass rng_tracker=...)")
+        else:
+            rng_tracker = tensor_parallel.get_cuda_rng_tracker()
     return args, rng_tracker
 
 
@@ -260,6 +266,10 @@ def layout_from_args(args: Any) -> Any:
         dp = world // (tp * pp * cp)
     if dp % ep:
         raise ConfigError(f"args.data_parallel_size={dp} is not a multiple of expert_model_parallel_size={ep}")
+    if torch.distributed.is_initialized() and tp * pp * cp * dp != torch.distributed.get_world_size():
+        raise ConfigError(f"args: tensor_model_parallel_size={tp} x pipeline_model_parallel_size={pp} x "
+                          f"context_parallel_size={cp} x data_parallel_size={dp} = {tp * pp * cp * dp} ranks, but "
+                          f"torch.distributed has {torch.distributed.get_world_size()}: fix these args")
     return ParallelLayout(tp=tp, pp=pp, ep=ep, cp=cp, dp=dp // ep)
 
 
@@ -288,6 +298,11 @@ def engine_for(engine: Any, checkpointing_context: Any, args: Any) -> Any:
     return engine
 
 
+_LAYOUT_FIX = ("give the engine the job's ParallelLayout (the drop-in builds it from args: tensor_model_parallel_size, "
+               "pipeline_model_parallel_size, expert_model_parallel_size, context_parallel_size, data_parallel_size, "
+               "in Megatron's rank order)")
+
+
 def _check_rank_args(engine: Any, **given: Any) -> None:
     """Megatron's explicit ranks and groups must be the engine's view of this rank (else: the wrong files)."""
     c = engine.coords
@@ -296,7 +311,7 @@ def _check_rank_args(engine: Any, **given: Any) -> None:
     for name, value in given.items():
         if name in mine and value is not None and value != mine[name]:
             raise ConfigError(f"{name}={value!r}, but the engine's layout {c.layout.to_dict()} puts rank {c.rank} "
-                              f"at {mine[name]!r}: give the engine the job's ParallelLayout")
+                              f"at {mine[name]!r}: {_LAYOUT_FIX}")
     for name, want in (("tp_group", c.tp), ("pp_group", c.pp)):
         group = given.get(name)
         if group is not None and torch.distributed.is_initialized():
@@ -304,7 +319,7 @@ def _check_rank_args(engine: Any, **given: Any) -> None:
                 else None
             if got is not None and got != want:
                 raise ConfigError(f"{name}: rank {c.rank} is rank {got} of the group Megatron passed, the engine's "
-                                  f"layout says {want}: give the engine the job's ParallelLayout")
+                                  f"layout says {want}: {_LAYOUT_FIX}")
 
 
 _prepared: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()  # engine -> its pre-faulting thread
@@ -434,8 +449,7 @@ def _check_dp_groups(engine: Any, optimizer: Any, dp_group: Any, expt_dp_group: 
         if sorted(live) != sorted(want):
             raise LayoutMismatchError(f"rank {engine.coords.rank}: {'dp_group' if kind == 'dense' else 'expt_dp_group'}"
                                       f" holds ranks {live}, the engine's layout "
-                                      f"{rank_shard.topology_dict(topology)} gives {want}: give the engine the "
-                                      "job's ParallelLayout")
+                                      f"{rank_shard.topology_dict(topology)} gives {want}: {_LAYOUT_FIX}")
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -541,6 +555,12 @@ def _apply(state: dict[str, Any], items: Mapping[str, Any], chunks: list[Any], o
             for i, chunk in enumerate(chunks):
                 if f"model{i}" in state:
                     _load_chunk(chunk, state[f"model{i}"], strict, f"{where} model{i}")
+    ckpt_args = state.get("args")
+    if ckpt_args is not None and args is not None and not finetune:
+        _megatron_hook("check_checkpoint_args", ckpt_args)  # Megatron's own checks, where megatron.training is
+        for name in ("consumed_train_samples", "skipped_train_samples", "consumed_valid_samples"):
+            setattr(args, name, getattr(ckpt_args, name, 0))
+        _update_num_microbatches(args.consumed_train_samples)
     if not (finetune or getattr(args, "no_load_optim", False)):
         if optimizer is not None:
             if "optimizer" in state and not skip:
@@ -551,13 +571,36 @@ def _apply(state: dict[str, Any], items: Mapping[str, Any], chunks: list[Any], o
             sched = state.get("opt_param_scheduler", state.get("lr_scheduler"))
             if sched is not None:
                 opt_param_scheduler.load_state_dict(sched)
+    elif optimizer is not None and (getattr(args, "fp16", False) or getattr(args, "bf16", False)):
+        # The optimizer's fp32 main params must follow the loaded model weights (Megatron does the same here),
+        # or the first step would put back the weights the job started with.
+        optimizer.reload_model_params()
     if not (finetune or getattr(args, "no_load_rng", False)) and "rng_state" in state:
         _set_rng(state["rng_state"], args, coords, rng_tracker)
-    ckpt_args = state.get("args")
-    if ckpt_args is not None and args is not None and not finetune:
-        for name in ("consumed_train_samples", "skipped_train_samples", "consumed_valid_samples"):
-            setattr(args, name, getattr(ckpt_args, name, 0))
+    _megatron_hook("set_loaded_iteration", iteration)  # what training.py's get_loaded_iteration() reads
     return iteration, state.get("num_floating_point_operations_so_far", 0)
+
+
+def _megatron_hook(name: str, *args: Any) -> None:
+    """Call ``megatron.training.checkpointing.<name>`` where Megatron-LM's training package is importable (in a
+    real Megatron job); without it (megatron-core alone) there is nothing of Megatron's to keep in step."""
+    try:
+        from megatron.training import checkpointing  # type: ignore[import-not-found]
+    except ImportError:
+        return
+    func = getattr(checkpointing, name, None)
+    if func is not None:
+        func(*args)
+
+
+def _update_num_microbatches(consumed_samples: int) -> None:
+    """Megatron's batch-size ramp-up follows the samples consumed so far (when its calculator is set up)."""
+    try:
+        from megatron.core import num_microbatches_calculator as calc  # type: ignore[import-not-found]
+    except ImportError:
+        return
+    if getattr(calc, "_GLOBAL_NUM_MICROBATCHES_CALCULATOR", None) is not None:
+        calc.update_num_microbatches(consumed_samples=consumed_samples, verbose=True)
 
 
 def _load_chunk(chunk: Any, sd: Any, strict: bool, where: str) -> None:
