@@ -195,7 +195,8 @@ class CheckpointEngine:
                             items=[SlotItem(name, off, p.total_bytes, flat.encode_header(p).decode())
                                    for name, p, off in placed],
                             layout=self.config.layout, coords=self.coords.to_dict(),
-                            parallel=self.coords.layout.to_dict(), run_id=self.config.run_id)
+                            parallel=self.coords.layout.to_dict(), run_id=self.config.run_id,
+                            persistent=persistent)
             crash_point("save.before_publish")
             store.publish(meta)
         except BaseException:
@@ -224,6 +225,8 @@ class CheckpointEngine:
         file_stores = self.pipeline.file_stores()
         committed = {name: set(fs.committed_steps()) for name, fs in file_stores.items()}
         for meta in metas:
+            if not meta.persistent:
+                continue  # saved for memory tiers only (a non-persistent step): no file tier ever takes it
             due = tuple(n for n in self.pipeline.order[1:] if n in file_stores
                         and meta.step not in committed[n] and max(committed[n], default=-1) < meta.step)
             if not due:

@@ -52,6 +52,7 @@ class SlotMeta:
     parallel: dict[str, Any] = field(default_factory=dict)
     run_id: str = "default"
     created: float = field(default_factory=time.time)
+    persistent: bool = True  # False: a non-persistent save (memory tiers only, never drained to a file tier)
 
     def to_json(self) -> bytes:
         doc = {"format": FORMAT, "version": VERSION, **asdict(self)}

@@ -295,6 +295,10 @@ def test_training_py_calls_work_verbatim(tmp_path: Path, shm_root: str, monkeypa
     finally:
         if adapter._default_engine is not None:
             adapter._default_engine.close()
+    # The next job's engine recovers what shm holds, but never drains the non-persistent step to a file tier.
+    with CheckpointEngine(cfg, ParallelLayout(), rank=0) as engine:
+        engine.wait(timeout=60)
+        assert engine.available_steps() == {"shm": [job.iteration, job.iteration + 1], "shared": [job.iteration]}
 
 
 def test_no_checkpoint_anywhere_is_iteration_zero_but_an_unreachable_tier_is_an_error(
