@@ -142,9 +142,15 @@ class MemoryStore:
 
     def release_slots(self, durable: set[int]) -> list[int]:
         """Delete this rank's slots (record first, then data) except those holding a step not in ``durable``;
-        return the steps kept. Slots without a record hold nothing and go too."""
+        return the steps kept. Slots without a record hold nothing and go too, and so do non-persistent
+        snapshots older than the newest durable step (superseded: no load would pick them)."""
         metas = self.metas()
-        kept = sorted(m.step for m in metas.values() if m.step not in durable)
+        newest = max(durable, default=-1)
+
+        def keep(m: SlotMeta) -> bool:
+            return m.step not in durable and (m.persistent or m.step > newest)
+
+        kept = sorted(m.step for m in metas.values() if keep(m))
         slots = set()
         for key in self.tier.list(f"rank_{self.rank:05d}/"):
             name = key.rsplit("/", 1)[-1]
@@ -152,7 +158,7 @@ class MemoryStore:
             if stem.startswith("slot_") and stem[5:].isdigit() and ext in ("json", "data"):
                 slots.add(int(stem[5:]))
         for slot in sorted(slots):
-            if slot in metas and metas[slot].step not in durable:
+            if slot in metas and keep(metas[slot]):
                 continue
             self.tier.delete(self.meta_key(slot))  # the record first: never a record without its data
             self.tier.delete(self.data_key(slot))
