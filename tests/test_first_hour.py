@@ -79,6 +79,28 @@ def test_nothing_loadable_with_an_unreachable_tier_is_not_no_checkpoint(tmp_path
     print(message)
 
 
+@pytest.mark.parametrize("kind", ["fsspec", "local"])
+def test_a_file_tier_whose_directory_cannot_be_read_is_unreachable_not_empty(tmp_path, kind):
+    """A tier directory that became a file (or sits under one: ENOTDIR) is "could not look": fsspec's find
+    and os.walk would have listed it as empty."""
+    root = tmp_path / "ckpt"
+    tier = ({"name": "disk", "kind": "fsspec", "url": f"file://{root}"} if kind == "fsspec"
+            else {"name": "disk", "kind": "local", "path": str(root)})
+    cfg = {"run_id": run_id(), "drain": {"mode": "thread"}, "tiers": [tier]}
+    with CheckpointEngine(cfg) as engine:
+        engine.save(1, {"model": {"w": torch.ones(4)}}).wait(timeout=60)
+    os.rename(root, tmp_path / "moved")
+    root.write_text("not a directory")  # an unmounted volume's placeholder, a wrong path: anything but the tier
+    engine = CheckpointEngine(cfg) if kind == "fsspec" else None
+    if engine is None:  # the local tier checks its directory when it is built
+        with pytest.raises(Exception, match="ckpt"):
+            CheckpointEngine(cfg)
+        return
+    with engine:
+        with pytest.raises(TierUnavailableError, match="disk"):
+            engine.load()
+
+
 def test_nothing_saved_anywhere_is_still_no_checkpoint(tmp_path):
     cfg = {"run_id": run_id(), "drain": {"mode": "thread"},
            "tiers": [{"name": "disk", "kind": "local", "path": str(tmp_path / "disk")}]}

@@ -36,6 +36,31 @@ _MAX_IOV = 512  # chunks per writev call (IOV_MAX is 1024 on Linux)
 _WRITE_MAX = 1 << 30  # bytes per write call (Linux caps one write at 2 GiB - 4 KiB)
 
 
+
+def walk_strict(top: str, root: str):
+    """``os.walk(top)`` that raises what it meets (EACCES, ENOTDIR, ELOOP: "could not look") instead of skipping
+    it silently. A ``top`` that does not exist lists as empty (nothing there), and so does a ``top`` below the
+    tier's ``root`` that is a file (a blob, not a directory); a ``root`` that is not a directory is an error."""
+    try:
+        st = os.stat(top)
+    except FileNotFoundError:
+        return
+    except NotADirectoryError:
+        if top == root:
+            raise
+        os.stat(root)  # the root itself unreadable: raise that; a blob on the way to top: nothing there
+        return
+    if not stat.S_ISDIR(st.st_mode):
+        if top == root:
+            raise NotADirectoryError(errno.ENOTDIR, os.strerror(errno.ENOTDIR), top)
+        return
+
+    def fail(exc: OSError) -> None:
+        if not isinstance(exc, FileNotFoundError):  # a directory removed while listing: gone, not unreadable
+            raise exc
+
+    yield from os.walk(top, onerror=fail)
+
 def temp_name(basename: str) -> str:
     return f".{basename}{TEMP_MARKER}{secrets.token_hex(8)}"
 
@@ -312,19 +337,22 @@ class BlobFiles:
         rel_dir = prefix.rsplit("/", 1)[0] if "/" in prefix else ""
         top = os.path.join(self.root, rel_dir) if rel_dir else self.root
         keys = []
-        for dirpath, dirnames, filenames in os.walk(top):
-            rel = os.path.relpath(dirpath, self.root)
-            rel = "" if rel == "." else rel + "/"
-            if rel and not (rel.startswith(prefix) or prefix.startswith(rel)):
-                dirnames.clear()
-                continue
-            for name in filenames:
-                key = rel + name
-                if key.startswith(prefix) and not is_temp_name(name):
-                    keys.append(key)
+        try:
+            for dirpath, dirnames, filenames in walk_strict(top, self.root):
+                rel = os.path.relpath(dirpath, self.root)
+                rel = "" if rel == "." else rel + "/"
+                if rel and not (rel.startswith(prefix) or prefix.startswith(rel)):
+                    dirnames.clear()
+                    continue
+                for name in filenames:
+                    key = rel + name
+                    if key.startswith(prefix) and not is_temp_name(name):
+                        keys.append(key)
+        except OSError as exc:
+            raise self.error(exc, prefix or ".", "list", getattr(exc, "filename", None) or top) from exc
         return sorted(keys)
 
-    def temp_files(self) -> list[str]:
+    def temp_files(self) -> list[str]:  # (best effort: gc reports what it can see)
         """Relative paths of temporary files (writes that never finished: a crash, a full disk)."""
         found = []
         for dirpath, _, filenames in os.walk(self.root):

@@ -73,7 +73,7 @@ from ..crashpoints import crash_point
 from ..errors import BlobNotFoundError, ConfigError, PermanentTierError, TierError, TransientTierError
 from ..retry import is_transient
 from ..validate import PositiveInt, Seconds, Size
-from ._files import is_temp_name, remove_empty_dirs, temp_name, tier_error
+from ._files import is_temp_name, remove_empty_dirs, temp_name, tier_error, walk_strict
 from ._redact import REDACTED, redact, redacted_options, secret_values
 from ._s3 import (
     _BACKOFF_BASE_S,
@@ -176,6 +176,9 @@ class FsspecTier(Tier):
             raise ConfigError(redact(f"cannot open {options.url}: {exc}{hint}", self._secrets),
                               key_path=f"tier {name!r}.url") from None
         self.root = root.rstrip("/")
+        from fsspec.implementations.local import LocalFileSystem
+
+        self._local_fs = isinstance(self.fs, LocalFileSystem)
         if not self.root.strip("/"):
             raise ConfigError(f"{redact(options.url, self._secrets)} names no directory or bucket; add a path",
                               key_path=f"tier {name!r}.url")
@@ -483,6 +486,8 @@ class FsspecTier(Tier):
         top = f"{self.root}/{rel_dir}" if rel_dir else self.root
 
         def find() -> list[str]:
+            if self._local_fs:  # fsspec's find skips unreadable directories (ENOTDIR, EACCES) as if empty
+                return [os.path.join(d, f) for d, _, files in walk_strict(top, self.root) for f in files]
             self.fs.invalidate_cache(top)
             try:
                 return self.fs.find(top, detail=False)
