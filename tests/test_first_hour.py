@@ -8,6 +8,7 @@ import re
 import subprocess
 import sys
 import tempfile
+import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
@@ -408,3 +409,28 @@ def test_errors_of_a_tier_being_built_name_the_file_and_tiers_i(tmp_path):
     with pytest.raises(ConfigError, match=r"tiers\.yaml: tiers\[1\]\.enabled: enabled is true but the device cannot "
                                           r"be used: .*\(tier 'hbm'\)$"):
         CheckpointEngine(str(path))
+
+
+def test_ctrl_c_does_not_kill_the_drain_worker_mid_write(tmp_path, shm_root):
+    """Ctrl-C reaches the terminal's whole process group: the drain worker ignores it (no traceback, no torn
+    write); the training process decides what happens, and its close() still drains."""
+    import signal
+
+    from tiered_ckpt.worker import ProcessDrain
+
+    cfg = {"run_id": run_id(), "tiers": [{"name": "host", "kind": "shm", "path": shm_root},
+                                         {"name": "disk", "kind": "local", "path": str(tmp_path / "disk")}]}
+    with CheckpointEngine(cfg) as engine:  # the default drain: a worker process
+        engine.save(1, {"model": {"w": torch.ones(4)}}).wait(timeout=120)
+        drain = engine._drain
+        drain = drain if isinstance(drain, ProcessDrain) else next(
+            v for v in vars(drain).values() if isinstance(v, ProcessDrain))
+        deadline = time.monotonic() + 120
+        while (drain._proc is None or not drain._proc.is_alive()) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        proc = drain._proc
+        assert proc is not None and proc.is_alive()
+        os.kill(proc.pid, signal.SIGINT)
+        engine.save(2, {"model": {"w": torch.ones(4)}}).wait(timeout=120)
+        assert proc.is_alive()
+        assert engine.available_steps()["disk"] == [1, 2]

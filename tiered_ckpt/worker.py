@@ -34,6 +34,11 @@ log = logging.getLogger(__name__)
 
 def worker_main(config: Config, coords: RankCoords, order: list[str], local_rank: int, node_ranks: list[int],
                 requests: Any, results: Any, parent_pid: int) -> None:
+    import signal
+
+    # Ctrl-C in a terminal reaches the whole process group: the training process decides (its close() finishes
+    # or abandons the drain); the worker neither dies mid-write nor prints a KeyboardInterrupt traceback.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     import torch
 
     torch.set_num_threads(1)  # leave the cores to training
@@ -71,6 +76,23 @@ def worker_main(config: Config, coords: RankCoords, order: list[str], local_rank
     for store in stores.values():
         store.tier.close()
     results.put(("closed", os.getpid()))
+
+
+@contextlib.contextmanager
+def _sigint_ignored() -> Iterator[None]:
+    """SIGINT ignored while the worker is spawned: the new interpreter inherits the disposition, so a Ctrl-C
+    during its start-up (imports take seconds) prints no KeyboardInterrupt traceback either. Only the main
+    thread may change signal handlers; from another thread the worker sets it itself, a little later."""
+    import signal
+
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 @contextlib.contextmanager
@@ -165,7 +187,7 @@ class ProcessDrain:
         self._proc = ctx.Process(target=worker_main, name=f"tiered_ckpt-drain-{self.coords.rank}",
                                  args=(self.config, self.coords, self.order, self.local_rank, self.node_ranks,
                                        self._requests, self._results, os.getpid()), daemon=False)
-        with _main_module_hidden():
+        with _main_module_hidden(), _sigint_ignored():
             self._proc.start()
         self._listener = threading.Thread(target=self._listen, args=(self._proc, self._results),
                                           name="tiered_ckpt-drain-listener", daemon=True)
