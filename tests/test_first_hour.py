@@ -434,3 +434,17 @@ def test_ctrl_c_does_not_kill_the_drain_worker_mid_write(tmp_path, shm_root):
         engine.save(2, {"model": {"w": torch.ones(4)}}).wait(timeout=120)
         assert proc.is_alive()
         assert engine.available_steps()["disk"] == [1, 2]
+
+
+def test_drain_progress_is_visible(tmp_path, shm_root, capsys):
+    """engine.pending() says which tiers still owe which step; wait(progress=True) shows it as a bar."""
+    cfg = {"run_id": run_id(), "drain": {"mode": "thread"},
+           "tiers": [{"name": "host", "kind": "shm", "path": shm_root},
+                     {"name": "disk", "kind": "local", "path": str(tmp_path / "disk")}]}
+    with CheckpointEngine(cfg) as engine:
+        engine.save(1, {"model": {"w": torch.ones(1 << 20)}})
+        engine.save(2, {"model": {"w": torch.ones(1 << 20)}})
+        assert set(engine.pending()) <= {1, 2} and all(t == ["disk"] for t in engine.pending().values())
+        engine.wait(timeout=120, progress=True)
+        assert engine.pending() == {}
+    assert "rank 0 drain" in capsys.readouterr().err

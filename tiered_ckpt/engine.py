@@ -423,16 +423,47 @@ class CheckpointEngine:
         return dict(items), bool(items.verified), nbytes
 
     # ----- lifecycle ---------------------------------------------------------------------------------------
-    def wait(self, timeout: float | None = None) -> None:
+    def pending(self) -> dict[int, list[str]]:
+        """Drain progress: step → the tiers that have not finished it yet (committed or failed), oldest first."""
+        with self._cond:
+            handles = [h for hs in self._handles.values() for h in hs]
+        out: dict[int, list[str]] = {}
+        for h in handles:
+            left = [t for t in h.due if not h.done(t)]
+            if left:
+                out.setdefault(h.step, []).extend(t for t in left if t not in out.get(h.step, []))
+        return dict(sorted(out.items()))
+
+    def wait(self, timeout: float | None = None, *, progress: bool = False) -> None:
         """Wait until every save so far has drained (committed or failed) on every due tier; then raise
         :class:`~tiered_ckpt.handles.SavesFailedError` (a SaveError) naming every step and tier that failed since
-        the previous ``wait()``, as ``handle.wait()`` does for its own step."""
-        if not self._drain.wait_idle(timeout):
+        the previous ``wait()``, as ``handle.wait()`` does for its own step. ``progress``: a bar on stderr
+        counting the (step, tier) deliveries still due."""
+        if progress:
+            self._wait_with_bar(timeout)
+        elif not self._drain.wait_idle(timeout):
             raise TimeoutError(f"drain still busy after {timeout} s")
         with self._cond:
             failures, self._failures = self._failures, {}
         if failures:
             raise SavesFailedError(failures)
+
+    def _wait_with_bar(self, timeout: float | None) -> None:
+        from tqdm import tqdm
+
+        deadline = None if timeout is None else time.monotonic() + timeout
+        total = sum(map(len, self.pending().values()))
+        with tqdm(total=total, desc=f"rank {self.coords.rank} drain", unit="delivery", leave=False) as bar:
+            while True:
+                left = self.pending()
+                bar.set_postfix_str(", ".join(f"step {s}: {'/'.join(t)}" for s, t in list(left.items())[:3]))
+                bar.update(max(0, total - sum(map(len, left.values())) - bar.n))
+                slice_s = 0.5 if deadline is None else max(0.0, min(0.5, deadline - time.monotonic()))
+                if self._drain.wait_idle(slice_s):
+                    bar.update(total - bar.n)
+                    return
+                if deadline is not None and time.monotonic() >= deadline:
+                    raise TimeoutError(f"drain still busy after {timeout} s")
 
     def close(self, timeout: float | None = None) -> None:
         if self._closed:
