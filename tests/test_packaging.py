@@ -82,7 +82,7 @@ def test_the_wheel_ships_license_and_py_typed_and_complete_metadata(wheel):
     meta = wheel.read(f"{dist_info}/METADATA").decode()
     assert "License-Expression: Apache-2.0" in meta and "License-File: LICENSE" in meta
     assert "Classifier: Typing :: Typed" in meta and "Classifier: Programming Language :: Python :: 3.11" in meta
-    assert {"Homepage", "Documentation", "Source", "Issues"} <= set(re.findall(r"^Project-URL: (\w+),", meta, re.M))
+    # (no Project-URL yet: the project's public home is not decided; a guessed address would mislead)
     entry_points = wheel.read(f"{dist_info}/entry_points.txt").decode()
     assert "pytest11" not in entry_points and "tiered-ckpt = tiered_ckpt.cli:main" in entry_points
     # Linters are for developers, not for the test extra users install to run our contract suite.
