@@ -368,12 +368,15 @@ def _snapshot_rows(rows: list, run_id: str, committed: dict[str, set[int]], open
 
     state = run_state(run_id)
     for info in rows:
+        memory_only = info.state == "snapshot (non-persistent)"  # saved for memory tiers only: never drained
         if state == "live":
-            info.state = "snapshot (live engine)"
+            info.state = "snapshot (live engine" + ("; non-persistent)" if memory_only else ")")
             continue
         what = "closed" if state == "closed" else "stale: its process ended without close()"
         missing = [n for n, steps in committed.items() if info.step not in steps and max(steps, default=-1) < info.step]
-        if missing:
+        if memory_only:
+            info.state = f"snapshot ({what}; non-persistent: memory only, no file tier takes it)"
+        elif missing:
             info.state = (f"snapshot ({what}; not on {', '.join(map(repr, missing))}: the next engine of run "
                           f"{run_id!r} drains it)")
         elif committed and not opened.unreadable and not opened.absent:

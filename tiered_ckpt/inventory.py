@@ -158,8 +158,8 @@ def memory_steps(store: MemoryStore, ranks: list[int] | None = None) -> list[Ste
     for rank in ranks if ranks is not None else memory_ranks(store):
         view = MemoryStore(store.tier, rank, store.nslots)
         for _, meta in sorted(view.metas().items()):
-            out.append(StepInfo(store.name, meta.step, "snapshot", meta.total_bytes, now - meta.created,
-                                len(meta.items), [rank], run_id=meta.run_id))
+            out.append(StepInfo(store.name, meta.step, "snapshot" if meta.persistent else "snapshot (non-persistent)",
+                                meta.total_bytes, now - meta.created, len(meta.items), [rank], run_id=meta.run_id))
     return sorted(out, key=lambda s: (s.step, s.ranks))
 
 

@@ -295,6 +295,18 @@ def test_training_py_calls_work_verbatim(tmp_path: Path, shm_root: str, monkeypa
     finally:
         if adapter._default_engine is not None:
             adapter._default_engine.close()
+    # ls says what the non-persistent snapshot is (no "the next engine drains it")
+    import contextlib
+    import io
+    import json
+
+    from tiered_ckpt.cli import main as cli_main
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        cli_main(["ls", "--config", str(tmp_path / "tiers.yaml"), "--json"])
+    rows = {(r["tier"], r["step"]): r["state"] for r in json.loads(out.getvalue())}
+    assert "non-persistent: memory only" in rows[("shm", job.iteration + 1)], rows
     # The next job's engine recovers what shm holds, but never drains the non-persistent step to a file tier.
     with CheckpointEngine(cfg, ParallelLayout(), rank=0) as engine:
         engine.wait(timeout=60)
