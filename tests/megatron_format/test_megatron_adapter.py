@@ -252,7 +252,8 @@ def test_signatures_are_megatrons(func, megatron) -> None:
                if p.kind is inspect.Parameter.KEYWORD_ONLY)  # ours come after, all optional
 
 
-def test_training_py_calls_work_verbatim(tmp_path: Path, shm_root: str, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_training_py_calls_work_verbatim(tmp_path: Path, shm_root: str, monkeypatch: pytest.MonkeyPatch,
+                                        caplog: pytest.LogCaptureFixture) -> None:
     """The calls Megatron's training.py makes (save_checkpoint_and_time, the resume in setup_model_and_optimizer),
     keyword for keyword, with the engine built from TIERED_CKPT_CONFIG and kept in checkpointing_context."""
     import yaml
@@ -265,6 +266,7 @@ def test_training_py_calls_work_verbatim(tmp_path: Path, shm_root: str, monkeypa
     monkeypatch.setenv(adapter.CONFIG_ENV, str(tmp_path / "tiers.yaml"))
     monkeypatch.setattr(adapter, "_default_engine", None)
     rank.args.data_parallel_size = 1
+    rank.args.save = rank.args.load = str(tmp_path / "elsewhere")  # not where the tiers write: a warning says so
     checkpointing_context: dict = {}
     try:
         for non_persistent in (False, True):  # a persistent save, then a non-persistent one (memory only)
@@ -278,6 +280,7 @@ def test_training_py_calls_work_verbatim(tmp_path: Path, shm_root: str, monkeypa
             handle.wait(timeout=60)
         engine = checkpointing_context[adapter.CONTEXT_KEY]
         assert engine is adapter._default_engine
+        assert any("args.save=" in r.getMessage() and "elsewhere" in r.getMessage() for r in caplog.records)
         assert engine.available_steps() == {"shm": [job.iteration, job.iteration + 1], "shared": [job.iteration]}
         scramble(rank)
         got = adapter.load_checkpoint(

@@ -291,6 +291,7 @@ def engine_for(engine: Any, checkpointing_context: Any, args: Any) -> Any:
             from ..engine import CheckpointEngine
 
             _default_engine = CheckpointEngine(path, layout_from_args(args))
+            _warn_if_elsewhere(_default_engine, args)
             atexit.register(_default_engine.close)  # the last save drains before the process exits
         engine = _default_engine
     if isinstance(checkpointing_context, dict):
@@ -301,6 +302,26 @@ def engine_for(engine: Any, checkpointing_context: Any, args: Any) -> Any:
 _LAYOUT_FIX = ("give the engine the job's ParallelLayout (the drop-in builds it from args: tensor_model_parallel_size, "
                "pipeline_model_parallel_size, expert_model_parallel_size, context_parallel_size, data_parallel_size, "
                "in Megatron's rank order)")
+
+
+def _warn_if_elsewhere(engine: Any, args: Any) -> None:
+    """Megatron's own tools look for checkpoints in ``--save``/``--load``: say so if no file tier writes there."""
+    import os
+
+    dirs = set()
+    for name in engine.tiers:
+        opts = engine.tier_config(name).options
+        where = getattr(opts, "path", None) or getattr(opts, "url", None)
+        if isinstance(where, str) and where.startswith("file://"):
+            where = where[len("file://"):]
+        if isinstance(where, str) and "://" not in where:
+            dirs.add(os.path.realpath(os.path.expanduser(where)))
+    for arg in ("save", "load"):
+        value = getattr(args, arg, None)
+        if value and os.path.realpath(os.path.expanduser(str(value))) not in dirs:
+            log.warning("args.%s=%s is not the directory of any file tier in $%s (%s): checkpoints go to the "
+                        "tiers; point a file tier at it if Megatron's own tools should find them there", arg, value,
+                        CONFIG_ENV, ", ".join(sorted(dirs)) or "no local file tier")
 
 
 def _check_rank_args(engine: Any, **given: Any) -> None:
