@@ -72,9 +72,6 @@ class ByNamePickler(pickle._Pickler):  # type: ignore[misc, name-defined]
         self._names: dict[tuple[str, str], _GlobalName] = {}
         self._members: dict[tuple[Any, ...], Any] = {}
 
-    def reducer_override(self, obj: Any) -> Any:
-        return NotImplemented  # the stand-ins are dispatched in save() below
-
     def save(self, obj: Any, save_persistent_id: bool = True) -> None:
         named = reduce_by_name(obj) if not isinstance(obj, type) else None
         if named is None:

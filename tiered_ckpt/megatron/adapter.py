@@ -346,17 +346,21 @@ def _check_rank_args(engine: Any, **given: Any) -> None:
 _prepared: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()  # engine -> its pre-faulting thread
 
 
-def _prepare_now(engine: Any, build_items: Any) -> None:
-    """Size and pre-fault every slot for this job's items (at ``load_checkpoint``: before training starts, so
-    the first ``save_checkpoint`` copies into ready memory without the user calling ``prepare()``)."""
-    if engine in _prepared:
-        return
-    _prepared[engine] = None
+def _prepare(engine: Any, build_items: Any) -> None:
     try:
         engine.prepare(build_items())
     except Exception as exc:  # the save then allocates as usual: slower, never wrong
-        log.warning("could not prepare the memory slots in advance: %s: %s", type(exc).__name__, exc,
-                    exc_info=True)
+        if not getattr(engine, "_closed", False):
+            log.warning("could not prepare the memory slots in advance: %s: %s", type(exc).__name__, exc,
+                        exc_info=True)
+
+
+def _prepare_now(engine: Any, build_items: Any) -> None:
+    """Size and pre-fault every slot for this job's items (at ``load_checkpoint``: before training starts, so
+    the first ``save_checkpoint`` copies into ready memory without the user calling ``prepare()``)."""
+    if engine not in _prepared:
+        _prepared[engine] = None
+        _prepare(engine, build_items)
 
 
 def _prepare_in_background(engine: Any, build_items: Any) -> None:
@@ -364,20 +368,11 @@ def _prepare_in_background(engine: Any, build_items: Any) -> None:
     training runs (the next save joins the thread first)."""
     import threading
 
-    if engine in _prepared:
-        return
-
-    def work() -> None:
-        try:
-            engine.prepare(build_items())
-        except Exception as exc:  # the save then allocates as usual: slower, never wrong
-            if not getattr(engine, "_closed", False):
-                log.warning("could not prepare the memory slots in advance: %s: %s", type(exc).__name__, exc,
-                    exc_info=True)
-
-    thread = threading.Thread(target=work, name="tiered-ckpt-prepare", daemon=True)
-    _prepared[engine] = thread
-    thread.start()
+    if engine not in _prepared:
+        thread = threading.Thread(target=_prepare, args=(engine, build_items), name="tiered-ckpt-prepare",
+                                  daemon=True)
+        _prepared[engine] = thread
+        thread.start()
 
 
 def _join_prepare(engine: Any) -> None:
