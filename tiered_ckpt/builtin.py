@@ -25,6 +25,7 @@ def tiered_ckpt_register_layouts(registry):
 
     registry.add("megatron", MegatronLayout)
     registry.add("rank_sharded", RankShardedLayout)
+    registry.add("dcp", __import__("tiered_ckpt.layouts.dcp", fromlist=["_"]).DcpLayout)  # DCP's files (issue #14)
 
 
 @hookimpl
@@ -33,3 +34,4 @@ def tiered_ckpt_register_codecs(registry):
 
     registry.add("flat", FlatFileCodec)
     registry.add("torch", TorchFileCodec)
+    registry.add("distcp", __import__("tiered_ckpt.dcp._format", fromlist=["_"]).DistcpCodec)  # DCP (issue #14)

@@ -1,0 +1,207 @@
+"""A DCP ``StorageWriter`` over a :class:`~tiered_ckpt.CheckpointEngine`.
+
+``dcp.save(state_dict, storage_writer=TieredStorageWriter(engine), checkpoint_id=step)`` plans as DCP always does
+(its collectives, its planner); :meth:`write_data` then hands this rank's write items to ``engine.save``: a copy
+into the engine's pre-faulted slots (shared memory), which is all ``dcp.save`` waits for. The drain writes the
+``.distcp`` file and ``.metadata`` to every file tier, with checksums, retries, manifest-last commit and retention.
+
+The offsets DCP records in ``.metadata`` are computed from the plan (``torch.save``'s length depends only on dtype
+and shape), so the WriteResults are exact before a byte is written; the coordinator's snapshot, taken in
+:meth:`finish`, carries the pickled Metadata.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import os
+import pickle
+import re
+import threading
+import uuid
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.filesystem import _StorageInfo, _StoragePrefix
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItemType
+from torch.distributed.checkpoint.staging import BlockingAsyncStager
+from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
+from torch.futures import Future
+
+from ..errors import ConfigError, TieredCkptError
+from ..handles import SaveHandle
+from ..layouts.dcp import DATA_ITEM, METADATA_ITEM
+from ._format import data_file, torch_save_length
+
+CURRENT_DCP_VERSION = "1.0.0"  # what FileSystemWriter stamps into Metadata.version
+_STEP = re.compile(r"^(?:iter_|step_|step-)?(\d+)$")
+
+
+def parse_step(checkpoint_id: Any) -> int:
+    """The step a DCP ``checkpoint_id`` names: an int, ``"10"``, ``"iter_0000010"``, ``"step_10"``, or a path whose
+    last part is one of those."""
+    if isinstance(checkpoint_id, int) and not isinstance(checkpoint_id, bool) and checkpoint_id >= 0:
+        return checkpoint_id
+    if isinstance(checkpoint_id, str | os.PathLike):
+        name = os.path.basename(os.fspath(checkpoint_id).rstrip("/"))
+        m = _STEP.match(name)
+        if m:
+            return int(m.group(1))
+    raise ValueError(f"checkpoint_id {checkpoint_id!r} names no step: pass the training step (checkpoint_id=10, "
+                     "or 'iter_0000010'); the engine's tiers decide where it is stored")
+
+
+def check_engine(engine: Any) -> None:
+    """The engine must use the ``dcp`` layout, without compression on a file tier (DCP reads plain files)."""
+    if engine.config.layout != "dcp":
+        raise ConfigError(f"tiered_ckpt.dcp needs an engine with layout: dcp (this one has "
+                          f"{engine.config.layout!r}): set layout: dcp in its configuration", key_path="layout")
+    for name in engine.pipeline.file_stores():
+        if engine.pipeline.file_stores()[name].compression_name:
+            raise ConfigError(f"tier {name!r}: compression would make .distcp files DCP's own reader cannot read; "
+                              "set compression: none on it for layout dcp", key_path="tiers")
+
+
+class TieredStorageWriter(StorageWriter, BlockingAsyncStager):
+    """DCP storage writer: the snapshot into the engine's memory tier is the save; the drain does the rest.
+
+    ``step``: the step to save (otherwise ``checkpoint_id`` names it on every ``dcp.save``). ``persistent=False``:
+    memory tiers only (no file tier takes these steps). For ``dcp.async_save`` this writer is also DCP's stager
+    (a CPU copy, DCP's own ``BlockingAsyncStager``; ``cache_staged_state_dict`` keeps its buffers between saves):
+    the engine's snapshot then runs in DCP's upload thread. ``handles`` holds each save's
+    :class:`~tiered_ckpt.handles.SaveHandle`; :meth:`wait` waits until the last one is durable."""
+
+    def __init__(self, engine: Any, step: int | None = None, *, persistent: bool = True,
+                 cache_staged_state_dict: bool = False):
+        StorageWriter.__init__(self)
+        BlockingAsyncStager.__init__(self, cache_staged_state_dict=cache_staged_state_dict)
+        check_engine(engine)
+        self.engine = engine
+        self.step = step
+        self.persistent = persistent
+        self.handles: list[SaveHandle] = []
+        self._pending: dict[str, Any] | None = None  # the coordinator's items, snapshotted in finish()
+        self._lock = threading.Lock()
+        self._is_coordinator = False
+        self._rank = engine.coords.rank
+        self._save_id = str(uuid.uuid4())
+
+    # ----- DCP's protocol ----------------------------------------------------------------------------------
+    def reset(self, checkpoint_id: Any = None) -> None:
+        if checkpoint_id is not None:
+            self.step = parse_step(checkpoint_id)
+        self._save_id = str(uuid.uuid4())
+        self._pending = None
+
+    def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        if self.step is None:
+            raise ValueError("TieredStorageWriter: no step to save: pass checkpoint_id=<step> to dcp.save, or "
+                             "TieredStorageWriter(engine, step=...)")
+        rank = kwargs.get("rank", self._rank)
+        if rank is not None and rank != self.engine.coords.rank:
+            raise TieredCkptError(f"DCP saves as rank {rank} of its process group, the engine is rank "
+                                  f"{self.engine.coords.rank}: use the default process group (all ranks)")
+        if kwargs.get("use_collectives", True) is False:
+            raise TieredCkptError("dcp.save(use_collectives=False) writes per-rank metadata, which the dcp layout "
+                                  "does not commit yet: save with use_collectives=True (the default)")
+        self._is_coordinator = is_coordinator
+
+    def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
+        return plan
+
+    def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
+        world = self.engine.coords.world_size
+        if len(plans) != world:
+            raise TieredCkptError(f"DCP planned {len(plans)} ranks, the engine's job has {world}: save on the "
+                                  "default process group")
+        return [dataclasses.replace(p, storage_data=_StoragePrefix(f"__{i}_")) for i, p in enumerate(plans)]
+
+    def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
+        entries = []
+        for item in plan.items:
+            data = planner.resolve_data(item)
+            if item.type == WriteItemType.BYTE_IO:
+                raw = data.getvalue() if isinstance(data, io.BytesIO) else bytes(data)
+                entries.append(torch.frombuffer(bytearray(raw), dtype=torch.uint8) if raw
+                               else torch.empty(0, dtype=torch.uint8))
+            else:
+                if not isinstance(data, torch.Tensor):
+                    raise TieredCkptError(f"rank {self._rank}: write item {item.index.fqn!r} resolved to "
+                                          f"{type(data).__name__}, not a tensor")
+                entries.append(data.detach())
+        index, results = self._file_layout(plan, entries)
+        items = {DATA_ITEM: {"entries": entries, "index": index}}
+        if self._is_coordinator:
+            self._pending = items  # the snapshot waits for the Metadata (finish), on this rank only
+        else:
+            self._snapshot(items)
+        fut: Future[list[WriteResult]] = Future()
+        fut.set_result(results)
+        return fut
+
+    def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
+        metadata.version = CURRENT_DCP_VERSION
+        metadata.storage_data = {wr.index: wr.storage_data for rs in results for wr in rs}
+        metadata.storage_meta = self.storage_meta()
+        pickled = pickle.dumps(metadata)
+        items = dict(self._pending or {DATA_ITEM: {"entries": [], "index": []}})
+        items[METADATA_ITEM] = {"metadata": torch.frombuffer(bytearray(pickled), dtype=torch.uint8)}
+        self._pending = None
+        self._snapshot(items)
+
+    def storage_meta(self) -> StorageMeta | None:
+        return StorageMeta(checkpoint_id=self.checkpoint_id, save_id=self._save_id)
+
+    @property
+    def checkpoint_id(self) -> str:
+        return f"iter_{self.step:07d}" if self.step is not None else ""
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: Any) -> bool:
+        return False  # never chosen by DCP on its own: it needs an engine
+
+    # ----- ours --------------------------------------------------------------------------------------------
+    def _file_layout(self, plan: SavePlan, entries: list[torch.Tensor]) -> tuple[list[dict], list[WriteResult]]:
+        """Where each write item sits in this rank's .distcp file, and DCP's WriteResults for it. A tensor's
+        ``torch.save`` length comes from its dtype and shape alone (cached): no byte is serialized here."""
+        name = data_file(self._rank)
+        index: list[dict] = []
+        results: list[WriteResult] = []
+        offset = 0
+        for item, data in zip(plan.items, entries, strict=True):
+            if item.type == WriteItemType.BYTE_IO:
+                info: dict[str, Any] = {"fqn": item.index.fqn, "kind": "bytes"}
+                length = data.numel()
+            else:
+                td = item.tensor_data
+                shape = tuple(int(s) for s in data.shape)
+                if td is not None and (tuple(td.chunk.sizes) != shape or td.properties.dtype != data.dtype):
+                    raise TieredCkptError(f"rank {self._rank}: write item {item.index.fqn!r} resolved to a tensor "
+                                          f"of shape {list(shape)} {data.dtype}, the plan says "
+                                          f"{list(td.chunk.sizes)} {td.properties.dtype}")
+                info = {"fqn": item.index.fqn, "kind": "tensor"}
+                length = torch_save_length(data.dtype, shape)
+            info.update(offset=offset, length=length)
+            index.append(info)
+            results.append(WriteResult(index=item.index, size_in_bytes=length,
+                                       storage_data=_StorageInfo(name, offset, length)))
+            offset += length
+        return index, results
+
+    def _snapshot(self, items: dict[str, Any]) -> None:
+        assert self.step is not None
+        handle = self.engine.save(self.step, items, persistent=self.persistent)
+        with self._lock:
+            self.handles.append(handle)
+
+    @property
+    def last_handle(self) -> SaveHandle | None:
+        return self.handles[-1] if self.handles else None
+
+    def wait(self, timeout: float | None = None) -> None:
+        """Wait until the last save is on every due tier (raises :class:`~tiered_ckpt.handles.SaveError` if a tier
+        could not take it)."""
+        handle = self.last_handle
+        if handle is not None:
+            handle.wait(timeout)
