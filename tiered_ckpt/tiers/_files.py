@@ -1,8 +1,21 @@
-"""What the file tiers (``local``, ``shm``) share: temporary names, atomic writes, listing, error mapping.
+"""What the file tiers (``local``, ``shm``, ``fsspec`` on a local path) share: temporary names, atomic writes,
+listing, error mapping, and opening files without following links.
 
 A write goes to a temporary file in the target directory, then ``rename`` replaces the key in one step.
 Temporary names look like ``.{basename}.tmp-{16 hex digits}``: hidden, recognisable by :func:`is_temp_name`
-(listings skip them; ``gc`` finds the ones a crash left behind) and unlikely to collide with a real key.
+(listings skip them; ``gc`` finds the ones a crash left behind) and unlikely to collide with a real key. A temporary
+file that vanishes before its rename (a concurrent ``gc --delete``) fails that write attempt as transient: the
+engine's retry writes the file again.
+
+Nothing below the tier's root is followed or opened blindly (the root itself may be a link: the user chose it):
+
+* directories are walked one component at a time with ``O_NOFOLLOW`` (``openat`` on the parent's descriptor),
+  and files opened ``O_NOFOLLOW | O_NONBLOCK`` and checked with ``fstat`` before a byte is read, so a symbolic
+  link, a FIFO, a socket or a device where a blob should be is a :class:`~tiered_ckpt.errors.CorruptionError`
+  naming the path (loads fall back to the next tier) instead of a read of another file or a read that never
+  returns; writes through such a directory are refused (:class:`~tiered_ckpt.errors.PermanentTierError`);
+* listings never descend into a linked directory (and log it); deletions never reach through one;
+* a read given the size its manifest records (``max_size``) refuses a larger file before reading it.
 """
 
 from __future__ import annotations
@@ -20,46 +33,52 @@ from typing import Any
 import torch
 
 from ..crashpoints import crash_point
-from ..errors import BlobNotFoundError, PermanentTierError, TierError, TransientTierError
+from ..errors import BlobNotFoundError, CorruptionError, PermanentTierError, TierError, TransientTierError
 from ..hostmem import FileShrankError, read_file
+from ..retry import FULL_ERRNOS, TRANSIENT_ERRNOS
 from ._direct_io import DIRECT_MIN, DirectWriter, buffered_io
+from ._nofollow import check_dirs, check_size, open_parent, open_regular, real_dir, refused_entry
 from .base import as_memoryview, check_key, check_prefix
 
 log = logging.getLogger(__name__)
 
 TEMP_MARKER = ".tmp-"
 _TEMP_RE = re.compile(r"^\..+\.tmp-[0-9a-f]{16}$")
-# EBUSY and EREMOTEIO: what s3fs makes of HTTP 503 (SlowDown) and 500 (InternalError)
-_TRANSIENT_ERRNOS = {errno.EAGAIN, errno.EBUSY, errno.ETIMEDOUT, errno.ESTALE, errno.EINTR, errno.EREMOTEIO}
-_FULL_ERRNOS = {errno.ENOSPC, errno.EDQUOT}
 _MAX_IOV = 512  # chunks per writev call (IOV_MAX is 1024 on Linux)
 _WRITE_MAX = 1 << 30  # bytes per write call (Linux caps one write at 2 GiB - 4 KiB)
 
 
 
-def walk_strict(top: str, root: str):
+def walk_strict(top: str, root: str, on_link: Callable[[str], None] | None = None):
     """``os.walk(top)`` that raises what it meets (EACCES, ENOTDIR, ELOOP: "could not look") instead of skipping
-    it silently. A ``top`` that does not exist lists as empty (nothing there), and so does a ``top`` below the
-    tier's ``root`` that is a file (a blob, not a directory); a ``root`` that is not a directory is an error."""
+    it silently, and never follows a link below ``root``. A ``top`` that does not exist lists as empty (nothing
+    there), and so does a ``top`` below a file (a blob, not a directory) or a link, which is reported to
+    ``on_link(path)``; a ``root`` that is not a directory is an error."""
     try:
-        st = os.stat(top)
+        st = os.stat(root)  # the root may be a link: the user's choice
     except FileNotFoundError:
         return
-    except NotADirectoryError:
-        if top == root:
-            raise
-        os.stat(root)  # the root itself unreadable: raise that; a blob on the way to top: nothing there
-        return
     if not stat.S_ISDIR(st.st_mode):
-        if top == root:
-            raise NotADirectoryError(errno.ENOTDIR, os.strerror(errno.ENOTDIR), top)
-        return
+        raise NotADirectoryError(errno.ENOTDIR, os.strerror(errno.ENOTDIR), root)
+    if top != root:
+        path = root
+        for part in os.path.relpath(top, root).split(os.sep):
+            path = os.path.join(path, part)
+            try:
+                st = os.lstat(path)
+            except FileNotFoundError:
+                return
+            if stat.S_ISLNK(st.st_mode) and on_link is not None:
+                on_link(path)
+            if not stat.S_ISDIR(st.st_mode):
+                return
 
     def fail(exc: OSError) -> None:
         if not isinstance(exc, FileNotFoundError):  # a directory removed while listing: gone, not unreadable
             raise exc
 
     yield from os.walk(top, onerror=fail)
+
 
 def temp_name(basename: str) -> str:
     return f".{basename}{TEMP_MARKER}{secrets.token_hex(8)}"
@@ -77,9 +96,9 @@ def tier_error(exc: OSError, *, tier: str, key: str | None, op: str, path: str,
     what = f"{op} {path}: {exc.strerror or exc}"
     if code in (errno.ENOENT, errno.ENOTDIR, errno.EISDIR) and missing_ok:
         return BlobNotFoundError("no such blob", tier=tier, key=key)
-    if code in _FULL_ERRNOS:
+    if code in FULL_ERRNOS:
         return full_error(f"disk full ({errno.errorcode[code]}): {what}", tier=tier, key=key)
-    if code in _TRANSIENT_ERRNOS:
+    if code in TRANSIENT_ERRNOS:
         return TransientTierError(what, tier=tier, key=key)
     return PermanentTierError(what, tier=tier, key=key)
 
@@ -98,7 +117,7 @@ def make_dirs(root: str, rel_dir: str, mode: int) -> list[str]:
         return []
     missing = []
     path = os.path.join(root, rel_dir)
-    while path != root and not os.path.isdir(path):
+    while path != root and not real_dir(path):
         missing.append(path)
         path = os.path.dirname(path)
     created = []
@@ -107,7 +126,7 @@ def make_dirs(root: str, rel_dir: str, mode: int) -> list[str]:
             os.mkdir(d, mode)
             created.append(d)
         except FileExistsError:
-            if not os.path.isdir(d):
+            if not real_dir(d):  # a file, or a link (check_dirs names it)
                 raise
     return created
 
@@ -189,10 +208,12 @@ def write_chunks(fd: int, chunks: Iterable[Any], fail: Callable[[OSError], Excep
 
 
 class BlobFiles:
-    """Blobs as files under ``root``; ``local`` and ``shm`` configure it (modes, fsync, capacity check)."""
+    """Blobs as files under ``root``; ``local``, ``shm`` and ``fsspec`` on a local path configure it (modes,
+    fsync, capacity check, the crash point a written temporary file passes)."""
 
     def __init__(self, tier: str, root: str, *, file_mode: int, dir_mode: int, fsync: bool,
-                 full_error: type[TierError] = PermanentTierError, direct_io: bool = False):
+                 full_error: type[TierError] = PermanentTierError, direct_io: bool = False,
+                 temp_written_point: str = "files.temp_written"):
         self.tier = tier
         self.root = root
         self.file_mode = file_mode
@@ -200,6 +221,8 @@ class BlobFiles:
         self.fsync = fsync
         self.full_error = full_error
         self.direct_io = direct_io and hasattr(os, "O_DIRECT")  # off for good once the filesystem refuses it
+        self.temp_written_point = temp_written_point
+        self._links_logged: set[str] = set()
 
     def path(self, key: str) -> str:
         return os.path.join(self.root, check_key(key))
@@ -207,6 +230,13 @@ class BlobFiles:
     def error(self, exc: OSError, key: str | None, op: str, path: str, missing_ok: bool = False) -> TierError:
         return tier_error(exc, tier=self.tier, key=key, op=op, path=path, full_error=self.full_error,
                           missing_ok=missing_ok)
+
+    def _log_link(self, path: str) -> None:
+        if path not in self._links_logged:  # once per path: listings run on every load and every ls
+            self._links_logged.add(path)
+            log.warning("tier %r: %s is a symbolic link; a tier never follows links below its directory, so "
+                        "nothing under it is listed or loaded (replace the link with the directory itself)",
+                        self.tier, path)
 
     def _open_new(self, path: str) -> tuple[int, bool]:
         """Create ``path`` exclusively; with ``O_DIRECT`` when configured and the filesystem takes it."""
@@ -230,6 +260,7 @@ class BlobFiles:
         rel_dir, base = os.path.split(key)
         directory = os.path.join(self.root, rel_dir)
         tmp = os.path.join(directory, temp_name(base))
+        check_dirs(self.root, rel_dir, tier=self.tier, key=key)
         for attempt in (1, 2):
             try:
                 created = make_dirs(self.root, rel_dir, self.dir_mode)
@@ -250,9 +281,11 @@ class BlobFiles:
                         raise self.error(exc, key, "fsync", tmp) from exc
             finally:
                 os.close(fd)
-            crash_point("files.temp_written")
+            crash_point(self.temp_written_point)
             try:
                 os.rename(tmp, final)
+            except FileNotFoundError as exc:
+                raise vanished_temp(tmp, final, tier=self.tier, key=key) from exc
             except OSError as exc:
                 raise self.error(exc, key, "rename into", final) from exc
         except BaseException:
@@ -273,18 +306,22 @@ class BlobFiles:
                 raise self.error(exc, key, "fsync the directory of", final) from exc
         return nbytes
 
-    def read_into_tensor(self, key: str, hasher: Any = None) -> torch.Tensor:
-        """The whole file in fresh private memory, read in parallel pieces (:func:`~..hostmem.read_file`: the
-        page setup of the new memory overlaps the disk reads); ``hasher.update`` sees the pieces in order."""
+    def open_regular(self, key: str, op: str = "open") -> tuple[int, os.stat_result, str]:
+        """``key``'s file opened for reading without following links (:func:`open_regular`): (fd, fstat, path)."""
         path = self.path(key)
         try:
-            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+            fd, st = open_regular(self.root, key, tier=self.tier)
         except OSError as exc:
-            raise self.error(exc, key, "open", path, missing_ok=True) from exc
+            raise self.error(exc, key, op, path, missing_ok=True) from exc
+        return fd, st, path
+
+    def read_into_tensor(self, key: str, hasher: Any = None, max_size: int | None = None) -> torch.Tensor:
+        """The whole file in fresh private memory, read in parallel pieces (:func:`~..hostmem.read_file`: the
+        page setup of the new memory overlaps the disk reads); ``hasher.update`` sees the pieces in order. A file
+        larger than ``max_size`` is a :class:`CorruptionError`, and nothing of it is read."""
+        fd, st, path = self.open_regular(key)
         try:
-            st = os.fstat(fd)
-            if not stat.S_ISREG(st.st_mode):
-                raise BlobNotFoundError("no such blob (not a file)", tier=self.tier, key=key)
+            check_size(st.st_size, max_size, path, tier=self.tier, key=key)
             return read_file(fd, st.st_size, hasher=hasher)
         except FileShrankError as exc:
             raise PermanentTierError(f"{path} shrank while being read ({exc.got} of {exc.size} bytes)",
@@ -295,13 +332,9 @@ class BlobFiles:
             os.close(fd)
 
     def read_range(self, key: str, offset: int, length: int) -> bytes:
-        path = self.path(key)
+        fd, st, path = self.open_regular(key)
         try:
-            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-        except OSError as exc:
-            raise self.error(exc, key, "open", path, missing_ok=True) from exc
-        try:
-            size = os.fstat(fd).st_size
+            size = st.st_size
             if offset < 0 or length < 0 or offset + length > size:
                 raise TierError(f"range {offset}+{length} is outside the blob of {size} bytes",
                                 tier=self.tier, key=key)
@@ -319,18 +352,33 @@ class BlobFiles:
         finally:
             os.close(fd)
 
-    def size(self, key: str) -> int:
+    def _lstat(self, key: str) -> os.stat_result:
+        """What is at ``key`` itself (a link is not followed), reached without following a link."""
         path = self.path(key)
         try:
-            st = os.stat(path)
+            dir_fd, name = open_parent(self.root, key, tier=self.tier)
+            try:
+                return os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+            finally:
+                os.close(dir_fd)
         except OSError as exc:
             raise self.error(exc, key, "stat", path, missing_ok=True) from exc
-        if not stat.S_ISREG(st.st_mode):
+
+    def size(self, key: str) -> int:
+        st = self._lstat(key)
+        if stat.S_ISDIR(st.st_mode):
             raise BlobNotFoundError("no such blob (a directory)", tier=self.tier, key=key)
+        if not stat.S_ISREG(st.st_mode):
+            raise refused_entry(self.path(key), st.st_mode, tier=self.tier, key=key)
         return st.st_size
 
     def exists(self, key: str) -> bool:
-        return os.path.isfile(self.path(key))
+        """Something other than a directory is at ``key`` (a link or a FIFO too: reading it says what is wrong);
+        below a link there is nothing."""
+        try:
+            return not stat.S_ISDIR(self._lstat(key).st_mode)
+        except (BlobNotFoundError, CorruptionError):
+            return False
 
     def list(self, prefix: str) -> list[str]:
         check_prefix(prefix)
@@ -338,12 +386,17 @@ class BlobFiles:
         top = os.path.join(self.root, rel_dir) if rel_dir else self.root
         keys = []
         try:
-            for dirpath, dirnames, filenames in walk_strict(top, self.root):
+            for dirpath, dirnames, filenames in walk_strict(top, self.root, self._log_link):
                 rel = os.path.relpath(dirpath, self.root)
                 rel = "" if rel == "." else rel + "/"
                 if rel and not (rel.startswith(prefix) or prefix.startswith(rel)):
                     dirnames.clear()
                     continue
+                for name in dirnames:  # os.walk lists links to directories here and never descends into them
+                    below = rel + name + "/"
+                    if (below.startswith(prefix) or prefix.startswith(below)) and os.path.islink(
+                            os.path.join(dirpath, name)):
+                        self._log_link(os.path.join(dirpath, name))
                 for name in filenames:
                     key = rel + name
                     if key.startswith(prefix) and not is_temp_name(name):
@@ -363,31 +416,58 @@ class BlobFiles:
     def remove_temp_file(self, rel: str) -> None:
         if not is_temp_name(os.path.basename(rel)):
             raise ValueError(f"{rel!r} is not a temporary file")
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(os.path.join(self.root, rel))
+        self._unlink(rel)
 
-    def delete(self, key: str) -> None:
+    def _unlink(self, key: str) -> bool:
+        """Remove the entry at ``key`` (a link itself, never what it points to); False if nothing was there."""
         path = self.path(key)
         try:
-            os.unlink(path)
-        except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
-            return
+            dir_fd, name = open_parent(self.root, key, tier=self.tier)
+        except CorruptionError:
+            return False  # below a link: not in the tier
+        except (FileNotFoundError, NotADirectoryError):
+            return False
         except OSError as exc:
-            if exc.errno == errno.EPERM and os.path.isdir(path):  # unlink() of a directory on Linux
-                return
             raise self.error(exc, key, "delete", path) from exc
-        remove_empty_dirs(self.root, os.path.dirname(key))
+        try:
+            os.unlink(name, dir_fd=dir_fd)
+        except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
+            return False
+        except OSError as exc:
+            if exc.errno == errno.EPERM and stat.S_ISDIR(os.stat(name, dir_fd=dir_fd,
+                                                                 follow_symlinks=False).st_mode):
+                return False  # unlink() of a directory on Linux
+            raise self.error(exc, key, "delete", path) from exc
+        finally:
+            os.close(dir_fd)
+        return True
+
+    def delete(self, key: str) -> None:
+        if self._unlink(check_key(key)):
+            remove_empty_dirs(self.root, os.path.dirname(key))
 
     def delete_prefix(self, prefix: str) -> None:
-        """Every key under the directory ``prefix``, then the directories left empty."""
+        """Every key under the directory ``prefix``, then the directories left empty. A link where the
+        directory should be is removed itself (what it points to is not the tier's)."""
         prefix = check_prefix(prefix.rstrip("/") + "/")
         for key in self.list(prefix):
             crash_point("files.deleting")
             self.delete(key)
         top = os.path.join(self.root, prefix.rstrip("/"))
-        for dirpath, _, _ in sorted(os.walk(top, topdown=False), key=lambda e: -len(e[0])):
-            try:
-                os.rmdir(dirpath)
-            except OSError:
-                pass
+        if os.path.islink(top):
+            self._unlink(prefix.rstrip("/"))
+        elif real_dir(top):
+            for dirpath, _, _ in sorted(os.walk(top, topdown=False), key=lambda e: -len(e[0])):
+                try:
+                    os.rmdir(dirpath)
+                except OSError:
+                    pass
         remove_empty_dirs(self.root, os.path.dirname(prefix.rstrip("/")))
+
+
+def vanished_temp(tmp: str, final: str, *, tier: str, key: str) -> TransientTierError:
+    """A temporary file gone before its rename: a concurrent ``gc --delete`` or delete removed it (or its
+    directory). That attempt failed, nothing else: the retry writes the file again."""
+    return TransientTierError(f"rename {tmp} into {final}: the temporary file vanished before its rename "
+                              f"(removed by a concurrent gc --delete or delete?); the write is tried again",
+                              tier=tier, key=key)

@@ -48,7 +48,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from ..errors import TierError
+from ..errors import CorruptionError, TierError
 
 Chunk = Any  # bytes, bytearray, memoryview, numpy array or a 1-D uint8 torch tensor (any device)
 
@@ -167,10 +167,18 @@ class Tier(ABC):
     @abstractmethod
     def read_blob(self, key: str) -> torch.Tensor: ...
 
-    def read_blob_hashed(self, key: str, hasher: Any = None) -> torch.Tensor:
-        """``read_blob``, feeding the bytes to ``hasher.update`` (if given) in order. Tiers that can hash while
-        they read (``local``: pieces hashed as they arrive) override it; this default hashes after reading."""
+    def read_blob_hashed(self, key: str, hasher: Any = None, max_size: int | None = None) -> torch.Tensor:
+        """``read_blob``, feeding the bytes to ``hasher.update`` (if given) in order.
+
+        ``max_size``: the size the manifest records. A larger blob is a
+        :class:`~tiered_ckpt.errors.CorruptionError`; the built-in kinds refuse it before reading a byte (a
+        file far larger than it should be is never read whole), this default after reading. Tiers that can hash
+        while they read (``local``: pieces hashed as they arrive) override it; this default hashes after reading.
+        """
         blob = self.read_blob(key)
+        if max_size is not None and blob.numel() > max_size:
+            raise CorruptionError(f"the blob is {blob.numel()} bytes, more than the {max_size} bytes its manifest "
+                                  "records", tier=self.name, key=key)
         if hasher is not None:
             hasher.update(as_memoryview(blob))
         return blob

@@ -65,8 +65,8 @@ class LocalTier(Tier):
     def read_blob(self, key: str) -> torch.Tensor:
         return self.files.read_into_tensor(key)
 
-    def read_blob_hashed(self, key: str, hasher: Any = None) -> torch.Tensor:
-        return self.files.read_into_tensor(key, hasher)
+    def read_blob_hashed(self, key: str, hasher: Any = None, max_size: int | None = None) -> torch.Tensor:
+        return self.files.read_into_tensor(key, hasher, max_size)
 
     def read_range(self, key: str, offset: int, length: int) -> bytes:
         return self.files.read_range(key, offset, length)

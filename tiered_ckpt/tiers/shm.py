@@ -39,7 +39,6 @@ import logging
 import mmap
 import os
 import re
-import stat
 import threading
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -48,10 +47,11 @@ from typing import Literal
 import torch
 
 from .. import cuda_streams
-from ..errors import BlobNotFoundError, CapacityError, ConfigError, PermanentTierError, TieredCkptError
+from ..errors import CapacityError, ConfigError, PermanentTierError, TieredCkptError
 from ..private_dirs import private_dir
 from ..validate import Size
 from ._files import BlobFiles, make_dirs
+from ._nofollow import check_dirs
 from .base import Capabilities, Chunk, Tier, TierContext, check_key, check_prefix
 
 log = logging.getLogger(__name__)
@@ -222,15 +222,8 @@ class ShmTier(Tier):
         return nbytes
 
     def read_blob(self, key: str) -> torch.Tensor:
-        path = self.files.path(key)
+        fd, st, path = self.files.open_regular(key)  # never a link or a FIFO: see _nofollow
         try:
-            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-        except OSError as exc:
-            raise self.files.error(exc, key, "open", path, missing_ok=True) from exc
-        try:
-            st = os.fstat(fd)
-            if not stat.S_ISREG(st.st_mode):
-                raise BlobNotFoundError("no such blob (a directory)", tier=self.name, key=key)
             if st.st_size == 0:
                 return torch.empty(0, dtype=torch.uint8)
             mm = mmap.mmap(fd, st.st_size, access=mmap.ACCESS_COPY)  # MAP_PRIVATE, PROT_READ|PROT_WRITE
@@ -294,6 +287,7 @@ class ShmTier(Tier):
                         self._pin(key, slot)
                     return slot.tensor
                 self._slots.pop(key).release(self.name, key)  # unregistered before the file is remapped
+            check_dirs(self.root, os.path.dirname(key), tier=self.name, key=key)
             try:
                 make_dirs(self.root, os.path.dirname(key), 0o700)
                 fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
