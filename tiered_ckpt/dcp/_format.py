@@ -129,7 +129,9 @@ class DistcpCodec(FileCodec):
 # ----- .metadata: a pickle, read with an allow-list --------------------------------------------------------
 
 _ALLOWED_MODULES = ("torch.distributed.checkpoint.", "torch.distributed._shard.", "torch.distributed.tensor.")
-_ALLOWED = {("collections", "OrderedDict"), ("torch", "Size"), ("torch._utils", "_rebuild_tensor_v2"),
+_ALLOWED = {("collections", "OrderedDict"), ("torch", "Size"), ("torch.serialization", "_get_layout"),
+            ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath"), ("pathlib", "WindowsPath"),
+            ("pathlib", "PureWindowsPath"),  # FileSystemWriter's storage_meta.checkpoint_id
             ("builtins", "set"), ("builtins", "frozenset"), ("builtins", "slice"), ("builtins", "complex")}
 
 
@@ -142,10 +144,9 @@ class _MetadataUnpickler(pickle.Unpickler):
                                                                            torch.dtype | torch.layout
                                                                            | torch.memory_format)):
             return super().find_class(module, name)
-        if module.startswith(_ALLOWED_MODULES) and not name.startswith("_") or name in ("_StorageInfo",
-                                                                                      "_StoragePrefix"):
+        if module.startswith(_ALLOWED_MODULES):
             cls = super().find_class(module, name)
-            if isinstance(cls, type):
+            if isinstance(cls, type):  # DCP's dataclasses and enums; never a function
                 return cls
         raise pickle.UnpicklingError(f"{module}.{name} is not a DCP metadata class")
 

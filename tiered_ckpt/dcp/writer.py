@@ -130,7 +130,11 @@ class TieredStorageWriter(StorageWriter, BlockingAsyncStager):
                     raise TieredCkptError(f"rank {self._rank}: write item {item.index.fqn!r} resolved to "
                                           f"{type(data).__name__}, not a tensor")
                 entries.append(data.detach())
-        index, results = self._file_layout(plan, entries)
+        # FileSystemWriter's order: BYTE_IO items first, then the tensors (so on the CPU the files are its bytes)
+        order = sorted(range(len(entries)), key=lambda i: plan.items[i].type != WriteItemType.BYTE_IO)
+        plan_items = [plan.items[i] for i in order]
+        entries = [entries[i] for i in order]
+        index, results = self._file_layout(plan_items, entries)
         items = {DATA_ITEM: {"entries": entries, "index": index}}
         if self._is_coordinator:
             self._pending = items  # the snapshot waits for the Metadata (finish), on this rank only
@@ -162,14 +166,15 @@ class TieredStorageWriter(StorageWriter, BlockingAsyncStager):
         return False  # never chosen by DCP on its own: it needs an engine
 
     # ----- ours --------------------------------------------------------------------------------------------
-    def _file_layout(self, plan: SavePlan, entries: list[torch.Tensor]) -> tuple[list[dict], list[WriteResult]]:
+    def _file_layout(self, plan_items: list[Any], entries: list[torch.Tensor]
+                     ) -> tuple[list[dict], list[WriteResult]]:
         """Where each write item sits in this rank's .distcp file, and DCP's WriteResults for it. A tensor's
         ``torch.save`` length comes from its dtype and shape alone (cached): no byte is serialized here."""
         name = data_file(self._rank)
         index: list[dict] = []
         results: list[WriteResult] = []
         offset = 0
-        for item, data in zip(plan.items, entries, strict=True):
+        for item, data in zip(plan_items, entries, strict=True):
             if item.type == WriteItemType.BYTE_IO:
                 info: dict[str, Any] = {"fqn": item.index.fqn, "kind": "bytes"}
                 length = data.numel()

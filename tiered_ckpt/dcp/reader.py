@@ -1,0 +1,353 @@
+"""A DCP ``StorageReader`` over a :class:`~tiered_ckpt.CheckpointEngine`, or over a plain DCP directory.
+
+``dcp.load(state_dict, storage_reader=TieredStorageReader(engine))`` loads the newest step every rank can read
+(``checkpoint_id=<step>`` for another one). Planning is DCP's; each data file a rank's plan needs comes from the
+fastest tier that holds a verified copy of it:
+
+* a memory tier: the snapshot of the rank that wrote it, in this node's shared memory (no file is decoded: the
+  tensors are views of the slot), checked against the snapshot's checksum where the drain recorded one;
+* a file tier with our manifest: the whole ``.distcp`` read (the ``local`` tier reads in parallel pieces) and
+  checked against the manifest's checksum before a byte is used;
+* a plain DCP directory (written by DCP's ``FileSystemWriter``, no manifest): only the byte ranges the plan
+  needs, unverified (there is nothing to verify them against), and the reader says so (``verified``).
+
+Files are fetched on a thread pool (``threads``) and applied as each arrives; a file that fails on one tier
+(missing, corrupt) is taken from the next. ``.metadata`` is unpickled with an allow-list of DCP's metadata classes.
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+import os
+from collections.abc import Callable
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from typing import Any
+
+import torch
+from torch.distributed._shard._utils import narrow_tensor_by_index
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
+from torch.distributed.checkpoint.storage import StorageReader
+from torch.futures import Future as TorchFuture
+
+from ..errors import CorruptionError, NoCheckpointError, TieredCkptError, TierError
+from ..file_store import FileStore
+from ..layouts.dcp import DATA_ITEM, METADATA_FILE, METADATA_ITEM
+from ..memory_store import MemoryStore
+from ..tiers.base import as_memoryview, bytes_to_tensor
+from ._format import load_metadata, parse_data_file
+from .writer import check_engine, parse_step
+
+log = logging.getLogger(__name__)
+Fetched = Callable[[int, int, bool], Any]  # (offset, length, is_tensor) → tensor, or bytes for BYTE_IO
+
+
+class TieredStorageReader(StorageReader):
+    """DCP storage reader. ``engine``: read through its tiers (fastest verified first); ``path``: a plain DCP
+    directory instead (no engine needed). ``step``: the step to load (default: the newest every rank can read;
+    ``checkpoint_id`` passed to ``dcp.load`` names one too). After a load, ``step`` is the step loaded,
+    ``sources`` maps each data file to the tier it came from, ``verified`` says whether every byte was checked."""
+
+    def __init__(self, engine: Any = None, step: int | None = None, *, path: str | os.PathLike | None = None,
+                 threads: int = 8):
+        super().__init__()
+        if engine is None and path is None:
+            raise ValueError("TieredStorageReader needs an engine (its tiers) or path= (a plain DCP directory)")
+        if engine is not None:
+            check_engine(engine)
+        self.engine = engine
+        self.requested = step
+        self.path = os.fspath(path) if path is not None else None
+        self.threads = max(1, threads)
+        self.step: int | None = None
+        self.sources: dict[str, str] = {}
+        self.verified = True
+        self.storage_data: dict[Any, Any] = {}
+        self._metadata_tier: str | None = None
+
+    # ----- DCP's protocol ----------------------------------------------------------------------------------
+    def reset(self, checkpoint_id: Any = None) -> None:
+        self.storage_data = {}
+        self.sources = {}
+        self.verified = True
+        if checkpoint_id is None:
+            return
+        if self.engine is None or (isinstance(checkpoint_id, str | os.PathLike)
+                                   and os.path.isfile(os.path.join(os.fspath(checkpoint_id), METADATA_FILE))):
+            self.path = os.fspath(checkpoint_id)  # a plain DCP directory
+        else:
+            self.requested = parse_step(checkpoint_id)
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        if kwargs.get("rank") is not None:
+            raise TieredCkptError("per-rank DCP metadata (use_collectives=False) is not supported by "
+                                  "TieredStorageReader: load checkpoints saved with use_collectives=True")
+        if self.engine is None or self.path is not None:
+            where = os.path.join(self.path or "", METADATA_FILE)
+            with open(where, "rb") as f:
+                metadata = load_metadata(f.read(), where)
+            self.verified = False
+            self._metadata_tier = "directory"
+        else:
+            self.step = self._choose_step()
+            metadata = self._engine_metadata(self.step)
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = StorageMeta()
+        return metadata
+
+    def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        if metadata.storage_data is None:
+            raise CorruptionError("DCP metadata without storage_data: not a complete checkpoint")
+        self.storage_data = metadata.storage_data
+
+    def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
+        return plan
+
+    def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
+        return plans
+
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> TorchFuture[None]:
+        per_file: dict[str, list[ReadItem]] = {}
+        for req in plan.items:
+            per_file.setdefault(self.storage_data[req.storage_index].relative_path, []).append(req)
+        with ThreadPoolExecutor(min(self.threads, max(1, len(per_file))),
+                                thread_name_prefix="tiered_ckpt-dcp-read") as pool:
+            pending: dict[Future, str] = {pool.submit(self._fetch, name, reqs): name for name, reqs in per_file.items()}
+            while pending:
+                done, _ = wait(pending, return_when=FIRST_COMPLETED)
+                for fut in done:
+                    name = pending.pop(fut)
+                    get, tier, verified = fut.result()
+                    self.sources[name] = tier
+                    self.verified = self.verified and verified
+                    self._apply(per_file[name], get, planner)  # on this thread: DCP's planner is not shared
+        out: TorchFuture[None] = TorchFuture()
+        out.set_result(None)
+        return out
+
+    @property
+    def checkpoint_id(self) -> Any:
+        return self.path if self.path is not None else (f"iter_{self.step:07d}" if self.step is not None else None)
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: Any) -> bool:
+        return False  # never chosen by DCP on its own
+
+    # ----- applying ----------------------------------------------------------------------------------------
+    def _apply(self, reqs: list[ReadItem], get: Fetched, planner: LoadPlanner) -> None:
+        for req in reqs:
+            info = self.storage_data[req.storage_index]
+            if req.type == LoadItemType.BYTE_IO:
+                planner.load_bytes(req, io.BytesIO(get(info.offset, info.length, False)))
+                continue
+            tensor = narrow_tensor_by_index(get(info.offset, info.length, True), req.storage_offsets, req.lengths)
+            target = planner.resolve_tensor(req).detach()
+            if target.size() != tensor.size():
+                raise CorruptionError(f"{info.relative_path}: {req.storage_index.fqn} has shape {tuple(tensor.size())}"
+                                      f" in the checkpoint, the plan expects {tuple(target.size())}")
+            target.copy_(tensor)
+            planner.commit_tensor(req, target)
+
+    # ----- choosing a step ---------------------------------------------------------------------------------
+    def _stores(self) -> list[tuple[str, Any]]:
+        return [(name, self.engine.pipeline.stores[name]) for name in self.engine.tiers]
+
+    def _rank_view(self, store: MemoryStore, rank: int) -> MemoryStore:
+        for_rank = getattr(store, "for_rank", None)
+        return for_rank(rank) if for_rank is not None else MemoryStore(store.tier, rank, store.nslots)
+
+    def _snapshot(self, store: MemoryStore, rank: int, step: int, item: str) -> Any:
+        """The newest snapshot record of ``step`` holding ``item`` in ``rank``'s slots on this node, or None."""
+        view = self._rank_view(store, rank)
+        metas = [m for m in view.metas().values() if m.step == step and any(it.name == item for it in m.items)]
+        return (view, max(metas, key=lambda m: m.created)) if metas else None
+
+    def _loadable_here(self) -> set[int]:
+        world = self.engine.coords.world_size
+        steps: set[int] = set()
+        for name, store in self._stores():
+            try:
+                if isinstance(store, MemoryStore):
+                    steps.update(m.step for m in store.metas().values() if any(it.name == DATA_ITEM for it in m.items)
+                                 and int((m.parallel or {}).get("world_size", world)) == world)
+                elif isinstance(store, FileStore):
+                    steps.update(s for s in store.committed_steps()
+                                 if store.read_manifest(s, cached=True).layout == "dcp")
+                    steps.update(self._plain_steps(store))
+            except (TierError, OSError, CorruptionError) as exc:
+                log.warning("dcp load: cannot list tier %r: %s", name, exc)
+        return steps
+
+    @staticmethod
+    def _plain_steps(store: FileStore) -> set[int]:
+        """Step directories holding DCP's .metadata but no manifest of ours (written by DCP's FileSystemWriter)."""
+        out = set()
+        for key in store.tier.list(""):
+            top, _, rest = key.partition("/")
+            step = store.layout.parse_step_dir(top)
+            if step is not None and rest == METADATA_FILE and not store.tier.exists(store.layout.manifest_key(step)):
+                out.add(step)
+        return out
+
+    def _choose_step(self) -> int:
+        mine = self._loadable_here()
+        chosen = self.engine.coordinator.agree_on_step(mine, self.requested)  # collective with several ranks
+        if chosen is None:
+            what = f"step {self.requested}" if self.requested is not None else "a DCP checkpoint"
+            raise NoCheckpointError(f"rank {self.engine.coords.rank}: no tier holds {what} that every rank can "
+                                    f"read (this rank sees steps {sorted(mine) or 'none'} on tiers "
+                                    f"{', '.join(self.engine.tiers)})")
+        return chosen
+
+    # ----- the metadata ------------------------------------------------------------------------------------
+    def _engine_metadata(self, step: int) -> Metadata:
+        reasons = []
+        for name, store in self._stores():
+            try:
+                if isinstance(store, MemoryStore):
+                    found = self._snapshot(store, 0, step, METADATA_ITEM)
+                    if found is None:
+                        continue
+                    view, meta = found
+                    state = view.load(meta, copy=True, verify=True, only={METADATA_ITEM})[METADATA_ITEM]
+                    data = bytes(as_memoryview(state["metadata"]))
+                    verified = all(it.checksum for it in meta.items if it.name == METADATA_ITEM)
+                elif isinstance(store, FileStore):
+                    data, verified = self._file_bytes(store, step, store.layout.metadata_key(step))
+                    if data is None:
+                        continue
+                else:
+                    continue
+                metadata = load_metadata(data, f"tier {name!r} step {step} {METADATA_FILE}")
+                self.verified = self.verified and verified
+                self._metadata_tier = name
+                return metadata
+            except (TierError, OSError, CorruptionError, TieredCkptError) as exc:
+                reasons.append(f"tier {name!r}: {exc}")
+                log.warning("dcp load: step %d: DCP metadata unusable on tier %r: %s", step, name, exc)
+        raise TieredCkptError(f"rank {self.engine.coords.rank}: step {step}: no tier holds a usable DCP "
+                              f".metadata ({'; '.join(reasons) or 'none holds one'})")
+
+    def _file_bytes(self, store: FileStore, step: int, key: str) -> tuple[bytes | None, bool]:
+        """A whole file of ``step``: verified against the manifest, or unverified from a plain DCP directory."""
+        manifest = self._manifest(store, step)
+        if manifest is not None:
+            entry = next((f for f in manifest.files if f.key == key), None)
+            if entry is None:
+                return None, False
+            blob = store.read_verified(entry, step, self.engine.coords.rank)
+            return bytes(as_memoryview(store.decode_stored(entry, blob))), True
+        if not store.tier.exists(key):
+            return None, False
+        return bytes(as_memoryview(store.tier.read_blob(key))), False
+
+    @staticmethod
+    def _manifest(store: FileStore, step: int) -> Any:
+        if step not in store.committed_steps():
+            return None
+        return store.read_manifest(step, cached=True)
+
+    # ----- fetching data files -----------------------------------------------------------------------------
+    def _fetch(self, name: str, reqs: list[ReadItem]) -> tuple[Fetched, str, bool]:
+        """How to get the bytes of ``name`` (a data file of the step), from the fastest tier that has them."""
+        if self.engine is None or self.path is not None:
+            return self._from_directory(os.path.join(self.path or "", name)), "directory", False
+        step = self.step
+        assert step is not None
+        reasons = []
+        for tier_name, store in self._stores():
+            try:
+                if isinstance(store, MemoryStore):
+                    got = self._from_memory(store, name, step)
+                elif isinstance(store, FileStore):
+                    got = self._from_files(store, name, step, reqs)
+                else:
+                    got = None
+                if got is not None:
+                    return got[0], tier_name, got[1]
+            except (TierError, OSError, CorruptionError, TieredCkptError) as exc:
+                reasons.append(f"tier {tier_name!r}: {exc}")
+                log.warning("dcp load: step %d: %s unusable on tier %r (%s); trying the next tier", step, name,
+                            tier_name, exc)
+        raise TieredCkptError(f"rank {self.engine.coords.rank}: step {step}: no tier holds a usable {name} "
+                              f"({'; '.join(reasons) or 'no tier has it'})")
+
+    def _from_memory(self, store: MemoryStore, name: str, step: int) -> tuple[Fetched, bool] | None:
+        rank = parse_data_file(name)
+        if rank is None or not name.endswith("_0.distcp"):
+            return None
+        found = self._snapshot(store, rank, step, DATA_ITEM)
+        if found is None:
+            return None
+        view, meta = found
+        state = view.load(meta, copy=False, verify=True, only={DATA_ITEM})[DATA_ITEM]
+        by_offset = {info["offset"]: (entry, info) for entry, info in zip(state["entries"], state["index"],
+                                                                          strict=True)}
+
+        def get(offset: int, length: int, tensor: bool) -> Any:
+            try:
+                entry, info = by_offset[offset]
+            except KeyError:
+                raise CorruptionError(f"rank {rank}'s snapshot of step {step} has no entry at byte {offset} of "
+                                      f"{name}", tier=store.name) from None
+            if info["length"] != length:
+                raise CorruptionError(f"{name} byte {offset}: the snapshot's entry is {info['length']} bytes, the "
+                                      f"metadata says {length}", tier=store.name)
+            return entry if tensor else bytes(as_memoryview(entry))
+
+        return get, all(it.checksum for it in meta.items if it.name == DATA_ITEM)
+
+    def _from_files(self, store: FileStore, name: str, step: int, reqs: list[ReadItem]
+                    ) -> tuple[Fetched, bool] | None:
+        key = f"{store.layout.step_dir(step)}/{name}"
+        manifest = self._manifest(store, step)
+        if manifest is None:
+            if not store.tier.exists(key):
+                return None
+            tier = store.tier
+            return _range_getter(lambda off, n: tier.read_range(key, off, n), key), False
+        entry = next((f for f in manifest.files if f.key == key), None)
+        if entry is None:
+            return None
+        blob = store.decode_stored(entry, store.read_verified(entry, step, self.engine.coords.rank))
+        return _blob_getter(blob, key), True
+
+    @staticmethod
+    def _from_directory(path: str) -> Fetched:
+        def read(offset: int, length: int) -> bytes:
+            with open(path, "rb") as f:
+                data = os.pread(f.fileno(), length, offset)
+            if len(data) != length:
+                raise CorruptionError(f"{path}: {length} bytes at {offset} announced, the file has {len(data)}")
+            return data
+
+        return _range_getter(read, path)
+
+
+def _decode_tensor(blob: torch.Tensor, where: str) -> torch.Tensor:
+    from ..megatron.safe_load import load_views
+
+    t = load_views(blob, where=where, map_location="cpu")
+    if not isinstance(t, torch.Tensor):
+        raise CorruptionError(f"{where}: expected a tensor record, found {type(t).__name__}")
+    return t
+
+
+def _blob_getter(blob: torch.Tensor, key: str) -> Fetched:
+    def get(offset: int, length: int, tensor: bool) -> Any:
+        if offset < 0 or offset + length > blob.numel():
+            raise CorruptionError(f"{key}: range {offset}+{length} is outside the file of {blob.numel()} bytes")
+        piece = blob[offset:offset + length]
+        return _decode_tensor(piece, f"{key}@{offset}") if tensor else bytes(as_memoryview(piece))
+
+    return get
+
+
+def _range_getter(read: Callable[[int, int], bytes], where: str) -> Fetched:
+    def get(offset: int, length: int, tensor: bool) -> Any:
+        data = read(offset, length)
+        return _decode_tensor(bytes_to_tensor(data), f"{where}@{offset}") if tensor else data
+
+    return get
+
