@@ -365,8 +365,9 @@ def _snapshot_rows(rows: list, run_id: str, committed: dict[str, set[int]], open
     engine holds it; "closed": the engine closed; "stale": the process ended without ``close()``) and, with no
     live engine, the file tiers that never got it (the next engine of this run_id drains it there)."""
     from .housekeeping import run_state
+    from .locking import shm_paths
 
-    state = run_state(run_id)
+    state = run_state(run_id, shm_paths(opened.config))
     for info in rows:
         memory_only = info.state == "snapshot (non-persistent)"  # saved for memory tiers only: never drained
         if state == "live":
@@ -493,7 +494,8 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
 
 def cmd_gc(args: argparse.Namespace) -> int:
-    from .housekeeping import find_debris, find_stale_runs, remove_debris, remove_stale_run
+    from .housekeeping import find_debris, find_stale_runs, remove_debris, remove_stale_run, run_state
+    from .locking import shm_paths
 
     found: list[dict] = []
     opened = _open(args, memory=False) if args.target or args.config else None
@@ -504,17 +506,18 @@ def cmd_gc(args: argparse.Namespace) -> int:
             for run in find_stale_runs(shm_path):
                 found.append({"what": "stale run", **run.to_dict()})
                 if args.delete:
-                    remove_stale_run(run)
+                    remove_stale_run(run, shm_path)
     if opened is not None:
+        live = bool(args.config) and run_state(opened.config.run_id, shm_paths(opened.config)) == "live"
         for name, store in opened.file_stores().items():
             try:
-                debris = find_debris(store)
+                debris = find_debris(store, live=live, min_age_s=args.min_age)
             except (TierError, OSError) as exc:
                 opened.unreadable[name] = _text(exc)
                 continue
             found += [d.to_dict() for d in debris]
             if args.delete:
-                remove_debris(store, debris)
+                remove_debris(store, debris, min_age_s=args.min_age)
         opened.notes(args)
     problem = opened.problem(True, "") if opened is not None else None
     verb = "removed" if args.delete else "would remove"
@@ -622,6 +625,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--shm-path", help=f"the shm tier's path (default: the configuration's shm tiers, else "
                                       f"{DEFAULT_SHM_PATH})")
     p.add_argument("--delete", action="store_true", help="remove what is found (default: only list it)")
+    p.add_argument("--min-age", type=float, default=3600.0, metavar="SECONDS", help="leave temporary files "
+                   "modified less than this long ago: writes in flight (default: %(default)s)")
     p = add("demo", cmd_demo, "train a small GPT on 4 ranks, checkpoint through shm, local and remote tiers, kill a "
                               "rank, resume, and check the resumed run matches an uninterrupted one", target=False)
     p.add_argument("--workdir", default="demo-run", help="where the demo writes (default: %(default)s)")

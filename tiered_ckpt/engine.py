@@ -34,7 +34,7 @@ from .file_store import FileStore
 from .handles import LoadResult, SaveHandle, SavesFailedError
 from .layouts.base import MODEL_ITEM, OPTIM_ITEM
 from .load_into import apply_into, check_into_names, tensors
-from .locking import RunLock
+from .locking import RunLock, shm_paths
 from .memory_store import MemoryStore, SlotItem, SlotMeta, plan_items
 from .parallel import ParallelLayout, RankCoords, detect, local_rank
 from .pipeline import STAGING, Pipeline, build_pipeline
@@ -52,7 +52,7 @@ class CheckpointEngine:
         self.pm = plugin_manager or get_plugin_manager()
         self.config: Config = load_config(config, registries=self.pm.registries)
         self.coords = detect(parallel, rank)
-        self._lock = RunLock(self.config.run_id, self.coords.rank)
+        self._lock = RunLock(self.config.run_id, self.coords.rank, shm_paths(self.config))  # beside the slots
         self._lock.acquire()
         self._observers = _attach_observers(self.pm, self.config)
         try:

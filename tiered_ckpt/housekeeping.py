@@ -2,22 +2,38 @@
 
 Nothing here runs on its own: the engine's retention removes only what it owns after a commit, and this module
 only acts on an explicit command (dry run first). Finding is read-only: no directory or lock file is created.
+
+What gc never touches (docs/operations.md, "What gc may touch"):
+
+* a run whose lock is held (:mod:`tiered_ckpt.locking`: the lock lives beside the run's slots, so it is seen
+  whatever ``TMPDIR`` each process has): its shared memory, and, when gc knows the run (``--config``), the
+  temporary files and partial steps on its file tiers;
+* a temporary file younger than ``min_age_s`` (:data:`TEMP_GRACE_S` by default), on any tier: a write in flight
+  on another node (or on a store where ownership cannot be told) keeps touching its temporary file.
 """
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import os
-import tempfile
+import re
+import shutil
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from .errors import TieredCkptError, TierError
+from .errors import RunLockedError, TieredCkptError, TierError
+from .locking import LOCKS_DIR, RUN_LOCK, shm_lock_path, tmp_lock_base
 from .tiers.base import _user_name
 
 if TYPE_CHECKING:
     from .file_store import FileStore
+
+#: A temporary file modified less than this long ago may belong to a write in flight: gc leaves it.
+TEMP_GRACE_S = 3600.0
+_RUN_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,127}")  # as config.py checks run_id
 
 
 @dataclass
@@ -31,12 +47,20 @@ class Debris:
         return {"tier": self.tier, "what": self.what, "key": self.key, "bytes": self.nbytes}
 
 
-def find_debris(store: FileStore) -> list[Debris]:
-    """Uncommitted steps older than the newest committed one, and temporary files of unfinished writes."""
+def find_debris(store: FileStore, *, live: bool = False, min_age_s: float = TEMP_GRACE_S,
+                now: float | None = None) -> list[Debris]:
+    """Uncommitted steps older than the newest committed one, and temporary files of unfinished writes.
+
+    ``live``: an engine of the run that writes this tier holds its lock: nothing of it is debris (its own
+    retention removes its partial steps after each commit). Temporary files modified less than ``min_age_s``
+    ago, or whose age cannot be told, are left too: a write in flight elsewhere keeps touching its file."""
+    if live:
+        return []
     keys = store.tier.list("")
     committed = {s for s in map(store.layout.parse_manifest_key, keys) if s is not None}
     out = []
     if committed:
+        # Each tier takes a run's steps in order: nothing older than its newest commit is being written.
         newest = max(committed)
         sizes: dict[int, int] = {}
         for key in keys:
@@ -46,7 +70,10 @@ def find_debris(store: FileStore) -> list[Debris]:
         out += [Debris(store.name, "partial step", store.layout.step_dir(s), n) for s, n in sorted(sizes.items())]
     files = getattr(store.tier, "files", store.tier)  # local and shm: their BlobFiles; fsspec: the tier itself
     if hasattr(files, "temp_files"):
+        now = time.time() if now is None else now
         for rel in files.temp_files():
+            if not _old_enough(store, rel, min_age_s, now):
+                continue
             try:
                 size = store.tier.size(rel)
             except (TierError, OSError):
@@ -55,12 +82,41 @@ def find_debris(store: FileStore) -> list[Debris]:
     return out
 
 
-def remove_debris(store: FileStore, debris: list[Debris]) -> None:
+def modified(store: FileStore, rel: str) -> float | None:
+    """When the file ``rel`` of a file tier last changed (seconds since the epoch), None if that cannot be told."""
+    files = getattr(store.tier, "files", None)
+    try:
+        if files is not None and hasattr(files, "path"):
+            return os.stat(files.path(rel), follow_symlinks=False).st_mtime
+        fs, to_path = getattr(store.tier, "fs", None), getattr(store.tier, "_path", None)
+        if fs is not None and to_path is not None:
+            return fs.modified(to_path(rel)).timestamp()
+    except Exception:  # noqa: BLE001 - gone, not supported by the store, no answer: the age is unknown
+        return None
+    return None
+
+
+def _old_enough(store: FileStore, rel: str, min_age_s: float, now: float) -> bool:
+    if min_age_s <= 0:
+        return True
+    mtime = modified(store, rel)
+    return mtime is not None and now - mtime >= min_age_s
+
+
+def remove_debris(store: FileStore, debris: list[Debris], *, min_age_s: float = TEMP_GRACE_S) -> list[Debris]:
+    """Remove what :func:`find_debris` found; a temporary file touched since (a write resumed) is left. Returns
+    what was removed."""
+    removed = []
+    now = time.time()
     for d in debris:
         if d.what == "partial step":
             store.tier.delete_prefix(d.key)
-        else:
+        elif _old_enough(store, d.key, min_age_s, now):
             getattr(store.tier, "files", store.tier).remove_temp_file(d.key)
+        else:
+            continue
+        removed.append(d)
+    return removed
 
 
 @dataclass
@@ -87,41 +143,58 @@ class StaleRun:
 
 
 def lock_path(run_id: str) -> str:
-    """Where :func:`tiered_ckpt.locking.lock_dir` keeps ``run_id``'s lock files, computed without creating it."""
-    base = os.environ.get("TIERED_CKPT_LOCK_DIR") or os.path.join(tempfile.gettempdir(),
-                                                                  f"tiered_ckpt-{_user_name()}")
-    return os.path.join(base, run_id)
+    """Where :func:`tiered_ckpt.locking.lock_dir` keeps the ``$TMPDIR`` locks of ``run_id`` (not created)."""
+    return os.path.join(tmp_lock_base(), run_id)
 
 
-def run_state(run_id: str) -> str:
-    """``"live"``: an engine on this node holds a lock of ``run_id``; ``"stale"``: a lock file is left but nobody
-    holds it (the process ended without ``close()``: killed, crashed); ``"closed"``: no lock file (``close()``
-    removes its own). Reads only: the lock files are opened read-only, nothing is created."""
-    directory = lock_path(run_id)
+def lock_dirs(run_id: str, shm_paths: str | Sequence[str] = ()) -> list[str]:
+    """Every place a lock of ``run_id`` can be: beside its slots in each shm path, and the ``$TMPDIR`` one."""
+    paths = [shm_paths] if isinstance(shm_paths, str) else list(shm_paths)
+    return [shm_lock_path(p, run_id) for p in paths] + [lock_path(run_id)]
+
+
+def _held(path: str, mode: int) -> bool | None:
+    """True if another process holds a lock on ``path`` that conflicts with ``mode``; None if there is no such
+    file. Opened read-only, never created (flock does not care how the file was opened)."""
     try:
-        names = sorted(n for n in os.listdir(directory) if n.endswith(".lock"))
-    except (FileNotFoundError, NotADirectoryError):
-        return "closed"
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+    except OSError:  # removed by a closing engine while we looked, or never there
+        return None
+    try:
+        fcntl.flock(fd, mode | fcntl.LOCK_NB)
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        return False
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)
+
+
+def run_state(run_id: str, shm_paths: str | Sequence[str] = (), *, ranks_only: bool = False) -> str:
+    """``"live"``: an engine holds a lock of ``run_id`` (beside its slots in one of ``shm_paths``, or in the
+    ``$TMPDIR`` lock directory); ``"stale"``: a lock file is left but nobody holds it (the process ended without
+    ``close()``: killed, crashed); ``"closed"``: no lock file (``close()`` removes its own). Reads only.
+    ``ranks_only``: look at the ranks' own locks only (gc, holding ``run.lock`` itself)."""
     left = False
-    for name in names:
+    for directory in lock_dirs(run_id, shm_paths):
         try:
-            fd = os.open(os.path.join(directory, name), os.O_RDONLY | os.O_NOFOLLOW)
-        except OSError:  # removed by a closing engine while we looked
+            names = sorted(n for n in os.listdir(directory) if n.endswith(".lock"))
+        except OSError:
             continue
-        try:
-            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)  # a live engine holds LOCK_EX
-            fcntl.flock(fd, fcntl.LOCK_UN)
-            left = True
-        except BlockingIOError:
-            return "live"
-        finally:
-            os.close(fd)
+        for name in names:
+            if ranks_only and name == RUN_LOCK:
+                continue
+            # Every engine of the run shares run.lock; each holds its rank's lock alone.
+            held = _held(os.path.join(directory, name), fcntl.LOCK_EX if name == RUN_LOCK else fcntl.LOCK_SH)
+            if held:
+                return "live"
+            left = left or held is False
     return "stale" if left else "closed"
 
 
-def _run_is_live(run_id: str) -> bool:
-    """True if any rank's lock of ``run_id`` is held by a live engine on this node (reads only)."""
-    return run_state(run_id) == "live"
+def _run_is_live(run_id: str, shm_paths: str | Sequence[str] = ()) -> bool:
+    """True if an engine holds a lock of ``run_id`` (reads only)."""
+    return run_state(run_id, shm_paths) == "live"
 
 
 def list_runs(shm_path: str) -> list[StaleRun]:
@@ -135,9 +208,9 @@ def list_runs(shm_path: str) -> list[StaleRun]:
     out = []
     for run_id in run_ids:
         path = os.path.join(base, run_id)
-        if not os.path.isdir(path) or os.path.islink(path):
+        if run_id == LOCKS_DIR or not _RUN_ID.fullmatch(run_id) or not os.path.isdir(path) or os.path.islink(path):
             continue
-        run = StaleRun(run_id, path, state=run_state(run_id))
+        run = StaleRun(run_id, path, state=run_state(run_id, shm_path))
         newest = 0.0
         steps = set()
         for dirpath, _, files in os.walk(path):
@@ -175,14 +248,39 @@ def _snapshot_step(path: str) -> int | None:
 
 
 def find_stale_runs(shm_path: str) -> list[StaleRun]:
-    """Runs of this user with snapshots in ``shm_path`` and no live engine on this node."""
+    """Runs of this user with snapshots in ``shm_path`` and no live engine."""
     return [run for run in list_runs(shm_path) if not run.live]
 
 
-def remove_stale_run(run: StaleRun) -> None:
-    import shutil
+def remove_stale_run(run: StaleRun, shm_path: str | None = None) -> None:
+    """Remove the shared memory of a run with no live engine, and its lock files.
 
-    if _run_is_live(run.run_id):  # it came back to life since it was listed
-        raise RuntimeError(f"run {run.run_id!r} has a live engine now; not removed")
-    shutil.rmtree(run.path)
-    shutil.rmtree(lock_path(run.run_id), ignore_errors=True)  # its lock files go with it
+    The run's ``run.lock`` (beside its slots) is taken exclusively first: that fails if an engine of the run is
+    alive, whatever its ``TMPDIR``, and no engine of the run can start until the removal is done. ``shm_path``:
+    the shm path the run was listed in (default: the one above ``run.path``)."""
+    shm_path = shm_path or os.path.dirname(os.path.dirname(run.path))
+    directory = shm_lock_path(shm_path, run.run_id)
+    with contextlib.suppress(FileExistsError):
+        os.mkdir(directory, 0o700)  # the parents exist: the run's slots are beside them
+    fd = os.open(os.path.join(directory, RUN_LOCK), os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise RunLockedError(f"run {run.run_id!r} has a live engine now (it holds {directory}/{RUN_LOCK}); "
+                                 f"its shared memory {run.path} was not removed") from None
+        if run_state(run.run_id, shm_path, ranks_only=True) == "live":  # between its two locks, or a $TMPDIR lock
+            raise RunLockedError(f"run {run.run_id!r} has a live engine now; its shared memory {run.path} was "
+                                 "not removed")
+        shutil.rmtree(run.path)
+        for name in os.listdir(directory):
+            if name != RUN_LOCK:
+                with contextlib.suppress(OSError):
+                    os.unlink(os.path.join(directory, name))
+        with contextlib.suppress(OSError):
+            os.unlink(os.path.join(directory, RUN_LOCK))  # while held: a starting engine opens a fresh one
+        with contextlib.suppress(OSError):
+            os.rmdir(directory)
+        shutil.rmtree(lock_path(run.run_id), ignore_errors=True)  # $TMPDIR lock files of older versions
+    finally:
+        os.close(fd)

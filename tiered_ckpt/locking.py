@@ -1,19 +1,51 @@
-"""One live engine per (run_id, rank) on a node: a second one fails clearly instead of corrupting the first."""
+"""Ownership of a run: one live engine per (run_id, rank) on a node, and ``gc`` can tell a live run from a dead one.
+
+Where the locks are. The lock files live beside what they protect: for every ``shm`` tier, in
+``{path}/{user}/@locks/{run_id}/`` (``@`` cannot start a run_id, so the directory is never taken for a run's). Two
+engines that see the same shm directory therefore see the same locks, whatever their ``TMPDIR`` (containers
+sharing ``/dev/shm``, a batch job beside a login shell). A run with no shm tier has nothing on the node that
+another process could overwrite; its lock stays in the per-user ``$TMPDIR/tiered_ckpt-{user}/{run_id}/`` (or
+``TIERED_CKPT_LOCK_DIR``), which keeps two engines of one run_id in one environment apart.
+
+In each lock directory:
+
+* ``rank_RRRRR.lock``: ``flock(LOCK_EX)`` by the engine of that rank, for its whole life. Inside: the owner's pid,
+  host and start time, for the message a second engine gets.
+* ``run.lock`` (shm lock directories only): ``flock(LOCK_SH)`` by every engine of the run. ``gc`` takes it
+  ``LOCK_EX`` before it removes the run's shared memory: it gets it only when no engine of the run is alive, and
+  no engine can start while it holds it.
+
+``flock`` locks go with the process (a killed engine holds nothing) and work between processes of different
+containers as long as they share the filesystem. ``release`` removes the files (while still holding them) and the
+run's directory once empty; ``acquire`` checks, once it holds a lock, that its file is still the one at the path,
+so a file unlinked between our ``open`` and ``flock`` is let go and the path opened afresh.
+"""
 
 from __future__ import annotations
 
 import contextlib
 import fcntl
+import json
 import os
+import socket
 import tempfile
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
 
-from .errors import RunLockedError
+from .errors import RunLockedError, TieredCkptError
 from .private_dirs import private_dir
 from .tiers.base import _user_name
 
+LOCKS_DIR = "@locks"  # in {shm path}/{user}/: run_ids are letters, digits, "_", "-", "." only
+RUN_LOCK = "run.lock"
+#: How long an engine waits for ``gc`` to finish removing the run's shared memory before it gives up.
+GC_WAIT_S = 30.0
+
 
 def lock_dir(run_id: str) -> str:
-    """Per-user, 0700: ``$TMPDIR/tiered_ckpt-<user>/<run_id>`` (override with TIERED_CKPT_LOCK_DIR).
+    """Per-user, 0700: ``$TMPDIR/tiered_ckpt-<user>/<run_id>`` (override with TIERED_CKPT_LOCK_DIR): the locks of a
+    run with no shm tier.
 
     The per-user directory and the run's are this user's own and 0700 (fixed if they are not); one that another
     user owns, or that is a symlink, is refused: whoever controls it could hold or swap our lock files.
@@ -23,68 +55,187 @@ def lock_dir(run_id: str) -> str:
         os.makedirs(override, exist_ok=True)  # the user's choice of place: used as it is
         base = override
     else:
-        base = private_dir(os.path.join(tempfile.gettempdir(), f"tiered_ckpt-{_user_name()}"), "lock files")
+        base = private_dir(tmp_lock_base(), "lock files")
     return private_dir(os.path.join(base, run_id), "lock files")
 
 
-class RunLock:
-    """An ``flock`` on ``rank_RRRRR.lock`` in the run's lock directory, held while the engine lives.
+def tmp_lock_base() -> str:
+    """The per-user directory of the ``$TMPDIR`` locks (computed, never created)."""
+    return os.environ.get("TIERED_CKPT_LOCK_DIR") or os.path.join(tempfile.gettempdir(),
+                                                                  f"tiered_ckpt-{_user_name()}")
 
-    ``release`` removes the lock file (while still holding it) and the run's directory once empty, so the per-user
-    directory does not keep one directory per run_id ever used. That is safe because ``acquire`` checks, once it
-    holds the lock, that its file is still the one at the path: a file unlinked by a releasing engine between our
-    ``open`` and ``flock`` is let go, and the path opened afresh."""
 
-    def __init__(self, run_id: str, rank: int):
-        self.dir = lock_dir(run_id)
-        self.path = os.path.join(self.dir, f"rank_{rank:05d}.lock")
-        self.run_id = run_id
-        self.rank = rank
-        self._fd: int | None = None
+def shm_lock_path(shm_path: str, run_id: str, user: str | None = None) -> str:
+    """``{shm_path}/{user}/@locks/{run_id}``: where the locks of ``run_id`` live beside its slots (not created)."""
+    return os.path.join(os.path.abspath(shm_path), user or _user_name(), LOCKS_DIR, run_id)
 
-    def acquire(self) -> None:
+
+def shm_lock_dir(shm_path: str, run_id: str) -> str:
+    """:func:`shm_lock_path`, created: the shm path as the tier makes it (shared and sticky, like /tmp), the
+    per-user directory and the lock directories private (0700, this user's, never a symlink)."""
+    base = os.path.abspath(shm_path)
+    try:
+        if not os.path.isdir(base):
+            os.makedirs(base, exist_ok=True)
+            with contextlib.suppress(OSError):  # shared by every user of the node: sticky and world-writable
+                os.chmod(base, 0o1777)
+        user = private_dir(os.path.join(base, _user_name()), "checkpoints")
+        return private_dir(os.path.join(private_dir(os.path.join(user, LOCKS_DIR), "lock files"), run_id),
+                           "lock files")
+    except OSError as exc:
+        raise TieredCkptError(f"cannot create the lock directory of run {run_id!r} in the shm path {base}: "
+                              f"{exc.strerror or exc}; check that the shm tier's path is writable") from None
+
+
+def shm_paths(config: Any) -> list[str]:
+    """The paths of the enabled ``shm`` tiers of a configuration, each once, in order."""
+    paths = [t.options.path for t in config.tiers if t.kind == "shm" and t.enabled is not False]
+    return list(dict.fromkeys(os.path.abspath(p) for p in paths))
+
+
+def owner_record() -> bytes:
+    return json.dumps({"pid": os.getpid(), "host": socket.gethostname(),
+                       "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}).encode()
+
+
+def describe_owner(raw: bytes) -> str:
+    """`` by process 123 on host h (since 2026-...)`` from a lock file's content; old ones hold a bare pid."""
+    text = raw.decode("utf-8", "replace").strip()
+    try:
+        owner = json.loads(text)
+    except ValueError:
+        return f" by process {text[:40]}" if text else ""
+    if not isinstance(owner, dict):
+        return f" by process {text[:40]}"
+    out = f" by process {owner.get('pid', '?')}"
+    if owner.get("host"):
+        out += f" on host {owner['host']}"
+    if owner.get("started"):
+        out += f" (since {owner['started']})"
+    return out
+
+
+class _LockFile:
+    """One ``flock`` on ``name`` in the directory ``make_dir()`` returns (and re-creates after a releasing engine
+    removed it)."""
+
+    def __init__(self, make_dir: Callable[[], str], name: str):
+        self._make_dir = make_dir
+        self.dir = make_dir()
+        self.name = name
+        self.fd: int | None = None
+
+    @property
+    def path(self) -> str:
+        return os.path.join(self.dir, self.name)
+
+    def acquire(self, mode: int, on_busy: Callable[[int], Exception]) -> None:
+        """``mode``: LOCK_EX or LOCK_SH. ``on_busy(fd)`` makes the error when another process holds it."""
         for _ in range(100):
             try:
-                fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
+                fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
             except FileNotFoundError:  # a releasing engine removed the run's directory just now
-                self.dir = lock_dir(self.run_id)
+                self.dir = self._make_dir()
                 continue
             try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                fcntl.flock(fd, mode | fcntl.LOCK_NB)
             except BlockingIOError:
-                holder = ""
                 try:
-                    holder = os.pread(fd, 64, 0).decode().strip()
-                except OSError:
-                    pass
-                os.close(fd)
-                raise RunLockedError(
-                    f"run_id {self.run_id!r} rank {self.rank} is already in use on this node"
-                    + (f" by process {holder}" if holder else "")
-                    + f" (lock {self.path}); give each job its own run_id") from None
+                    error = on_busy(fd)
+                finally:
+                    os.close(fd)
+                raise error from None
             if _same_file(fd, self.path):
-                os.ftruncate(fd, 0)
-                os.pwrite(fd, str(os.getpid()).encode(), 0)
-                self._fd = fd
+                self.fd = fd
                 return
             os.close(fd)  # unlinked by its releasing holder: lock the file now at the path instead
-        raise RunLockedError(f"run_id {self.run_id!r} rank {self.rank}: the lock {self.path} keeps changing")
+        raise RunLockedError(f"the lock {self.path} keeps changing (removed by other processes while we lock it)")
+
+    def release(self, unlink: bool = True) -> None:
+        if self.fd is None:
+            return
+        if unlink and _same_file(self.fd, self.path):
+            with contextlib.suppress(OSError):
+                os.unlink(self.path)  # while held: whoever opened it before sees it is gone (acquire)
+        fcntl.flock(self.fd, fcntl.LOCK_UN)
+        os.close(self.fd)
+        self.fd = None
+
+
+class RunLock:
+    """The locks of one engine (``run_id``, ``rank``), held while it lives: in each of ``shm_paths`` (the shm tiers'
+    paths, :func:`shm_paths`), or in the ``$TMPDIR`` lock directory when there is none."""
+
+    def __init__(self, run_id: str, rank: int, shm_paths: Sequence[str] = ()):
+        self.run_id = run_id
+        self.rank = rank
+        makers: list[Callable[[], str]] = [(lambda p=p: shm_lock_dir(p, run_id)) for p in shm_paths]
+        if not makers:
+            makers = [lambda: lock_dir(run_id)]
+        self._ranks = [_LockFile(m, f"rank_{rank:05d}.lock") for m in makers]
+        # gc removes only shared memory: a run with no shm tier has no run.lock ($TMPDIR: rank locks alone).
+        self._runs: list[_LockFile | None] = [_LockFile(m, RUN_LOCK) for m in makers] if shm_paths else [None]
+
+    @property
+    def path(self) -> str:
+        return self._ranks[0].path
+
+    @property
+    def dir(self) -> str:
+        return self._ranks[0].dir
+
+    def acquire(self) -> None:
+        try:
+            for rank_lock, run_lock in zip(self._ranks, self._runs, strict=True):
+                rank_lock.acquire(fcntl.LOCK_EX, lambda fd, lf=rank_lock: self._in_use(fd, lf.path))
+                if run_lock is not None:
+                    self._share_run_lock(run_lock)
+                os.ftruncate(rank_lock.fd, 0)
+                os.pwrite(rank_lock.fd, owner_record(), 0)
+        except BaseException:
+            self.release()
+            raise
+
+    def _share_run_lock(self, run_lock: _LockFile) -> None:
+        deadline = time.monotonic() + GC_WAIT_S
+        while True:
+            try:
+                run_lock.acquire(fcntl.LOCK_SH, lambda fd: RunLockedError(
+                    f"run_id {self.run_id!r}: `tiered-ckpt gc` is removing this run's shared memory (it holds "
+                    f"{run_lock.path}); start the engine again once it has finished"))
+                return
+            except RunLockedError:
+                if time.monotonic() >= deadline:
+                    raise
+                time.sleep(0.05)  # gc holds it only while it deletes
+
+    def _in_use(self, fd: int, path: str) -> RunLockedError:
+        try:
+            holder = describe_owner(os.pread(fd, 512, 0))
+        except OSError:
+            holder = ""
+        return RunLockedError(
+            f"run_id {self.run_id!r} rank {self.rank} is already in use on this node{holder} (lock {path}); "
+            "give each job its own run_id, or stop the other engine first")
 
     def release(self) -> None:
-        if self._fd is not None:
-            if _same_file(self._fd, self.path):
-                with contextlib.suppress(OSError):
-                    os.unlink(self.path)  # while held: whoever opened it before sees it is gone (acquire)
-            fcntl.flock(self._fd, fcntl.LOCK_UN)
-            os.close(self._fd)
-            self._fd = None
+        for rank_lock, run_lock in zip(self._ranks, self._runs, strict=True):
+            rank_lock.release()
+            if run_lock is not None and run_lock.fd is not None:
+                # The last engine of the run removes run.lock: only it can take it exclusively.
+                try:
+                    fcntl.flock(run_lock.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    last = True
+                except BlockingIOError:
+                    last = False
+                run_lock.release(unlink=last)
             with contextlib.suppress(OSError):  # other ranks' lock files still there: it stays
-                os.rmdir(self.dir)
+                os.rmdir(rank_lock.dir)
 
 
 def _same_file(fd: int, path: str) -> bool:
     try:
-        st = os.stat(path)
+        st = os.stat(path, follow_symlinks=False)
     except OSError:
         return False
     own = os.fstat(fd)

@@ -1,0 +1,176 @@
+"""Ownership of a run across TMPDIRs, and what ``gc`` may touch (issue #15).
+
+* The lock of a run lives beside its slots: a second engine on the same shm path with the same run_id and rank
+  refuses to start even when its ``TMPDIR`` differs (containers sharing /dev/shm), and the message names the lock
+  and the owner.
+* ``gc --stale --delete`` never removes the shared memory of a run whose engine is alive, whatever its ``TMPDIR``.
+* ``gc --delete`` while a drain is writing leaves the write's temporary file alone: the write completes and the
+  step commits (a real drain, held inside its write).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import uuid
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import assert_same
+
+from tiered_ckpt import CheckpointEngine
+from tiered_ckpt.cli import EXIT_OK
+from tiered_ckpt.cli import main as cli_main
+from tiered_ckpt.errors import RunLockedError
+from tiered_ckpt.tiers import _files
+from tiered_ckpt.tiers.base import _user_name
+from tiered_ckpt.tiers.local import LocalTier
+
+HOLDER = textwrap.dedent("""
+    import json, sys, torch
+    from tiered_ckpt import CheckpointEngine
+    engine = CheckpointEngine(json.loads(sys.argv[1]))
+    engine.save(1, {"state": {"w": torch.arange(1000.0)}}).wait(timeout=60)
+    print("READY", flush=True)
+    sys.stdin.read()  # until the test closes our stdin, or kills us
+    engine.close()
+""")
+
+
+def config(shm_root: str, tmp_path: Path, run_id: str | None = None) -> dict:
+    return {"run_id": run_id or f"own-{uuid.uuid4().hex[:8]}", "drain": {"mode": "thread"},
+            "tiers": [{"name": "shm", "kind": "shm", "path": shm_root},
+                      {"name": "local", "kind": "local", "path": str(tmp_path / "local"), "fsync": False}]}
+
+
+def cli(*argv: str) -> tuple[int, str]:
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        code = cli_main(list(argv))
+    return code, out.getvalue()
+
+
+@pytest.fixture
+def other_tmpdir(tmp_path, monkeypatch):
+    """This process's TMPDIR; the holder gets another one (``holder_env``)."""
+    monkeypatch.delenv("TIERED_CKPT_LOCK_DIR", raising=False)
+    mine = tmp_path / "tmp-test"
+    mine.mkdir()
+    monkeypatch.setattr("tempfile.tempdir", str(mine))
+    theirs = tmp_path / "tmp-holder"
+    theirs.mkdir()
+    env = {k: v for k, v in os.environ.items() if k != "TIERED_CKPT_LOCK_DIR"}
+    env["TMPDIR"] = str(theirs)
+    return env
+
+
+@contextlib.contextmanager
+def holder(cfg: dict, env: dict):
+    proc = subprocess.Popen([sys.executable, "-c", HOLDER, json.dumps(cfg)], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, text=True, env=env)
+    try:
+        assert proc.stdout.readline().strip() == "READY"
+        yield proc
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait(timeout=30)
+
+
+def test_second_engine_with_another_tmpdir_refuses_to_start(shm_root, tmp_path, other_tmpdir):
+    cfg = config(shm_root, tmp_path)
+    slots = Path(shm_root) / _user_name() / cfg["run_id"]
+    with holder(cfg, other_tmpdir) as proc:
+        before = {p: p.read_bytes() for p in slots.rglob("*") if p.is_file()}
+        with pytest.raises(RunLockedError) as info:
+            CheckpointEngine(cfg)
+        message = str(info.value)
+        lock = os.path.join(shm_root, _user_name(), "@locks", cfg["run_id"], "rank_00000.lock")
+        assert f"run_id {cfg['run_id']!r} rank 0 is already in use on this node by process {proc.pid}" in message
+        assert f"(lock {lock})" in message and "on host " in message and "since " in message
+        assert {p: p.read_bytes() for p in slots.rglob("*") if p.is_file()} == before  # nothing overwritten
+        proc.send_signal(signal.SIGKILL)  # a dead process holds nothing
+        proc.wait(timeout=30)
+    with CheckpointEngine(cfg) as engine:  # and its snapshot is there to resume from
+        loaded = engine.load()
+        assert loaded.step == 1
+        assert_same({"state": {"w": torch.arange(1000.0)}}, loaded.items)
+
+
+def test_gc_stale_never_removes_a_live_run_in_another_tmpdir(shm_root, tmp_path, other_tmpdir):
+    cfg = config(shm_root, tmp_path)
+    slots = Path(shm_root) / _user_name() / cfg["run_id"]
+    with holder(cfg, other_tmpdir) as proc:
+        code, out = cli("gc", "--stale", "--shm-path", shm_root, "--json")
+        assert code == EXIT_OK and cfg["run_id"] not in {f["run_id"] for f in json.loads(out)["found"]}
+        code, out = cli("gc", "--stale", "--shm-path", shm_root, "--delete")
+        assert code == EXIT_OK and (slots / "rank_00000" / "slot_0.json").exists()
+        code, out = cli("ls", "--config", _write(tmp_path / "cfg.json", cfg))
+        assert "snapshot (live engine)" in out
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=30)
+    code, out = cli("gc", "--stale", "--shm-path", shm_root, "--json")  # now it is stale: listed, removed
+    assert {f["run_id"]: f["state"] for f in json.loads(out)["found"]}[cfg["run_id"]] == "stale"
+    assert cli("gc", "--stale", "--shm-path", shm_root, "--delete")[0] == EXIT_OK
+    assert not slots.exists()
+    assert not os.path.exists(os.path.join(shm_root, _user_name(), "@locks", cfg["run_id"]))
+    with CheckpointEngine(cfg):  # the run starts again afresh
+        pass
+
+
+def _write(path: Path, cfg: dict) -> str:
+    path.write_text(json.dumps(cfg))
+    return str(path)
+
+
+def test_gc_delete_during_a_drain_leaves_the_write_in_flight(shm_root, tmp_path, monkeypatch):
+    """A real drain (thread mode) is held after it wrote its temporary file, before the rename; ``gc --delete``
+    runs then (with the configuration: the run's lock is held; without: the file is younger than the grace
+    period); the write then completes and the step commits."""
+    cfg = config(shm_root, tmp_path)
+    cfg_path = _write(tmp_path / "tiers.json", cfg)
+    reached, go = threading.Event(), threading.Event()
+    real = LocalTier.write_blob
+
+    def held_write(self, key, chunks):
+        def stream():
+            yield from chunks
+            if not go.is_set():  # every byte is in the temporary file; the rename waits
+                reached.set()
+                go.wait(timeout=120)
+        return real(self, key, stream())
+
+    monkeypatch.setattr(LocalTier, "write_blob", held_write)
+    items = {"state": {"w": torch.arange(4096.0)}}
+    local = tmp_path / "local"
+    with CheckpointEngine(cfg) as engine:
+        handle = engine.save(1, items)
+        try:
+            assert reached.wait(timeout=60), "the drain never reached its write"
+            temps = [p for p in local.rglob("*") if _files.is_temp_name(p.name)]
+            assert temps, "the write in flight has a temporary file"
+            for argv in (("gc", "--config", cfg_path, "--delete", "--json"),
+                         ("gc", str(local), "--delete", "--json")):
+                code, out = cli(*argv)
+                assert code == EXIT_OK, out
+                assert [f for f in json.loads(out)["found"] if f["what"] == "temporary file"] == []
+                assert all(p.exists() for p in temps)
+        finally:
+            go.set()
+        handle.wait(timeout=60)
+        assert engine.available_steps()["local"] == [1]
+    old = local / "iter_0000001" / ".leftover.tmp-0123456789abcdef"  # a write that died an hour ago is debris
+    old.write_bytes(b"half")
+    os.utime(old, (1, 1))
+    code, out = cli("gc", str(local), "--delete", "--json")
+    assert code == EXIT_OK and not old.exists()
+    with CheckpointEngine({**cfg, "tiers": cfg["tiers"][1:]}) as engine:
+        assert_same(items, engine.load().items)
