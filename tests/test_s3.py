@@ -24,8 +24,9 @@ from tiered_ckpt.checksum import ALGORITHM, digest
 from tiered_ckpt.cli import main as cli_main
 from tiered_ckpt.errors import ConfigError
 from tiered_ckpt.testing.s3 import S3FaultProxy, S3Server, s3_operation
-from tiered_ckpt.tiers import fsspec_tier
+from tiered_ckpt.tiers import _s3
 from tiered_ckpt.tiers.fsspec_tier import FsspecOptions, FsspecTier, redact, redacted_options, secret_values
+from tiered_ckpt.tiers.s3 import S3Tier
 from tiered_ckpt.validate import build_dataclass
 
 pytestmark = pytest.mark.timeout(120)
@@ -131,15 +132,16 @@ def test_multipart_upload_and_ranged_reads_are_parallel_and_bit_exact(remote, sh
 def test_large_chunks_go_out_without_copies_and_small_ones_in_bounded_buffers(remote, monkeypatch):
     tier = FsspecTier("s3", FsspecOptions(url=remote.url, options=remote.proxy.storage_options(), part_size=PART,
                                           max_concurrency=2))
+    assert isinstance(tier, S3Tier) and tier.kind == "fsspec"  # the fsspec kind's class for s3:// URLs
     taken = []
-    real_take = fsspec_tier._Upload._take_buffer
+    real_take = _s3.Upload._take_buffer
 
     def spy(self):
         buf = real_take(self)
         taken.append(self.allocated)
         return buf
 
-    monkeypatch.setattr(fsspec_tier._Upload, "_take_buffer", spy)
+    monkeypatch.setattr(_s3.Upload, "_take_buffer", spy)
     data = torch.randint(0, 256, (4 * PART + 123,), dtype=torch.uint8, generator=torch.Generator().manual_seed(3))
     assert tier.write_blob("big", [data]) == data.numel()  # one chunk of 4 whole parts: borrowed, not copied
     assert len(taken) == 1  # only the 123-byte tail was gathered into a buffer

@@ -1,5 +1,6 @@
-"""The S3 side of the fsspec tier: transfer limits and constants, botocore/S3 error classification, and the
-parallel multipart upload (:class:`_Upload`); see :mod:`tiered_ckpt.tiers.fsspec_tier` for the behaviour."""
+"""What the S3 tier (:mod:`tiered_ckpt.tiers.s3`) is built from: S3's transfer limits, the classification of
+botocore/S3 errors, and the parallel multipart upload (:class:`Upload`); see :mod:`tiered_ckpt.tiers.s3` for the
+behaviour."""
 
 from __future__ import annotations
 
@@ -16,24 +17,23 @@ from typing import TYPE_CHECKING, Any
 
 from ..errors import BlobNotFoundError, PermanentTierError, TransientTierError
 from ..memfile import MemoryReader
+from ..retry import request_retrying
 
 if TYPE_CHECKING:
-    from .fsspec_tier import FsspecTier
+    from .s3 import S3Tier
 
-# Same logger as the tier: its S3 messages keep their logger name.
-log = logging.getLogger(__package__ + ".fsspec_tier")
+# Same logger as the tier.
+log = logging.getLogger(__package__ + ".s3")
 
 MiB = 1 << 20
 S3_PROTOCOLS = frozenset({"s3", "s3a"})
 S3_MIN_PART = 5 * MiB  # S3 rejects smaller parts (except the last one)
 S3_MAX_PART = 5 << 30
 S3_MAX_PARTS = 10_000
-_READ_PIECE = 16 << 20  # bytes per readinto call
-_READ_ATTEMPTS = 3  # reads of a blob that is being replaced
-_ABORT_ROUNDS = 3  # aborts of a multipart upload while the store still lists it
-_BACKOFF_BASE_S = 0.2  # first wait between two tries of one request; doubles, jittered, up to _BACKOFF_MAX_S
-_BACKOFF_MAX_S = 2.0
-_MIN_RATE = 1 * MiB  # bytes/s a request must at least achieve before its overall ceiling ends it
+READ_PIECE = 16 << 20  # bytes per readinto call
+READ_ATTEMPTS = 3  # reads of a blob that is being replaced
+ABORT_ROUNDS = 3  # aborts of a multipart upload while the store still lists it
+MIN_RATE = 1 * MiB  # bytes/s a request must at least achieve before its overall ceiling ends it
 _CHECKSUM_FIELDS = ("ChecksumCRC32", "ChecksumCRC32C", "ChecksumCRC64NVME", "ChecksumSHA1", "ChecksumSHA256")
 
 # ----- S3 error helpers --------------------------------------------------------------------------------------
@@ -41,7 +41,7 @@ _NETWORK_ERRORS: tuple[type[BaseException], ...] | None = None
 _CREDENTIAL_ERRORS: tuple[type[BaseException], ...] = ()
 
 
-def _library_errors() -> tuple[tuple[type[BaseException], ...], tuple[type[BaseException], ...]]:
+def library_errors() -> tuple[tuple[type[BaseException], ...], tuple[type[BaseException], ...]]:
     """(network/timeouts, missing credentials) exception classes of the S3 stack, imported on first use."""
     global _NETWORK_ERRORS, _CREDENTIAL_ERRORS
     if _NETWORK_ERRORS is None:
@@ -75,11 +75,11 @@ def s3_error_code(exc: BaseException | None) -> str | None:
     return None
 
 
-class _Replaced(Exception):
+class Replaced(Exception):
     """The object changed between two requests of one read (its ETag no longer matches)."""
 
 
-def _multipart_etag(parts: list[dict[str, Any]]) -> str | None:
+def multipart_etag(parts: list[dict[str, Any]]) -> str | None:
     """The ETag S3 gives an object completed from ``parts`` (MD5 ETags only; None when they are not)."""
     digests = []
     for p in parts:
@@ -91,7 +91,7 @@ def _multipart_etag(parts: list[dict[str, Any]]) -> str | None:
 
 
 
-def _object_size(resp: dict[str, Any]) -> int:
+def object_size(resp: dict[str, Any]) -> int:
     """The whole object's size from a (ranged) GET answer: ``Content-Range: bytes 0-99/1234`` or its length."""
     content_range = resp.get("ContentRange")
     if content_range and "/" in content_range:
@@ -101,10 +101,10 @@ def _object_size(resp: dict[str, Any]) -> int:
     return int(resp["ContentLength"])
 
 
-class _Upload:
+class Upload:
     """One blob on S3: a single PUT if it fits in one part, else a parallel multipart upload (module doc)."""
 
-    def __init__(self, tier: FsspecTier, key: str, path: str):
+    def __init__(self, tier: S3Tier, key: str, path: str):
         self.tier = tier
         self.key = key
         self.path = path
@@ -171,7 +171,7 @@ class _Upload:
         self.stop.set()
         if self.inflight:
             with contextlib.suppress(Exception):
-                self.tier._sync(self._cancel_parts)
+                self.tier.run_sync(self._cancel_parts)
             self.inflight.clear()
         upload_id, self.upload_id = self.upload_id, None
         if upload_id is None:
@@ -181,7 +181,7 @@ class _Upload:
         except Exception as exc:
             log.warning("tier %r: could not abort the multipart upload %s of %s (its parts stay invisible but "
                         "billed until a lifecycle rule with AbortIncompleteMultipartUpload removes them): %s",
-                        self.tier.name, upload_id, self.tier._redact(self.path), self.tier._redact(str(exc)))
+                        self.tier.name, upload_id, self.tier.redacted(self.path), self.tier.redacted(str(exc)))
 
     def _gather(self, mv: memoryview, pos: int) -> int:
         """Copy from ``mv[pos:]`` into the part being gathered; return the new position."""
@@ -239,12 +239,12 @@ class _Upload:
             tries[0] += 1
             return await self.tier.fs._call_s3("create_multipart_upload", Bucket=self.bucket, Key=self.obj)
 
-        resp = self.tier._sync(self.tier._arequest, "start the multipart upload of", self.key, self.path, create)
+        resp = self.tier.run_sync(self.tier.arequest, "start the multipart upload of", self.key, self.path, create)
         self.upload_id = resp["UploadId"]
         self.checksummed = bool(resp.get("ChecksumAlgorithm"))
         if tries[0] > 1:  # an earlier try may have created an upload whose answer was lost
             with contextlib.suppress(Exception):
-                self.tier._sync(self._abort_strays)
+                self.tier.run_sync(self._abort_strays)
 
     async def _abort_strays(self) -> None:
         resp = await self.tier.fs._call_s3("list_multipart_uploads", Bucket=self.bucket, Prefix=self.obj)
@@ -262,7 +262,7 @@ class _Upload:
             return self.tier.fs._call_s3("upload_part", Bucket=self.bucket, Key=self.obj, UploadId=upload_id,
                                          PartNumber=number, Body=MemoryReader(view))
 
-        resp = await self.tier._arequest(f"upload part {number} of", self.key, self.path, call, nbytes=len(view),
+        resp = await self.tier.arequest(f"upload part {number} of", self.key, self.path, call, nbytes=len(view),
                                          stop=self.stop)
         entry = {"PartNumber": number, "ETag": resp["ETag"]}
         if self.checksummed:
@@ -279,7 +279,7 @@ class _Upload:
         def call() -> Awaitable[Any]:
             return self.tier.fs._call_s3("put_object", Bucket=self.bucket, Key=self.obj, Body=MemoryReader(data))
 
-        self.tier._sync(self.tier._arequest, "upload", self.key, self.path, call, nbytes=len(data))
+        self.tier.run_sync(self.tier.arequest, "upload", self.key, self.path, call, nbytes=len(data))
 
     def _complete(self) -> None:
         parts = [self.parts[n] for n in sorted(self.parts)]
@@ -297,10 +297,10 @@ class _Upload:
                     return None
                 raise
 
-        self.tier._sync(self.tier._arequest, "complete the multipart upload of", self.key, self.path, complete)
+        self.tier.run_sync(self.tier.arequest, "complete the multipart upload of", self.key, self.path, complete)
 
     async def _completed_as(self, parts: list[dict[str, Any]]) -> bool:
-        expected = _multipart_etag(parts)
+        expected = multipart_etag(parts)
         if expected is None:
             return False
         try:
@@ -318,23 +318,23 @@ class _Upload:
         attempts = max(3, tier.options.request_attempts)
         kw = {"Bucket": self.bucket, "Key": self.obj, "UploadId": upload_id}
 
-        async def abort_until_gone() -> None:
-            for round_ in range(1, _ABORT_ROUNDS + 1):
-                try:
-                    await tier._arequest("abort the multipart upload of", self.key, self.path,
-                                         lambda: tier.fs._call_s3("abort_multipart_upload", **kw),
-                                         missing_ok=True, attempts=attempts)
-                except BlobNotFoundError:  # NoSuchUpload: gone (an earlier abort whose answer was lost)
-                    return
-                try:
-                    await tier._arequest("check the abort of", self.key, self.path,
-                                         lambda: tier.fs._call_s3("list_parts", **kw), missing_ok=True,
-                                         attempts=attempts)
-                except BlobNotFoundError:
-                    return
-                if round_ < _ABORT_ROUNDS:
-                    await asyncio.sleep(tier._backoff(round_))
-            raise TransientTierError(f"the multipart upload {upload_id} is still there after {_ABORT_ROUNDS} aborts",
-                                     tier=tier.name, key=self.key)
+        rounds = [0]
 
-        tier._sync(abort_until_gone)
+        async def abort_once() -> None:
+            rounds[0] += 1
+            try:
+                await tier.arequest("abort the multipart upload of", self.key, self.path,
+                                    lambda: tier.fs._call_s3("abort_multipart_upload", **kw), missing_ok=True,
+                                    attempts=attempts)
+                await tier.arequest("check the abort of", self.key, self.path,
+                                    lambda: tier.fs._call_s3("list_parts", **kw), missing_ok=True,
+                                    attempts=attempts)
+            except BlobNotFoundError:  # NoSuchUpload: gone (perhaps an earlier abort whose answer was lost)
+                return
+            raise TransientTierError(f"the multipart upload {upload_id} is still there after {rounds[0]} "
+                                     f"abort(s)", tier=tier.name, key=self.key)
+
+        async def abort_until_gone() -> None:
+            await request_retrying(ABORT_ROUNDS, asynchronous=True)(abort_once)
+
+        tier.run_sync(abort_until_gone)

@@ -1,0 +1,316 @@
+"""S3 (``s3://``, ``s3a://`` through s3fs): the class the ``fsspec`` kind builds for an S3 URL.
+
+Configured as ``kind: fsspec`` with an S3 ``url`` (the options are :class:`~.fsspec_tier.FsspecOptions`);
+``FsspecTier(name, FsspecOptions(url="s3://..."))`` builds one too. The tier drives the transfers itself with
+s3fs's client:
+
+A blob that fits in one ``part_size`` is one ``PutObject``. A larger one is a multipart upload: parts of
+``part_size`` bytes are uploaded in parallel, at most ``max_concurrency`` at a time, and the upload is
+completed only after every part landed; on any failure (a part that keeps failing, the producer raising) the
+parts in flight are cancelled and the upload is aborted, so nothing is ever visible under the key and no
+parts are left behind. Memory stays bounded: a chunk that holds at least ``max_concurrency`` whole parts is
+uploaded straight from the caller's buffer (zero-copy slices; the tier waits for them before asking for the
+next chunk, since a producer may reuse its buffer); smaller chunks are gathered into at most
+``max_concurrency + 1`` reusable part buffers (:class:`~._s3.Upload`). ``read_blob`` of an object larger than
+one part issues ``max_concurrency`` parallel ranged GETs (``If-Match`` the ETag, so a blob replaced mid-read is
+read again) straight into one preallocated tensor; a read given the manifest's size (``max_size``) refuses a
+larger object from the first answer's ``Content-Range``, before allocating for it.
+
+Every HTTP request is tried up to ``request_attempts`` times (:func:`tiered_ckpt.retry.request_retrying`: short
+exponential backoff with jitter, logged), so one throttled part does not restart a 10 GiB upload; what still
+fails is raised as a :class:`~tiered_ckpt.errors.TransientTierError` or
+:class:`~tiered_ckpt.errors.PermanentTierError` for the engine's per-tier ``retry`` policy (backoff, deadline,
+``retry`` events). botocore's and s3fs's own retries are turned off on the tier's client so that these two
+layers are the only ones and stay bounded. ``timeout_s`` sets botocore's connect and read timeouts; each request
+also has an overall ceiling (the timeouts plus its size at 1 MiB/s), so an upload whose server stopped reading
+fails instead of hanging.
+
+Endpoint and credentials come from ``options`` (``endpoint_url``, ``key``, ``secret``, ``token``,
+``client_kwargs``, ``config_kwargs``...) or the usual environment variables (``AWS_ACCESS_KEY_ID``,
+``AWS_SECRET_ACCESS_KEY``, ``AWS_SESSION_TOKEN``, ``AWS_ENDPOINT_URL_S3`` / ``AWS_ENDPOINT_URL``), which
+botocore reads. They never appear in ``describe()``, ``repr``, log lines or error messages. Errors of the S3
+stack that are neither a network error nor an ``OSError`` are raised as a
+:class:`~tiered_ckpt.errors.TierError` with a redacted message, chained to the original, for the retry policy to
+classify.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import threading
+from collections.abc import Awaitable, Callable, Iterable
+from typing import Any
+
+import torch
+
+from ..errors import BlobNotFoundError, CorruptionError, PermanentTierError, TierError, TransientTierError
+from ..retry import repeat_on, request_retrying
+from ._nofollow import check_size
+from ._s3 import MIN_RATE, READ_ATTEMPTS, READ_PIECE, Replaced, Upload, library_errors, object_size, s3_error_code
+from .base import Chunk, TierContext, as_memoryview
+from .fsspec_tier import FsspecOptions, FsspecTier
+
+log = logging.getLogger(__name__)
+
+
+class S3Tier(FsspecTier):
+    """The ``fsspec`` kind on S3 (module docstring)."""
+
+    _install_hint = " (pip install 'tiered-ckpt[s3]')"  # fsspec says "Install s3fs"; our extra pins a tested one
+
+    def __init__(self, name: str, options: FsspecOptions, context: TierContext | None = None):
+        super().__init__(name, options, context)
+        self.fs.retries = 1  # our own instance (skip_instance_cache): the tier's tries are the only ones
+        config = self._storage["config_kwargs"]
+        connect = config.get("connect_timeout", getattr(self.fs, "connect_timeout", 5))
+        read = config.get("read_timeout", getattr(self.fs, "read_timeout", 15))
+        self._base_timeout: float | None = (connect or 0) + (read or 0) if connect and read else None
+
+    def _storage_options(self) -> dict[str, Any]:
+        """The storage options for s3fs: the user's, plus the tier's timeouts, pool size and retry policy."""
+        opts = self.options
+        storage = dict(opts.options)
+        storage.setdefault("skip_instance_cache", True)  # settings below must not leak into a shared instance
+        storage.setdefault("use_listings_cache", False)  # listings must show what other ranks just wrote
+        storage.setdefault("max_concurrency", opts.max_concurrency)
+        config = dict(storage.get("config_kwargs") or {})
+        if opts.timeout_s is not None:
+            config["connect_timeout"] = opts.timeout_s
+            config["read_timeout"] = opts.timeout_s
+        # One try per botocore call: request_attempts and the engine's retry policy are the retry layers.
+        config.setdefault("retries", {"total_max_attempts": 1})
+        config.setdefault("max_pool_connections", max(10, 2 * opts.max_concurrency))
+        storage["config_kwargs"] = config
+        return storage
+
+    # ----- errors and tries ----------------------------------------------------------------------------------
+    def redacted(self, text: str) -> str:
+        """``text`` without the tier's credentials (for the upload's log lines)."""
+        return self._redact(text)
+
+    def _error_code(self, exc: BaseException) -> str | None:
+        return s3_error_code(exc)
+
+    def _tier_exception(self, exc: BaseException, key: str | None, op: str, path: str,
+                        missing_ok: bool = False) -> BaseException | None:
+        if isinstance(exc, (TierError, CorruptionError)) or not isinstance(exc, Exception):
+            return None
+        network, credentials = library_errors()
+        where = self._redact(f"{op} {path}")
+        if isinstance(exc, network) and not isinstance(exc, (FileNotFoundError, PermissionError)):
+            return TransientTierError(f"{where}: {self._redact(f'{type(exc).__name__}: {exc}')}", tier=self.name,
+                                      key=key)
+        if credentials and isinstance(exc, credentials):
+            return PermanentTierError(f"{where}: {self._redact(f'{type(exc).__name__}: {exc}')} (give key/secret "
+                                      "in the tier's options or set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY)",
+                                      tier=self.name, key=key)
+        err = super()._tier_exception(exc, key, op, path, missing_ok)
+        if err is None:  # the S3 stack's other errors: a redacted message; the retry policy reads the cause
+            err = TierError(f"{where}: {self._redact(f'{type(exc).__name__}: {exc}')}", tier=self.name, key=key)
+        return err
+
+    def _log_retry(self, attempt: int, err: BaseException, delay: float) -> None:
+        log.warning("%s (try %d of %d; again in %.2f s)", self._redact(str(err)), attempt,
+                    self.options.request_attempts, delay)
+
+    def _request(self, op: str, key: str | None, path: str, fn: Callable[[], Any], missing_ok: bool = False) -> Any:
+        """``fn()`` with storage errors mapped, transient ones tried up to ``request_attempts`` times."""
+        def once() -> Any:
+            with self._errors(key, op, path, missing_ok):
+                return fn()
+
+        return request_retrying(self.options.request_attempts, on_retry=self._log_retry)(once)
+
+    async def arequest(self, op: str, key: str | None, path: str, call: Callable[[], Awaitable[Any]], *,
+                       nbytes: int = 0, missing_ok: bool = False, stop: threading.Event | None = None,
+                       attempts: int | None = None) -> Any:
+        """One S3 request on the event loop, tried up to ``request_attempts`` times (or ``attempts``), each under
+        a ceiling; a set ``stop`` (an upload being aborted) gives up at the next failure. ``PreconditionFailed``
+        (``If-Match``: the object changed) raises :class:`~._s3.Replaced` at once."""
+        ceiling = self._ceiling(nbytes)
+
+        async def once() -> Any:
+            try:
+                return await asyncio.wait_for(call(), ceiling)
+            except (asyncio.CancelledError, Replaced):
+                raise
+            except Exception as exc:
+                if s3_error_code(exc) == "PreconditionFailed":
+                    raise Replaced() from None
+                err = self._tier_exception(exc, key, op, path, missing_ok) or exc
+                if isinstance(exc, asyncio.TimeoutError) and not isinstance(err, TierError):
+                    err = TransientTierError(self._redact(f"{op} {path}: no answer within {ceiling:.0f} s"),
+                                             tier=self.name, key=key)
+                if err is exc:
+                    raise
+                raise err from exc
+
+        retrying = request_retrying(attempts or self.options.request_attempts, on_retry=self._log_retry,
+                                    give_up=stop.is_set if stop is not None else None, asynchronous=True)
+        return await retrying(once)
+
+    def _ceiling(self, nbytes: int) -> float | None:
+        """The longest one request moving ``nbytes`` may take: the timeouts plus its bytes at 1 MiB/s."""
+        return None if self._base_timeout is None else self._base_timeout + nbytes / MIN_RATE
+
+    def run_sync(self, func: Callable[..., Awaitable[Any]], *args: Any, **kwargs: Any) -> Any:
+        """Run a coroutine function on s3fs's event loop and wait for it."""
+        from fsspec.asyn import sync
+
+        return sync(self.fs.loop, func, *args, **kwargs)
+
+    # ----- blob primitives ---------------------------------------------------------------------------------
+    def write_blob(self, key: str, chunks: Iterable[Chunk]) -> int:
+        upload = Upload(self, key, self._path(key))
+        try:
+            for chunk in chunks:  # the producer's exceptions propagate unchanged, after the abort
+                upload.feed(as_memoryview(chunk))
+            return upload.finish()
+        except BaseException:
+            upload.abort()
+            raise
+
+    def read_blob_hashed(self, key: str, hasher: Any = None, max_size: int | None = None) -> torch.Tensor:
+        path = self._path(key)
+        bucket, obj, _ = self.fs.split_path(path)
+        try:
+            out = repeat_on(Replaced, READ_ATTEMPTS)(self.run_sync, self._aread_all, key, path, bucket, obj,
+                                                     max_size)
+        except Replaced:
+            raise TransientTierError(f"the blob was replaced while being read, {READ_ATTEMPTS} times in a row",
+                                     tier=self.name, key=key) from None
+        if hasher is not None:
+            hasher.update(as_memoryview(out))
+        return out
+
+    def read_range(self, key: str, offset: int, length: int) -> bytes:
+        size = self.size(key)
+        if offset < 0 or length < 0 or offset + length > size:
+            raise TierError(f"range {offset}+{length} is outside the blob of {size} bytes", tier=self.name,
+                            key=key)
+        if length == 0:
+            return b""
+        path = self._path(key)
+        bucket, obj, _ = self.fs.split_path(path)
+        out = bytearray(length)
+        try:
+            self.run_sync(self.arequest, "read", key, path,
+                          lambda: self._get_into(bucket, obj, None, offset, memoryview(out), True),
+                          nbytes=length, missing_ok=True)
+        except Replaced:
+            raise TransientTierError("the blob was replaced while being read", tier=self.name, key=key) from None
+        return bytes(out)
+
+    def size(self, key: str) -> int:
+        return int(self._head(key, self._path(key))["ContentLength"])
+
+    def exists(self, key: str) -> bool:
+        try:  # a HEAD: fsspec's isfile() would answer False on a throttled request
+            self._head(key, self._path(key))
+        except BlobNotFoundError:
+            return False
+        return True
+
+    def describe(self) -> str:
+        text = f"fsspec {self.options.url}"
+        opts = self.options.options
+        endpoint = (opts.get("endpoint_url") or (opts.get("client_kwargs") or {}).get("endpoint_url")
+                    or os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL"))
+        if endpoint:
+            text += f" at {endpoint}"
+        return self._redact(text)
+
+    # ----- S3 primitives (coroutines on s3fs's loop) -------------------------------------------------------
+    def _head(self, key: str, path: str) -> dict[str, Any]:
+        bucket, obj, _ = self.fs.split_path(path)
+        return self._request("stat", key, path, lambda: self.fs.call_s3("head_object", Bucket=bucket, Key=obj),
+                             missing_ok=True)
+
+    async def _get_into(self, bucket: str, obj: str, etag: str | None, offset: int, view: memoryview,
+                        ranged: bool) -> None:
+        """One GET (a range of it if ``ranged``) read straight into ``view``."""
+        n = len(view)
+        kw: dict[str, Any] = {"IfMatch": etag} if etag else {}
+        if ranged:
+            kw["Range"] = f"bytes={offset}-{offset + n - 1}"
+        resp = await self.fs._call_s3("get_object", Bucket=bucket, Key=obj, **kw)
+        body = resp["Body"]
+        try:
+            if int(resp.get("ContentLength", n)) != n:
+                raise Replaced()
+            await self._read_body(body, view, obj)
+        finally:
+            body.close()
+
+    async def _aread_all(self, key: str, path: str, bucket: str, obj: str,
+                         max_size: int | None = None) -> torch.Tensor:
+        """The object in ``part_size`` ranges, ``max_concurrency`` at a time, into one tensor.
+
+        The first range's answer tells the size (and is the whole blob when it fits: one atomic GET); the
+        other ranges start as soon as its headers arrive, ``If-Match`` its ETag.
+        """
+        part = self.options.part_size
+
+        def first() -> Awaitable[dict[str, Any]]:
+            return self.fs._call_s3("get_object", Bucket=bucket, Key=obj, Range=f"bytes=0-{part - 1}")
+
+        try:
+            resp = await self.arequest("read", key, path, first, missing_ok=True)
+        except TierError as exc:
+            if s3_error_code(exc) == "InvalidRange":  # S3's answer to any range of an empty object
+                return torch.empty(0, dtype=torch.uint8)
+            raise
+        body = resp["Body"]
+        try:
+            size = object_size(resp)
+            check_size(size, max_size, self._redact(path), tier=self.name, key=key)
+            out = torch.empty(size, dtype=torch.uint8)
+            if size == 0:
+                return out
+            view = memoryview(out.numpy())
+            head_n = min(part, size)
+            if int(resp.get("ContentLength", head_n)) != head_n:
+                raise Replaced()
+            etag = resp.get("ETag")
+            gate = asyncio.Semaphore(self.options.max_concurrency)
+
+            async def one(off: int, n: int) -> None:
+                async with gate:
+                    await self.arequest(f"read bytes {off}-{off + n - 1} of", key, path,
+                                        lambda: self._get_into(bucket, obj, etag, off, view[off:off + n], True),
+                                        nbytes=n, missing_ok=True)
+
+            tasks = [asyncio.ensure_future(one(off, min(part, size - off))) for off in range(part, size, part)]
+            try:
+                async with gate:
+                    try:
+                        await asyncio.wait_for(self._read_body(body, view[:head_n], key), self._ceiling(head_n))
+                    except (asyncio.CancelledError, Replaced):
+                        raise
+                    except Exception:  # the first answer broke off: read that range again like the others
+                        head_failed = True
+                    else:
+                        head_failed = False
+                if head_failed:
+                    await one(0, head_n)
+                await asyncio.gather(*tasks)
+            except BaseException:
+                for t in tasks:
+                    t.cancel()
+                await asyncio.gather(*tasks, return_exceptions=True)
+                raise
+            return out
+        finally:
+            body.close()
+
+    async def _read_body(self, body: Any, view: memoryview, key: str) -> None:
+        n, got = len(view), 0
+        while got < n:
+            k = await body.readinto(view[got:got + READ_PIECE])
+            if not k:
+                break
+            got += k
+        if got != n:
+            raise TransientTierError(f"the answer ended after {got} of {n} bytes", tier=self.name, key=key)
