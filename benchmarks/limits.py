@@ -1,20 +1,35 @@
 """This machine's limits, measured on the same bytes the benchmarks move: the ceilings every ratio is taken against.
 
 * ``copy``: ``Tensor.copy_`` into pre-faulted memory (a /dev/shm mapping written once before timing);
-* ``write_fsync``: ``os.write`` of the bytes to a new file on the benchmark's disk directory, then ``fsync``;
-* ``read``: reading that file back after dropping it from the page cache where possible (``posix_fadvise``).
+  ``ParallelCopy`` is the all-core variant (the bytes split over ``torch.get_num_threads()`` threads, each a plain
+  ``memmove`` with the GIL released); the physical ceiling is whichever of the two is faster;
+* ``write_fsync``: ``os.write`` of the bytes to a new file on the benchmark's disk directory, then ``fsync``
+  (through the page cache); ``direct_write_fsync``: the same with ``O_DIRECT`` from one aligned buffer, the
+  physical ceiling of a durable write;
+* ``read``: reading that file back after dropping it from the page cache where possible (``posix_fadvise``);
+  ``direct_read``: the same with ``O_DIRECT`` into one aligned buffer, the physical ceiling of a cold read.
+
+The direct I/O functions take ``threads``: how many requests are in flight at once (each thread moves its own
+contiguous range in 64 MiB requests). A disk may need more than one to reach its bandwidth; ``best_io_threads``
+measures which count is faster.
 """
 
 from __future__ import annotations
 
+import ctypes
 import mmap
 import os
 import shutil
 import statistics
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
+
+IO_CHUNK = 64 << 20  # bytes per direct I/O request
+ALIGN = 4096  # O_DIRECT: offsets, lengths and addresses aligned to the logical block (4 KiB covers every disk)
+RING = 256 << 20  # the most memory a direct I/O ceiling takes: larger files cycle through this buffer
 
 
 def _median(xs: list[float]) -> float:
@@ -74,34 +89,132 @@ def write_fsync_seconds(tensors: list[torch.Tensor], directory: str, repeats: in
     return _median(times)
 
 
-def direct_write_fsync_seconds(tensors: list[torch.Tensor], directory: str, repeats: int = 3) -> float:
-    """Write + fsync of the tensors' bytes with ``O_DIRECT``, from one page-aligned buffer in 64 MiB writes (the
-    best case for direct I/O: no copies, no bounce buffers). The buffer is filled before the clock starts."""
+def aligned_copy(tensors: list[torch.Tensor], ring: int = RING) -> tuple[mmap.mmap, int, int]:
+    """The tensors' first ``ring`` bytes in one page-aligned anonymous mapping: (mapping, file size rounded up
+    to ``ALIGN``, payload bytes). Filled before any clock starts, so direct I/O moves it with no copy; a larger
+    file is written by cycling through it (the disk sees the same number of bytes; the tensors' values are
+    incompressible anyway, and memory stays bounded on a shared machine)."""
     nbytes = sum(t.numel() * t.element_size() for t in tensors)
-    size = nbytes + (-nbytes) % 4096
-    buf = mmap.mmap(-1, size)
+    size = max(ALIGN, nbytes + (-nbytes) % ALIGN)
+    buf = mmap.mmap(-1, min(size, ring))
     view, pos = memoryview(buf), 0
     for t in tensors:
-        mv = memoryview(t.contiguous().view(torch.uint8).reshape(-1).numpy())
+        if pos >= len(view):
+            break
+        mv = memoryview(t.contiguous().view(torch.uint8).reshape(-1).numpy())[:len(view) - pos]
         view[pos:pos + len(mv)] = mv
         pos += len(mv)
+    view.release()
+    return buf, size, nbytes
+
+
+def _ranges(size: int, threads: int) -> list[tuple[int, int]]:
+    """``size`` bytes split into ``threads`` contiguous, ``ALIGN``-aligned ranges (start, end)."""
+    per = -(-size // threads)
+    per += (-per) % ALIGN
+    return [(a, min(size, a + per)) for a in range(0, size, per)]
+
+
+def _direct_open(path: str, flags: int) -> int:
+    try:
+        return os.open(path, flags | os.O_DIRECT, 0o600)
+    except OSError as exc:
+        raise OSError(exc.errno, f"{path}: O_DIRECT refused ({exc.strerror}); run the benchmark with --dir on a "
+                                 "disk filesystem (ext4, xfs), not tmpfs or an overlay that lacks direct I/O") from exc
+
+
+def _pio(fd: int, view: memoryview, start: int, end: int, write: bool) -> None:
+    """File bytes [start, end) from / into ``view`` (a ring: file offset ``off`` is ``view[off % len]``)."""
+    off = start
+    while off < end:
+        at = off % len(view)
+        piece = view[at:at + min(end - off, IO_CHUNK, len(view) - at)]
+        n = os.pwrite(fd, piece, off) if write else os.preadv(fd, [piece], off)
+        if n <= 0:
+            raise OSError(f"short direct {'write' if write else 'read'} at offset {off}")
+        off += n
+
+
+def _parallel_io(fd: int, view: memoryview, size: int, threads: int, write: bool) -> None:
+    if threads <= 1:
+        _pio(fd, view, 0, size, write)
+        return
+    with ThreadPoolExecutor(threads) as pool:
+        for f in [pool.submit(_pio, fd, view, a, b, write) for a, b in _ranges(size, threads)]:
+            f.result()
+
+
+def direct_write_fsync_seconds(tensors: list[torch.Tensor], directory: str, repeats: int = 3,
+                               threads: int = 1) -> float:
+    """Write + fsync of the tensors' bytes with ``O_DIRECT``, from one page-aligned buffer in 64 MiB writes (the
+    best case for direct I/O: no copies, no bounce buffers), ``threads`` writes in flight. The buffer is filled
+    before the clock starts; the file is new each time (as a checkpoint's is)."""
+    buf, size, _ = aligned_copy(tensors)
+    view = memoryview(buf)
     times = []
-    for i in range(repeats):
-        path = os.path.join(directory, f"raw_direct_{i}.bin")
-        t0 = time.perf_counter()
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_DIRECT, 0o600)
+    try:
+        for i in range(repeats):
+            path = os.path.join(directory, f"raw_direct_{i}.bin")
+            t0 = time.perf_counter()
+            fd = _direct_open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+            try:
+                _parallel_io(fd, view, size, threads, write=True)
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            times.append(time.perf_counter() - t0)
+            os.unlink(path)
+    finally:
+        view.release()
+        buf.close()
+    return _median(times)
+
+
+def direct_read_seconds(nbytes: int, directory: str, repeats: int = 3, threads: int = 1) -> float:
+    """Read of ``nbytes`` with ``O_DIRECT`` into one page-aligned buffer (a ring of at most ``RING`` bytes) in
+    64 MiB reads, ``threads`` in flight:
+    the disk's cold-read ceiling (no page cache on either side, so nothing needs dropping)."""
+    size = max(ALIGN, nbytes + (-nbytes) % ALIGN)
+    path = os.path.join(directory, "raw_direct_read.bin")
+    buf = mmap.mmap(-1, min(size, RING))  # a ring, as in aligned_copy
+    view = memoryview(buf)
+    try:
+        chunk = os.urandom(min(len(view), IO_CHUNK))
+        for off in range(0, len(view), IO_CHUNK):
+            n = min(IO_CHUNK, len(view) - off)
+            view[off:off + n] = chunk[:n]
+        fd = _direct_open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
         try:
-            off = 0
-            while off < size:
-                off += os.pwrite(fd, view[off:off + (64 << 20)], off)
+            _parallel_io(fd, view, size, 1, write=True)
             os.fsync(fd)
         finally:
             os.close(fd)
-        times.append(time.perf_counter() - t0)
-        os.unlink(path)
-    view.release()
-    buf.close()
+        times = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            fd = _direct_open(path, os.O_RDONLY)
+            try:
+                _parallel_io(fd, view, size, threads, write=False)
+            finally:
+                os.close(fd)
+            times.append(time.perf_counter() - t0)
+    finally:
+        view.release()
+        buf.close()
+        if os.path.exists(path):
+            os.unlink(path)
     return _median(times)
+
+
+def best_io_threads(tensors: list[torch.Tensor], directory: str, choices: tuple[int, ...] = (1, 4),
+                    repeats: int = 3) -> dict[str, object]:
+    """Which count of direct requests in flight is faster on this disk, for writes and for reads (median of
+    ``repeats`` each): {"write": n, "read": n, "write_s": {n: s}, "read_s": {n: s}}."""
+    nbytes = sum(t.numel() * t.element_size() for t in tensors)
+    write_s = {n: direct_write_fsync_seconds(tensors, directory, repeats, n) for n in choices}
+    read_s = {n: direct_read_seconds(nbytes, directory, repeats, n) for n in choices}
+    return {"write": min(write_s, key=write_s.__getitem__), "read": min(read_s, key=read_s.__getitem__),
+            "write_s": write_s, "read_s": read_s}
 
 
 def read_seconds(nbytes: int, directory: str, repeats: int = 3) -> float:
@@ -136,3 +249,112 @@ def read_seconds(nbytes: int, directory: str, repeats: int = 3) -> float:
 
 def gbps(nbytes: int, seconds: float) -> float:
     return nbytes / seconds / 1e9 if seconds > 0 else float("inf")
+
+
+# ----- the all-core copy ------------------------------------------------------------------------------------------
+class ParallelCopy:
+    """Copies a list of (source, destination) byte tensors two ways, to find the copy ceiling:
+
+    * ``single()``: one ``Tensor.copy_`` per pair, as a plain loop would (torch may already spread a large copy
+      over its intra-op threads);
+    * ``threaded()``: the same bytes split into ``threads`` equal contiguous ranges (default
+      ``torch.get_num_threads()``), each moved by ``ctypes.memmove`` on a thread of its own (ctypes releases the
+      GIL), so every core torch uses copies at once whatever torch does inside ``copy_``.
+
+    The ceiling is the faster of the two (``faster()``, by medians). Sources and destinations must be
+    contiguous uint8 views of the same lengths; they are kept, not copied."""
+
+    def __init__(self, pairs: list[tuple[torch.Tensor, torch.Tensor]], threads: int | None = None,
+                 groups: list[list[tuple[torch.Tensor, torch.Tensor]]] | None = None):
+        """``groups``: the threaded split given explicitly (one list of pairs per thread) instead of equal
+        ranges of ``pairs``' bytes; ``single()`` still copies ``pairs``."""
+        self.pairs = pairs
+        self.threads = max(1, threads or torch.get_num_threads())
+        if groups is not None:
+            self.jobs = [[(d.data_ptr(), s.data_ptr(), s.numel()) for s, d in g] for g in groups]
+        else:
+            self.jobs = self._split(pairs, self.threads)
+        self.jobs = [j for j in self.jobs if j]
+        self._pool = ThreadPoolExecutor(len(self.jobs)) if len(self.jobs) > 1 else None
+
+    @staticmethod
+    def _split(pairs: list[tuple[torch.Tensor, torch.Tensor]], threads: int) -> list[list[tuple[int, int, int]]]:
+        total = sum(s.numel() for s, _ in pairs)
+        per = max(1, -(-total // threads))
+        jobs: list[list[tuple[int, int, int]]] = [[] for _ in range(threads)]  # (dst, src, n) per thread
+        k = used = 0
+        for src, dst in pairs:
+            if src.numel() != dst.numel():
+                raise ValueError(f"copy pair of {src.numel()} and {dst.numel()} bytes")
+            sp, dp, left = src.data_ptr(), dst.data_ptr(), src.numel()
+            while left:
+                n = min(left, per - used)
+                jobs[k].append((dp, sp, n))
+                sp, dp, left, used = sp + n, dp + n, left - n, used + n
+                if used == per and k < threads - 1:
+                    k, used = k + 1, 0
+        return jobs
+
+    @staticmethod
+    def _run(job: list[tuple[int, int, int]]) -> None:
+        for dst, src, n in job:
+            ctypes.memmove(dst, src, n)
+
+    def single(self) -> float:
+        t0 = time.perf_counter()
+        for src, dst in self.pairs:
+            dst.copy_(src)
+        return time.perf_counter() - t0
+
+    def threaded(self) -> float:
+        t0 = time.perf_counter()
+        if self._pool is None:
+            for job in self.jobs:
+                self._run(job)
+        else:
+            for f in [self._pool.submit(self._run, j) for j in self.jobs]:
+                f.result()
+        return time.perf_counter() - t0
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown()
+        self.pairs, self.jobs = [], []
+
+
+def faster(samples: dict[str, list[float]]) -> tuple[str, float]:
+    """The method with the lowest median among {method: seconds}, and that median: the ceiling."""
+    meds = {k: _median(v) for k, v in samples.items() if v}
+    best = min(meds, key=meds.__getitem__)
+    return best, meds[best]
+
+
+def copy_ceiling(tensors: list[torch.Tensor], repeats: int = 5) -> dict[str, object]:
+    """The copy ceiling into pre-faulted shared memory of the full size: medians of ``repeats`` of ``single``
+    and ``threaded`` (alternating), and the faster: {"single_s", "threaded_s", "method", "seconds", "threads"}."""
+    nbytes = sum(t.numel() * t.element_size() for t in tensors)
+    root, mm, buf = prefaulted_shm(max(1, nbytes))
+    try:
+        pairs, off = [], 0
+        for t in tensors:
+            n = t.numel() * t.element_size()
+            if n:
+                pairs.append((t.contiguous().reshape(-1).view(torch.uint8), buf[off:off + n]))
+            off += n
+        pc = ParallelCopy(pairs)
+        samples: dict[str, list[float]] = {"single": [], "threaded": []}
+        for i in range(repeats):
+            for how in (("single", "threaded") if i % 2 == 0 else ("threaded", "single")):
+                samples[how].append(getattr(pc, how)())
+        threads = pc.threads
+        pc.close()
+        method, seconds = faster(samples)
+        return {"single_s": samples["single"], "threaded_s": samples["threaded"], "method": method,
+                "seconds": seconds, "threads": threads}
+    finally:
+        del pairs, buf
+        try:
+            mm.close()
+        except BufferError:
+            pass
+        shutil.rmtree(root, ignore_errors=True)

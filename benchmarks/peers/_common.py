@@ -41,6 +41,7 @@ def parse_args(description: str) -> argparse.Namespace:
     ap.add_argument("--workdir", required=True, help="a fresh directory on the local disk for this run")
     ap.add_argument("--warm", type=int, default=3, help="warm saves to time")
     ap.add_argument("--series", type=int, default=8, help="ours: warm saves of the blocking-only series")
+    ap.add_argument("--overlap", type=int, default=6, help="ours: warm saves issued while the previous drains")
     ap.add_argument("--out", required=True, help="write the result JSON here")
     return ap.parse_args()
 
@@ -263,41 +264,67 @@ def same_tensors(a: Any, b: Any) -> bool:
 
 
 class CopyBaseline:
-    """The machine's copy limit, measured next to the candidate in the same process: ``Tensor.copy_`` of the
-    state's tensors into (``copy_in``) or out of (``copy_out``) a pre-faulted ``/dev/shm`` buffer
-    (``limits.prefaulted_shm``). Timing it between a candidate's saves or restores gives pairs taken under the
-    same load, so their ratio is far steadier than limits measured at another time on a busy machine.
+    """The machine's copy limit, measured next to the candidate in the same process: the state's tensors copied
+    into (``copy_in``) or out of (``copy_out``) a pre-faulted ``/dev/shm`` buffer (``limits.prefaulted_shm``).
+    Timing it between a candidate's saves or restores gives pairs taken under the same load, so their ratio is
+    far steadier than limits measured at another time on a busy machine.
+
+    Each call times both ways of ``limits.ParallelCopy``: ``Tensor.copy_`` piece by piece (``single``) and the
+    bytes split over ``torch.get_num_threads()`` threads (``threaded``), the order alternating from call to call;
+    the ceiling is the way with the lower median (``run_all.py`` decides, from every sample).
 
     The buffer is at most ``ring`` bytes (256 MiB): tensors are copied through it piece by piece, wrapping
     around, so the baseline adds little memory (the machine is shared) while every copy still goes to
-    pre-faulted pages far larger than any cache. Destination views are made up front."""
+    pre-faulted pages far larger than any cache. For the threaded way each thread has its own segment of the
+    ring, so no two threads ever write the same bytes. Every view is made up front."""
 
-    def __init__(self, tensors: list[torch.Tensor], ring: int = 256 * MIB):
-        flat = [t.reshape(-1).view(torch.uint8) for t in tensors if t.numel()]
-        nbytes = sum(t.numel() for t in flat)
-        self.root, self.mm, buf = limits.prefaulted_shm(max(1, min(ring, nbytes)))
+    def __init__(self, tensors: list[torch.Tensor], ring: int = 256 * MIB, threads: int | None = None):
+        self.flat = [t.reshape(-1).view(torch.uint8) for t in tensors if t.numel()]
+        self.starts, pos = [], 0
+        for t in self.flat:
+            self.starts.append(pos)
+            pos += t.numel()
+        self.nbytes = pos
+        self.threads = max(1, threads or torch.get_num_threads())
+        self.root, self.mm, buf = limits.prefaulted_shm(max(self.threads, min(ring, self.nbytes)))
+        self.buf = buf
         size = buf.numel()
-        self.pairs: list[tuple[torch.Tensor, torch.Tensor]] = []  # (piece of the state, piece of the buffer)
-        pos = 0
-        for t in flat:
-            start = 0
-            while start < t.numel():
-                n = min(t.numel() - start, size - pos)
-                self.pairs.append((t[start:start + n], buf[pos:pos + n]))
-                start += n
+        self.pairs = self._wrapped(0, self.nbytes, 0, size)  # (piece of the state, piece of the buffer)
+        per = max(1, -(-self.nbytes // self.threads))
+        seg = size // self.threads
+        bounds = [(k * per, min(self.nbytes, (k + 1) * per)) for k in range(self.threads)]
+        groups_in = [self._wrapped(lo, hi, k * seg, seg) for k, (lo, hi) in enumerate(bounds) if lo < hi]
+        self.par_in = limits.ParallelCopy(self.pairs, self.threads, groups=groups_in)
+        # copy_out, threaded: in rounds of one segment per thread; before each round (untimed) the segments get
+        # that round's bytes, so what is copied out is the state's own bytes.
+        self.out_rounds: list[tuple[limits.ParallelCopy, limits.ParallelCopy]] = []
+        for r in range(-(-per // seg) if seg else 0):
+            fill, back = [], []
+            for k, (lo, hi) in enumerate(bounds):
+                a, b = lo + r * seg, min(hi, lo + (r + 1) * seg)
+                if a < b:
+                    pieces = self._wrapped(a, b, k * seg, seg)
+                    fill.append(pieces)
+                    back.append([(d, s_) for s_, d in pieces])
+            self.out_rounds.append((limits.ParallelCopy([p for g in fill for p in g], groups=fill),
+                                    limits.ParallelCopy([p for g in back for p in g], groups=back)))
+        self.samples: dict[str, dict[str, list[float]]] = {}  # label ("in", "out", ...) → way → seconds
+        self._calls = 0
+
+    def _wrapped(self, lo: int, hi: int, base: int, size: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """(state slice, buffer slice) pairs for the state's bytes [lo, hi), placed in buf[base:base + size]
+        from its start, wrapping around."""
+        out, pos = [], 0
+        for t, start in zip(self.flat, self.starts, strict=True):
+            a, b = max(lo, start), min(hi, start + t.numel())
+            while a < b:
+                n = min(b - a, size - pos)
+                out.append((t[a - start:a - start + n], self.buf[base + pos:base + pos + n]))
+                a += n
                 pos = (pos + n) % size
-        del buf
+        return out
 
-    def copy_in(self) -> float:
-        t0 = time.perf_counter()
-        for src, dst in self.pairs:
-            dst.copy_(src)
-        return time.perf_counter() - t0
-
-    def copy_out(self) -> float:
-        """``copy_`` from the buffer into the state's own tensors (pre-faulted, like a model's), piece by piece;
-        before each piece, untimed, the buffer is given that piece's bytes, so the state never changes. (The
-        tail of a piece may still be in the CPU cache then, which can only flatter this limit.)"""
+    def _single_out(self) -> float:
         elapsed = 0.0
         for src, dst in self.pairs:
             dst.copy_(src)
@@ -306,10 +333,44 @@ class CopyBaseline:
             elapsed += time.perf_counter() - t0
         return elapsed
 
+    def _threaded_out(self) -> float:
+        elapsed = 0.0
+        for fill, back in self.out_rounds:
+            fill.threaded()
+            elapsed += back.threaded()
+        return elapsed
+
+    def _both(self, kind: str, single: Callable[[], float], threaded: Callable[[], float]) -> float:
+        self._calls += 1
+        ways = (("single", single), ("threaded", threaded))
+        got = self.samples.setdefault(kind, {"single": [], "threaded": []})
+        for name, fn in (ways if self._calls % 2 else ways[::-1]):
+            got[name].append(fn())
+        return min(got["single"][-1], got["threaded"][-1])
+
+    def copy_in(self, label: str = "in") -> float:
+        """One sample of each way into the buffer; returns the faster of the two (both are kept in
+        ``samples[label]``: a different label keeps samples taken under other conditions apart)."""
+        return self._both(label, self.par_in.single, self.par_in.threaded)
+
+    def copy_out(self) -> float:
+        """One sample of each way from the buffer into the state's own tensors (pre-faulted, like a model's);
+        before each piece, untimed, the buffer is given that piece's bytes, so the state never changes. (The
+        tail of a piece may still be in the CPU cache then, which can only flatter this limit.)"""
+        return self._both("out", self._single_out, self._threaded_out)
+
+    def report(self) -> dict[str, Any]:
+        """Every sample of both ways, for the result JSON (``limit_copy_ways``)."""
+        return {"threads": self.threads, **{k: {w: list(v) for w, v in d.items()} for k, d in self.samples.items()}}
+
     def close(self) -> None:
         import shutil
 
-        self.pairs = []
+        self.par_in.close()
+        for a, b in self.out_rounds:
+            a.close()
+            b.close()
+        self.pairs, self.out_rounds, self.flat, self.buf = [], [], [], None
         gc.collect()
         try:
             self.mm.close()
@@ -322,6 +383,25 @@ def write_fsync_seconds(tensors: list[torch.Tensor], directory: str) -> float:
     """One raw write + fsync of the tensors' bytes to a new file (``limits.write_fsync_seconds``)."""
     os.makedirs(directory, exist_ok=True)
     return limits.write_fsync_seconds(tensors, directory, repeats=1)
+
+
+def direct_write_fsync_seconds(tensors: list[torch.Tensor], directory: str, threads: int = 1) -> float:
+    """One ``O_DIRECT`` write + fsync of the tensors' bytes (``limits.direct_write_fsync_seconds``)."""
+    os.makedirs(directory, exist_ok=True)
+    return limits.direct_write_fsync_seconds(tensors, directory, repeats=1, threads=threads)
+
+
+def direct_read_seconds(nbytes: int, directory: str, threads: int = 1) -> float:
+    """One ``O_DIRECT`` read of ``nbytes`` (``limits.direct_read_seconds``)."""
+    os.makedirs(directory, exist_ok=True)
+    return limits.direct_read_seconds(nbytes, directory, repeats=1, threads=threads)
+
+
+def io_threads(tensors: list[torch.Tensor], directory: str) -> dict[str, Any]:
+    """How many direct requests in flight this disk wants, for writes and reads (``limits.best_io_threads``):
+    measured once per process, on the state's bytes, before the candidate runs."""
+    os.makedirs(directory, exist_ok=True)
+    return limits.best_io_threads(tensors, directory, repeats=1)
 
 
 def read_seconds(nbytes: int, directory: str) -> float:

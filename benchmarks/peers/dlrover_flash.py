@@ -8,7 +8,8 @@ and the ``fsync`` of the file we add to call it durable; restore from shm (its z
 existing tensors) and from disk (its ``torch.load`` path, page cache dropped; where that refuses the file, as
 it does for Megatron's ``args`` under torch >= 2.6, the error is recorded and ``weights_only=False`` timed
 instead); host memory of the training process and the saver. A ``copy_`` into a pre-faulted buffer after each
-warm save and a raw write+fsync after each persist give paired limits, as in ``ours.py``.
+warm save (both ways, the faster is the ceiling) and an ``O_DIRECT`` write+fsync after each persist give paired
+limits, as in ``ours.py``.
 """
 
 from __future__ import annotations
@@ -58,6 +59,7 @@ def main() -> int:
         tensors = c.states.tensors(items)
         baseline = c.CopyBaseline(tensors)
         raw_dir = os.path.join(args.workdir, "raw")
+        io = out["io_threads"] = c.io_threads(tensors, raw_dir)  # as in ours.py
         kids_baseline = c.wait_children_settled()
         before, out["peak_reset"], sampler = c.open_memory_window()
 
@@ -81,8 +83,9 @@ def main() -> int:
             s, _ = c.timed(lambda d=os.path.dirname(path): c.fsync_tree(d))
             fsync_s.append(s)
             c.drop_cache(args.workdir)
-            write_s.append(c.write_fsync_seconds(tensors, raw_dir))
-        out["limit_write_fsync_s"] = write_s
+            write_s.append(c.direct_write_fsync_seconds(tensors, raw_dir, io["write"]))
+        out["limit_direct_write_s"] = write_s
+        out["limit_copy_ways"] = baseline.report()
         out["persist_blocking_s"], out["persist_total_s"], out["persist_fsync_s"] = blocking, persist, fsync_s
         out["durable_total_s"] = [p + f for p, f in zip(persist, fsync_s, strict=True)]
         out["durable_after_s"] = [p + f - b for p, f, b in zip(persist, fsync_s, blocking, strict=True)]

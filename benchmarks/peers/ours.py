@@ -7,11 +7,17 @@ zero-copy views then ``copy_`` into them (what a resume's ``load_state_dict`` do
 ``load(copy=True)`` into fresh memory; restore from the local disk (page cache dropped) into the existing
 tensors; the host memory the saves added; and, with a fresh engine, a first ``save()`` without ``prepare()``.
 
-The machine's limits are measured in this same process, alternating with the candidate under the same load:
-a ``copy_`` of the tensors into a pre-faulted buffer after each warm save, a raw write+fsync of the same bytes
-after each drain (``limits.py``), a ``copy_`` out of that buffer into the tensors after each shm restore, and
-a raw read before each disk restore. Warm blocking times come from the main engine and from a series with a
-shm-only engine (``--series`` saves, each followed by the copy limit), which needs no drain between saves.
+The machine's physical limits are measured in this same process, alternating with the candidate under the
+same load (``limits.py``): a copy of the tensors into a pre-faulted buffer after each warm save (both ways, one
+``copy_`` per piece and the bytes split over all of torch's threads: the faster is the ceiling), an
+``O_DIRECT`` write+fsync of the same bytes after each drain, a copy out of that buffer into the tensors after
+each shm restore, and an ``O_DIRECT`` read before each disk restore. How many direct requests the disk wants in
+flight is measured once first (``limits.best_io_threads``), with one buffered write+fsync for information.
+
+Warm blocking times come from the main engine's quiet saves (each after the previous one was durable), from a
+series with a shm-only engine (``--series`` saves, each followed by the copy limit), which needs no drain
+between saves, and from ``--overlap`` saves issued while the previous step still drains (each followed by a copy
+limit taken while that drain still runs). A save that had to wait for a free slot says so (``slot_wait``).
 """
 
 from __future__ import annotations
@@ -36,6 +42,7 @@ class Events:
         self.commit: dict[tuple[str, int], float] = {}
         self.drain: dict[tuple[str, int], float] = {}
         self.failed: list[str] = []
+        self.slot_wait: dict[int, float] = {}
 
     @hookimpl
     def tiered_ckpt_on_event(self, event):
@@ -43,6 +50,8 @@ class Events:
             self.commit[(event.tier, event.step)] = event.seconds
         elif event.kind == "drain":
             self.drain[(event.tier, event.step)] = event.seconds
+        elif event.kind == "slot_wait":
+            self.slot_wait[event.step] = event.seconds
         elif event.kind == "commit_failed":
             self.failed.append(f"{event.tier} step {event.step}: {event.message}")
 
@@ -73,6 +82,11 @@ def main() -> int:
         tensors = c.states.tensors(items)
         baseline = c.CopyBaseline(tensors)  # made before the RSS baseline: its pages are not the save's
         raw_dir = os.path.join(args.workdir, "raw")
+        # How many O_DIRECT requests in flight this disk wants (writes, reads), and one buffered write+fsync
+        # for information: before the memory window, so their buffers are not counted as the save's.
+        io = out["io_threads"] = c.io_threads(tensors, raw_dir)
+        c.drop_cache(args.workdir)
+        out["limit_write_fsync_buffered_s"] = c.write_fsync_seconds(tensors, raw_dir)
         kids_baseline = c.wait_children_settled()
         before, out["peak_reset"], sampler = c.open_memory_window()
 
@@ -95,10 +109,30 @@ def main() -> int:
             # the limits, right after, under the same load
             copy_s.append(baseline.copy_in())
             c.drop_cache(args.workdir)
-            write_s.append(c.write_fsync_seconds(tensors, raw_dir))
+            write_s.append(c.direct_write_fsync_seconds(tensors, raw_dir, io["write"]))
         out["warm_s"], out["durable_after_s"], out["drain_write_s"] = warm, durable, drain
-        out["limit_copy_s"], out["limit_write_fsync_s"] = copy_s, write_s  # copy_s grows below
+        out["limit_copy_s"], out["limit_direct_write_s"] = copy_s, write_s  # copy_s grows below
         out["durable_total_s"] = [w + d for w, d in zip(warm, durable, strict=True)]
+
+        # Saves while the previous step still drains: save k+1 right after step k-1 is durable, i.e. while the
+        # drain writes step k (its slot is the other one), then a copy limit while that drain still runs.
+        busy, busy_copy, overlapped, step = [], [], [], 2 + args.warm
+        prev: list = []
+        for _ in range(args.overlap + 1):
+            if len(prev) >= 2:
+                prev[-2].wait()
+            draining = bool(prev) and not prev[-1].done()
+            h = engine.save(step, items)
+            if prev:
+                busy.append(h.blocking_s)
+                overlapped.append([draining, not prev[-1].done()])  # still draining when save() returned?
+                busy_copy.append(baseline.copy_in("in_busy"))
+            prev.append(h)
+            step += 1
+        for h in prev:
+            h.wait()
+        out["warm_busy_s"], out["limit_copy_busy_s"], out["busy_overlapped"] = busy, busy_copy, overlapped
+        out["slot_wait_s"] = {str(k): v for k, v in events.slot_wait.items()}
         peak = c.proc_status()
         sampled = sampler.stop()
         out["memory"] = c.memory_report(before, peak, sampled, nslots * slot_total, kids_baseline)
@@ -157,13 +191,14 @@ def main() -> int:
                 out["warm_series_s"] = series
         finally:
             shutil.rmtree(shm3, ignore_errors=True)
+        out["limit_copy_ways"] = baseline.report()  # every copy_in / copy_out sample of both ways
         baseline.close()
 
         # Restore from the local disk: a new engine with only the local tier (as after a node restart, shm gone).
         disk_s, disk_load_s, read_s = [], [], []
         engine = CheckpointEngine(config(run_id, None, local))
         for _ in range(2):
-            read_s.append(c.read_seconds(nbytes, raw_dir))
+            read_s.append(c.direct_read_seconds(nbytes, raw_dir, io["read"]))
             out["dropped_bytes"] = c.drop_cache(local)
             t0 = time.perf_counter()
             res = engine.load(copy=True)
@@ -175,7 +210,8 @@ def main() -> int:
             del res
             c.settle()
         engine.close()
-        out["restore_disk_s"], out["restore_disk_load_part_s"], out["limit_read_s"] = disk_s, disk_load_s, read_s
+        out["restore_disk_s"], out["restore_disk_load_part_s"], out["limit_direct_read_s"] = (disk_s, disk_load_s,
+                                                                                           read_s)
 
         # The first save without prepare(): the slot is allocated and pre-faulted inside save().
         shm2 = tempfile.mkdtemp(prefix="bench_ours_", dir="/dev/shm")
