@@ -57,8 +57,10 @@ def check_engine(engine: Any) -> None:
     if engine.config.layout != "dcp":
         raise ConfigError(f"tiered_ckpt.dcp needs an engine with layout: dcp (this one has "
                           f"{engine.config.layout!r}): set layout: dcp in its configuration", key_path="layout")
-    for name in engine.pipeline.file_stores():
-        if engine.pipeline.file_stores()[name].compression_name:
+    from ..file_store import FileStore
+
+    for name, store in engine.pipeline.stores.items():
+        if isinstance(store, FileStore) and store.compression_name:
             raise ConfigError(f"tier {name!r}: compression would make .distcp files DCP's own reader cannot read; "
                               "set compression: none on it for layout dcp", key_path="tiers")
 
@@ -209,4 +211,4 @@ class TieredStorageWriter(StorageWriter, BlockingAsyncStager):
         could not take it)."""
         handle = self.last_handle
         if handle is not None:
-            handle.wait(timeout)
+            handle.wait(timeout=timeout)
