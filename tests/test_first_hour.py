@@ -223,8 +223,8 @@ def test_a_closed_engine_leaves_no_lock_directory(tmp_path, monkeypatch):
 # ----- 3. configuration errors that point at the fix -------------------------------------------------------------
 @pytest.mark.parametrize("text, expected", [
     ("tiers: [{name: a, kind: local, path: /x, keeep: 2}]",
-     "tiers.yaml: tiers[0].keeep: unknown key (allowed for a local tier: compression, direct_io, enabled, every, "
-     "fsync, keep, kind, name, path, retry); did you mean 'keep'?"),
+     "tiers.yaml: tiers[0].keeep: unknown key (allowed for a local tier: codec, codecs, compression, direct_io, "
+     "enabled, every, fsync, keep, kind, name, path, retry); did you mean 'keep'?"),
     ("tier: [{name: a, kind: local, path: /x}]",
      "tiers.yaml: tier: unknown key (allowed here: drain, events, layout, load, run_id, tiers); did you mean "
      "'tiers'?"),

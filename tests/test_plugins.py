@@ -82,3 +82,176 @@ def test_jsonl_event_observer(tmp_path):
         engine.load()
     kinds = [json.loads(line)["kind"] for line in log.read_text().splitlines()]
     assert {"snapshot", "drain", "commit", "load"} <= set(kinds)
+
+
+# ----- pluggy: the checks at start-up -----------------------------------------------------------------------------
+def test_a_misspelt_hook_is_an_error_naming_the_plugin_and_the_hook():
+    @hookimpl
+    def tiered_ckpt_register_tier(registry):  # "tier", not "tiers"
+        registry.add("never", LocalTier)
+
+    typo = types.SimpleNamespace(tiered_ckpt_register_tier=tiered_ckpt_register_tier)
+    with pytest.raises(PluginError) as info:
+        PluginManager(load_entry_points=False, extra_plugins=(typo,))
+    msg = str(info.value)
+    assert "'tiered_ckpt_register_tier'" in msg and "did you mean 'tiered_ckpt_register_tiers'" in msg
+    assert str(id(typo)) in msg  # the plugin's name (pluggy's canonical name of an unnamed object)
+
+
+def test_a_hook_function_without_hookimpl_is_an_error():
+    def tiered_ckpt_register_tiers(registry):
+        registry.add("never", LocalTier)
+
+    with pytest.raises(PluginError, match="tiered_ckpt_register_tiers is not marked @hookimpl"):
+        PluginManager(load_entry_points=False,
+                      extra_plugins=(types.SimpleNamespace(tiered_ckpt_register_tiers=tiered_ckpt_register_tiers),))
+
+
+def test_registration_hooks_are_refused_after_start_up():
+    pm = PluginManager(load_entry_points=False)
+    with pytest.raises(PluginError, match="runs only when the plugin manager starts.*extra_plugins"):
+        pm.register(_plugin("late"))
+    assert "late" not in pm.registries.tiers
+
+
+def test_a_raising_observer_does_not_stop_the_others():
+    from tiered_ckpt.events import Event
+
+    seen = []
+
+    class Good:
+        @hookimpl
+        def tiered_ckpt_on_event(self, event):
+            seen.append(event.kind)
+
+    class Broken:
+        @hookimpl
+        def tiered_ckpt_on_event(self, event):
+            raise RuntimeError("observer bug")
+
+    # pluggy calls the last registered first: Broken runs before Good, and Good must still see the event.
+    pm = PluginManager(load_entry_points=False, extra_plugins=(Good(), Broken()))
+    pm.emit(Event("snapshot", step=1))
+    assert seen == ["snapshot"]
+
+
+# ----- observers per engine, run_id on every event ----------------------------------------------------------------
+def test_two_engines_in_one_process_see_only_their_own_events(tmp_path):
+    import torch
+    from helpers import Recorder
+
+    from tiered_ckpt import CheckpointEngine
+
+    everyone = Recorder()  # on the plugin manager: every engine's events, told apart by run_id
+    pm = PluginManager(load_entry_points=False, extra_plugins=(everyone,))
+    mine, theirs = Recorder(), Recorder()
+
+    def config(run_id):
+        return {"drain": {"mode": "thread"}, "run_id": run_id,
+                "tiers": [{"name": "d", "kind": "local", "path": str(tmp_path / run_id)}]}
+
+    with CheckpointEngine(config("run-a"), plugin_manager=pm, observers=[mine]) as a, \
+            CheckpointEngine(config("run-b"), plugin_manager=pm, observers=[theirs]) as b:
+        a.save(1, {"state": {"w": torch.ones(2)}}).wait()
+        b.save(7, {"state": {"w": torch.zeros(2)}}).wait()
+    assert mine.events and theirs.events
+    assert {e.run_id for e in mine.events} == {"run-a"} and {e.step for e in mine.kinds("commit")} == {1}
+    assert {e.run_id for e in theirs.events} == {"run-b"} and {e.step for e in theirs.kinds("commit")} == {7}
+    assert {e.run_id for e in everyone.events} == {"run-a", "run-b"}
+    assert all(e.run_id is not None for e in everyone.events)
+
+
+def test_jsonl_observers_of_two_engines_write_only_their_own_events(tmp_path):
+    import json
+
+    import torch
+
+    from tiered_ckpt import CheckpointEngine
+
+    def config(run_id):
+        return {"drain": {"mode": "thread"}, "run_id": run_id, "events": {"jsonl": str(tmp_path / f"{run_id}.jsonl")},
+                "tiers": [{"name": "d", "kind": "local", "path": str(tmp_path / run_id)}]}
+
+    with CheckpointEngine(config("one")) as one, CheckpointEngine(config("two")) as two:
+        one.save(1, {"state": {"w": torch.ones(2)}}).wait()
+        two.save(2, {"state": {"w": torch.ones(2)}}).wait()
+    for run_id in ("one", "two"):
+        lines = [json.loads(line) for line in (tmp_path / f"{run_id}.jsonl").read_text().splitlines()]
+        assert lines and {line["run_id"] for line in lines} == {run_id}
+
+
+# ----- the drain worker gets the same plugins ---------------------------------------------------------------------
+def _worker_config(tmp_path, shm_root, kind="mirror"):
+    # Two shm tiers: a memory tier below the first one means every drain runs in the worker process (never in this
+    # process's threads while the worker starts), so the worker must know kind "mirror".
+    return {"run_id": f"worker-plugins-{tmp_path.name}"[:100], "drain": {"mode": "process"},
+            "tiers": [{"name": "host", "kind": "shm", "path": f"{shm_root}/a"},
+                      {"name": "host2", "kind": "shm", "path": f"{shm_root}/b"},
+                      {"name": "disk", "kind": kind, "path": str(tmp_path / "disk")}]}
+
+
+@pytest.mark.parametrize("how", ["module", "object"])
+def test_a_kind_from_extra_plugins_drains_in_the_worker_process(tmp_path, shm_root, how):
+    import plugin_samples
+    import torch
+
+    from tiered_ckpt import CheckpointEngine
+
+    plugin = plugin_samples if how == "module" else plugin_samples.as_object
+    pm = PluginManager(load_entry_points=False, extra_plugins=(plugin,))
+    with CheckpointEngine(_worker_config(tmp_path, shm_root), plugin_manager=pm) as engine:
+        handle = engine.save(1, {"state": {"w": torch.arange(4.0)}})
+        handle.wait(timeout=120)  # raises if a tier failed (before: the worker had no kind "mirror")
+    assert (tmp_path / "disk" / "iter_0000001" / "tiered_ckpt" / "manifest.json").is_file()
+
+
+def test_the_worker_rebuilds_the_plugins_from_the_spec():
+    import plugin_samples
+
+    from tiered_ckpt.plugins import manager_for_worker
+
+    for plugin in (plugin_samples, plugin_samples.as_object):
+        pm = PluginManager(load_entry_points=False, extra_plugins=(plugin,))
+        rebuilt = manager_for_worker(pm.spec())
+        assert rebuilt.registries.tiers.get("mirror") is plugin_samples.MirrorTier
+        assert "faulty" not in rebuilt.registries.tiers  # the same plugins: no entry points here either
+
+
+def test_a_plugin_the_worker_cannot_import_is_an_error_at_engine_construction(tmp_path, shm_root):
+    from tiered_ckpt import CheckpointEngine
+
+    class LocalKind(LocalTier):  # a local class: the worker process could never import it
+        kind = "mirror"
+
+    @hookimpl
+    def tiered_ckpt_register_tiers(registry):
+        registry.add("mirror", LocalKind)
+
+    plugin = types.SimpleNamespace(tiered_ckpt_register_tiers=tiered_ckpt_register_tiers)
+    pm = PluginManager(load_entry_points=False, extra_plugins=(plugin,), )
+    with pytest.raises(PluginError) as info:
+        CheckpointEngine(_worker_config(tmp_path, shm_root), plugin_manager=pm)
+    msg = str(info.value)
+    assert "cannot reach the drain worker process" in msg and "cannot be pickled" in msg
+    assert "importable module" in msg and "drain: {mode: thread}" in msg
+    # The same plugin drains in threads of this process.
+    with CheckpointEngine({**_worker_config(tmp_path, shm_root), "drain": {"mode": "thread"}},
+                          plugin_manager=pm) as engine:
+        import torch
+
+        engine.save(1, {"state": {"w": torch.ones(2)}}).wait()
+
+
+def test_a_plugin_from_main_is_named_as_such(monkeypatch):
+    import sys
+
+    import plugin_samples
+
+    from tiered_ckpt.plugins import _worker_safe_pickle
+
+    main = types.ModuleType("__main__")
+    main.MirrorTier = plugin_samples.MirrorTier
+    monkeypatch.setattr(plugin_samples.MirrorTier, "__module__", "__main__")
+    monkeypatch.setitem(sys.modules, "__main__", main)
+    data, why = _worker_safe_pickle(types.SimpleNamespace(cls=plugin_samples.MirrorTier))
+    assert data is None and "__main__.MirrorTier" in why and "does not import" in why

@@ -8,6 +8,7 @@ kind would ignore (``keep`` on a memory tier, ``slots`` on a file tier) is an er
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 from dataclasses import dataclass, field
@@ -70,6 +71,10 @@ class TierConfig:
     on_close: Literal["keep", "release"] = "keep"
     compression: CompressionConfig | None = None
     retry: RetryConfig = field(default_factory=RetryConfig)
+    # File tiers: the file codec of the items whose format the layout leaves open (None: the layout's default,
+    # ``flat``), and per item (``{state: torch}``). Names are registered codecs; checked against the layout.
+    codec: str | None = None
+    codecs: dict[str, str] = field(default_factory=dict)
     options: Any = None  # the kind's own Options dataclass instance
 
 
@@ -104,6 +109,9 @@ class Config:
     load: LoadConfig = field(default_factory=LoadConfig)
     events: EventsConfig = field(default_factory=EventsConfig)
     source: str | None = None  # where it was read from, for messages
+    # The plugins the configuration was read with, for a drain worker to rebuild (plugins.PluginSpec; set by
+    # load_config from the registries; None: the default plugins).
+    plugins: Any = field(default=None, compare=False, repr=False)
 
     def tier(self, name: str) -> TierConfig:
         for t in self.tiers:
@@ -113,12 +121,14 @@ class Config:
 
 
 _COMMON_TIER_KEYS = {"name", "kind", "enabled", "every", "keep", "slots", "when_full", "on_close", "compression",
-                     "retry"}
+                     "retry", "codec", "codecs"}
 # Common keys that only one family of tiers reads: given to the other, they would be silently ignored.
 _FILE_TIER_KEYS = {
     "every": "a memory tier takes every save",
     "keep": "a memory tier holds the newest `slots` snapshots (set slots instead)",
     "compression": "a memory tier holds raw snapshots, never compressed",
+    "codec": "a memory tier holds snapshots in its own format, not files",
+    "codecs": "a memory tier holds snapshots in its own format, not files",
 }
 _MEMORY_TIER_KEYS = {
     "slots": "only memory tiers hold slots",
@@ -187,7 +197,35 @@ def _tier_config(raw: Any, index: int, registries: Any, source: str | None) -> T
             message = (f"does not apply to a memory tier (kind {kind!r}): {why}; remove the key" if memory
                        else f"{why}; kind {kind!r} does not (remove the key)")
             raise ConfigError(message, source=source, key_path=f"{path}.{key}")
+    _check_codecs(tc, registries, path, source)
     return TierConfig(**{**tc.__dict__, "options": options})
+
+
+def _check_codecs(tc: TierConfig, registries: Any, path: str, source: str | None) -> None:
+    """``codec`` and ``codecs`` name registered codecs (the layout's own constraints: _check_layout_codecs)."""
+    known = list(registries.codecs)
+    chosen = [("codec", tc.codec)] if tc.codec is not None else []
+    chosen += [(f"codecs.{item}", name) for item, name in tc.codecs.items()]
+    for key, name in chosen:
+        if name in registries.codecs:
+            continue
+        hint = suggest(name, known)
+        if not hint and name in ("zstd", "none"):
+            hint = "; compression is set with compression: {codec: zstd}"
+        raise ConfigError(f'unknown codec "{name}" (allowed: {", ".join(known) or "none"}){hint}', source=source,
+                          key_path=f"{path}.{key}")
+
+
+def _check_layout_codecs(tiers: tuple[TierConfig, ...], layout_cls: Any, source: str | None) -> None:
+    """Items whose files another program reads (Megatron's ``model_optim_rng.pt``) keep the layout's codec."""
+    fixed: dict[str, str] = getattr(layout_cls, "fixed_codecs", {})
+    for i, t in enumerate(tiers):
+        for item, name in t.codecs.items():
+            want = fixed.get(item)
+            if want is not None and name != want:
+                why = getattr(layout_cls, "fixed_codec_reason", "another program reads these files")
+                raise ConfigError(f'layout "{layout_cls.name}" writes {item} with codec "{want}" ({why}); got '
+                                  f'"{name}" (remove the key)', source=source, key_path=f"tiers[{i}].codecs.{item}")
 
 
 def _memory_hint(tier_cls: Any, own: dict[str, Any]) -> bool:
@@ -201,6 +239,9 @@ def _memory_hint(tier_cls: Any, own: dict[str, Any]) -> bool:
 def load_config(config: Any, *, registries: Any = None, env: dict[str, str] | None = None) -> Config:
     """A YAML path, a YAML string of a mapping is not accepted (ambiguous with paths): a path, a dict or a Config."""
     if isinstance(config, Config):
+        spec = getattr(registries, "spec", None)
+        if spec is not None and config.plugins != spec:  # read elsewhere: the worker rebuilds these plugins
+            return dataclasses.replace(config, plugins=spec)
         return config
     source = None
     if isinstance(config, (str, os.PathLike)):
@@ -230,7 +271,7 @@ def load_config(config: Any, *, registries: Any = None, env: dict[str, str] | No
     except RecursionError:
         raise ConfigError("the configuration contains itself (a YAML alias inside its own anchor) or is nested "
                           "too deeply", source=source, key_path="<root>") from None
-    top_keys = set(field_names(Config)) - {"source"}
+    top_keys = set(field_names(Config)) - {"source", "plugins"}
     unknown = [k for k in raw if k not in top_keys]
     if unknown:
         raise unknown_key_error(unknown[0], top_keys, "", source)
@@ -251,9 +292,12 @@ def load_config(config: Any, *, registries: Any = None, env: dict[str, str] | No
         raise ConfigError(f'expected letters, digits, "_", "-" or "." (at most 128), got "{cfg.run_id}"',
                           source=source, key_path="run_id")
     if cfg.layout not in registries.layouts:
-        known = ", ".join(registries.layouts) or "none"
-        raise ConfigError(f'unknown layout "{cfg.layout}" (known: {known})', source=source, key_path="layout")
-    return Config(**{**cfg.__dict__, "tiers": tiers, "source": source})
+        known = list(registries.layouts)
+        raise ConfigError(f'unknown layout "{cfg.layout}" (known: {", ".join(known) or "none"})'
+                          f"{suggest(cfg.layout, known)}", source=source, key_path="layout")
+    _check_layout_codecs(tiers, registries.layouts.get(cfg.layout), source)
+    return Config(**{**cfg.__dict__, "tiers": tiers, "source": source,
+                     "plugins": getattr(registries, "spec", None)})
 
 
 __all__ = [

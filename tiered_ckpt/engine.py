@@ -48,13 +48,16 @@ class CheckpointEngine:
     """Tiered checkpointing for one rank. See docs/architecture.md."""
 
     def __init__(self, config: Any, parallel: ParallelLayout | RankCoords | None = None, *,
-                 rank: int | None = None, plugin_manager: PluginManager | None = None):
+                 rank: int | None = None, plugin_manager: PluginManager | None = None,
+                 observers: Any = ()):
         self.pm = plugin_manager or get_plugin_manager()
         self.config: Config = load_config(config, registries=self.pm.registries)
+        # plugins.py: this engine's own observers and run_id on its events; a plugin the drain worker could not
+        # rebuild is a PluginError here, not a failed save.
+        self.events = self.pm.for_engine(self.config, observers)
         self.coords = detect(parallel, rank)
         self._lock = RunLock(self.config.run_id, self.coords.rank, shm_paths(self.config))  # beside the slots
         self._lock.acquire()
-        self._observers = _attach_observers(self.pm, self.config)
         try:
             self.coordinator = Coordinator.create(self.coords)
             self.pipeline: Pipeline = build_pipeline(self.config, self.pm, self.coords, local_rank(), self._emit,
@@ -82,12 +85,10 @@ class CheckpointEngine:
 
     # ----- events ------------------------------------------------------------------------------------------
     def _emit(self, event: ev.Event) -> None:
-        self.pm.emit(event)
+        self.events.emit(event)
 
     def _detach(self) -> None:
-        for obs in self._observers:
-            self.pm.unregister(obs)
-        self._observers = []
+        self.events.close()
         self._lock.release()
 
     @property
@@ -515,19 +516,6 @@ class CheckpointEngine:
 
     def tier_config(self, name: str) -> TierConfig:
         return self.config.tier(name)
-
-
-def _attach_observers(pm: PluginManager, config: Config) -> list[Any]:
-    from .observers import JsonLinesObserver, LoggingObserver
-
-    observers: list[Any] = []
-    if config.events.jsonl:
-        observers.append(JsonLinesObserver(config.events.jsonl))
-    if config.events.log:
-        observers.append(LoggingObserver())
-    for obs in observers:
-        pm.register(obs)
-    return observers
 
 
 @atexit.register

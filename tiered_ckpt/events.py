@@ -1,8 +1,9 @@
 """Events: small frozen records of what the pipeline did, delivered to ``tiered_ckpt_on_event`` hooks.
 
-Every event has a ``kind`` (a short verb), the ``step`` and ``rank`` it concerns, and where it applies the
-``tier`` plus timings and byte counts. Events are plain data: observers may log, export metrics or alert, but
-must never raise (a raising observer is logged and ignored, so observation never breaks a save).
+Every event has a ``kind`` (a short verb), the ``run_id`` of the engine that emitted it, the ``step`` and
+``rank`` it concerns, and where it applies the ``tier`` plus timings and byte counts. Events are plain data:
+observers may log, export metrics or alert, but must never raise (a raising observer is logged and ignored, so
+observation never breaks a save).
 """
 
 from __future__ import annotations
@@ -24,6 +25,9 @@ class Event:
     message: str = ""
     detail: dict[str, Any] = field(default_factory=dict)
     time: float = field(default_factory=time.time)
+    # The engine's run_id: set when the engine delivers the event (plugins.EngineEvents), so an observer of
+    # several engines in one process can tell them apart. None only for an event not delivered by an engine.
+    run_id: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return {k: v for k, v in dataclasses.asdict(self).items() if v not in (None, "", {})}

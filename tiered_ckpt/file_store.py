@@ -127,7 +127,7 @@ class FileStore:
     def write_rank(self, step: int, coords: RankCoords, sources: list[ItemSource]) -> RankManifest:
         entries = []
         for src in sources:
-            codec = self.codecs[self.layout.codec_for(src.name)]
+            codec = self.codecs[self.layout.file_codec(src.name, self.cfg)]  # the tier's codec choice (layouts/base.py)
             key = self.layout.item_key(step, src.name, coords, codec.extension)
             if key is None:
                 continue

@@ -1,4 +1,5 @@
-"""Built-in event observers, enabled from the YAML ``events`` section."""
+"""Built-in event observers, enabled from the YAML ``events`` section (one set per engine: they see only the
+events of the engine whose configuration asked for them)."""
 
 from __future__ import annotations
 
@@ -6,9 +7,13 @@ import json
 import logging
 import sys
 import threading
+from typing import TYPE_CHECKING, Any
 
 from .events import Event
 from .hookspecs import hookimpl
+
+if TYPE_CHECKING:
+    from .config import EventsConfig
 
 events_log = logging.getLogger("tiered_ckpt.events")
 
@@ -35,3 +40,13 @@ class LoggingObserver:
     @hookimpl
     def tiered_ckpt_on_event(self, event: Event) -> None:
         events_log.info("%s", json.dumps(event.to_dict(), sort_keys=True, default=str))
+
+
+def from_config(events: EventsConfig) -> list[Any]:
+    """The observers a configuration's ``events`` section asks for."""
+    observers: list[Any] = []
+    if events.jsonl:
+        observers.append(JsonLinesObserver(events.jsonl))
+    if events.log:
+        observers.append(LoggingObserver())
+    return observers

@@ -43,13 +43,13 @@ def worker_main(config: Config, coords: RankCoords, order: list[str], local_rank
 
     torch.set_num_threads(1)  # leave the cores to training
     from .pipeline import build_stores
-    from .plugins import PluginManager
+    from .plugins import manager_for_worker
 
     def emit(event: ev.Event) -> None:
         results.put(("event", event))
 
     try:
-        pm = PluginManager()
+        pm = manager_for_worker(config.plugins)  # the training process's plugins (plugins.py)
         stores = build_stores(config, pm, coords, local_rank, order, emit)
         runtime = DrainRuntime(
             stores, order, coords, emit,

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from ..parallel import ParallelLayout, RankCoords
 
@@ -65,9 +65,28 @@ class Layout:
         m = _RANK_MANIFEST.match(key)
         return (int(m.group(1)), int(m.group(2))) if m else None
 
+    # Items whose files another program reads, with the codec it needs: a tier's ``codecs`` cannot change them
+    # (config.py refuses it, naming the key). Megatron-LM loads its two files with torch.load.
+    fixed_codecs: ClassVar[dict[str, str]] = {MODEL_ITEM: "torch", OPTIM_ITEM: "torch"}
+    fixed_codec_reason: ClassVar[str] = "Megatron-LM loads this file with torch.load"
+    # The codec of every other item, unless the tier's configuration names one (``codec``, ``codecs``).
+    default_codec: ClassVar[str] = "flat"
+
     def codec_for(self, item: str) -> str:
-        """Megatron's files are torch pickles (Megatron must read them); other items use the fast flat format."""
-        return "torch" if item in (MODEL_ITEM, OPTIM_ITEM) else "flat"
+        """The layout's own choice of codec for ``item`` (before any tier's configuration)."""
+        return self.fixed_codecs.get(item, self.default_codec)
+
+    def file_codec(self, item: str, tier: Any = None) -> str:
+        """The codec of ``item``'s file on a tier configured by ``tier`` (a TierConfig; None: the layout's own
+        choice): a fixed item keeps its codec, then the tier's ``codecs[item]``, its ``codec``, :meth:`codec_for`."""
+        fixed = self.fixed_codecs.get(item)
+        if fixed is not None:
+            return fixed
+        if tier is not None:
+            chosen = (getattr(tier, "codecs", None) or {}).get(item) or getattr(tier, "codec", None)
+            if chosen:
+                return chosen
+        return self.codec_for(item)
 
     def item_key(self, step: int, item: str, coords: RankCoords, extension: str) -> str | None:
         """The file of ``item`` written by ``coords`` at ``step``, or None when this rank does not write it."""
