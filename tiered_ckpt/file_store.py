@@ -157,7 +157,8 @@ class FileStore:
         rank_manifest = source.read_rank_manifest(step, coords.rank)
         entries = []
         for entry in rank_manifest.files:
-            blob = source._retry(lambda e=entry: source.tier.read_blob(e.key), step, coords.rank, f"read {entry.key}")
+            blob = source._retry(lambda e=entry: source.tier.read_blob_hashed(e.key, max_size=e.size), step,
+                                 coords.rank, f"read {entry.key}")
             source.verify(entry, blob)
             grouped = bool(entry.meta.get("byte_grouping"))
             want_grouped = self.byte_grouping and self.codecs[entry.codec].supports_byte_grouping
@@ -309,7 +310,7 @@ class FileStore:
 
         def attempt() -> tuple[torch.Tensor, str | None]:
             hasher = new_hasher() if hash_it else None
-            blob = self.tier.read_blob_hashed(entry.key, hasher)
+            blob = self.tier.read_blob_hashed(entry.key, hasher, max_size=entry.size)
             return blob, hasher.hexdigest() if hasher is not None else None
 
         blob, hexdigest = self._retry(attempt, step, rank, f"read {entry.key}")

@@ -215,7 +215,7 @@ def verify_step(store: FileStore, step: int, progress: bool | TextIO = False) ->
 def _verify_file(store: FileStore, entry: Any, report: VerifyReport, algorithm: str, hashing: Any,
                  is_megatron_file: Any) -> None:
     try:
-        blob = store.tier.read_blob(entry.key)
+        blob = store.tier.read_blob_hashed(entry.key, max_size=entry.size)  # a far larger file is never read whole
     except (TierError, OSError) as exc:
         report.problems.append(f"{entry.key}: cannot read: {exc}")
         return

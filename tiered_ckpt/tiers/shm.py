@@ -42,7 +42,7 @@ import re
 import threading
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 
@@ -51,8 +51,8 @@ from ..errors import CapacityError, ConfigError, PermanentTierError, TieredCkptE
 from ..private_dirs import private_dir
 from ..validate import Size
 from ._files import BlobFiles, make_dirs
-from ._nofollow import check_dirs
-from .base import Capabilities, Chunk, Tier, TierContext, check_key, check_prefix
+from ._nofollow import check_dirs, check_size
+from .base import Capabilities, Chunk, Tier, TierContext, as_memoryview, check_key, check_prefix
 
 log = logging.getLogger(__name__)
 
@@ -222,8 +222,18 @@ class ShmTier(Tier):
         return nbytes
 
     def read_blob(self, key: str) -> torch.Tensor:
+        return self.read_blob_hashed(key)
+
+    def read_blob_hashed(self, key: str, hasher: Any = None, max_size: int | None = None) -> torch.Tensor:
+        blob = self._map(key, max_size)
+        if hasher is not None:
+            hasher.update(as_memoryview(blob))
+        return blob
+
+    def _map(self, key: str, max_size: int | None) -> torch.Tensor:
         fd, st, path = self.files.open_regular(key)  # never a link or a FIFO: see _nofollow
         try:
+            check_size(st.st_size, max_size, path, tier=self.name, key=key)
             if st.st_size == 0:
                 return torch.empty(0, dtype=torch.uint8)
             mm = mmap.mmap(fd, st.st_size, access=mmap.ACCESS_COPY)  # MAP_PRIVATE, PROT_READ|PROT_WRITE
