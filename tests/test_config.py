@@ -202,3 +202,62 @@ def test_top_level_must_be_mapping(tmp_path):
     p.write_text("- a\n- b\n")
     with pytest.raises(ConfigError, match="expected a mapping at the top level"):
         load_config(p)
+
+
+# ----- codecs chosen in the configuration ---------------------------------------------------------------------
+def test_codec_keys_load_and_choose_the_file_codec():
+    from tiered_ckpt.layouts.rank_sharded import RankShardedLayout
+
+    cfg = load_config(_tiers({**LOCAL, "codec": "torch", "codecs": {"rng": "flat"}}))
+    tier = cfg.tiers[0]
+    assert (tier.codec, tier.codecs) == ("torch", {"rng": "flat"})
+    layout = RankShardedLayout()
+    assert layout.file_codec("state", tier) == "torch" and layout.file_codec("rng", tier) == "flat"
+    assert layout.file_codec("model_optim_rng", tier) == "torch"  # fixed by the layout
+    assert layout.file_codec("state", load_config(_tiers(LOCAL)).tiers[0]) == "flat"  # the layout's default
+
+
+def test_unknown_codec_lists_the_allowed_ones_and_the_closest():
+    import re
+
+    msg = _err(_tiers({**LOCAL, "codec": "flta"}))
+    allowed = re.fullmatch(r'tiers\[0\]\.codec: unknown codec "flta" \(allowed: ([a-z, ]+)\); did you mean \'flat\'\?',
+                           msg)
+    assert allowed and {"flat", "torch"} <= set(allowed.group(1).split(", ")), msg
+    assert _err(_tiers({**LOCAL, "codecs": {"state": "pickle"}})).startswith(
+        'tiers[0].codecs.state: unknown codec "pickle" (allowed: ')
+
+
+def test_a_compression_codec_in_the_codec_key_says_where_it_goes():
+    assert "compression is set with compression: {codec: zstd}" in _err(_tiers({**LOCAL, "codec": "zstd"}))
+
+
+def test_codec_on_a_memory_tier_is_an_error():
+    msg = _err(_tiers({"name": "host", "kind": "shm", "codec": "torch"}, LOCAL))
+    assert msg.startswith("tiers[0].codec: does not apply to a memory tier")
+
+
+def test_the_layout_keeps_the_codec_of_megatrons_files(tmp_path):
+    path = tmp_path / "tiers.yaml"
+    path.write_text("layout: megatron\n"
+                    "tiers:\n  - {name: disk, kind: local, path: /x, codecs: {model_optim_rng: flat}}\n")
+    with pytest.raises(ConfigError) as info:
+        load_config(str(path))
+    msg = str(info.value)
+    assert msg.startswith(f"{path}: tiers[0].codecs.model_optim_rng: layout \"megatron\" writes model_optim_rng "
+                          'with codec "torch"') and "Megatron-LM loads" in msg
+    assert load_config(_tiers({**LOCAL, "codecs": {"model_optim_rng": "torch"}})).tiers[0].codecs  # the same: ok
+
+
+def test_a_tier_writes_its_items_with_the_chosen_codec(tmp_path):
+    import torch
+
+    from tiered_ckpt import CheckpointEngine
+
+    cfg = {"run_id": "codec-choice", "drain": {"mode": "thread"},
+           "tiers": [{"name": "pt", "kind": "local", "path": str(tmp_path / "pt"), "codec": "torch"}]}
+    with CheckpointEngine(cfg) as engine:
+        engine.save(3, {"state": {"w": torch.arange(5.0)}}).wait()
+        assert torch.equal(engine.load().items["state"]["w"], torch.arange(5.0))
+    written = tmp_path / "pt" / "iter_0000003" / "rank_00000" / "state.pt"
+    assert torch.equal(torch.load(written, weights_only=True)["w"], torch.arange(5.0))  # a plain torch file
