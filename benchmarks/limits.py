@@ -144,77 +144,100 @@ def _parallel_io(fd: int, view: memoryview, size: int, threads: int, write: bool
             f.result()
 
 
-def direct_write_fsync_seconds(tensors: list[torch.Tensor], directory: str, repeats: int = 3,
-                               threads: int = 1) -> float:
-    """Write + fsync of the tensors' bytes with ``O_DIRECT``, from one page-aligned buffer in 64 MiB writes (the
-    best case for direct I/O: no copies, no bounce buffers), ``threads`` writes in flight. The buffer is filled
-    before the clock starts; the file is new each time (as a checkpoint's is)."""
-    buf, size, _ = aligned_copy(tensors)
-    view = memoryview(buf)
-    times = []
-    try:
-        for i in range(repeats):
-            path = os.path.join(directory, f"raw_direct_{i}.bin")
-            t0 = time.perf_counter()
-            fd = _direct_open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
-            try:
-                _parallel_io(fd, view, size, threads, write=True)
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-            times.append(time.perf_counter() - t0)
-            os.unlink(path)
-    finally:
-        view.release()
-        buf.close()
-    return _median(times)
+class DirectIO:
+    """The ``O_DIRECT`` ceilings for the tensors' bytes, with the aligned buffer (``aligned_copy``) made once, so
+    that timing them many times, next to a candidate, allocates nothing more (its memory is the candidate's
+    baseline, not the candidate's)."""
 
+    def __init__(self, tensors: list[torch.Tensor], directory: str, ring: int = RING):
+        self.buf, self.size, self.nbytes = aligned_copy(tensors, ring)
+        self.view = memoryview(self.buf)
+        self.directory = directory
+        self._read_path: str | None = None
 
-def direct_read_seconds(nbytes: int, directory: str, repeats: int = 3, threads: int = 1) -> float:
-    """Read of ``nbytes`` with ``O_DIRECT`` into one page-aligned buffer (a ring of at most ``RING`` bytes) in
-    64 MiB reads, ``threads`` in flight:
-    the disk's cold-read ceiling (no page cache on either side, so nothing needs dropping)."""
-    size = max(ALIGN, nbytes + (-nbytes) % ALIGN)
-    path = os.path.join(directory, "raw_direct_read.bin")
-    buf = mmap.mmap(-1, min(size, RING))  # a ring, as in aligned_copy
-    view = memoryview(buf)
-    try:
-        chunk = os.urandom(min(len(view), IO_CHUNK))
-        for off in range(0, len(view), IO_CHUNK):
-            n = min(IO_CHUNK, len(view) - off)
-            view[off:off + n] = chunk[:n]
+    def write_fsync(self, threads: int = 1) -> float:
+        """Seconds to write + fsync a new file of the tensors' size, ``threads`` requests in flight."""
+        path = os.path.join(self.directory, "raw_direct.bin")
+        t0 = time.perf_counter()
         fd = _direct_open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
         try:
-            _parallel_io(fd, view, size, 1, write=True)
+            _parallel_io(fd, self.view, self.size, threads, write=True)
             os.fsync(fd)
         finally:
             os.close(fd)
-        times = []
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            fd = _direct_open(path, os.O_RDONLY)
+        seconds = time.perf_counter() - t0
+        os.unlink(path)
+        return seconds
+
+    def read(self, threads: int = 1) -> float:
+        """Seconds to read a file of the tensors' size (written once, untimed), ``threads`` requests in flight.
+        It is read into the buffer it was written from, at the same ring offsets: the bytes do not change."""
+        if self._read_path is None:
+            self._read_path = os.path.join(self.directory, "raw_direct_read.bin")
+            fd = _direct_open(self._read_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
             try:
-                _parallel_io(fd, view, size, threads, write=False)
+                _parallel_io(fd, self.view, self.size, 1, write=True)
+                os.fsync(fd)
             finally:
                 os.close(fd)
-            times.append(time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        fd = _direct_open(self._read_path, os.O_RDONLY)
+        try:
+            _parallel_io(fd, self.view, self.size, threads, write=False)
+        finally:
+            os.close(fd)
+        return time.perf_counter() - t0
+
+    def best_threads(self, choices: tuple[int, ...] = (1, 4), repeats: int = 3) -> dict[str, object]:
+        """Which count of requests in flight is faster on this disk, for writes and for reads (median of
+        ``repeats`` each, alternating): {"write": n, "read": n, "write_s": {n: s}, "read_s": {n: s}}."""
+        w: dict[int, list[float]] = {n: [] for n in choices}
+        r: dict[int, list[float]] = {n: [] for n in choices}
+        for _ in range(repeats):
+            for n in choices:
+                w[n].append(self.write_fsync(n))
+                r[n].append(self.read(n))
+        write_s, read_s = {n: _median(v) for n, v in w.items()}, {n: _median(v) for n, v in r.items()}
+        return {"write": min(write_s, key=write_s.__getitem__), "read": min(read_s, key=read_s.__getitem__),
+                "write_s": write_s, "read_s": read_s}
+
+    def close(self) -> None:
+        if self._read_path is not None and os.path.exists(self._read_path):
+            os.unlink(self._read_path)
+        self.view.release()
+        self.buf.close()
+
+
+def direct_write_fsync_seconds(tensors: list[torch.Tensor], directory: str, repeats: int = 3,
+                               threads: int = 1) -> float:
+    """Write + fsync of the tensors' bytes with ``O_DIRECT`` (``DirectIO.write_fsync``), median of ``repeats``:
+    from one page-aligned buffer in 64 MiB writes (the best case for direct I/O: no copies, no bounce buffers),
+    ``threads`` writes in flight, a new file each time (as a checkpoint's is)."""
+    d = DirectIO(tensors, directory)
+    try:
+        return _median([d.write_fsync(threads) for _ in range(repeats)])
     finally:
-        view.release()
-        buf.close()
-        if os.path.exists(path):
-            os.unlink(path)
-    return _median(times)
+        d.close()
+
+
+def direct_read_seconds(nbytes: int, directory: str, repeats: int = 3, threads: int = 1) -> float:
+    """Read of ``nbytes`` with ``O_DIRECT`` (``DirectIO.read``), median of ``repeats``: the disk's cold-read
+    ceiling (no page cache on either side, so nothing needs dropping)."""
+    d = DirectIO([torch.empty(nbytes, dtype=torch.uint8)], directory)
+    try:
+        return _median([d.read(threads) for _ in range(repeats)])
+    finally:
+        d.close()
 
 
 def best_io_threads(tensors: list[torch.Tensor], directory: str, choices: tuple[int, ...] = (1, 4),
                     repeats: int = 3) -> dict[str, object]:
-    """Which count of direct requests in flight is faster on this disk, for writes and for reads (median of
-    ``repeats`` each): {"write": n, "read": n, "write_s": {n: s}, "read_s": {n: s}}."""
-    nbytes = sum(t.numel() * t.element_size() for t in tensors)
-    write_s = {n: direct_write_fsync_seconds(tensors, directory, repeats, n) for n in choices}
-    read_s = {n: direct_read_seconds(nbytes, directory, repeats, n) for n in choices}
-    return {"write": min(write_s, key=write_s.__getitem__), "read": min(read_s, key=read_s.__getitem__),
-            "write_s": write_s, "read_s": read_s}
+    """``DirectIO.best_threads`` for the tensors' bytes."""
+    d = DirectIO(tensors, directory)
+    try:
+        return d.best_threads(choices, repeats)
+    finally:
+        d.close()
 
 
 def read_seconds(nbytes: int, directory: str, repeats: int = 3) -> float:

@@ -385,29 +385,13 @@ def write_fsync_seconds(tensors: list[torch.Tensor], directory: str) -> float:
     return limits.write_fsync_seconds(tensors, directory, repeats=1)
 
 
-def direct_write_fsync_seconds(tensors: list[torch.Tensor], directory: str, threads: int = 1) -> float:
-    """One ``O_DIRECT`` write + fsync of the tensors' bytes (``limits.direct_write_fsync_seconds``)."""
+def direct_io(tensors: list[torch.Tensor], directory: str) -> tuple[limits.DirectIO, dict[str, Any]]:
+    """The ``O_DIRECT`` ceilings for the tensors' bytes (``limits.DirectIO``; make it before a memory window:
+    its buffer is baseline, not the candidate's), and how many requests in flight this disk wants for writes
+    and reads (``best_threads``, measured once, here)."""
     os.makedirs(directory, exist_ok=True)
-    return limits.direct_write_fsync_seconds(tensors, directory, repeats=1, threads=threads)
-
-
-def direct_read_seconds(nbytes: int, directory: str, threads: int = 1) -> float:
-    """One ``O_DIRECT`` read of ``nbytes`` (``limits.direct_read_seconds``)."""
-    os.makedirs(directory, exist_ok=True)
-    return limits.direct_read_seconds(nbytes, directory, repeats=1, threads=threads)
-
-
-def io_threads(tensors: list[torch.Tensor], directory: str) -> dict[str, Any]:
-    """How many direct requests in flight this disk wants, for writes and reads (``limits.best_io_threads``):
-    measured once per process, on the state's bytes, before the candidate runs."""
-    os.makedirs(directory, exist_ok=True)
-    return limits.best_io_threads(tensors, directory, repeats=1)
-
-
-def read_seconds(nbytes: int, directory: str) -> float:
-    """One read of ``nbytes`` from the disk, page cache dropped (``limits.read_seconds``)."""
-    os.makedirs(directory, exist_ok=True)
-    return limits.read_seconds(nbytes, directory, repeats=1)
+    d = limits.DirectIO(tensors, directory)
+    return d, d.best_threads(repeats=1)
 
 
 def timed(fn: Callable[[], Any]) -> tuple[float, Any]:

@@ -84,7 +84,8 @@ def main() -> int:
         raw_dir = os.path.join(args.workdir, "raw")
         # How many O_DIRECT requests in flight this disk wants (writes, reads), and one buffered write+fsync
         # for information: before the memory window, so their buffers are not counted as the save's.
-        io = out["io_threads"] = c.io_threads(tensors, raw_dir)
+        direct, io = c.direct_io(tensors, raw_dir)
+        out["io_threads"] = io
         c.drop_cache(args.workdir)
         out["limit_write_fsync_buffered_s"] = c.write_fsync_seconds(tensors, raw_dir)
         kids_baseline = c.wait_children_settled()
@@ -109,28 +110,25 @@ def main() -> int:
             # the limits, right after, under the same load
             copy_s.append(baseline.copy_in())
             c.drop_cache(args.workdir)
-            write_s.append(c.direct_write_fsync_seconds(tensors, raw_dir, io["write"]))
+            write_s.append(direct.write_fsync(io["write"]))
         out["warm_s"], out["durable_after_s"], out["drain_write_s"] = warm, durable, drain
         out["limit_copy_s"], out["limit_direct_write_s"] = copy_s, write_s  # copy_s grows below
         out["durable_total_s"] = [w + d for w, d in zip(warm, durable, strict=True)]
 
-        # Saves while the previous step still drains: save k+1 right after step k-1 is durable, i.e. while the
-        # drain writes step k (its slot is the other one), then a copy limit while that drain still runs.
+        # Saves while the previous step still drains: from quiet, a save a (not counted), at once a save b into
+        # the other slot (timed: a's drain has just started), then a copy limit while a drain still runs.
         busy, busy_copy, overlapped, step = [], [], [], 2 + args.warm
-        prev: list = []
-        for _ in range(args.overlap + 1):
-            if len(prev) >= 2:
-                prev[-2].wait()
-            draining = bool(prev) and not prev[-1].done()
-            h = engine.save(step, items)
-            if prev:
-                busy.append(h.blocking_s)
-                overlapped.append([draining, not prev[-1].done()])  # still draining when save() returned?
-                busy_copy.append(baseline.copy_in("in_busy"))
-            prev.append(h)
-            step += 1
-        for h in prev:
-            h.wait()
+        for _ in range(args.overlap):
+            c.drop_cache(args.workdir)
+            a = engine.save(step, items)
+            draining = not a.done()
+            b = engine.save(step + 1, items)
+            busy.append(b.blocking_s)
+            overlapped.append([draining, not a.done()])  # the previous step draining at b's start, at its end
+            busy_copy.append(baseline.copy_in("in_busy"))
+            a.wait()
+            b.wait()
+            step += 2
         out["warm_busy_s"], out["limit_copy_busy_s"], out["busy_overlapped"] = busy, busy_copy, overlapped
         out["slot_wait_s"] = {str(k): v for k, v in events.slot_wait.items()}
         peak = c.proc_status()
@@ -198,7 +196,7 @@ def main() -> int:
         disk_s, disk_load_s, read_s = [], [], []
         engine = CheckpointEngine(config(run_id, None, local))
         for _ in range(2):
-            read_s.append(c.direct_read_seconds(nbytes, raw_dir, io["read"]))
+            read_s.append(direct.read(io["read"]))
             out["dropped_bytes"] = c.drop_cache(local)
             t0 = time.perf_counter()
             res = engine.load(copy=True)
@@ -210,6 +208,7 @@ def main() -> int:
             del res
             c.settle()
         engine.close()
+        direct.close()
         out["restore_disk_s"], out["restore_disk_load_part_s"], out["limit_direct_read_s"] = (disk_s, disk_load_s,
                                                                                            read_s)
 
