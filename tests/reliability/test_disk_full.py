@@ -75,12 +75,14 @@ WHERE = {
 }
 
 
-def fill_up_at_the_tracker(monkeypatch) -> None:
-    """The local tier's own writes fail with ENOSPC from the OS, for the tracker only."""
+def fill_up_at_the_tracker(monkeypatch, root: Path) -> None:
+    """The local tier's own writes fail with ENOSPC from the OS, for the tracker only (the ``shared`` tier, on
+    ``file://``, writes through the same code: its directory is not full)."""
     real = _files._write_all
 
     def write_all(fd, views):
-        if os.readlink(f"/proc/self/fd/{fd}").rsplit("/", 1)[-1].startswith(".latest_checkpointed_iteration"):
+        path = os.readlink(f"/proc/self/fd/{fd}")
+        if path.startswith(f"{root}/") and path.rsplit("/", 1)[-1].startswith(".latest_checkpointed_iteration"):
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
         return real(fd, views)
 
@@ -96,7 +98,7 @@ def test_local_disk_full_fails_that_tier_only(tmp_path, shm_root, recorder, wher
             engine.save(step, items(step)).wait(timeout=60)
         a, b, r, m, _ = write_sizes(local, 2)
         if where == "tracker":
-            fill_up_at_the_tracker(monkeypatch)
+            fill_up_at_the_tracker(monkeypatch, local)
         else:
             FaultyTier.controls["local"].set(disk_full_after=WHERE[where](a, b, r, m))
 
