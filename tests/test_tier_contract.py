@@ -49,3 +49,28 @@ class TestFsspecFile(TierContract):
     @pytest.fixture
     def tier(self, make_tier, tmp_path):
         return make_tier("fsspec", url=f"file://{tmp_path}/fsspec-root", block_size="1MiB")
+
+
+def test_the_contract_catches_a_tier_whose_gc_listing_shows_finished_blobs(make_tier, tmp_path):
+    from tiered_ckpt.tiers.local import LocalTier
+
+    class ListsEverything(LocalTier):
+        def temp_files(self):
+            return self.list()  # wrong: gc would delete committed files
+
+    tier = ListsEverything("bad", make_tier("local", path=tmp_path / "bad").options)
+    with pytest.raises(AssertionError, match="nothing temporary is left"):
+        TierContract().test_temp_files_list_only_unfinished_writes(tier)
+
+
+def test_the_contract_catches_a_kind_that_ignores_enabled_false(make_tier, tmp_path):
+    from tiered_ckpt.tiers.local import LocalTier
+
+    class AlwaysOn(LocalTier):
+        @classmethod
+        def resolve_enabled(cls, enabled, options, *, name=""):
+            return True
+
+    tier = AlwaysOn("on", make_tier("local", path=tmp_path / "on").options)
+    with pytest.raises(AssertionError):
+        TierContract().test_enabled_false_turns_the_kind_off(tier)

@@ -229,6 +229,53 @@ class Tier(ABC):
         blob may keep a mapping while the identity holds (the drain worker re-reads each slot every save)."""
         return None
 
+    # ----- what the engine, gc and the CLI ask of every kind (docs/plugins.md; the contract suite checks it) -----
+    @classmethod
+    def resolve_enabled(cls, enabled: bool | str, options: Any, *, name: str = "") -> bool:
+        """Whether a tier configured with ``enabled`` (``True``, ``False`` or ``"auto"``) runs on this machine.
+
+        Default: off only for ``False``. A kind that needs something the machine may lack (the ``gpu`` kind: a
+        device) overrides it: ``"auto"`` without it is ``False`` (say why in one INFO line), ``True`` without it a
+        :class:`~tiered_ckpt.errors.ConfigError` whose ``key_path`` is ``"enabled"``.
+        """
+        return enabled is not False
+
+    @classmethod
+    def check_usable(cls, options: Any) -> None:
+        """What only this machine can tell about ``options``, checked when an engine is built (before any save):
+        raise :class:`~tiered_ckpt.errors.ConfigError` with the option's name as ``key_path``. Default: nothing."""
+        return None
+
+    @classmethod
+    def staging_options(cls) -> Any | None:
+        """Options for a tier of this kind that stages saves in this process's host memory (used when the first
+        configured tier is a file tier, so a save still blocks only for a memory copy), or None when the kind
+        cannot: it must then be a memory tier that does not outlive the process. Default: None."""
+        return None
+
+    @property
+    def location(self) -> str | None:
+        """Where the blobs are, as a user would name it (a directory, a URL without credentials) for messages and
+        ``tiered-ckpt ls``; None for memory no other process can open. Default: None."""
+        return None
+
+    def missing_location(self) -> str | None:
+        """Why this tier's location does not exist yet (``"no such bucket 'b'"``), or None when it does or the kind
+        cannot tell, so the CLI says so instead of "no checkpoints". Read-only: creates nothing. Raise
+        :class:`~tiered_ckpt.errors.TierError` when the store could not be asked. Default: None."""
+        return None
+
+    def temp_files(self) -> list[str]:
+        """Keys of temporary files that unfinished writes left (a process killed before its rename), for
+        ``tiered-ckpt gc``; never a key :meth:`list` returns. Default: none (a kind whose writes leave nothing
+        half-written behind, such as process memory or object-store uploads)."""
+        return []
+
+    def remove_temp_file(self, key: str) -> None:
+        """Delete one key :meth:`temp_files` returned (a missing one is not an error); refuse any other key with
+        ``ValueError``. Default: refuses every key (the default lists none)."""
+        raise ValueError(f"{key!r} is not a temporary file of tier {self.name!r} (kind {self.kind!r} lists none)")
+
     def describe(self) -> str:
         """One line for logs and ``tiered-ckpt ls``: where this tier keeps its blobs."""
         return f"{self.kind}"

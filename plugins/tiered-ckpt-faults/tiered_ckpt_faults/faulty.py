@@ -381,6 +381,34 @@ class FaultyTier(Tier):
         self._before("allocate_slot")
         return self.inner.allocate_slot(key, nbytes)
 
+    # The rest of the Tier interface is the inner tier's, without faults: gc, the CLI and staging see through it.
+    @property
+    def location(self) -> str | None:
+        return self.inner.location
+
+    def missing_location(self) -> str | None:
+        return self.inner.missing_location()
+
+    def temp_files(self) -> list[str]:
+        return self.inner.temp_files()
+
+    def remove_temp_file(self, key: str) -> None:
+        self.inner.remove_temp_file(key)
+
+    @classmethod
+    def resolve_enabled(cls, enabled: bool | str, options: FaultyOptions, *, name: str = "") -> bool:
+        inner_cls, inner_options = cls._inner_spec(options)
+        return inner_cls.resolve_enabled(enabled, inner_options, name=name)
+
+    @classmethod
+    def check_usable(cls, options: FaultyOptions) -> None:
+        inner_cls, inner_options = cls._inner_spec(options)
+        try:
+            inner_cls.check_usable(inner_options)
+        except ConfigError as exc:  # the inner tier's key, as the configuration spells it
+            raise ConfigError(exc.message, source=exc.source, key_path=f"inner.{exc.key_path}" if exc.key_path
+                              else "inner") from None
+
     def describe(self) -> str:
         return f"faulty({self.inner.describe()})"
 
