@@ -130,7 +130,8 @@ def table(rows: list[dict[str, Any]], quick: bool) -> str:
     body = []
     for r in rows:
         size = f"{r['bytes'] / GiB:.2f} GiB" if r["bytes"] >= GiB // 8 else f"{r['bytes'] / MiB:.0f} MiB"
-        body.append([f"{r['case']} ({size})", r["tensors"], f"{r['blocking_s']:.3f}", f"{r['blocking_gbps']:.2f}",
+        body.append([f"{size} ({r['case']} case)" if quick else size, r["tensors"], f"{r['blocking_s']:.3f}",
+                     f"{r['blocking_gbps']:.2f}",
                      f"{r['copy_ceiling_s']:.3f} ({r['copy_way']})", f"{r['blocking_vs_ceiling']:.2f}",
                      f"{r['durable_s']:.3f}", f"{r['durable_gbps']:.2f}", f"{r['direct_write_s']:.3f}",
                      f"{r['durable_vs_ceiling']:.2f}"])
