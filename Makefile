@@ -33,8 +33,9 @@ test: venv
 demo: venv
 	$(BIN)/tiered-ckpt demo
 
+# `make bench BENCH_ARGS="--quick"` (or --sections peers,layouts,s3,scale, --states ...): see benchmarks/README.md
 bench: venv
-	$(BIN)/python benchmarks/run_all.py
+	$(BIN)/python benchmarks/run_all.py $(BENCH_ARGS)
 
 lint: venv
 	$(BIN)/ruff check .
