@@ -436,6 +436,8 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     opened = _open(args, memory=False)
     name, store = next(iter(_file_tiers(opened).items()))
     opened.notes(args)
+    if (plain := _inspect_dcp(store, args)) is not None:  # a DCP directory without our manifest (issue #14)
+        return plain
     step = _pick_step(store, args.step, opened.label(name))
     m = store.read_manifest(step)
     if args.json:
@@ -450,6 +452,26 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     print(f"{len(m.files)} files, {human_bytes(m.total_bytes)}")
     _print_table([[f.rank, f.item, f.key, human_bytes(f.size), f.compression or "-", f.checksum] for f in m.files],
                  ["rank", "item", "file", "size", "compression", "checksum"])
+    return EXIT_OK
+
+
+def _inspect_dcp(store: FileStore, args: argparse.Namespace) -> int | None:
+    """``inspect`` of a DCP checkpoint written by DCP itself (no manifest of ours), where the step asked for (or
+    the directory given) is one; None otherwise (issue #14, docs/dcp.md)."""
+    from .dcp.inventory import inspect_plain
+
+    committed = store.committed_steps()
+    if args.step in committed or (args.step is None and committed and not store.tier.exists(".metadata")):
+        return None
+    found = inspect_plain(store, args.step, args.json)
+    if found is None:
+        return None
+    if isinstance(found, dict):
+        _print_json(found)
+        return EXIT_OK
+    lines, rows = found
+    print("\n".join(lines))
+    _print_table(rows, ["item", "kind", "shape", "dtype", "file", "offset", "length"])
     return EXIT_OK
 
 

@@ -362,6 +362,8 @@ class FileStore:
         if keep is not None:
             doomed = [s for s in committed[:-keep] if s != newest and s not in pinned]
         present = {self.layout.parse_step_dir(k.split("/", 1)[0]) for k in keys}
+        # a step directory with DCP's .metadata is a DCP checkpoint, never debris (issue #14)
+        present -= {self.layout.parse_step_dir(k.split("/", 1)[0]) for k in keys if k.endswith("/.metadata")}
         debris = sorted(s for s in present if s is not None and s < newest and s not in committed and s not in pinned)
         doomed += debris
         removed = []

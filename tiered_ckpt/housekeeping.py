@@ -63,9 +63,10 @@ def find_debris(store: FileStore, *, live: bool = False, min_age_s: float = TEMP
         # Each tier takes a run's steps in order: nothing older than its newest commit is being written.
         newest = max(committed)
         sizes: dict[int, int] = {}
+        dcp_dirs = {k.split("/", 1)[0] for k in keys if k.endswith("/.metadata")}  # DCP checkpoints (issue #14)
         for key in keys:
             step = store.layout.parse_step_dir(key.split("/", 1)[0])
-            if step is not None and step < newest and step not in committed:
+            if step is not None and step < newest and step not in committed and key.split("/", 1)[0] not in dcp_dirs:
                 sizes[step] = sizes.get(step, 0) + store.tier.size(key)
         out += [Debris(store.name, "partial step", store.layout.step_dir(s), n) for s, n in sorted(sizes.items())]
     files = getattr(store.tier, "files", store.tier)  # local and shm: their BlobFiles; fsspec: the tier itself

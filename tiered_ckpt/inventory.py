@@ -122,6 +122,8 @@ class StepInfo:
 
 
 def file_steps(store: FileStore) -> list[StepInfo]:
+    from .dcp.inventory import PLAIN_STATE, plain_state, plain_step_dirs
+
     keys = store.tier.list("")
     committed = {s for s in map(store.layout.parse_manifest_key, keys) if s is not None}
     present = {store.layout.parse_step_dir(k.split("/", 1)[0]) for k in keys} - {None}
@@ -145,8 +147,11 @@ def file_steps(store: FileStore) -> list[StepInfo]:
                 size += store.tier.size(k)
             except BlobNotFoundError:
                 pass
-        out.append(StepInfo(store.name, step, "partial", size, None, len(files),
+        state = plain_state(keys, store.layout.step_dir(step)) or "partial"  # DCP's own directories (issue #14)
+        out.append(StepInfo(store.name, step, state, size, None, len(files),
                             sorted(store.rank_manifests(step))))
+    if "" in plain_step_dirs(keys):  # the directory given is a DCP checkpoint itself (issue #14)
+        out.append(StepInfo(store.name, None, PLAIN_STATE, sum(store.tier.size(k) for k in keys), None, len(keys)))
     return out
 
 
@@ -209,6 +214,8 @@ def verify_step(store: FileStore, step: int, progress: bool | TextIO = False) ->
                 _verify_file(store, entry, report, ALGORITHM, HashingStream, is_megatron_file)
             finally:
                 bar.update(entry.size)
+    if manifest.layout == "dcp" and report.ok:  # DCP's .metadata against the files (issue #14)
+        report.problems += __import__("tiered_ckpt.dcp.inventory", fromlist=["_"]).structure_problems(store, manifest)
     return report
 
 

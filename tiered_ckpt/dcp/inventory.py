@@ -1,0 +1,109 @@
+"""What the CLI (``ls``, ``inspect``, ``verify``, ``gc``) knows of DCP checkpoints.
+
+* A committed step of the ``dcp`` layout is a step like any other (our manifest lists its files and checksums);
+  ``verify`` re-hashes them and also checks DCP's structure: ``.metadata`` unpickles through our allow-list and
+  every item it names lies inside a data file of the step (:func:`structure_problems`).
+* A DCP directory without our manifest (written by DCP's ``FileSystemWriter``): as a step directory on a tier
+  (``iter_0000010/.metadata``) or as the directory given (``tiered-ckpt inspect /ckpt/step10``), it is listed as
+  ``dcp, no manifest`` (nothing to verify it against), inspected from its ``.metadata``, and never removed as
+  debris.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ..layouts.dcp import METADATA_FILE
+
+PLAIN_STATE = "dcp, no manifest (written by DCP: nothing to verify)"
+
+
+def plain_step_dirs(keys: list[str]) -> set[str]:
+    """The directories (``""`` for the root) that hold DCP's ``.metadata``: with or without our manifest."""
+    return {k[:-len(METADATA_FILE)].rstrip("/") for k in keys if k == METADATA_FILE or k.endswith("/" + METADATA_FILE)}
+
+
+def plain_state(keys: list[str], step_dir: str) -> str | None:
+    """The ``ls`` state of a step directory without our manifest that holds DCP's ``.metadata``, else None."""
+    return PLAIN_STATE if f"{step_dir}/{METADATA_FILE}" in keys else None
+
+
+def _metadata(data: bytes, where: str) -> Any:
+    from ._format import load_metadata
+
+    return load_metadata(data, where)
+
+
+def describe(tier: Any, prefix: str) -> tuple[Any, list[list[Any]]]:
+    """DCP's Metadata of the checkpoint in ``prefix`` (``""``: the root) and one row per stored item:
+    ``[fqn, kind, shape, dtype, file, offset, length]``."""
+    from ..tiers.base import as_memoryview
+
+    key = f"{prefix}/{METADATA_FILE}" if prefix else METADATA_FILE
+    metadata = _metadata(bytes(as_memoryview(tier.read_blob(key))), key)
+    rows = []
+    for index, info in sorted((metadata.storage_data or {}).items(), key=lambda kv: (kv[1].relative_path,
+                                                                                    kv[1].offset)):
+        md = metadata.state_dict_metadata.get(index.fqn)
+        props = getattr(md, "properties", None)
+        kind = "tensor" if props is not None else "bytes"
+        chunk = "" if index.offset is None else f" @{tuple(index.offset)}"
+        size = tuple(md.size) if props is not None else ""
+        rows.append([index.fqn + chunk, kind, size, str(props.dtype).removeprefix("torch.") if props else "",
+                     info.relative_path, info.offset, info.length])
+    return metadata, rows
+
+
+def structure_problems(store: Any, manifest: Any) -> list[str]:
+    """DCP's structure of a committed ``dcp`` step, against our manifest: ``.metadata`` is there and loads,
+    every item it names lies inside one of the step's data files."""
+    from ..tiers.base import as_memoryview
+
+    step_dir = store.layout.step_dir(manifest.step)
+    sizes = {f.key: f.size for f in manifest.files}
+    key = f"{step_dir}/{METADATA_FILE}"
+    if key not in sizes:
+        return [f"{key}: not in the manifest: DCP cannot load this step"]
+    try:
+        metadata = _metadata(bytes(as_memoryview(store.tier.read_blob(key))), key)
+    except Exception as exc:  # unreadable or refused: the step is not loadable by DCP
+        return [f"{key}: {exc}"]
+    problems = []
+    for index, info in (metadata.storage_data or {}).items():
+        data_key = f"{step_dir}/{info.relative_path}"
+        if data_key not in sizes:
+            problems.append(f"{key}: {index.fqn} is stored in {info.relative_path}, which is not in the manifest")
+        elif info.offset < 0 or info.offset + info.length > sizes[data_key]:
+            problems.append(f"{key}: {index.fqn} at bytes {info.offset}+{info.length} runs past the end of "
+                            f"{info.relative_path} ({sizes[data_key]} bytes)")
+        if len(problems) >= 10:
+            problems.append(f"{key}: (further problems not listed)")
+            break
+    return problems
+
+
+def inspect_plain(store: Any, step: int | None, as_json: bool) -> dict | list[str] | None:
+    """``inspect`` of a DCP directory without our manifest: the given directory itself, or its step
+    directory ``step`` (None: the newest such). None when there is none."""
+    keys = store.tier.list("")
+    dirs = plain_step_dirs(keys)
+    committed = {s for s in map(store.layout.parse_manifest_key, keys) if s is not None}
+    steps = {s: d for d in dirs if (s := store.layout.parse_step_dir(d)) is not None and s not in committed}
+    if step is None and "" in dirs:
+        prefix = ""
+    elif steps and (step is None or step in steps):
+        prefix = steps[max(steps) if step is None else step]
+    else:
+        return None
+    metadata, rows = describe(store.tier, prefix)
+    where = prefix or "."
+    if as_json:
+        return {"tier": store.name, "directory": where, "format": "dcp", "verified": False,
+                "version": getattr(metadata, "version", None),
+                "items": [dict(zip(["fqn", "kind", "shape", "dtype", "file", "offset", "length"],
+                                   [r[0], r[1], list(r[2]) if r[2] != "" else None, r[3] or None, *r[4:]],
+                                   strict=True)) for r in rows]}
+    files = sorted({r[4] for r in rows})
+    return [f"tier {store.name!r} ({store.tier.describe()}), {where}: a DCP checkpoint without our manifest "
+            f"(DCP version {getattr(metadata, 'version', '?')}; nothing to verify it against)",
+            f"{len(rows)} stored items in {len(files)} file(s): {', '.join(files)}"], rows
