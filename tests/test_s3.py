@@ -22,7 +22,7 @@ from helpers import assert_same
 from tiered_ckpt import CheckpointEngine, NoCheckpointError, SaveError
 from tiered_ckpt.checksum import ALGORITHM, digest
 from tiered_ckpt.cli import main as cli_main
-from tiered_ckpt.errors import ConfigError
+from tiered_ckpt.errors import ConfigError, CorruptionError
 from tiered_ckpt.testing.s3 import S3FaultProxy, S3Server, s3_operation
 from tiered_ckpt.tiers import _s3
 from tiered_ckpt.tiers.fsspec_tier import FsspecOptions, FsspecTier, redact, redacted_options, secret_values
@@ -421,3 +421,35 @@ def test_s3_operation_names():
     assert s3_operation("DELETE", "/b/k", {"uploadId": ["u"]}) == "AbortMultipartUpload"
     assert s3_operation("GET", "/b", {"list-type": ["2"]}) == "ListObjectsV2"
     assert s3_operation("GET", "/b/k/x", {}) == "GetObject" and s3_operation("PUT", "/b/k", {}) == "PutObject"
+
+
+# ----- reads bounded by the manifest, answers that do not decode ------------------------------------------
+def test_an_object_larger_than_its_manifest_says_is_refused_from_the_first_answer(remote):
+    tier = FsspecTier("s3", FsspecOptions(url=remote.url, options=remote.proxy.storage_options(), part_size=PART))
+    tier.write_blob("big", [bytes(3 * PART)])
+    remote.proxy.reset_log()
+    with pytest.raises(CorruptionError, match=f"is {3 * PART} bytes, more than the 10 bytes its manifest records"):
+        tier.read_blob_hashed("big", None, max_size=10)
+    assert remote.proxy.count("GetObject") == 1  # the first range told the size: no other range was asked for
+    assert tier.read_blob_hashed("big", None, max_size=3 * PART).numel() == 3 * PART
+
+
+@pytest.mark.parametrize("length", ["many", None, -5])
+def test_an_answer_without_a_byte_count_is_a_corruption_error(remote, monkeypatch, length):
+    tier = FsspecTier("s3", FsspecOptions(url=remote.url, options=remote.proxy.storage_options(), part_size=PART))
+    tier.write_blob("k", [b"twelve bytes"])
+    real = tier.fs._call_s3
+
+    async def garbled(op, *args, **kwargs):  # a proxy in the way that mangles the headers
+        resp = await real(op, *args, **kwargs)
+        if op in ("get_object", "head_object"):
+            resp = {**resp, "ContentLength": length}
+            resp.pop("ContentRange", None)
+        return resp
+
+    monkeypatch.setattr(tier.fs, "_call_s3", garbled)
+    monkeypatch.setattr(tier.fs, "call_s3", lambda op, *args, **kwargs: tier.run_sync(garbled, op, *args, **kwargs))
+    for read in (tier.read_blob, tier.size):
+        with pytest.raises(CorruptionError, match="the store's answer gives no byte count") as info:
+            read("k")
+        assert "tier 's3'" in str(info.value)

@@ -15,7 +15,7 @@ from concurrent.futures import FIRST_COMPLETED, Future
 from concurrent.futures import wait as wait_futures
 from typing import TYPE_CHECKING, Any
 
-from ..errors import BlobNotFoundError, PermanentTierError, TransientTierError
+from ..errors import BlobNotFoundError, CorruptionError, PermanentTierError, TransientTierError
 from ..memfile import MemoryReader
 from ..retry import request_retrying
 
@@ -91,14 +91,28 @@ def multipart_etag(parts: list[dict[str, Any]]) -> str | None:
 
 
 
-def object_size(resp: dict[str, Any]) -> int:
+def object_size(resp: dict[str, Any], *, tier: str, key: str) -> int:
     """The whole object's size from a (ranged) GET answer: ``Content-Range: bytes 0-99/1234`` or its length."""
     content_range = resp.get("ContentRange")
     if content_range and "/" in content_range:
         total = content_range.rsplit("/", 1)[1].strip()
         if total.isdigit():
             return int(total)
-    return int(resp["ContentLength"])
+    return content_length(resp, tier=tier, key=key)
+
+
+def content_length(resp: dict[str, Any], default: int | None = None, *, tier: str, key: str) -> int:
+    """An answer's ``ContentLength``. One that is missing or not a byte count is a
+    :class:`~tiered_ckpt.errors.CorruptionError` (a load falls back to the next tier), never a ``ValueError``."""
+    value = resp.get("ContentLength", default)
+    try:
+        n = int(value)
+    except (TypeError, ValueError):
+        n = -1
+    if n < 0 or isinstance(value, bool):
+        raise CorruptionError(f"the store's answer gives no byte count (ContentLength {value!r}, ContentRange "
+                              f"{resp.get('ContentRange')!r})", tier=tier, key=key)
+    return n
 
 
 class Upload:

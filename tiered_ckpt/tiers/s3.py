@@ -48,7 +48,17 @@ import torch
 from ..errors import BlobNotFoundError, CorruptionError, PermanentTierError, TierError, TransientTierError
 from ..retry import repeat_on, request_retrying
 from ._nofollow import check_size
-from ._s3 import MIN_RATE, READ_ATTEMPTS, READ_PIECE, Replaced, Upload, library_errors, object_size, s3_error_code
+from ._s3 import (
+    MIN_RATE,
+    READ_ATTEMPTS,
+    READ_PIECE,
+    Replaced,
+    Upload,
+    content_length,
+    library_errors,
+    object_size,
+    s3_error_code,
+)
 from .base import Chunk, TierContext, as_memoryview
 from .fsspec_tier import FsspecOptions, FsspecTier
 
@@ -204,7 +214,7 @@ class S3Tier(FsspecTier):
         return bytes(out)
 
     def size(self, key: str) -> int:
-        return int(self._head(key, self._path(key))["ContentLength"])
+        return content_length(self._head(key, self._path(key)), tier=self.name, key=key)
 
     def exists(self, key: str) -> bool:
         try:  # a HEAD: fsspec's isfile() would answer False on a throttled request
@@ -238,7 +248,7 @@ class S3Tier(FsspecTier):
         resp = await self.fs._call_s3("get_object", Bucket=bucket, Key=obj, **kw)
         body = resp["Body"]
         try:
-            if int(resp.get("ContentLength", n)) != n:
+            if content_length(resp, n, tier=self.name, key=obj) != n:
                 raise Replaced()
             await self._read_body(body, view, obj)
         finally:
@@ -264,14 +274,14 @@ class S3Tier(FsspecTier):
             raise
         body = resp["Body"]
         try:
-            size = object_size(resp)
+            size = object_size(resp, tier=self.name, key=key)
             check_size(size, max_size, self._redact(path), tier=self.name, key=key)
             out = torch.empty(size, dtype=torch.uint8)
             if size == 0:
                 return out
             view = memoryview(out.numpy())
             head_n = min(part, size)
-            if int(resp.get("ContentLength", head_n)) != head_n:
+            if content_length(resp, head_n, tier=self.name, key=key) != head_n:
                 raise Replaced()
             etag = resp.get("ETag")
             gate = asyncio.Semaphore(self.options.max_concurrency)
