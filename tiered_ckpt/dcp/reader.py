@@ -65,10 +65,12 @@ class TieredStorageReader(StorageReader):
         self.verified = True
         self.storage_data: dict[Any, Any] = {}
         self._metadata_tier: str | None = None
+        self._metadata_error: Exception | None = None
 
     # ----- DCP's protocol ----------------------------------------------------------------------------------
     def reset(self, checkpoint_id: Any = None) -> None:
         self.storage_data = {}
+        self._metadata_error = None
         self.sources = {}
         self.verified = True
         if checkpoint_id is None:
@@ -81,8 +83,16 @@ class TieredStorageReader(StorageReader):
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         if kwargs.get("rank") is not None:
-            raise TieredCkptError("per-rank DCP metadata (use_collectives=False) is not supported by "
-                                  "TieredStorageReader: load checkpoints saved with use_collectives=True")
+            # DCP's fallback to per-rank metadata after the global one failed: say again why (no collective here)
+            raise self._metadata_error or TieredCkptError("per-rank DCP metadata (dcp.save(use_collectives=False))"
+                                                          " is not supported by TieredStorageReader")
+        try:
+            return self._read_metadata()
+        except Exception as exc:
+            self._metadata_error = exc
+            raise
+
+    def _read_metadata(self) -> Metadata:
         if self.engine is None or self.path is not None:
             where = os.path.join(self.path or "", METADATA_FILE)
             with open(where, "rb") as f:
