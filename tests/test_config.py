@@ -261,3 +261,23 @@ def test_a_tier_writes_its_items_with_the_chosen_codec(tmp_path):
         assert torch.equal(engine.load().items["state"]["w"], torch.arange(5.0))
     written = tmp_path / "pt" / "iter_0000003" / "rank_00000" / "state.pt"
     assert torch.equal(torch.load(written, weights_only=True)["w"], torch.arange(5.0))  # a plain torch file
+
+
+def test_a_tier_copying_from_another_file_tier_writes_its_own_codec(tmp_path):
+    import torch
+
+    from tiered_ckpt import CheckpointEngine
+
+    cfg = {"run_id": "codec-copy", "drain": {"mode": "thread"},
+           "tiers": [{"name": "flat", "kind": "local", "path": str(tmp_path / "flat")},
+                     {"name": "pt", "kind": "local", "path": str(tmp_path / "pt"), "codec": "torch",
+                      "compression": {"codec": "zstd"}}]}
+    items = {"state": {"w": torch.arange(5.0), "step": 3}}
+    with CheckpointEngine(cfg) as engine:
+        engine.save(3, items).wait()
+    assert (tmp_path / "flat" / "iter_0000003" / "rank_00000" / "state.flat").is_file()
+    assert not (tmp_path / "pt" / "iter_0000003" / "rank_00000" / "state.flat").exists()
+    with CheckpointEngine({**cfg, "tiers": cfg["tiers"][1:]}) as engine:  # the torch files alone
+        loaded = engine.load()
+    assert loaded.verified and loaded.items["state"]["step"] == 3
+    assert torch.equal(loaded.items["state"]["w"], items["state"]["w"])

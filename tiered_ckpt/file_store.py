@@ -20,6 +20,7 @@ from .checksum import ALGORITHM, HashingStream, digest, new_hasher
 from .codecs import flat
 from .codecs.byte_grouping import grouped_chunks, ungroup_
 from .codecs.file_codecs import FileCodec, FlatFileCodec, ItemSource
+from .codecs.transcode import item_source
 from .compression import compress_chunks, decompress_to_tensor
 from .config import TierConfig
 from .crashpoints import crash_point
@@ -125,19 +126,20 @@ class FileStore:
         return c.codec if c and c.codec != "none" else None
 
     def write_rank(self, step: int, coords: RankCoords, sources: list[ItemSource]) -> RankManifest:
-        entries = []
-        for src in sources:
-            codec = self.codecs[self.layout.file_codec(src.name, self.cfg)]  # the tier's codec choice (layouts/base.py)
-            key = self.layout.item_key(step, src.name, coords, codec.extension)
-            if key is None:
-                continue
-            grouping = self.byte_grouping and codec.supports_byte_grouping
-            size, checksum, raw = self._write_file(
-                key, lambda src=src, codec=codec, g=grouping: codec.encode(src, byte_grouping=g), step, coords.rank)
-            entries.append(FileEntry(key=key, item=src.name, rank=coords.rank, codec=codec.name, size=size,
-                                     checksum=checksum, compression=self.compression_name, raw_size=raw,
-                                     meta={"byte_grouping": True} if grouping else {}))
+        entries = [e for e in (self._write_item(step, coords, src) for src in sources) if e is not None]
         return self._publish_rank(step, coords, entries)
+
+    def _write_item(self, step: int, coords: RankCoords, src: ItemSource) -> FileEntry | None:
+        codec = self.codecs[self.layout.file_codec(src.name, self.cfg)]  # the tier's codec choice (layouts/base.py)
+        key = self.layout.item_key(step, src.name, coords, codec.extension)
+        if key is None:
+            return None
+        grouping = self.byte_grouping and codec.supports_byte_grouping
+        size, checksum, raw = self._write_file(
+            key, lambda: codec.encode(src, byte_grouping=grouping), step, coords.rank)
+        return FileEntry(key=key, item=src.name, rank=coords.rank, codec=codec.name, size=size, checksum=checksum,
+                         compression=self.compression_name, raw_size=raw,
+                         meta={"byte_grouping": True} if grouping else {})
 
     def _publish_rank(self, step: int, coords: RankCoords, entries: list[FileEntry]) -> RankManifest:
         manifest = RankManifest(step=step, rank=coords.rank, layout=self.layout.name, coords=coords.to_dict(),
@@ -160,6 +162,10 @@ class FileStore:
             blob = source._retry(lambda e=entry: source.tier.read_blob_hashed(e.key, max_size=e.size), step,
                                  coords.rank, f"read {entry.key}")
             source.verify(entry, blob)
+            if self.layout.file_codec(entry.item, self.cfg) != entry.codec:  # this tier names another codec
+                written = self._write_item(step, coords, item_source(entry.item, source.decode_entry(entry, blob)))
+                entries += [written] if written is not None else []
+                continue
             grouped = bool(entry.meta.get("byte_grouping"))
             want_grouped = self.byte_grouping and self.codecs[entry.codec].supports_byte_grouping
             if entry.compression == self.compression_name and grouped == want_grouped:
@@ -332,22 +338,28 @@ class FileStore:
         items: dict[str, Any] = {}
         for entry in self.layout.files_for_rank(manifest.files, manifest.parallel, coords):
             blob = self.read_verified(entry, manifest.step, coords.rank, verify=verify)
-            raw = self.decode_stored(entry, blob)
-            if entry.meta.get("byte_grouping") and entry.compression is None:
-                raw = raw.clone()  # un-grouping works in place; never on the tier's own bytes
-            try:
-                codec = self.codecs[entry.codec]
-            except KeyError:
-                raise CorruptionError(f"unknown codec {entry.codec!r}", tier=self.name, key=entry.key) from None
-            try:
-                # Bytes read from a file tier are this process's own: views into them are already a copy.
-                private = raw is not blob or not self.tier.capabilities.zero_copy_read
-                items[entry.item] = codec.decode(raw, copy=copy and not private, map_location=map_location,
-                                                 trust_pickles=trust_pickles, where=entry.key,
-                                                 byte_grouping=bool(entry.meta.get("byte_grouping")))
-            except DecodeError as exc:
-                raise CorruptionError(str(exc), tier=self.name, key=entry.key) from None
+            items[entry.item] = self.decode_entry(entry, blob, copy=copy, map_location=map_location,
+                                                  trust_pickles=trust_pickles)
         return items
+
+    def decode_entry(self, entry: FileEntry, blob: torch.Tensor, *, copy: bool = True, map_location: Any = None,
+                     trust_pickles: bool = False) -> Any:
+        """The item in ``entry``'s file, from its bytes as stored (``blob``, already verified)."""
+        raw = self.decode_stored(entry, blob)
+        if entry.meta.get("byte_grouping") and entry.compression is None:
+            raw = raw.clone()  # un-grouping works in place; never on the tier's own bytes
+        try:
+            codec = self.codecs[entry.codec]
+        except KeyError:
+            raise CorruptionError(f"unknown codec {entry.codec!r}", tier=self.name, key=entry.key) from None
+        try:
+            # Bytes read from a file tier are this process's own: views into them are already a copy.
+            private = raw is not blob or not self.tier.capabilities.zero_copy_read
+            return codec.decode(raw, copy=copy and not private, map_location=map_location,
+                                trust_pickles=trust_pickles, where=entry.key,
+                                byte_grouping=bool(entry.meta.get("byte_grouping")))
+        except DecodeError as exc:
+            raise CorruptionError(str(exc), tier=self.name, key=entry.key) from None
 
     # ----- retention ---------------------------------------------------------------------------------------
     def retain(self, keep: int | None, pinned: set[int], rank: int) -> list[int]:
