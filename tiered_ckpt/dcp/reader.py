@@ -66,10 +66,12 @@ class TieredStorageReader(StorageReader):
         self.storage_data: dict[Any, Any] = {}
         self._metadata_tier: str | None = None
         self._metadata_error: Exception | None = None
+        self._committed: dict[str, set[int]] = {}  # file tier → committed steps, listed once per load
 
     # ----- DCP's protocol ----------------------------------------------------------------------------------
     def reset(self, checkpoint_id: Any = None) -> None:
         self.storage_data = {}
+        self._committed = {}
         self._metadata_error = None
         self.sources = {}
         self.verified = True
@@ -93,6 +95,7 @@ class TieredStorageReader(StorageReader):
             raise
 
     def _read_metadata(self) -> Metadata:
+        self.sources, self.verified = {}, True  # this load's
         if self.engine is None or self.path is not None:
             where = os.path.join(self.path or "", METADATA_FILE)
             with open(where, "rb") as f:
@@ -182,8 +185,8 @@ class TieredStorageReader(StorageReader):
                     steps.update(m.step for m in store.metas().values() if any(it.name == DATA_ITEM for it in m.items)
                                  and int((m.parallel or {}).get("world_size", world)) == world)
                 elif isinstance(store, FileStore):
-                    steps.update(s for s in store.committed_steps()
-                                 if store.read_manifest(s, cached=True).layout == "dcp")
+                    self._committed[name] = set(store.committed_steps())
+                    steps.update(s for s in self._committed[name] if _is_dcp_step(store, s))
                     steps.update(self._plain_steps(store))
             except (TierError, OSError, CorruptionError) as exc:
                 log.warning("dcp load: cannot list tier %r: %s", name, exc)
@@ -252,11 +255,11 @@ class TieredStorageReader(StorageReader):
             return None, False
         return bytes(as_memoryview(store.tier.read_blob(key))), False
 
-    @staticmethod
-    def _manifest(store: FileStore, step: int) -> Any:
-        if step not in store.committed_steps():
-            return None
-        return store.read_manifest(step, cached=True)
+    def _manifest(self, store: FileStore, step: int) -> Any:
+        committed = self._committed.get(store.name)
+        if committed is None:  # not listed by this load (a tier that could not be listed then)
+            committed = self._committed[store.name] = set(store.committed_steps())
+        return store.read_manifest(step, cached=True) if step in committed else None
 
     # ----- fetching data files -----------------------------------------------------------------------------
     def _fetch(self, name: str, reqs: list[ReadItem]) -> tuple[Fetched, str, bool]:
@@ -333,6 +336,14 @@ class TieredStorageReader(StorageReader):
             return data
 
         return _range_getter(read, path)
+
+
+def _is_dcp_step(store: FileStore, step: int) -> bool:
+    try:
+        return store.read_manifest(step, cached=True).layout == "dcp"
+    except (TierError, OSError, CorruptionError) as exc:  # this step only: the others may be fine
+        log.warning("dcp load: tier %r step %d: %s", store.name, step, exc)
+        return False
 
 
 def _decode_tensor(blob: torch.Tensor, where: str) -> torch.Tensor:
