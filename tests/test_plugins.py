@@ -205,15 +205,19 @@ def test_a_kind_from_extra_plugins_drains_in_the_worker_process(tmp_path, shm_ro
     assert (tmp_path / "disk" / "iter_0000001" / "tiered_ckpt" / "manifest.json").is_file()
 
 
-def test_the_worker_rebuilds_the_plugins_from_the_spec():
+def test_the_worker_rebuilds_the_plugins_from_the_spec(monkeypatch):
     import plugin_samples
 
+    from tiered_ckpt import plugins
     from tiered_ckpt.plugins import manager_for_worker
+
+    monkeypatch.setattr(plugins, "_default", plugins._default)  # manager_for_worker makes its own the default
 
     for plugin in (plugin_samples, plugin_samples.as_object):
         pm = PluginManager(load_entry_points=False, extra_plugins=(plugin,))
         rebuilt = manager_for_worker(pm.spec())
         assert rebuilt.registries.tiers.get("mirror") is plugin_samples.MirrorTier
+        assert plugins.get_plugin_manager() is rebuilt  # what a kind looking up other kinds finds there
         assert "faulty" not in rebuilt.registries.tiers  # the same plugins: no entry points here either
 
 
@@ -255,3 +259,17 @@ def test_a_plugin_from_main_is_named_as_such(monkeypatch):
     monkeypatch.setitem(sys.modules, "__main__", main)
     data, why = _worker_safe_pickle(types.SimpleNamespace(cls=plugin_samples.MirrorTier))
     assert data is None and "__main__.MirrorTier" in why and "does not import" in why
+
+
+def test_the_spec_names_entry_points_and_the_worker_loads_just_those(monkeypatch):
+    from tiered_ckpt import plugins
+    from tiered_ckpt.plugins import manager_for_worker
+
+    monkeypatch.setattr(plugins, "_default", plugins._default)  # manager_for_worker makes its own the default
+
+    spec = PluginManager().spec()
+    assert ("faults", "entry_point", "faults") in spec.plugins and not spec.unreachable
+    assert all(name != "tiered_ckpt.builtin" for name, _, _ in spec.plugins)  # the worker adds the built-ins itself
+    rebuilt = manager_for_worker(spec)
+    assert rebuilt.registries.tiers.provider_of("faulty") == "faults"
+    assert rebuilt.registries.tiers.provider_of("shm") == "tiered_ckpt.builtin"

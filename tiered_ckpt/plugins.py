@@ -1,6 +1,8 @@
 """The plugin manager, on pluggy: the built-ins, the ``tiered_ckpt`` entry points and a caller's own plugins.
 
-Every plugin goes through one path (:meth:`PluginManager._add`): pluggy holds, for each plugin, its marked hook
+Every plugin goes through one path: the built-ins are an entry point of the ``tiered_ckpt`` group like any
+installed plugin (:meth:`PluginManager._load_entry_points`), and every plugin, however given, is registered by
+:meth:`PluginManager._add`: pluggy holds, for each plugin, its marked hook
 functions, each wrapped once when it is registered, so that
 
 * a registration hook knows which plugin is adding (a duplicate name is an error naming both plugins), and
@@ -28,7 +30,7 @@ import pickle
 import threading
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from importlib.metadata import entry_points
+from importlib.metadata import EntryPoint, entry_points
 from typing import TYPE_CHECKING, Any
 
 import pluggy
@@ -45,7 +47,11 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 ENTRY_POINT_GROUP = "tiered_ckpt"
-BUILTIN_PLUGINS = ("tiered_ckpt.builtin",)
+# The built-ins are an entry point of the same group, declared here rather than in the package's metadata, so they
+# load through the same code as every installed plugin, also where entry points are skipped or the metadata is
+# absent (a source checkout on PYTHONPATH).
+BUILTIN_ENTRY_POINTS = (EntryPoint(name="tiered_ckpt.builtin", value="tiered_ckpt.builtin", group=ENTRY_POINT_GROUP),)
+BUILTIN_PLUGINS = tuple(ep.name for ep in BUILTIN_ENTRY_POINTS)
 EVENT_HOOK = "tiered_ckpt_on_event"
 REGISTRATION_HOOKS = ("tiered_ckpt_register_tiers", "tiered_ckpt_register_layouts", "tiered_ckpt_register_codecs")
 HOOK_NAMES = (*REGISTRATION_HOOKS, EVENT_HOOK)
@@ -184,8 +190,6 @@ class PluginManager:
         self._hooks: dict[str, _Hooks] = {}
         self._origins: dict[str, tuple[str, Any]] = {}  # builtins and entry points; others: spec() looks
         self._lock = threading.Lock()
-        for modname in BUILTIN_PLUGINS:
-            self._add(importlib.import_module(modname), modname, origin=("builtin", modname))
         self._load_entry_points(entry_point_names)
         for plugin, name in extra:
             self._add(plugin, name)
@@ -197,18 +201,19 @@ class PluginManager:
 
     # ----- registration ------------------------------------------------------------------------------------
     def _load_entry_points(self, names: Iterable[str] | None) -> None:
-        """Every plugin of the ``tiered_ckpt`` group (``names`` None), or just those named."""
+        """The built-ins, then every installed plugin of the ``tiered_ckpt`` group (``names`` None) or those named."""
         wanted = None if names is None else set(names)
         found = set()
-        for ep in entry_points(group=ENTRY_POINT_GROUP):
-            if (wanted is not None and ep.name not in wanted) or ep.name in self._hooks:
+        installed = [(ep, "entry_point") for ep in entry_points(group=ENTRY_POINT_GROUP)]
+        for ep, how in [(ep, "builtin") for ep in BUILTIN_ENTRY_POINTS] + installed:
+            if ep.name in self._hooks or (how != "builtin" and wanted is not None and ep.name not in wanted):
                 continue
             found.add(ep.name)
             try:
                 plugin = ep.load()
             except Exception as exc:  # a broken third-party plugin must say who it is
                 raise PluginError(f"plugin {ep.name!r} ({ep.value}) failed to load: {exc}") from exc
-            self._add(plugin, ep.name, origin=("entry_point", ep.name))
+            self._add(plugin, ep.name, origin=(how, ep.name))
         if wanted and wanted - found:
             missing = ", ".join(sorted(wanted - found))
             raise PluginError(f"entry point(s) {missing} of group {ENTRY_POINT_GROUP!r} are not installed in this "
