@@ -167,6 +167,17 @@ class TieredStorageWriter(StorageWriter, BlockingAsyncStager):
     def validate_checkpoint_id(cls, checkpoint_id: Any) -> bool:
         return False  # never chosen by DCP on its own: it needs an engine
 
+    def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:
+        """DCP's blocking CPU copy; the kept copy is page-locked only where CUDA is there to use it (DCP's own
+        stager pins unconditionally, which fails on a machine without an accelerator)."""
+        from torch.distributed._state_dict_utils import _copy_state_dict, _create_cpu_state_dict
+
+        if not self.cache_staged_state_dict:
+            return BlockingAsyncStager.stage(self, state_dict)
+        if self.state_dict_cache is None:
+            self.state_dict_cache = _create_cpu_state_dict(state_dict, pin_memory=torch.cuda.is_available())
+        return _copy_state_dict(state_dict, self.state_dict_cache)
+
     # ----- ours --------------------------------------------------------------------------------------------
     def _file_layout(self, plan_items: list[Any], entries: list[torch.Tensor]
                      ) -> tuple[list[dict], list[WriteResult]]:
