@@ -35,7 +35,7 @@ import torch
 from ..crashpoints import crash_point
 from ..errors import BlobNotFoundError, CorruptionError, PermanentTierError, TierError, TransientTierError
 from ..hostmem import FileShrankError, read_file
-from ..retry import FULL_ERRNOS, TRANSIENT_ERRNOS
+from ..retry import FULL_ERRNOS, TRANSIENT_ERRNOS, repeat_on
 from ._direct_io import DIRECT_MIN, DirectWriter, buffered_io
 from ._nofollow import check_dirs, check_size, open_parent, open_regular, real_dir, refused_entry
 from .base import as_memoryview, check_key, check_prefix
@@ -261,16 +261,15 @@ class BlobFiles:
         directory = os.path.join(self.root, rel_dir)
         tmp = os.path.join(directory, temp_name(base))
         check_dirs(self.root, rel_dir, tier=self.tier, key=key)
-        for attempt in (1, 2):
-            try:
-                created = make_dirs(self.root, rel_dir, self.dir_mode)
-                fd, direct = self._open_new(tmp)
-                break
-            except FileNotFoundError as exc:  # a concurrent delete pruned the directory just created
-                if attempt == 2:
-                    raise self.error(exc, key, "create", tmp) from exc
-            except OSError as exc:
-                raise self.error(exc, key, "create", tmp) from exc
+
+        def create() -> tuple[list[str], int, bool]:
+            created = make_dirs(self.root, rel_dir, self.dir_mode)
+            return (created, *self._open_new(tmp))
+
+        try:  # twice if a concurrent delete pruned the directory just made
+            created, fd, direct = repeat_on(FileNotFoundError, 2)(create)
+        except OSError as exc:
+            raise self.error(exc, key, "create", tmp) from exc
         try:
             try:
                 nbytes = write_chunks(fd, chunks, lambda exc: self.error(exc, key, "write", tmp), check, direct)
