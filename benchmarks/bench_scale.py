@@ -8,7 +8,8 @@ durable, each followed by the two ceilings under the same load: the all-core cop
 write+fsync of the same bytes (``limits.DirectIO``, with the disk's best request depth).
 
 Prints one row per case (medians: blocking s, GB/s, ceiling / ours; save() call -> durable s, GB/s,
-O_DIRECT ceiling / ours) and writes the JSON; with matplotlib installed it also draws the curves as a PNG
+O_DIRECT ceiling / ours; how many timed saves waited for a free slot, and for how long in all) and writes the
+JSON; with matplotlib installed it also draws the curves as a PNG
 (``--plot``; matplotlib is not a dependency of the package: without it the table is the result).
 
     python benchmarks/bench_scale.py [--quick] [--cases 0.25g,1g,4g,small10k] [--warm 5] [--dir DIR]
@@ -68,11 +69,14 @@ def run_case(case: str, quick: bool, warm: int, workdir: str, out: str) -> None:
     class Commits:
         def __init__(self) -> None:
             self.seconds: dict[int, float] = {}
+            self.slot_wait: dict[int, float] = {}
 
         @hookimpl
         def tiered_ckpt_on_event(self, event):
             if event.kind == "commit" and event.tier == "local":
                 self.seconds[event.step] = event.seconds
+            elif event.kind == "slot_wait":  # save() found no free slot and waited (part of its blocking time)
+                self.slot_wait[event.step] = event.seconds
 
     items = make_items(case, quick)
     tensors = c.states.tensors(items)
@@ -102,7 +106,8 @@ def run_case(case: str, quick: bool, warm: int, workdir: str, out: str) -> None:
                 c.drop_cache(workdir)
                 write_s.append(direct.write_fsync(io["write"]))
         res.update(blocking_s=blocking, durable_s=durable, limit_direct_write_s=write_s,
-                   limit_copy_ways=baseline.report())
+                   limit_copy_ways=baseline.report(),
+                   slot_wait_s={str(k): v for k, v in commits.slot_wait.items() if k >= 2})
         baseline.close()
         direct.close()
     finally:
@@ -121,12 +126,13 @@ def summarize(res: dict[str, Any]) -> dict[str, Any]:
     return {"case": res["case"], "bytes": n, "tensors": res["tensors"], "blocking_s": blk,
             "blocking_max_s": max(res["blocking_s"]), "blocking_gbps": n / blk / 1e9, "copy_ceiling_s": ways[way],
             "copy_way": way, "blocking_vs_ceiling": ways[way] / blk, "durable_s": dur, "durable_gbps": n / dur / 1e9,
-            "direct_write_s": wr, "durable_vs_ceiling": wr / dur}
+            "direct_write_s": wr, "durable_vs_ceiling": wr / dur,
+            "slot_waits": len(res.get("slot_wait_s", {})), "slot_wait_s": sum(res.get("slot_wait_s", {}).values())}
 
 
 def table(rows: list[dict[str, Any]], quick: bool) -> str:
     head = ["state", "tensors", "blocking s", "GB/s", "copy ceiling s", "ceiling/ours", "durable s", "GB/s",
-            "O_DIRECT s", "ceiling/ours"]
+            "O_DIRECT s", "ceiling/ours", "slot waits"]
     body = []
     for r in rows:
         size = f"{r['bytes'] / GiB:.2f} GiB" if r["bytes"] >= GiB // 8 else f"{r['bytes'] / MiB:.0f} MiB"
@@ -134,7 +140,7 @@ def table(rows: list[dict[str, Any]], quick: bool) -> str:
                      f"{r['blocking_gbps']:.2f}",
                      f"{r['copy_ceiling_s']:.3f} ({r['copy_way']})", f"{r['blocking_vs_ceiling']:.2f}",
                      f"{r['durable_s']:.3f}", f"{r['durable_gbps']:.2f}", f"{r['direct_write_s']:.3f}",
-                     f"{r['durable_vs_ceiling']:.2f}"])
+                     f"{r['durable_vs_ceiling']:.2f}", f"{r['slot_waits']} ({r['slot_wait_s']:.3f} s)"])
     widths = [max(len(str(x[i])) for x in [head, *body]) for i in range(len(head))]
     line = lambda row: "| " + " | ".join(str(v).ljust(w) for v, w in zip(row, widths, strict=True)) + " |"  # noqa: E731
     return "\n".join([f"### Scale: blocking and time to durable against the state's size"
