@@ -184,6 +184,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dir", default=None, help="local-disk directory for the runs (default: a temp dir)")
     ap.add_argument("--json", default=None, help="default benchmarks/results/bench[-quick].json")
     ap.add_argument("--timeout", type=float, default=900.0, help="seconds per measurement process")
+    ap.add_argument("--section-timeout", type=float, default=3600.0, help="seconds per section (layouts, s3, scale)")
     ap.add_argument("--sections", default=",".join(SECTIONS),
                     help="peers (the states' tables), layouts (multi-rank, both layouts), s3, scale")
     args = ap.parse_args(argv)
@@ -266,7 +267,7 @@ def main(argv: list[str] | None = None) -> int:
             tables.append(table(name, entry, agg, entry["targets"]))
         for sec in sections:
             if sec != "peers":
-                results["sections"][sec] = run_section(sec, args.quick, root, args.dir, args.timeout)
+                results["sections"][sec] = run_section(sec, args.quick, root, args.dir, args.section_timeout)
                 tables.append(results["sections"][sec].get("table", ""))
         results["meta"]["wall_s"] = time.perf_counter() - started
         text = "\n\n".join(tables)
