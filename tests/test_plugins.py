@@ -273,3 +273,45 @@ def test_the_spec_names_entry_points_and_the_worker_loads_just_those(monkeypatch
     rebuilt = manager_for_worker(spec)
     assert rebuilt.registries.tiers.provider_of("faulty") == "faults"
     assert rebuilt.registries.tiers.provider_of("shm") == "tiered_ckpt.builtin"
+
+
+# ----- a plugin kind gets what the built-ins get, through the Tier interface ---------------------------------------
+def test_a_plugin_kind_decides_enabled_auto(tmp_path):
+    import plugin_samples
+    from helpers import Recorder
+
+    from tiered_ckpt import CheckpointEngine
+
+    pm = PluginManager(load_entry_points=False, extra_plugins=(plugin_samples.more_kinds,))
+    rec = Recorder()
+    cfg = {"run_id": "part-time", "drain": {"mode": "thread"},
+           "tiers": [{"name": "d", "kind": "local", "path": str(tmp_path / "d")},
+                     {"name": "p", "kind": "part_time", "enabled": "auto", "path": str(tmp_path / "p")}]}
+    with CheckpointEngine(cfg, plugin_manager=pm, observers=[rec]) as engine:
+        assert engine.tiers == ["d"]
+    assert [e.tier for e in rec.kinds("tier_disabled")] == ["p"]
+
+
+def test_gc_finds_and_removes_a_plugin_kinds_temporary_files(tmp_path):
+    import plugin_samples
+
+    from tiered_ckpt.config import load_config
+    from tiered_ckpt.housekeeping import find_debris, remove_debris
+    from tiered_ckpt.parallel import RankCoords
+    from tiered_ckpt.pipeline import build_stores
+
+    pm = PluginManager(load_entry_points=False, extra_plugins=(plugin_samples.more_kinds,))
+    config = load_config({"tiers": [{"name": "s", "kind": "swept", "path": str(tmp_path / "s")}]},
+                         registries=pm.registries)
+    store = build_stores(config, pm, RankCoords(rank=0), 0, ["s"], lambda e: None)["s"]
+    store.tier.write_blob("iter_0000001/rank_00000/state.flat", [b"kept"])
+    leftover = tmp_path / "s" / "iter_0000001" / "rank_00000" / ".state.flat.tmp-0123456789abcdef"
+    from tiered_ckpt.tiers._files import is_temp_name
+
+    assert is_temp_name(leftover.name), "the sample must look like the tier's own temporary names"
+    leftover.write_bytes(b"half a write")
+    assert not hasattr(store.tier, "files")  # gc must go through the Tier interface
+    debris = find_debris(store, min_age_s=0)
+    assert [(d.what, d.key) for d in debris] == [("temporary file", "iter_0000001/rank_00000/" + leftover.name)]
+    remove_debris(store, debris, min_age_s=0)
+    assert not leftover.exists() and store.tier.exists("iter_0000001/rank_00000/state.flat")

@@ -74,3 +74,28 @@ def test_the_contract_catches_a_kind_that_ignores_enabled_false(make_tier, tmp_p
     tier = AlwaysOn("on", make_tier("local", path=tmp_path / "on").options)
     with pytest.raises(AssertionError):
         TierContract().test_enabled_false_turns_the_kind_off(tier)
+
+
+class TestSweptPluginTier(TierContract):
+    """A plugin kind implementing gc's part of the interface itself: its paused write shows a temporary file."""
+
+    @pytest.fixture
+    def tier(self, tmp_path):
+        from plugin_samples import SweptTier
+
+        from tiered_ckpt.tiers.local import LocalOptions
+
+        tier = SweptTier("swept", LocalOptions(path=str(tmp_path / "swept")))
+        yield tier
+        tier.close()
+
+    def test_a_paused_write_is_a_temporary_file(self, tier):
+        seen = {}
+
+        def chunks():
+            yield b"a"
+            seen["temp"] = tier.temp_files()
+            yield b"b"
+
+        tier.write_blob("dir/blob", chunks())
+        assert len(seen["temp"]) == 1 and seen["temp"][0].startswith("dir/.blob")

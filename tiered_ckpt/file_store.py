@@ -227,8 +227,8 @@ class FileStore:
 
     def read_tracker(self) -> int | None:
         try:
-            text = bytes(as_memoryview(self.tier.read_blob(self.layout.tracker))).decode().strip()
-        except (BlobNotFoundError, UnicodeDecodeError):
+            text = bytes(as_memoryview(self.tier.read_blob_hashed(self.layout.tracker, max_size=4096))).decode().strip()
+        except (BlobNotFoundError, UnicodeDecodeError, CorruptionError):  # damaged (a FIFO, a link): replaced
             return None
         return int(text) if text.isascii() and text.isdigit() and len(text) <= 18 else None  # not "²", not 5000 digits
 

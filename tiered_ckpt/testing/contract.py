@@ -16,8 +16,8 @@ Every test applies to every tier, except those about a capability the tier says 
 ``capabilities.memory``, view semantics ``capabilities.zero_copy_read``): those are skipped with the
 capability as the reason. The semantics tested are the ones :mod:`tiered_ckpt.tiers.base` documents (the blob
 primitives, and what the engine, ``gc`` and the CLI ask of a kind: ``resolve_enabled``, ``check_usable``,
-``staging_options``, ``location``, ``missing_location``, ``temp_files``), plus one about configuration: the
-tier's ``options``, written into a ``tiers.yaml`` entry, load back equal through
+``staging_options``, ``location``, ``missing_location``, ``temp_files``, ``modified``), plus one about
+configuration: the tier's ``options``, written into a ``tiers.yaml`` entry, load back equal through
 :func:`~tiered_ckpt.config.load_config` (every field type is one a file can express, no field is hidden by a
 common tier key such as ``keep``).
 """
@@ -579,6 +579,13 @@ class TierContract:
         with pytest.raises(ValueError):
             tier.remove_temp_file("dir/blob")  # a finished blob is no temporary file: gc must never delete it
         assert self.read(tier, "dir/blob") == b"a" * MiB + b"b"
+
+    def test_modified_is_a_time_or_unknown(self, tier: Tier) -> None:
+        tier.write_blob("probe", [b"x"])
+        when = tier.modified("probe")
+        assert when is None or (isinstance(when, float) and when > 0), \
+            f"modified() must be seconds since the epoch (a float) or None, got {when!r}"
+        assert tier.modified("never/written") is None
 
     # ----- configuration ---------------------------------------------------------------------------------------
     def test_options_load_from_a_yaml_file(self, tier: Tier, tmp_path: Any) -> None:

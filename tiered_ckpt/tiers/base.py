@@ -271,6 +271,12 @@ class Tier(ABC):
         half-written behind, such as process memory or object-store uploads)."""
         return []
 
+    def modified(self, key: str) -> float | None:
+        """When the blob or temporary file ``key`` last changed (seconds since the epoch), or None when the kind
+        cannot tell or ``key`` is gone. ``gc`` removes only temporary files older than its grace period, so a kind
+        that answers None keeps its temporary files until ``gc --min-age 0``. Default: None."""
+        return None
+
     def remove_temp_file(self, key: str) -> None:
         """Delete one key :meth:`temp_files` returned (a missing one is not an error); refuse any other key with
         ``ValueError``. Default: refuses every key (the default lists none)."""

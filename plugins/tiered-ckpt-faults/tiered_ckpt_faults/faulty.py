@@ -395,6 +395,9 @@ class FaultyTier(Tier):
     def remove_temp_file(self, key: str) -> None:
         self.inner.remove_temp_file(key)
 
+    def modified(self, key: str) -> float | None:
+        return self.inner.modified(key)
+
     @classmethod
     def resolve_enabled(cls, enabled: bool | str, options: FaultyOptions, *, name: str = "") -> bool:
         inner_cls, inner_options = cls._inner_spec(options)
