@@ -6,7 +6,8 @@ in classes: a tier kind is a :class:`tiered_ckpt.tiers.base.Tier` subclass, regi
 
 The built-in kinds register through these same hooks (``tiered_ckpt.builtin``), exactly like a third-party plugin
 found through the ``tiered_ckpt`` entry-point group. A plugin module implements any subset of these functions,
-decorated with :data:`hookimpl`::
+decorated with :data:`hookimpl` (a misspelt name, or a ``tiered_ckpt_*`` function without the decorator, is an
+error when the plugin manager starts)::
 
     from tiered_ckpt import hookimpl
 
@@ -66,11 +67,13 @@ def tiered_ckpt_register_codecs(registry: Registry) -> None:
 def tiered_ckpt_on_event(event: Event) -> None:
     """Observe what the pipeline does: snapshot, drain, commit, evict, retry, fallback, load, ...
 
-    :param event: a frozen :class:`tiered_ckpt.events.Event` with ``kind``, ``step``, ``rank``, ``tier``,
-        ``seconds``, ``nbytes`` and a free-form ``detail`` dict.
+    :param event: a frozen :class:`tiered_ckpt.events.Event` with ``kind``, ``run_id`` (the emitting engine's),
+        ``step``, ``rank``, ``tier``, ``seconds``, ``nbytes`` and a free-form ``detail`` dict.
     :return: ignored; every implementation is called.
 
+    An implementation on a plugin sees the events of every engine built on its plugin manager; one given to an
+    engine (``CheckpointEngine(..., observers=[...])``, or the configuration's ``events``) sees that engine's only.
     Called in the training process (events from the drain worker are forwarded there), from whichever thread
-    produced the event. Keep implementations quick and thread-safe. An exception raised here is logged and
-    swallowed: observation must never break a save.
+    produced the event. Keep implementations quick and thread-safe. An exception raised here is logged and the
+    other observers still get the event: observation must never break a save.
     """
