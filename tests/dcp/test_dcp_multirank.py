@@ -80,3 +80,26 @@ def test_sigkill_after_a_memory_only_save_resumes_from_shm(tmp_path, shm_root):
         assert "error" not in res, res["error"]
         assert res["resumed"]["step"] == 7 and set(res["resumed"]["sources"].values()) == {"shm"}
         assert res["resumed"]["fingerprint"] == expected[rank]["saved_7"]
+
+
+def test_four_ranks_save_and_two_ranks_load_resharded(tmp_path, shm_root):
+    run_id = f"dcp{uuid.uuid4().hex[:8]}"
+    cfg = config(run_id, [{"name": "shm", "kind": "shm", "path": shm_root},
+                          {"name": "local", "kind": "local", "path": str(tmp_path / "local")}])
+    saved = run_ranks(4, {"actions": [{"do": "save", "step": 10, "config": cfg}]}, worker=WORKER, timeout=400)
+    assert all("error" not in res for res in saved.values())
+    assert sorted(p.name for p in (tmp_path / "local" / "iter_0000010").glob("*.distcp")) == [
+        f"__{r}_0.distcp" for r in range(4)]
+    only_local = config(run_id, cfg["tiers"][1:])
+    loaded = run_ranks(2, {"actions": [{"do": "load", "name": "from_shm", "config": cfg},
+                                       {"do": "load", "name": "from_local", "config": only_local}]},
+                       worker=WORKER, timeout=400)
+    for rank, res in loaded.items():
+        assert "error" not in res, res["error"]
+        for name, tier in (("from_shm", "shm"), ("from_local", "local")):
+            got = res[name]
+            # two ranks read what four wrote: each rank several data files, from the four ranks' snapshots on
+            # this node, or from the files
+            assert got["step"] == 10 and set(got["sources"].values()) == {tier} and got["verified"], (rank, got)
+            assert len(got["sources"]) >= 2, (rank, got["sources"])
+            assert got["fingerprint"] == saved[0]["saved_10"]

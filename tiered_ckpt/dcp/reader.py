@@ -177,13 +177,12 @@ class TieredStorageReader(StorageReader):
         return (view, max(metas, key=lambda m: m.created)) if metas else None
 
     def _loadable_here(self) -> set[int]:
-        world = self.engine.coords.world_size
         steps: set[int] = set()
         for name, store in self._stores():
             try:
                 if isinstance(store, MemoryStore):
-                    steps.update(m.step for m in store.metas().values() if any(it.name == DATA_ITEM for it in m.items)
-                                 and int((m.parallel or {}).get("world_size", world)) == world)
+                    # any world size: DCP reshards, and this node's snapshots of every rank are readable here
+                    steps.update(m.step for m in store.metas().values() if any(it.name == DATA_ITEM for it in m.items))
                 elif isinstance(store, FileStore):
                     self._committed[name] = set(store.committed_steps())
                     steps.update(s for s in self._committed[name] if _is_dcp_step(store, s))
