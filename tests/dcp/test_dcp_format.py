@@ -184,7 +184,7 @@ def test_cli_lists_inspects_verifies_and_keeps_dcp_checkpoints(tmp_path, capsys)
     code, out = run_cli(capsys, "inspect", str(root), "--step", "1")
     assert code == EXIT_OK and "without our manifest" in out and "model.w" in out and "__0_0.distcp" in out
     code, out = run_cli(capsys, "inspect", str(root / "iter_0000001"), "--json")
-    assert code == EXIT_OK and {i["fqn"].split(" ")[0] for i in json.loads(out)["items"]} >= {"model.w", "extra.name"}
+    assert code == EXIT_OK and {i["fqn"] for i in json.loads(out)["items"]} >= {"model.w", "extra.name"}
     code, out = run_cli(capsys, "verify", str(root), "--all")
     assert code == EXIT_OK and "step 3" in out and "step 4" in out
     code, out = run_cli(capsys, "gc", str(root))
@@ -196,3 +196,24 @@ def test_cli_lists_inspects_verifies_and_keeps_dcp_checkpoints(tmp_path, capsys)
         f.write(bytes([byte[0] ^ 1]))
     code, out = run_cli(capsys, "verify", str(root))
     assert code == EXIT_FAILED and "__0_0.distcp" in out
+
+
+def test_async_save_with_the_writer_as_stager_keeping_its_copy(tmp_path, shm_root):
+    sd = state(4)
+    cfg = engine_config(tmp_path, shm=shm_root)
+    with CheckpointEngine(cfg) as engine:
+        writer = TieredStorageWriter(engine, cache_staged_state_dict=True)
+        for step in (1, 2):
+            sd["extra"]["step"] = step
+            sd["model"]["w"].add_(1)
+            dcp.async_save(sd, storage_writer=writer, checkpoint_id=step).result()
+            writer.wait(timeout=60)
+        assert writer.state_dict_cache is not None  # the staging copy is kept between saves
+        loaded = zeros_like(sd)
+        dcp.load(loaded, storage_reader=TieredStorageReader(engine, step=2))
+    assert_same(sd, loaded)
+    loaded = zeros_like(sd)
+    dcp.load(loaded, storage_reader=dcp.FileSystemReader(str(tmp_path / "disk" / "iter_0000002")))
+    assert_same(sd, loaded)
+    with pytest.raises(TypeError, match="thread executor"):
+        pickle.dumps(writer)

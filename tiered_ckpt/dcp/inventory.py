@@ -34,24 +34,24 @@ def _metadata(data: bytes, where: str) -> Any:
     return load_metadata(data, where)
 
 
-def describe(tier: Any, prefix: str) -> tuple[Any, list[list[Any]]]:
-    """DCP's Metadata of the checkpoint in ``prefix`` (``""``: the root) and one row per stored item:
-    ``[fqn, kind, shape, dtype, file, offset, length]``."""
+def describe(tier: Any, prefix: str) -> tuple[Any, list[dict[str, Any]]]:
+    """DCP's Metadata of the checkpoint in ``prefix`` (``""``: the root) and one record per stored item (fqn, the
+    chunk's offsets in the whole tensor, kind, shape of the whole tensor, dtype, file, offset, length)."""
     from ..tiers.base import as_memoryview
 
     key = f"{prefix}/{METADATA_FILE}" if prefix else METADATA_FILE
     metadata = _metadata(bytes(as_memoryview(tier.read_blob(key))), key)
-    rows = []
+    items = []
     for index, info in sorted((metadata.storage_data or {}).items(), key=lambda kv: (kv[1].relative_path,
                                                                                     kv[1].offset)):
         md = metadata.state_dict_metadata.get(index.fqn)
         props = getattr(md, "properties", None)
-        kind = "tensor" if props is not None else "bytes"
-        chunk = "" if index.offset is None else f" @{tuple(index.offset)}"
-        size = tuple(md.size) if props is not None else ""
-        rows.append([index.fqn + chunk, kind, size, str(props.dtype).removeprefix("torch.") if props else "",
-                     info.relative_path, info.offset, info.length])
-    return metadata, rows
+        items.append({"fqn": index.fqn, "chunk": None if index.offset is None else list(index.offset),
+                      "kind": "tensor" if props is not None else "bytes",
+                      "shape": list(md.size) if props is not None else None,
+                      "dtype": str(props.dtype).removeprefix("torch.") if props is not None else None,
+                      "file": info.relative_path, "offset": info.offset, "length": info.length})
+    return metadata, items
 
 
 def structure_problems(store: Any, manifest: Any) -> list[str]:
@@ -82,7 +82,8 @@ def structure_problems(store: Any, manifest: Any) -> list[str]:
     return problems
 
 
-def inspect_plain(store: Any, step: int | None, as_json: bool) -> dict | list[str] | None:
+def inspect_plain(store: Any, step: int | None, as_json: bool
+                  ) -> dict[str, Any] | tuple[list[str], list[list[Any]]] | None:
     """``inspect`` of a DCP directory without our manifest: the given directory itself, or its step
     directory ``step`` (None: the newest such). None when there is none."""
     keys = store.tier.list("")
@@ -95,15 +96,15 @@ def inspect_plain(store: Any, step: int | None, as_json: bool) -> dict | list[st
         prefix = steps[max(steps) if step is None else step]
     else:
         return None
-    metadata, rows = describe(store.tier, prefix)
+    metadata, items = describe(store.tier, prefix)
     where = prefix or "."
     if as_json:
         return {"tier": store.name, "directory": where, "format": "dcp", "verified": False,
-                "version": getattr(metadata, "version", None),
-                "items": [dict(zip(["fqn", "kind", "shape", "dtype", "file", "offset", "length"],
-                                   [r[0], r[1], list(r[2]) if r[2] != "" else None, r[3] or None, *r[4:]],
-                                   strict=True)) for r in rows]}
-    files = sorted({r[4] for r in rows})
+                "version": getattr(metadata, "version", None), "items": items}
+    files = sorted({i["file"] for i in items})
+    rows = [[i["fqn"] + ("" if i["chunk"] is None else f" @{tuple(i['chunk'])}"), i["kind"],
+             "" if i["shape"] is None else tuple(i["shape"]), i["dtype"] or "", i["file"], i["offset"], i["length"]]
+            for i in items]
     return [f"tier {store.name!r} ({store.tier.describe()}), {where}: a DCP checkpoint without our manifest "
             f"(DCP version {getattr(metadata, 'version', '?')}; nothing to verify it against)",
-            f"{len(rows)} stored items in {len(files)} file(s): {', '.join(files)}"], rows
+            f"{len(items)} stored items in {len(files)} file(s): {', '.join(files)}"], rows

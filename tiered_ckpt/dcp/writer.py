@@ -178,6 +178,10 @@ class TieredStorageWriter(StorageWriter, BlockingAsyncStager):
             self.state_dict_cache = _create_cpu_state_dict(state_dict, pin_memory=torch.cuda.is_available())
         return _copy_state_dict(state_dict, self.state_dict_cache)
 
+    def __reduce__(self) -> Any:
+        raise TypeError("TieredStorageWriter holds a CheckpointEngine and cannot go to another process: use "
+                        "dcp.async_save's thread executor (the default), not AsyncCheckpointerType.PROCESS")
+
     # ----- ours --------------------------------------------------------------------------------------------
     def _file_layout(self, plan_items: list[Any], entries: list[torch.Tensor]
                      ) -> tuple[list[dict], list[WriteResult]]:
