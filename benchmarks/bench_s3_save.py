@@ -6,10 +6,13 @@ round starts a fresh one (moto slows down as it fills up) and every client's obj
 On that server, in an order rotated every round, the same state (``states.py``, or ``--mib`` MiB in 8 fp32
 tensors) is moved by:
 
-* ``raw``: the ceiling. boto3 with ``--concurrency`` connections: one multipart upload of the state's bytes
-  (``--part-mib`` parts, all in flight at once up to the concurrency, each part a view of one contiguous copy
-  made before the clock starts, request checksums off) and ranged GETs of the same parts into one
-  pre-allocated buffer. Nothing but the transfer: no encoding, no checksums, no commit;
+* ``raw``: the ceiling. boto3 with ``--concurrency`` connections, two ways, alternating: one multipart upload
+  of the state's bytes (``--part-mib`` parts, up to the concurrency in flight, each part a view of one
+  contiguous copy made before the clock starts, request checksums off) and ranged GETs of the same parts into
+  one pre-allocated buffer (``multipart``); and the same parts as separate objects, PUT and GET with the same
+  concurrency (``objects``: a server may take whole objects faster than parts it must assemble). The ceiling is
+  the faster way by median, each direction on its own. Nothing but the transfer: no encoding, no checksums, no
+  commit;
 * ``ours``: tiered_ckpt's CheckpointEngine, tiers ``shm`` + ``fsspec`` (``s3://``, the same part size and
   concurrency), drain in its own process: save = from ``save()`` until the S3 tier's commit (manifest last);
   restore = a new engine with the S3 tier alone, ``load()`` (every file's checksum verified) + ``copy_`` into the
@@ -104,37 +107,64 @@ class _View:
         return len(self.mv)
 
 
-def raw_round(server: S3Server, bucket: str, flat: torch.Tensor, part: int, concurrency: int
+def raw_round(server: S3Server, bucket: str, flat: torch.Tensor, part: int, concurrency: int, way: str
               ) -> tuple[float, float]:
-    """(PUT seconds, GET seconds) of ``flat``'s bytes as one multipart object; the GET is checked."""
+    """(PUT seconds, GET seconds) of ``flat``'s bytes, as one multipart object (``way="multipart"``) or as
+    part-sized objects (``"objects"``), ``concurrency`` requests in flight; the GET is checked, then deleted."""
     client = boto(server, concurrency)
     mv = memoryview(flat.numpy())
     key = f"raw/{uuid.uuid4().hex}"
     ranges = [(a, min(len(mv), a + part)) for a in range(0, len(mv), part)]
+    target = torch.empty_like(flat)
+    tv = memoryview(target.numpy())
     with ThreadPoolExecutor(concurrency) as pool:
         t0 = time.perf_counter()
-        up = client.create_multipart_upload(Bucket=bucket, Key=key)["UploadId"]
-        etags = list(pool.map(lambda i: client.upload_part(Bucket=bucket, Key=key, UploadId=up, PartNumber=i + 1,
-                                                           Body=_View(mv[ranges[i][0]:ranges[i][1]]))["ETag"],
-                              range(len(ranges))))
-        client.complete_multipart_upload(Bucket=bucket, Key=key, UploadId=up, MultipartUpload={
-            "Parts": [{"ETag": e, "PartNumber": i + 1} for i, e in enumerate(etags)]})
+        if way == "multipart":
+            up = client.create_multipart_upload(Bucket=bucket, Key=key)["UploadId"]
+            etags = list(pool.map(lambda i: client.upload_part(
+                Bucket=bucket, Key=key, UploadId=up, PartNumber=i + 1,
+                Body=_View(mv[ranges[i][0]:ranges[i][1]]))["ETag"], range(len(ranges))))
+            client.complete_multipart_upload(Bucket=bucket, Key=key, UploadId=up, MultipartUpload={
+                "Parts": [{"ETag": e, "PartNumber": i + 1} for i, e in enumerate(etags)]})
+        else:
+            list(pool.map(lambda i: client.put_object(Bucket=bucket, Key=f"{key}/{i}",
+                                                      Body=_View(mv[ranges[i][0]:ranges[i][1]])), range(len(ranges))))
         put_s = time.perf_counter() - t0
-        target = torch.empty_like(flat)
-        tv = memoryview(target.numpy())
 
         def get(i: int) -> None:
             a, b = ranges[i]
-            body = client.get_object(Bucket=bucket, Key=key, Range=f"bytes={a}-{b - 1}")["Body"]
+            if way == "multipart":
+                body = client.get_object(Bucket=bucket, Key=key, Range=f"bytes={a}-{b - 1}")["Body"]
+            else:
+                body = client.get_object(Bucket=bucket, Key=f"{key}/{i}")["Body"]
             tv[a:b] = body.read()
 
         t0 = time.perf_counter()
         list(pool.map(get, range(len(ranges))))
         get_s = time.perf_counter() - t0
     if not torch.equal(target, flat):
-        raise SystemExit("raw GET returned other bytes than the PUT sent")
-    client.delete_object(Bucket=bucket, Key=key)
+        raise SystemExit(f"raw GET ({way}) returned other bytes than the PUT sent")
+    if way == "multipart":
+        client.delete_object(Bucket=bucket, Key=key)
+    else:
+        client.delete_objects(Bucket=bucket, Delete={"Objects": [{"Key": f"{key}/{i}"} for i in range(len(ranges))]})
     return put_s, get_s
+
+
+RAW_WAYS = ("multipart", "objects")
+
+
+def raw_ceiling(ways: dict[str, dict[str, list[float]]]) -> tuple[dict[str, list[float]], dict[str, str]]:
+    """The ceiling's samples per direction: those of the faster way by median; and which way that was."""
+    samples, chosen = {}, {}
+    for d in ("save", "restore"):
+        meds = {w: statistics.median(v[d]) for w, v in ways.items() if v[d]}
+        if meds:
+            chosen[d] = min(meds, key=meds.__getitem__)
+            samples[d] = ways[chosen[d]][d]
+        else:
+            samples[d] = []
+    return samples, chosen
 
 
 # ----- ours ------------------------------------------------------------------------------------------------------
@@ -271,6 +301,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             clients.remove("s3tc")
     samples: dict[str, dict[str, list[float]]] = {k: {"save": [], "restore": []} for k in clients}
     blocking: list[float] = []
+    raw_ways: dict[str, dict[str, list[float]]] = {w: {"save": [], "restore": []} for w in RAW_WAYS}
     for rnd in range(args.rounds):
         server = start_s3_server()
         try:
@@ -280,10 +311,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 t0 = time.perf_counter()
                 try:
                     if name == "raw":
-                        for _ in range(args.saves):
-                            up, down = raw_round(server, bucket, flat, part, args.concurrency)
-                            samples[name]["save"].append(up)
-                            samples[name]["restore"].append(down)
+                        for i in range(args.saves):
+                            for way in (RAW_WAYS if i % 2 == 0 else RAW_WAYS[::-1]):
+                                up, down = raw_round(server, bucket, flat, part, args.concurrency, way)
+                                raw_ways[way]["save"].append(up)
+                                raw_ways[way]["restore"].append(down)
                     elif name == "ours":
                         tot, blk, rest = ours_round(server, bucket, items, part, args.concurrency, args.saves)
                         samples[name]["save"] += tot
@@ -308,7 +340,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 print(f"round {rnd + 1}: {name:5s} done in {time.perf_counter() - t0:6.1f} s", flush=True)
         finally:
             server.stop()
-    return {"bytes": nbytes, "part_bytes": part, "concurrency": args.concurrency, "rounds": args.rounds,
+    raw_way: dict[str, str] = {}
+    if "raw" in samples:
+        samples["raw"], raw_way = raw_ceiling(raw_ways)
+    return {"raw_ways": raw_ways, "raw_way": raw_way,
+            "bytes": nbytes, "part_bytes": part, "concurrency": args.concurrency, "rounds": args.rounds,
             "saves_per_round": args.saves, "samples": samples, "ours_blocking_s": blocking, "skipped": skipped,
             "state": f"{args.mib} MiB in 8 fp32 tensors" if args.mib else states.describe(args.state, args.quick)}
 
@@ -335,7 +371,8 @@ def table(res: dict[str, Any], tg: list[dict[str, Any]]) -> str:
     head = ["client", "save s", "save MB/s", "vs PUT ceiling", "restore s", "restore MB/s", "vs GET ceiling"]
     rows = []
     for name, r in res["samples"].items():
-        cells = [LABELS[name]]
+        cells = [LABELS[name] + ("" if name != "raw" else " [" + ", ".join(
+            f"{d}: {w}" for d, w in res.get("raw_way", {}).items()) + "]")]
         for d in ("save", "restore"):
             if not r[d]:
                 cells += ["-", "-", ""]
