@@ -132,8 +132,12 @@ def test_make_lowest_installs_exactly_the_declared_lower_bounds():
             name, version = line.split(";")[0].strip().split("==")
             pinned[name.split("[")[0].lower()] = version
     bounds = _lower_bounds()
-    # torch is installed first and pinned (TORCH_SPEC): pip must never resolve a CUDA build; megatron-core is only
+    # torch is installed first, on its own, at its floor (--torch): pip must never resolve it; megatron-core is only
     # for tests/megatron_real, which the smoke subset does not run.
     assert pinned == {k: v for k, v in bounds.items() if k not in ("torch", "megatron-core")}
+    torch_floor = subprocess.run([sys.executable, str(ROOT / ".ci" / "lower_bounds.py"), "--torch"],
+                                 capture_output=True, text=True, timeout=60, check=True).stdout
+    assert torch_floor == f"torch=={bounds['torch']}\n"
     makefile = (ROOT / "Makefile").read_text()
-    assert re.search(r"^lowest:", makefile, re.M) and "$(TORCH_SPEC)" in makefile.split("lowest:")[1]
+    lowest = makefile.split("\nlowest:")[1]
+    assert "lower_bounds.py --torch" in makefile and "$(LOWEST_TORCH_SPEC)" in lowest and "$(TORCH_SPEC)" not in lowest
