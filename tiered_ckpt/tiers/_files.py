@@ -404,6 +404,13 @@ class BlobFiles:
             raise self.error(exc, prefix or ".", "list", getattr(exc, "filename", None) or top) from exc
         return sorted(keys)
 
+    def modified(self, key: str) -> float | None:
+        """When the file at ``key`` last changed (its mtime; a link's own), None when nothing is there."""
+        try:
+            return self._lstat(key).st_mtime
+        except (TierError, CorruptionError):
+            return None
+
     def temp_files(self) -> list[str]:  # (best effort: gc reports what it can see)
         """Relative paths of temporary files (writes that never finished: a crash, a full disk)."""
         found = []

@@ -463,6 +463,19 @@ class FsspecTier(Tier):
         with contextlib.suppress(BlobNotFoundError):
             self._request("delete", key, path, lambda: self.fs.rm_file(path), missing_ok=True)
 
+    @property
+    def location(self) -> str | None:
+        return self._redact(self.options.url)
+
+    def modified(self, key: str) -> float | None:
+        """When the blob or temporary file ``key`` last changed; None when it is gone or the store cannot tell."""
+        if self.files is not None:
+            return self.files.modified(key)
+        try:
+            return float(self.fs.modified(self._path(key)).timestamp())
+        except Exception:  # noqa: BLE001 - gone, not supported by the store, no answer: the age is unknown
+            return None
+
     def describe(self) -> str:
         return self._redact(f"fsspec {self.options.url}")
 

@@ -111,6 +111,11 @@ class GpuTier(Tier):
         """Whether ``options.device`` can be used in this process, and why (or why not)."""
         return availability(options)
 
+    @classmethod
+    def staging_options(cls) -> GpuOptions:
+        """Host memory of this process (``device: cpu``): where saves stage when the first tier is a file tier."""
+        return GpuOptions(device="cpu")
+
     @staticmethod
     def resolve_enabled(enabled: bool | str, options: GpuOptions, *, name: str = "gpu") -> bool:
         """:func:`resolve_enabled` (module level), reachable from the class the registry returns."""

@@ -86,6 +86,20 @@ class LocalTier(Tier):
     def delete_prefix(self, prefix: str) -> None:
         self.files.delete_prefix(prefix)
 
+    # ----- what gc and the CLI ask of a kind (tiers/base.py) ---------------------------------------------
+    @property
+    def location(self) -> str | None:
+        return self.root
+
+    def temp_files(self) -> list[str]:
+        return self.files.temp_files()
+
+    def remove_temp_file(self, key: str) -> None:
+        self.files.remove_temp_file(key)
+
+    def modified(self, key: str) -> float | None:
+        return self.files.modified(key)
+
     def describe(self) -> str:
         return f"local {self.root}" + ("" if self.options.fsync else " (fsync off)") + (
             ", O_DIRECT" if self.files.direct_io else "")

@@ -223,6 +223,13 @@ class S3Tier(FsspecTier):
             return False
         return True
 
+    def modified(self, key: str) -> float | None:
+        try:
+            when = self._head(key, self._path(key)).get("LastModified")
+        except TierError:
+            return None
+        return float(when.timestamp()) if hasattr(when, "timestamp") else None
+
     def describe(self) -> str:
         text = f"fsspec {self.options.url}"
         opts = self.options.options

@@ -281,6 +281,20 @@ class ShmTier(Tier):
                 self._slots.pop(key).release(self.name, key)
         self.files.delete_prefix(prefix)
 
+    # ----- what gc and the CLI ask of a kind (tiers/base.py) ---------------------------------------------
+    @property
+    def location(self) -> str | None:
+        return self.root
+
+    def temp_files(self) -> list[str]:
+        return self.files.temp_files()
+
+    def remove_temp_file(self, key: str) -> None:
+        self.files.remove_temp_file(key)
+
+    def modified(self, key: str) -> float | None:
+        return self.files.modified(key)
+
     # ----- slots -------------------------------------------------------------------------------------------
     def allocate_slot(self, key: str, nbytes: int) -> torch.Tensor:
         check_key(key)
