@@ -97,7 +97,7 @@ def test_our_files_are_dcp_filesystemwriter_bytes_and_both_readers_read_both(tmp
         assert (reader.step, reader.sources, reader.verified) == (10, {"__0_0.distcp": "shm"}, True)
 
 
-def test_a_corrupt_file_is_taken_from_the_next_tier_and_named_when_no_tier_has_it(tmp_path, caplog):
+def test_a_corrupt_file_is_taken_from_the_next_tier_and_named_when_no_tier_has_it(tmp_path, caplog, recorder):
     sd = state(2)
     cfg = engine_config(tmp_path, ("fast", "slow"))
     save(cfg, sd, 5)
@@ -112,6 +112,10 @@ def test_a_corrupt_file_is_taken_from_the_next_tier_and_named_when_no_tier_has_i
     assert_same(sd, loaded)
     assert reader.sources == {"__0_0.distcp": "slow"} and reader.verified
     assert "checksum mismatch" in caplog.text and "fast" in caplog.text
+    fallback, = recorder.kinds("fallback", tier="fast")
+    assert fallback.step == 5 and fallback.detail["key"] == "__0_0.distcp" and "checksum" in fallback.message
+    load, = recorder.kinds("load")
+    assert (load.tier, load.step, load.detail["verified"], load.detail["format"]) == ("slow", 5, True, "dcp")
     only_fast = {**cfg, "tiers": cfg["tiers"][:1]}
     with CheckpointEngine(only_fast) as engine, pytest.raises(CheckpointException) as err:
         dcp.load(zeros_like(sd), storage_reader=TieredStorageReader(engine))

@@ -20,6 +20,8 @@ from __future__ import annotations
 import io
 import logging
 import os
+import time
+from collections import Counter
 from collections.abc import Callable
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from typing import Any
@@ -31,6 +33,7 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future as TorchFuture
 
+from .. import events as ev
 from ..errors import CorruptionError, NoCheckpointError, TieredCkptError, TierError
 from ..file_store import FileStore
 from ..layouts.dcp import DATA_ITEM, METADATA_FILE, METADATA_ITEM
@@ -67,6 +70,7 @@ class TieredStorageReader(StorageReader):
         self._metadata_tier: str | None = None
         self._metadata_error: Exception | None = None
         self._committed: dict[str, set[int]] = {}  # file tier → committed steps, listed once per load
+        self._t0, self._nbytes = 0.0, 0  # this load's start and bytes read (the load event)
 
     # ----- DCP's protocol ----------------------------------------------------------------------------------
     def reset(self, checkpoint_id: Any = None) -> None:
@@ -96,6 +100,7 @@ class TieredStorageReader(StorageReader):
 
     def _read_metadata(self) -> Metadata:
         self.sources, self.verified = {}, True  # this load's
+        self._t0, self._nbytes = time.perf_counter(), 0
         if self.engine is None or self.path is not None:
             where = os.path.join(self.path or "", METADATA_FILE)
             with open(where, "rb") as f:
@@ -135,6 +140,11 @@ class TieredStorageReader(StorageReader):
                     self.sources[name] = tier
                     self.verified = self.verified and verified
                     self._apply(per_file[name], get, planner)  # on this thread: DCP's planner is not shared
+        if self.engine is not None and self.step is not None and self.sources:
+            tier = Counter(self.sources.values()).most_common(1)[0][0]
+            self._emit(ev.LOAD, tier, seconds=time.perf_counter() - self._t0,
+                       nbytes=self._nbytes, detail={"verified": self.verified, "sources": dict(self.sources),
+                                                    "format": "dcp"})
         out: TorchFuture[None] = TorchFuture()
         out.set_result(None)
         return out
@@ -151,6 +161,7 @@ class TieredStorageReader(StorageReader):
     def _apply(self, reqs: list[ReadItem], get: Fetched, planner: LoadPlanner) -> None:
         for req in reqs:
             info = self.storage_data[req.storage_index]
+            self._nbytes += info.length
             if req.type == LoadItemType.BYTE_IO:
                 planner.load_bytes(req, io.BytesIO(get(info.offset, info.length, False)))
                 continue
@@ -161,6 +172,12 @@ class TieredStorageReader(StorageReader):
                                       f" in the checkpoint, the plan expects {tuple(target.size())}")
             target.copy_(tensor)
             planner.commit_tensor(req, target)
+
+    def _emit(self, kind: str, tier: str | None, **fields: Any) -> None:
+        """An event through the engine's observers, as the engine's own loads emit them (docs/hooks.md)."""
+        emit = getattr(self.engine, "_emit", None)
+        if emit is not None:
+            emit(ev.Event(kind, step=self.step, rank=self.engine.coords.rank, tier=tier, **fields))
 
     # ----- choosing a step ---------------------------------------------------------------------------------
     def _stores(self) -> list[tuple[str, Any]]:
@@ -189,6 +206,7 @@ class TieredStorageReader(StorageReader):
                     steps.update(self._plain_steps(store))
             except (TierError, OSError, CorruptionError) as exc:
                 log.warning("dcp load: cannot list tier %r: %s", name, exc)
+                self._emit(ev.TIER_UNREACHABLE, name, message=str(exc))
         return steps
 
     @staticmethod
@@ -282,6 +300,7 @@ class TieredStorageReader(StorageReader):
                 reasons.append(f"tier {tier_name!r}: {exc}")
                 log.warning("dcp load: step %d: %s unusable on tier %r (%s); trying the next tier", step, name,
                             tier_name, exc)
+                self._emit(ev.FALLBACK, tier_name, message=str(exc), detail={"key": name})
         raise TieredCkptError(f"rank {self.engine.coords.rank}: step {step}: no tier holds a usable {name} "
                               f"({'; '.join(reasons) or 'no tier has it'})")
 
