@@ -49,6 +49,7 @@ import torch
 from .. import cuda_streams
 from ..errors import CapacityError, ConfigError, PermanentTierError, TieredCkptError
 from ..private_dirs import private_dir
+from ..retry import FULL_ERRNOS
 from ..validate import Size
 from ._files import BlobFiles, make_dirs
 from ._nofollow import check_dirs, check_size
@@ -383,7 +384,7 @@ class ShmTier(Tier):
         except OSError as exc:
             if size > old_size:
                 os.ftruncate(fd, old_size)
-            if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+            if exc.errno in FULL_ERRNOS:
                 raise CapacityError(
                     f"cannot reserve {_fmt(size)} for a slot on {self.root} ({self.filesystem_type}): "
                     f"{exc.strerror}; {_fmt(max(self.free_bytes(), 0))} free",
