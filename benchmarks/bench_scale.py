@@ -154,20 +154,24 @@ def plot(rows: list[dict[str, Any]], path: str) -> str:
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
+        import matplotlib.ticker
     except ImportError:
         return "no plot: matplotlib is not installed (pip install matplotlib; the table above is the result)"
     curve = [r for r in rows if r["tensors"] < 1000]
     small = [r for r in rows if r["tensors"] >= 1000]
     fig, ax = plt.subplots(1, 2, figsize=(10, 4))
-    for i, (key, ceiling, title) in enumerate((("blocking_s", "copy_ceiling_s", "save() blocking"),
-                                               ("durable_s", "direct_write_s", "save() call -> durable"))):
+    panels = (("blocking_s", "copy_ceiling_s", "save() blocking", "copy ceiling (all cores)"),
+              ("durable_s", "direct_write_s", "save() call -> durable", "O_DIRECT write + fsync ceiling"))
+    for i, (key, ceiling, title, ceiling_label) in enumerate(panels):
         x = [r["bytes"] / GiB for r in curve]
         ax[i].plot(x, [r[key] for r in curve], "o-", label="tiered_ckpt (8 tensors)")
-        ax[i].plot(x, [r[ceiling] for r in curve], "s--", label="ceiling")
+        ax[i].plot(x, [r[ceiling] for r in curve], "s--", label=ceiling_label)
         for r in small:
             ax[i].plot([r["bytes"] / GiB], [r[key]], "x", markersize=10, label=f"{r['tensors']} small tensors")
         ax[i].set(xscale="log", yscale="log", xlabel="state (GiB)", ylabel="seconds", title=title)
-        ax[i].legend()
+        ax[i].set_xticks(x, [f"{v:.3g}" for v in x])
+        ax[i].xaxis.set_minor_locator(matplotlib.ticker.NullLocator())
+        ax[i].legend(fontsize="small")
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     return f"wrote {path}"
