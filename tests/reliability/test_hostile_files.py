@@ -316,3 +316,16 @@ def test_a_temp_file_removed_during_the_drain_is_written_again(copy, tier, recor
         loaded = engine.load()
         assert loaded.step == 3
         assert_same(items(3), loaded.items)
+
+
+def test_a_fifo_or_a_linked_directory_where_a_slot_should_be_is_refused(make_tier, outside):
+    tier = make_tier("shm")
+    tier.allocate_slot("rank_00000/slot_0.data", 4096)
+    root = Path(tier.root)
+    os.mkfifo(root / "rank_00000" / "slot_1.data")
+    with pytest.raises(PermanentTierError, match="is a FIFO"):
+        no_hang(lambda: tier.allocate_slot("rank_00000/slot_1.data", 4096), root / "rank_00000" / "slot_1.data")
+    (root / "rank_00001").symlink_to(outside)
+    with pytest.raises(PermanentTierError, match="is a symbolic link"):
+        tier.allocate_slot("rank_00001/slot_0.data", 4096)
+    assert list(outside.iterdir()) == []

@@ -39,6 +39,7 @@ import logging
 import mmap
 import os
 import re
+import stat
 import threading
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -52,7 +53,7 @@ from ..private_dirs import private_dir
 from ..retry import FULL_ERRNOS
 from ..validate import Size
 from ._files import BlobFiles, make_dirs
-from ._nofollow import check_dirs, check_size
+from ._nofollow import check_dirs, check_size, refused_entry
 from .base import Capabilities, Chunk, Tier, TierContext, as_memoryview, check_key, check_prefix
 
 log = logging.getLogger(__name__)
@@ -315,11 +316,13 @@ class ShmTier(Tier):
             check_dirs(self.root, os.path.dirname(key), tier=self.name, key=key)
             try:
                 make_dirs(self.root, os.path.dirname(key), 0o700)
-                fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
+                fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK, 0o600)
             except OSError as exc:
                 raise self.files.error(exc, key, "create", path) from exc
             try:
                 st = os.fstat(fd)
+                if not stat.S_ISREG(st.st_mode):  # a FIFO or device where the slot file should be
+                    raise refused_entry(path, st.st_mode, tier=self.name, key=key, error=PermanentTierError)
                 size = max(nbytes, st.st_size)
                 if size == 0:
                     return torch.empty(0, dtype=torch.uint8)
