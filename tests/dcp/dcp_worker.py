@@ -75,15 +75,30 @@ def body(rank: int, world: int, spec: dict, out: dict) -> None:
     model, opt = build(seed=0, train_steps=spec.get("train_steps", 2), world=world)
     for action in spec["actions"]:
         kind = action["do"]
-        if kind == "save":
+        if kind == "train":  # one more optimizer step: the state changes
+            model(torch.randn(8, 24)).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+        elif kind == "save":
             step = action["step"]
             state = app_state(model, opt, step)
-            out[f"saved_{step}"] = fingerprint(state)
+            out[action.get("tag", f"saved_{step}")] = fingerprint(state)
             if action.get("writer") == "filesystem":
                 dcp.save(state, storage_writer=dcp.FileSystemWriter(action["dir"]))
                 continue
             with CheckpointEngine(action["config"]) as engine:
                 writer = TieredStorageWriter(engine, persistent=action.get("persistent", True))
+                if action.get("fail_finish"):  # the coordinator fails after every rank's write_data
+                    def finish(metadata, results):
+                        raise RuntimeError("injected: the coordinator's finish failed")
+
+                    writer.finish = finish
+                    try:
+                        dcp.save(state, storage_writer=writer, checkpoint_id=step)
+                    except BaseException as exc:  # DCP raises CheckpointException (a BaseException) on every rank
+                        out["save_failed"] = "injected" in str(exc)
+                    engine.wait()
+                    continue
                 if action.get("async"):
                     fut = dcp.async_save(state, storage_writer=writer, checkpoint_id=step)
                     fut.result()

@@ -103,3 +103,20 @@ def test_four_ranks_save_and_two_ranks_load_resharded(tmp_path, shm_root):
             assert got["step"] == 10 and set(got["sources"].values()) == {tier} and got["verified"], (rank, got)
             assert len(got["sources"]) >= 2, (rank, got["sources"])
             assert got["fingerprint"] == saved[0]["saved_10"]
+
+
+def test_a_failed_resave_of_a_step_never_mixes_two_saves_on_load(tmp_path, shm_root):
+    """Step 10 saved, then saved again with newer state, and the coordinator fails in finish(): rank 1's newer
+    snapshot (and files) exist, rank 0's .metadata is the old save's. A load takes every rank's part of the old save
+    (rank 1's older snapshot, still in its other slot), never a mix of the two."""
+    run_id = f"dcp{uuid.uuid4().hex[:8]}"
+    cfg = config(run_id, [{"name": "shm", "kind": "shm", "path": shm_root},
+                          {"name": "local", "kind": "local", "path": str(tmp_path / "local")}])
+    out = run_ranks(2, {"actions": [{"do": "save", "step": 10, "config": cfg},
+                                    {"do": "train"},
+                                    {"do": "save", "step": 10, "config": cfg, "fail_finish": True, "tag": "second"},
+                                    {"do": "load", "name": "loaded", "config": cfg}]}, worker=WORKER, timeout=400)
+    for rank, res in out.items():
+        assert "error" not in res, res["error"]
+        assert res["save_failed"] and res["second"] != res["saved_10"]
+        assert res["loaded"]["step"] == 10 and res["loaded"]["fingerprint"] == res["saved_10"], (rank, res)

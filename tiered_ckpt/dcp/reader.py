@@ -71,6 +71,7 @@ class TieredStorageReader(StorageReader):
         self._metadata_error: Exception | None = None
         self._committed: dict[str, set[int]] = {}  # file tier → committed steps, listed once per load
         self._t0, self._nbytes = 0.0, 0  # this load's start and bytes read (the load event)
+        self._metadata_created: float | None = None  # the coordinator's snapshot, when .metadata came from memory
 
     # ----- DCP's protocol ----------------------------------------------------------------------------------
     def reset(self, checkpoint_id: Any = None) -> None:
@@ -101,6 +102,7 @@ class TieredStorageReader(StorageReader):
     def _read_metadata(self) -> Metadata:
         self.sources, self.verified = {}, True  # this load's
         self._t0, self._nbytes = time.perf_counter(), 0
+        self._metadata_created = None
         if self.engine is None or self.path is not None:
             where = os.path.join(self.path or "", METADATA_FILE)
             with open(where, "rb") as f:
@@ -187,10 +189,12 @@ class TieredStorageReader(StorageReader):
         for_rank = getattr(store, "for_rank", None)
         return for_rank(rank) if for_rank is not None else MemoryStore(store.tier, rank, store.nslots)
 
-    def _snapshot(self, store: MemoryStore, rank: int, step: int, item: str) -> Any:
-        """The newest snapshot record of ``step`` holding ``item`` in ``rank``'s slots on this node, or None."""
+    def _snapshot(self, store: MemoryStore, rank: int, step: int, item: str, not_after: float | None = None) -> Any:
+        """The newest snapshot record of ``step`` holding ``item`` in ``rank``'s slots on this node (taken no later
+        than ``not_after``), or None."""
         view = self._rank_view(store, rank)
-        metas = [m for m in view.metas().values() if m.step == step and any(it.name == item for it in m.items)]
+        metas = [m for m in view.metas().values() if m.step == step and any(it.name == item for it in m.items)
+                 and (not_after is None or m.created <= not_after)]
         return (view, max(metas, key=lambda m: m.created)) if metas else None
 
     def _loadable_here(self) -> set[int]:
@@ -243,6 +247,9 @@ class TieredStorageReader(StorageReader):
                     state = view.load(meta, copy=True, verify=True, only={METADATA_ITEM})[METADATA_ITEM]
                     data = bytes(as_memoryview(state["metadata"]))
                     verified = all(it.checksum for it in meta.items if it.name == METADATA_ITEM)
+                    # The coordinator snapshots last (in finish(), after every rank's write_data): a rank's
+                    # snapshot of this save is no newer than this one. A newer one is a later, failed save.
+                    self._metadata_created = meta.created
                 elif isinstance(store, FileStore):
                     data, verified = self._file_bytes(store, step, store.layout.metadata_key(step))
                     if data is None:
@@ -306,9 +313,9 @@ class TieredStorageReader(StorageReader):
 
     def _from_memory(self, store: MemoryStore, name: str, step: int) -> tuple[Fetched, bool] | None:
         rank = parse_data_file(name)
-        if rank is None or not name.endswith("_0.distcp"):
-            return None
-        found = self._snapshot(store, rank, step, DATA_ITEM)
+        if rank is None or not name.endswith("_0.distcp") or self._metadata_created is None:
+            return None  # snapshots are used with the coordinator's own: nothing else tells which save they are
+        found = self._snapshot(store, rank, step, DATA_ITEM, not_after=self._metadata_created)
         if found is None:
             return None
         view, meta = found
