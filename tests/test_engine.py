@@ -164,7 +164,7 @@ def test_when_full_skip(tiers, recorder):
     with CheckpointEngine(config(tiers, "shm")) as engine:
         first = engine.save(1, make_items(1))
         engine.wait(30)
-        engine._slot_busy.add(0)  # simulate a drain that has not finished with the slot
+        engine.pipeline.entry_store.hold_slot(0)  # simulate a drain that has not finished with the slot
         skipped = engine.save(2, make_items(2))
         assert skipped.skipped and recorder.kinds("skip")
         engine._slot_released("shm", 0, 1)

@@ -34,7 +34,7 @@ from .errors import (
 if TYPE_CHECKING:
     from .config import Config, TierConfig
     from .file_store import FileStore
-    from .memory_store import MemoryStore
+    from .store import Store
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_NOT_FOUND, EXIT_UNREADABLE = 0, 1, 2, 3, 4
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, as a shell reports a command stopped by Ctrl-C
@@ -184,7 +184,7 @@ class Opened:
     config: Config
     target: str | None  # the bare directory or URL given instead of --config
     cfgs: dict[str, TierConfig] = field(default_factory=dict)  # every selected tier, opened or not
-    stores: dict[str, MemoryStore | FileStore] = field(default_factory=dict)
+    stores: dict[str, Store] = field(default_factory=dict)
     absent: dict[str, str] = field(default_factory=dict)  # file tiers with nothing there: why
     unreadable: dict[str, str] = field(default_factory=dict)  # tiers that could not be read: why
 
@@ -192,9 +192,7 @@ class Opened:
         return self.target if self.target is not None else f"tier {name!r}"
 
     def file_stores(self) -> dict[str, FileStore]:
-        from .file_store import FileStore
-
-        return {n: s for n, s in self.stores.items() if isinstance(s, FileStore)}
+        return {n: files for n, s in self.stores.items() if (files := s.files()) is not None}
 
     def problem(self, found: bool, nothing: str) -> CommandError | None:
         """The command's failure, if any: a tier could not be read (4), or nothing was found (3): because the
@@ -274,7 +272,7 @@ def _unavailable(pm: Any, cfg: TierConfig) -> bool:
         return True
 
 
-def _built_stores(args: argparse.Namespace) -> tuple[Config, dict[str, MemoryStore | FileStore]]:
+def _built_stores(args: argparse.Namespace) -> tuple[Config, dict[str, Store]]:
     """Every enabled tier, built as the engine builds it (``bench`` writes to them)."""
     from .parallel import RankCoords
     from .pipeline import build_stores
@@ -325,7 +323,6 @@ def cmd_plugins(args: argparse.Namespace) -> int:
 
 def cmd_ls(args: argparse.Namespace) -> int:
     from .inventory import StepInfo, file_steps, memory_steps
-    from .memory_store import MemoryStore
 
     opened = _open(args, memory=True)
     infos: list[StepInfo] = []
@@ -343,9 +340,9 @@ def cmd_ls(args: argparse.Namespace) -> int:
     for name, cfg in opened.cfgs.items():
         if cfg.kind == "shm":
             shm_bases.append((name, os.path.abspath(os.path.expanduser(cfg.options.path))))
-        store = opened.stores.get(name)
-        if isinstance(store, MemoryStore):
-            infos.extend(_snapshot_rows(memory_steps(store), run_id, committed, opened))
+        slots = opened.stores[name].slots() if name in opened.stores else None
+        if slots is not None:
+            infos.extend(_snapshot_rows(memory_steps(slots), run_id, committed, opened))
     for name, base in shm_bases:
         infos.extend(_other_runs(name, base, run_id))
     problem = opened.problem(bool(infos), f"no checkpoints in {opened.target}" if opened.target else

@@ -4,7 +4,9 @@ A :class:`DrainRuntime` owns one thread per tier. Each tier takes the steps due 
 from the *nearest tier above it that holds the step*: the snapshot slot for the first tier below it, otherwise
 the closest tier that committed the step in this same drain. The runtime is the same code whether it runs as
 threads of the training process (``drain.mode: thread``) or inside the drain worker process (``process``, see
-``worker.py``), where it reads the shared-memory snapshot directly.
+``worker.py``), where it reads the shared-memory snapshot directly. It implements the
+:class:`~tiered_ckpt.drain_protocol.Drain` protocol and sees tiers only through the
+:class:`~tiered_ckpt.store.Store` protocol: how a tier takes a step and who commits it are the stores' business.
 """
 
 from __future__ import annotations
@@ -16,30 +18,15 @@ import time
 from collections import Counter
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass
 
 from . import events as ev
-from .checksum import snapshot_checksum
-from .crashpoints import crash_point
-from .errors import TierError
-from .file_store import FileStore
-from .manifest import RankManifest
-from .memory_store import MemoryStore, SlotMeta
+from .drain_protocol import DrainRequest, OnSlotReleased, OnTierDone
 from .parallel import RankCoords
+from .store import Store
 
 log = logging.getLogger(__name__)
-
-Store = MemoryStore | FileStore
-
-
-@dataclass(frozen=True)
-class DrainRequest:
-    step: int
-    source: str  # the memory tier holding the snapshot
-    slot: int
-    due: tuple[str, ...]  # tiers to write, in pipeline order
-    created: float = field(default_factory=time.time)  # when the snapshot was taken (time to durable)
-    recover: bool = False
+__all__ = ["DrainRequest", "DrainRuntime"]
 
 
 @dataclass
@@ -55,8 +42,8 @@ class DrainRuntime:
 
     def __init__(self, stores: dict[str, Store], order: list[str], coords: RankCoords,
                  emit: Callable[[ev.Event], None],
-                 on_tier_done: Callable[[int, str, bool, str | None], None],
-                 on_slot_released: Callable[[str, int, int], None],
+                 on_tier_done: OnTierDone,
+                 on_slot_released: OnSlotReleased,
                  on_job_done: Callable[[DrainRequest, dict[str, bool], dict[str, int]], None] | None = None,
                  commit_wait_s: float = 120.0, node_ranks: list[int] | None = None):
         self.stores = stores
@@ -73,11 +60,6 @@ class DrainRuntime:
         self._pending = 0
         self._queues: dict[str, queue.Queue] = {}
         self._threads: dict[str, threading.Thread] = {}
-        # Memory tiers written by a hop (e.g. shm below gpu): which step each slot holds.
-        self._mem_slots: dict[str, dict[int, int]] = {
-            name: {slot: meta.step for slot, meta in store.metas().items()}
-            for name, store in stores.items() if isinstance(store, MemoryStore)
-        }
         self._closed = False
         self._hasher = ThreadPoolExecutor(1, thread_name_prefix="tiered_ckpt-snapshot-hash")
 
@@ -96,6 +78,10 @@ class DrainRuntime:
     def pinned_steps(self, tier: str) -> set[int]:
         with self._cond:
             return {s for (t, s) in self._pins if t == tier}
+
+    def is_pinned(self, tier: str, step: int) -> bool:
+        with self._cond:
+            return (tier, step) in self._pins
 
     # ----- submitting --------------------------------------------------------------------------------------
     def submit(self, req: DrainRequest) -> None:
@@ -171,15 +157,7 @@ class DrainRuntime:
         ok, error = False, None
         try:
             source = self._source_for(tier, job)
-            store = self.stores[tier]
-            if isinstance(store, MemoryStore):
-                nbytes = self._hop_memory(source, store, job)
-                self.emit(ev.Event(ev.DRAIN, step=req.step, rank=self.coords.rank, tier=tier,
-                                   seconds=time.perf_counter() - t0, nbytes=nbytes, detail={"source": source}))
-                self.emit(ev.Event(ev.COMMIT, step=req.step, rank=self.coords.rank, tier=tier,
-                                   seconds=time.time() - req.created, nbytes=nbytes))
-            else:
-                self._write_file_tier(source, store, job, t0)
+            self._deliver(tier, source, job, t0)
             ok = True
         except Exception as exc:  # a failing tier never stops the others
             error = f"{type(exc).__name__}: {exc}"
@@ -192,6 +170,27 @@ class DrainRuntime:
             self._release(job)
         if all(f.done() for f in job.futures.values()):
             self._finish(job)
+
+    def _deliver(self, tier: str, source: str, job: _Job, t0: float) -> None:
+        """Write the step on ``tier`` from ``source``, then commit it there (the stores decide how)."""
+        req, store = job.req, self.stores[tier]
+        written = store.write_step(req.step, self.coords, self.stores[source], slot=job.memory_slots.get(source),
+                                   pinned=lambda step: self.is_pinned(tier, step), hasher=self._hasher)
+        try:
+            if written.slot is not None:
+                job.memory_slots[tier] = written.slot
+            self.emit(ev.Event(ev.DRAIN, step=req.step, rank=self.coords.rank, tier=tier,
+                               seconds=time.perf_counter() - t0, nbytes=written.nbytes, detail={"source": source}))
+
+            def committed(nbytes: int) -> None:
+                self.emit(ev.Event(ev.COMMIT, step=req.step, rank=self.coords.rank, tier=tier,
+                                   seconds=time.time() - req.created, nbytes=nbytes))
+
+            store.commit(written, self.coords, node_ranks=self.node_ranks, wait_s=self.commit_wait_s,
+                         pinned=lambda: self.pinned_steps(tier) - {req.step}, on_committed=committed)
+            written.committed()
+        finally:
+            written.close()  # nothing may read the source slot once this job lets it go
 
     def _release(self, job: _Job) -> None:
         # Once one tier below holds the step, nothing will read the source slot again.
@@ -213,99 +212,3 @@ class DrainRuntime:
                     del self._pins[(t, job.req.step)]
             self._pending -= 1
             self._cond.notify_all()
-
-    def _memory_meta(self, source: str, job: _Job) -> tuple[MemoryStore, SlotMeta]:
-        store = self.stores[source]
-        assert isinstance(store, MemoryStore)
-        slot = job.memory_slots[source]
-        meta = store.read_meta(slot)
-        if meta is None or meta.step != job.req.step:
-            raise TierError(f"snapshot of step {job.req.step} is no longer in slot {slot}", tier=source)
-        return store, meta
-
-    def _hop_memory(self, source: str, target: MemoryStore, job: _Job) -> int:
-        """Copy a snapshot from one memory tier into a slot of another (e.g. gpu → shm)."""
-        src_store, meta = self._memory_meta(source, job)
-        data = src_store.data(meta)[:meta.total_bytes]
-        tier = target.tier.name
-        slots = self._mem_slots.setdefault(tier, {})
-        with self._cond:
-            while True:
-                free = [s for s in range(target.nslots) if s not in slots]
-                if free:
-                    slot = free[0]
-                    break
-                movable = [s for s, st in slots.items() if (tier, st) not in self._pins or st == job.req.step]
-                if movable:
-                    slot = min(movable, key=lambda s: slots[s])
-                    break
-                self._cond.wait(1.0)
-            slots.pop(slot, None)
-        target.invalidate(slot)
-        buf = target.buffer(slot, meta.total_bytes)
-        from .cuda_streams import copy_bytes  # CUDA only when a side is on CUDA: on a side stream, event-waited
-
-        copy_bytes(buf[:meta.total_bytes], data, purpose="drain")
-        target.publish(replace(meta, slot=slot, rank=target.rank))
-        with self._cond:
-            slots[slot] = job.req.step
-        job.memory_slots[tier] = slot
-        return meta.total_bytes
-
-    def _write_file_tier(self, source: str, store: FileStore, job: _Job, t0: float) -> None:
-        req = job.req
-        digests: Future | None = None
-        crash_point("drain.before_write")
-        try:
-            if isinstance(self.stores[source], MemoryStore):
-                mem, meta = self._memory_meta(source, job)
-                sources = mem.item_sources(meta)
-                # The snapshot's own checksums (for verified restores from memory) are computed on another core
-                # while this tier is written; they are published once the tier committed.
-                digests = self._digest_snapshot(mem, meta, sources)
-                manifest = store.write_rank(req.step, self.coords, sources)
-            else:
-                upper = self.stores[source]
-                assert isinstance(upper, FileStore)
-                manifest = store.copy_rank_from(upper, req.step, self.coords)
-            crash_point("drain.after_write")
-            self._commit(store, job, manifest, source, t0)
-            if digests is not None:
-                self._record_snapshot_checksums(mem, meta, digests)
-        finally:
-            if digests is not None:
-                digests.exception()  # wait: nothing may read the slot once this job lets it go
-
-    def _commit(self, store: FileStore, job: _Job, manifest: RankManifest, source: str, t0: float) -> None:
-        req = job.req
-        nbytes = sum(f.size for f in manifest.files)
-        self.emit(ev.Event(ev.DRAIN, step=req.step, rank=self.coords.rank, tier=store.name,
-                           seconds=time.perf_counter() - t0, nbytes=nbytes, detail={"source": source}))
-        # A shared tier is committed by global rank 0 for the job; a node-local one by each node's first rank.
-        ranks = self.node_ranks if store.tier.capabilities.node_local else list(range(self.coords.world_size))
-        if self.coords.rank != ranks[0]:
-            return
-        crash_point("drain.before_commit")
-        committed = store.try_commit(req.step, self.coords, ranks, wait_s=self.commit_wait_s)
-        if committed is None:
-            raise TierError(f"step {req.step} not committed: not every rank's files arrived within "
-                            f"{self.commit_wait_s:.0f} s", tier=store.name)
-        self.emit(ev.Event(ev.COMMIT, step=req.step, rank=self.coords.rank, tier=store.name,
-                           seconds=time.time() - req.created, nbytes=committed.total_bytes))
-        store.retain(store.cfg.keep, self.pinned_steps(store.name) - {req.step}, self.coords.rank)
-
-    def _digest_snapshot(self, mem: MemoryStore, meta: SlotMeta, sources: list) -> Future | None:
-        if all(it.checksum for it in meta.items) or not mem.tier.capabilities.survives_process:
-            return None
-        return self._hasher.submit(lambda: [snapshot_checksum(src.data) for src in sources])
-
-    @staticmethod
-    def _record_snapshot_checksums(mem: MemoryStore, meta: SlotMeta, digests: Future | None) -> None:
-        """Publish the snapshot's checksums, so that a restart can verify what it loads from memory."""
-        if digests is None or digests.exception() is not None:
-            return
-        for it, checksum in zip(meta.items, digests.result(), strict=True):
-            it.checksum = checksum
-        current = mem.read_meta(meta.slot)
-        if current is not None and current.step == meta.step and current.created == meta.created:
-            mem.publish(meta)

@@ -2,6 +2,8 @@
 
 Where does a save block? :meth:`CheckpointEngine.save` — planning the items, waiting for a free slot (policy
 ``wait``), and copying into it. Everything after (encode, checksum, write, commit, retention) is the drain's.
+The engine sees its tiers only through the :class:`~tiered_ckpt.store.Store` protocol and its drain through
+:class:`~tiered_ckpt.drain_protocol.Drain` (docs/architecture.md: the data path of a save and of a load).
 """
 
 from __future__ import annotations
@@ -16,29 +18,24 @@ from typing import Any
 import torch
 
 from . import events as ev
-from .codecs import flat
 from .config import Config, TierConfig, load_config
-from .crashpoints import crash_point
 from .distributed import Coordinator
-from .drain import DrainRequest
+from .drain_protocol import Drain, DrainRequest
 from .errors import (
     CorruptionError,
     DecodeError,
-    LayoutMismatchError,
     NoCheckpointError,
     TieredCkptError,
     TierError,
     TierUnavailableError,
 )
-from .file_store import FileStore
 from .handles import LoadResult, SaveHandle, SavesFailedError
-from .layouts.base import MODEL_ITEM, OPTIM_ITEM
-from .load_into import apply_into, check_into_names, tensors
 from .locking import RunLock, shm_paths
-from .memory_store import MemoryStore, SlotItem, SlotMeta, plan_items
+from .memory_store import plan_items
 from .parallel import ParallelLayout, RankCoords, detect, local_rank
 from .pipeline import STAGING, Pipeline, build_pipeline
 from .plugins import PluginManager, get_plugin_manager
+from .worker import open_drain
 
 log = logging.getLogger(__name__)
 _live: weakref.WeakSet[CheckpointEngine] = weakref.WeakSet()
@@ -71,15 +68,11 @@ class CheckpointEngine:
         self._failures: dict[int, dict[str, str]] = {}  # since the last engine.wait(): step → tier → why
         self._fingerprints: tuple[str, ...] | None = None
         self._cond = threading.Condition()
-        entry = self.pipeline.entry_store
-        self._slot_step: dict[int, int] = {s: m.step for s, m in entry.metas().items()} if self._entry_persists else {}
-        self._slot_busy: set[int] = set()
         self.recovered: list[SaveHandle] = []
         for store in self.pipeline.stores.values():
-            if isinstance(store, MemoryStore) and store.tier.capabilities.survives_process:
-                for rel in store.remove_temp_files():  # before the drain starts: no writer of ours is there yet
-                    log.info("tier %r: removed %s, left by a killed process", store.name, rel)
-        self._drain = self.pipeline.start_drain(self._tier_done, self._slot_released)
+            for rel in store.clean_start():  # before the drain starts: no writer of ours is there yet
+                log.info("tier %r: removed %s, left by a killed process", store.name, rel)
+        self._drain: Drain = open_drain(self.pipeline, self._tier_done, self._slot_released)
         _live.add(self)
         self._recover()
 
@@ -110,42 +103,30 @@ class CheckpointEngine:
                 self._handles.pop(step, None)
 
     def _slot_released(self, tier: str, slot: int, step: int) -> None:
-        if tier != self.pipeline.entry:
-            return
-        with self._cond:
-            self._slot_busy.discard(slot)
-            self._cond.notify_all()
+        if tier == self.pipeline.entry:
+            self.pipeline.entry_store.release_slot(slot)
 
     # ----- saving ------------------------------------------------------------------------------------------
     def prepare(self, template: dict[str, Any]) -> None:
         """Allocate and pre-fault every slot for items shaped like ``template``, so even the first save is fast."""
         _, total = plan_items(template)
-        store = self.pipeline.entry_store
-        for slot in range(store.nslots):
-            store.buffer(slot, total)
-        self.pipeline.prepare_memory_tiers(total)
+        self.pipeline.prepare(total)
 
     def _acquire_slot(self, step: int) -> tuple[int | None, float]:
-        store = self.pipeline.entry_store
-        policy = self.pipeline.entry_cfg.when_full
+        wait = self.pipeline.entry_cfg.when_full != "skip"
         t0 = time.perf_counter()
         waited = False
-        with self._cond:
-            while True:
-                free = [s for s in range(store.nslots) if s not in self._slot_busy]
-                if free:
-                    # An empty slot first, then the one holding the oldest step.
-                    slot = min(free, key=lambda s: (s in self._slot_step, self._slot_step.get(s, -1)))
-                    self._slot_busy.add(slot)
-                    break
-                if policy == "skip":
-                    self._emit(ev.Event(ev.SKIP, step=step, rank=self.coords.rank, tier=self.pipeline.entry,
-                                        message="every slot is still draining; save skipped (when_full: skip)"))
-                    return None, 0.0
-                if not waited:
-                    waited = True
-                    log.info("step %d waits for a free slot on tier %r", step, self.pipeline.entry)
-                self._cond.wait(0.5)
+
+        def on_wait() -> None:
+            nonlocal waited
+            waited = True
+            log.info("step %d waits for a free slot on tier %r", step, self.pipeline.entry)
+
+        slot = self.pipeline.entry_store.acquire_slot(step, wait=wait, on_wait=on_wait)
+        if slot is None:
+            self._emit(ev.Event(ev.SKIP, step=step, rank=self.coords.rank, tier=self.pipeline.entry,
+                                message="every slot is still draining; save skipped (when_full: skip)"))
+            return None, 0.0
         wait_s = time.perf_counter() - t0
         if waited:
             self._emit(ev.Event(ev.SLOT_WAIT, step=step, rank=self.coords.rank, tier=self.pipeline.entry,
@@ -177,36 +158,19 @@ class CheckpointEngine:
         self._fingerprints = fingerprints
         if persistent:
             self._ordinal += 1
-            due = self.pipeline.due_tiers(self._ordinal)
-        else:
-            due = tuple(n for n in self.pipeline.order[1:] if isinstance(self.pipeline.stores[n], MemoryStore))
+        # a non-persistent save goes to the memory tiers only, and does not count for the file tiers' ``every``
+        due = self.pipeline.due_tiers(self._ordinal, persistent)
         slot, _ = self._acquire_slot(step)
         if slot is None:
             return SaveHandle(step, time.perf_counter() - t0, self.pipeline.entry, (), skipped=True)
         store = self.pipeline.entry_store
         try:
-            store.invalidate(slot)  # the slot's old step is gone from here on
-            crash_point("save.invalidated")
-            self._slot_step.pop(slot, None)
-            buf = store.buffer(slot, total)
-            for _, plan, offset in placed:
-                flat.copy_into(plan, buf[offset:offset + plan.total_bytes])
-                crash_point("save.item_copied")
-            meta = SlotMeta(step=step, rank=self.coords.rank, slot=slot, total_bytes=total,
-                            items=[SlotItem(name, off, p.total_bytes, flat.encode_header(p).decode())
-                                   for name, p, off in placed],
-                            layout=self.config.layout, coords=self.coords.to_dict(),
-                            parallel=self.coords.layout.to_dict(), run_id=self.config.run_id,
-                            persistent=persistent)
-            crash_point("save.before_publish")
-            store.publish(meta)
+            store.write_snapshot(step, slot, placed, total, coords=self.coords, layout=self.config.layout,
+                                 run_id=self.config.run_id, persistent=persistent)
         except BaseException:
-            with self._cond:
-                self._slot_busy.discard(slot)
-                self._cond.notify_all()
+            store.release_slot(slot)
             raise
         blocking = time.perf_counter() - t0
-        self._slot_step[slot] = step
         handle = SaveHandle(step, blocking, self.pipeline.entry, due)
         with self._cond:
             self._handles.setdefault(step, []).append(handle)
@@ -220,20 +184,20 @@ class CheckpointEngine:
         """Drain snapshots a previous process left in shared memory to the tiers they never reached."""
         if not self._entry_persists:
             return
-        metas = sorted(self.pipeline.entry_store.metas().values(), key=lambda m: m.step)
+        entry = self.pipeline.entry_store
+        metas = sorted(entry.metas().values(), key=lambda m: m.step)
         if not metas:
             return
-        file_stores = self.pipeline.file_stores()
-        committed = {name: set(fs.committed_steps()) for name, fs in file_stores.items()}
+        durable = self.pipeline.durable_stores()
+        committed = {name: set(store.durable_steps()) for name, store in durable.items()}
         for meta in metas:
             if not meta.persistent:
                 continue  # saved for memory tiers only (a non-persistent step): no file tier ever takes it
-            due = tuple(n for n in self.pipeline.order[1:] if n in file_stores
+            due = tuple(n for n in self.pipeline.order[1:] if n in durable
                         and meta.step not in committed[n] and max(committed[n], default=-1) < meta.step)
             if not due:
                 continue
-            with self._cond:
-                self._slot_busy.add(meta.slot)
+            entry.hold_slot(meta.slot)
             handle = SaveHandle(meta.step, 0.0, self.pipeline.entry, due)
             with self._cond:
                 self._handles.setdefault(meta.step, []).append(handle)
@@ -255,17 +219,8 @@ class CheckpointEngine:
         out: dict[str, list[int]] = {}
         unreachable: dict[str, str] = {}
         for name in self.tiers:
-            store = self.pipeline.stores[name]
             try:
-                if isinstance(store, MemoryStore):
-                    # A snapshot of another parallel layout is another rank's state: never a candidate.
-                    here = self.coords.layout.to_dict()
-                    out[name] = sorted({m.step for m in store.metas().values() if not m.parallel or all(
-                        m.parallel.get(k) == v for k, v in here.items())})
-                else:
-                    steps = store.steps_for_rank(self.coords)
-                    legacy = store.legacy_step() if not steps else None
-                    out[name] = [legacy] if legacy is not None else steps
+                out[name] = self.pipeline.stores[name].loadable_steps(self.coords)
             except (TierError, OSError) as exc:
                 log.warning("cannot list tier %r: %s", name, exc)
                 why = str(exc).removeprefix(f"tier {name!r}: ")
@@ -360,68 +315,11 @@ class CheckpointEngine:
             return LoadResult(step, items, name, verified, seconds, nbytes, list(fallbacks))
         return None
 
-    def _layout_change(self, saved: dict[str, Any], step: int, tier: str) -> list[str]:
-        """What differs between the checkpoint's parallel layout and this job's ("DP 4 → 2", ...)."""
-        current = self.coords.layout.to_dict()
-        changed = [f"{dim.upper()} {saved.get(dim, 1)} → {current[dim]}" for dim in ("tp", "pp", "dp", "ep", "cp")
-                   if saved.get(dim, 1) != current[dim]]
-        if saved.get("world_size", 1) != current["world_size"] and not changed:
-            changed.append(f"world size {saved.get('world_size')} → {current['world_size']}")
-        return changed
-
-    def _refuse(self, changed: list[str], step: int, tier: str, why: str) -> LayoutMismatchError:
-        return LayoutMismatchError(f"step {step} on tier {tier!r} was saved with another parallel layout "
-                                   f"({', '.join(changed)}): {why}")
-
     def _load_from(self, name: str, step: int, copy: bool, map_location: Any,
                    into: dict[str, Any] | None = None) -> tuple[dict, bool, int]:
-        if into is not None and not isinstance(self.pipeline.stores[name], MemoryStore):
-            # From files: load as usual, then copy into the targets (the fused path is for memory snapshots).
-            items, verified, nbytes = self._load_from(name, step, copy, map_location)
-            return apply_into(items, into, f"step {step} on tier {name!r}"), verified, nbytes
-        store = self.pipeline.stores[name]
-        verify = self.config.load.verify
-        trust = self.config.load.trust_pickles
-        if isinstance(store, MemoryStore):
-            metas = [m for m in store.metas().values() if m.step == step]
-            if not metas:
-                raise TierError(f"step {step} left the slots while loading", tier=name)
-            meta = max(metas, key=lambda m: m.created)
-            if meta.parallel and self._layout_change(meta.parallel, step, name):
-                raise TierError(f"step {step} here is a snapshot of another parallel layout", tier=name)
-            if into is not None:
-                check_into_names(into, [it.name for it in meta.items], f"step {step} on tier {name!r}")
-            items = store.load(meta, copy=copy, map_location=map_location, verify=verify, into=into)
-            verified = verify and all(it.checksum for it in meta.items)
-            return items, verified, meta.total_bytes
-        if not store.tier.exists(store.layout.manifest_key(step)):
-            return self._load_megatron(store, step, verify=verify, trust=trust)  # written by Megatron-LM itself
-        manifest = store.read_manifest(step, cached=True)
-        changed = self._layout_change(manifest.parallel, step, name)
-        if changed:
-            if any(not c.startswith("DP ") for c in changed):
-                raise self._refuse(changed, step, name, "only a DP change can be re-split")
-            items_saved = {f.item for f in manifest.files}
-            if not items_saved <= {MODEL_ITEM, OPTIM_ITEM}:
-                raise self._refuse(changed, step, name, f"items {sorted(items_saved - {MODEL_ITEM, OPTIM_ITEM})} "
-                                   "were saved per rank and cannot be re-split (Megatron's items can)")
-            return self._load_megatron(store, step, verify=verify, trust=trust)
-        items = store.load_rank(manifest, self.coords, verify=verify, copy=copy, map_location=map_location,
-                                trust_pickles=trust)
-        mine = store.layout.files_for_rank(manifest.files, manifest.parallel, self.coords)
-        return items, verify, sum(f.size for f in mine)
-
-    def _load_megatron(self, store: FileStore, step: int, *, verify: bool, trust: bool) -> tuple[dict, bool, int]:
-        """Megatron's items for this rank, re-split for this job's DP size where it changed; also reads
-        checkpoints Megatron-LM wrote (no manifest: nothing to verify, and the result says so)."""
-        from .megatron import legacy
-
-        try:
-            items = legacy.load_rank_items(store.tier, step, self.coords, trust_pickles=trust, verify=verify)
-        except (LayoutMismatchError, NoCheckpointError) as exc:
-            raise TierError(str(exc), tier=store.name) from None
-        nbytes = sum(t.numel() * t.element_size() for t in tensors(items))
-        return dict(items), bool(items.verified), nbytes
+        return self.pipeline.stores[name].read_step(step, self.coords, copy=copy, map_location=map_location,
+                                                    verify=self.config.load.verify,
+                                                    trust_pickles=self.config.load.trust_pickles, into=into)
 
     # ----- lifecycle ---------------------------------------------------------------------------------------
     def pending(self) -> dict[int, list[str]]:
@@ -485,22 +383,23 @@ class CheckpointEngine:
     def _release_memory(self) -> None:
         """``on_close: release``: delete this rank's slots on memory tiers that outlive the process, where a file
         tier committed the step (a slot holding a step nothing else has stays: it is the only copy)."""
-        tiers = [n for n in self.tiers if isinstance(self.pipeline.stores[n], MemoryStore)
-                 and self.pipeline.cfgs[n].on_close == "release"
-                 and self.pipeline.stores[n].tier.capabilities.survives_process]
-        if not tiers:
-            return
-        durable: set[int] = set()
-        for fs in self.pipeline.file_stores().values():
+        found: set[int] | None = None
+
+        def durable() -> set[int]:  # listed once, and only if some tier releases anything
+            nonlocal found
+            if found is None:
+                found = set()
+                for store in self.pipeline.durable_stores().values():
+                    try:
+                        found.update(store.durable_steps())
+                    except (TierError, OSError) as exc:
+                        log.warning("close(): cannot list tier %r (%s); slots it may hold stay in memory",
+                                    store.name, exc)
+            return found
+
+        for name in self.tiers:
             try:
-                durable.update(fs.committed_steps())
-            except (TierError, OSError) as exc:
-                log.warning("close(): cannot list tier %r (%s); slots it may hold stay in memory", fs.name, exc)
-        for name in tiers:
-            store = self.pipeline.stores[name]
-            assert isinstance(store, MemoryStore)
-            try:
-                kept = store.release_slots(durable)
+                kept = self.pipeline.stores[name].release_on_close(durable)
             except (TierError, OSError) as exc:
                 log.warning("close(): tier %r: cannot release its slots: %s", name, exc)
                 continue

@@ -4,6 +4,9 @@ Per step and rank: each item's file is written under its layout path (the tier m
 checksum computed while the bytes stream out; then the rank manifest. The committing rank writes the checkpoint
 manifest once every rank's manifest is there, then the tracker. Retention runs only after a commit and never
 removes the newest committed step. A step without its checkpoint manifest does not exist.
+
+:class:`FileStore` implements the :class:`~tiered_ckpt.store.Store` protocol (docs/architecture.md): which rank
+commits a step here, and when retention runs, are decided in :meth:`FileStore.commit`.
 """
 
 from __future__ import annotations
@@ -11,6 +14,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Iterable
+from concurrent.futures import Executor
 from typing import Any
 
 import torch
@@ -24,8 +28,8 @@ from .codecs.transcode import item_source
 from .compression import compress_chunks, decompress_to_tensor
 from .config import TierConfig
 from .crashpoints import crash_point
-from .errors import BlobNotFoundError, CorruptionError, DecodeError, TierError
-from .layouts.base import Layout
+from .errors import BlobNotFoundError, CorruptionError, DecodeError, LayoutMismatchError, NoCheckpointError, TierError
+from .layouts.base import MODEL_ITEM, OPTIM_ITEM, Layout
 from .manifest import (
     CheckpointManifest,
     FileEntry,
@@ -35,8 +39,10 @@ from .manifest import (
     load_checkpoint,
     load_rank,
 )
-from .parallel import ParallelLayout, RankCoords
+from .memory_store import MemoryStore
+from .parallel import ParallelLayout, RankCoords, layout_changes
 from .retry import call_with_retry
+from .store import Store, Written
 from .tiers.base import Chunk, Tier, as_memoryview
 
 log = logging.getLogger(__name__)
@@ -91,6 +97,124 @@ class FileStore:
     @property
     def name(self) -> str:
         return self.tier.name
+
+    # ----- the Store protocol ------------------------------------------------------------------------------
+    durable = True
+
+    def slots(self) -> None:
+        return None
+
+    def files(self) -> FileStore:
+        return self
+
+    def clean_start(self) -> list[str]:
+        return []  # debris of a killed writer is retention's (and ``gc``'s) business, never an engine start's
+
+    def prepare(self, nbytes: int) -> None:
+        pass
+
+    def release_on_close(self, durable: Callable[[], set[int]]) -> None:
+        return None
+
+    def close(self) -> None:
+        self.tier.close()
+
+    def due(self, ordinal: int, persistent: bool) -> bool:
+        # every ``every``-th save starting with the first, so a misconfigured tier shows up at once
+        return persistent and (ordinal - 1) % self.cfg.every == 0
+
+    def durable_steps(self) -> list[int]:
+        return self.committed_steps()
+
+    def loadable_steps(self, coords: RankCoords) -> list[int]:
+        steps = self.steps_for_rank(coords)
+        legacy = self.legacy_step() if not steps else None
+        return [legacy] if legacy is not None else steps
+
+    def write_step(self, step: int, coords: RankCoords, source: Store, *, slot: int | None,
+                   pinned: Callable[[int], bool], hasher: Executor) -> Written:
+        """This rank's files and manifest of ``step``, encoded from a snapshot or copied from a file tier."""
+        crash_point("drain.before_write")
+        mem = source.slots()
+        if mem is None:
+            upper = source.files()
+            assert upper is not None
+            manifest = self.copy_rank_from(upper, step, coords)
+            crash_point("drain.after_write")
+            return Written(step, sum(f.size for f in manifest.files), manifest=manifest)
+        assert isinstance(mem, MemoryStore) and slot is not None
+        meta = mem.snapshot(step, slot)
+        sources = mem.item_sources(meta)
+        # The snapshot's own checksums (for verified restores from memory) are computed on another core while
+        # this tier is written; they are published once the tier committed.
+        later = mem.checksum_later(meta, sources, hasher)
+        try:
+            manifest = self.write_rank(step, coords, sources)
+            crash_point("drain.after_write")
+        except BaseException:
+            if later is not None:
+                later[1]()
+            raise
+        return Written(step, sum(f.size for f in manifest.files), manifest=manifest,
+                       on_committed=later[0] if later else None, settle=later[1] if later else None)
+
+    def commit(self, written: Written, coords: RankCoords, *, node_ranks: list[int], wait_s: float,
+               pinned: Callable[[], set[int]], on_committed: Callable[[int], None]) -> None:
+        # A shared tier is committed by global rank 0 for the job; a node-local one by each node's first rank.
+        ranks = sorted(node_ranks) if self.tier.capabilities.node_local else list(range(coords.world_size))
+        if coords.rank != ranks[0]:
+            return
+        crash_point("drain.before_commit")
+        committed = self.try_commit(written.step, coords, ranks, wait_s=wait_s)
+        if committed is None:
+            raise TierError(f"step {written.step} not committed: not every rank's files arrived within "
+                            f"{wait_s:.0f} s", tier=self.name)
+        on_committed(committed.total_bytes)
+        self.retain(self.cfg.keep, pinned(), coords.rank)
+
+    def read_step(self, step: int, coords: RankCoords, *, copy: bool, map_location: Any, verify: bool,
+                  trust_pickles: bool, into: dict[str, Any] | None) -> tuple[dict[str, Any], bool, int]:
+        if into is not None:
+            # Load as usual, then copy into the targets (the fused path is for memory snapshots).
+            from .load_into import apply_into
+
+            items, verified, nbytes = self.read_step(step, coords, copy=copy, map_location=map_location,
+                                                     verify=verify, trust_pickles=trust_pickles, into=None)
+            return apply_into(items, into, f"step {step} on tier {self.name!r}"), verified, nbytes
+        if not self.tier.exists(self.layout.manifest_key(step)):
+            return self._read_megatron(step, coords, verify=verify, trust=trust_pickles)  # written by Megatron-LM
+        manifest = self.read_manifest(step, cached=True)
+        changed = layout_changes(manifest.parallel, coords.layout)
+        if changed:
+            if any(not c.startswith("DP ") for c in changed):
+                raise self._refuse(changed, step, "only a DP change can be re-split")
+            saved = {f.item for f in manifest.files}
+            if not saved <= {MODEL_ITEM, OPTIM_ITEM}:
+                raise self._refuse(changed, step, f"items {sorted(saved - {MODEL_ITEM, OPTIM_ITEM})} were saved "
+                                   "per rank and cannot be re-split (Megatron's items can)")
+            return self._read_megatron(step, coords, verify=verify, trust=trust_pickles)
+        items = self.load_rank(manifest, coords, verify=verify, copy=copy, map_location=map_location,
+                               trust_pickles=trust_pickles)
+        mine = self.layout.files_for_rank(manifest.files, manifest.parallel, coords)
+        return items, verify, sum(f.size for f in mine)
+
+    def _refuse(self, changed: list[str], step: int, why: str) -> LayoutMismatchError:
+        return LayoutMismatchError(f"step {step} on tier {self.name!r} was saved with another parallel layout "
+                                   f"({', '.join(changed)}): {why}")
+
+    def _read_megatron(self, step: int, coords: RankCoords, *, verify: bool, trust: bool
+                       ) -> tuple[dict[str, Any], bool, int]:
+        """Megatron's items for this rank, re-split for this job's DP size where it changed; also reads
+        checkpoints Megatron-LM wrote (no manifest: nothing to verify, and the result says so)."""
+        from .load_into import tensors
+        from .megatron import legacy  # Megatron's format is read only when a step needs it
+
+        try:
+            items = legacy.load_rank_items(self.tier, step, coords, trust_pickles=trust, verify=verify)
+        except (LayoutMismatchError, NoCheckpointError) as exc:
+            raise TierError(str(exc), tier=self.name) from None
+        nbytes = sum(t.numel() * t.element_size() for t in tensors(items))
+        return dict(items), bool(items.verified), nbytes
 
     # ----- retries -----------------------------------------------------------------------------------------
     def _retry(self, fn: Callable[[], Any], step: int | None, rank: int, what: str) -> Any:

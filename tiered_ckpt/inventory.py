@@ -19,7 +19,7 @@ from .errors import BlobNotFoundError, ConfigError, CorruptionError, TieredCkptE
 if TYPE_CHECKING:
     from .config import TierConfig
     from .file_store import FileStore
-    from .memory_store import MemoryStore
+    from .store import SnapshotStore
     from .tiers.base import Tier
 
 CONFIG_SUFFIXES = (".yaml", ".yml", ".json")
@@ -155,20 +155,18 @@ def file_steps(store: FileStore) -> list[StepInfo]:
     return out
 
 
-def memory_steps(store: MemoryStore, ranks: list[int] | None = None) -> list[StepInfo]:
-    from .memory_store import MemoryStore
-
+def memory_steps(store: SnapshotStore, ranks: list[int] | None = None) -> list[StepInfo]:
     now = time.time()
     out = []
     for rank in ranks if ranks is not None else memory_ranks(store):
-        view = MemoryStore(store.tier, rank, store.nslots)
+        view = store.for_rank(rank)
         for _, meta in sorted(view.metas().items()):
             out.append(StepInfo(store.name, meta.step, "snapshot" if meta.persistent else "snapshot (non-persistent)",
                                 meta.total_bytes, now - meta.created, len(meta.items), [rank], run_id=meta.run_id))
     return sorted(out, key=lambda s: (s.step, s.ranks))
 
 
-def memory_ranks(store: MemoryStore) -> list[int]:
+def memory_ranks(store: SnapshotStore) -> list[int]:
     ranks = set()
     for key in store.tier.list(""):
         head = key.split("/", 1)[0]

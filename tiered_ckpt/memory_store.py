@@ -3,25 +3,37 @@
 Per rank, slot ``i`` is two blobs: ``rank_RRRRR/slot_i.data`` (every item's tensor bytes, each item's region
 64-byte aligned) and ``rank_RRRRR/slot_i.json`` (the step, each item's flat header and region, checksums once
 the drain has computed them). The JSON is written last and deleted first: a slot without it holds nothing.
+
+:class:`MemoryStore` implements the :class:`~tiered_ckpt.store.Store` protocol (docs/architecture.md); which slot
+a save or a memory-to-memory hop writes into is chosen here (:meth:`MemoryStore.acquire_slot`).
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import threading
 import time
-from dataclasses import asdict, dataclass, field
-from typing import Any
+from collections.abc import Callable
+from concurrent.futures import Executor, Future
+from dataclasses import asdict, dataclass, field, replace
+from typing import TYPE_CHECKING, Any
 
 import torch
 
+from .checksum import snapshot_checksum
 from .codecs import flat
 from .codecs.file_codecs import ItemSource
 from .crashpoints import crash_point
-from .errors import BlobNotFoundError, CorruptionError, DecodeError, EncodeError
+from .errors import BlobNotFoundError, CorruptionError, DecodeError, EncodeError, TierError
 from .hostmem import private_copy
 from .manifest import content_digest
+from .parallel import RankCoords, layout_changes
+from .store import Store, Written
 from .tiers.base import IO_BLOCK, Tier
+
+if TYPE_CHECKING:
+    from .config import TierConfig
 
 log = logging.getLogger(__name__)
 
@@ -92,19 +104,193 @@ def plan_items(items: dict[str, Any]) -> tuple[list[tuple[str, flat.SnapshotPlan
 
 
 class MemoryStore:
-    """The slots of one rank on one memory tier."""
+    """The slots of one rank on one memory tier. ``cfg``: the tier's configuration (its ``on_close``); readers'
+    views of other ranks' slots have none."""
 
-    def __init__(self, tier: Tier, rank: int, nslots: int):
+    durable = False  # a snapshot lives as long as the machine's memory
+
+    def __init__(self, tier: Tier, rank: int, nslots: int, cfg: TierConfig | None = None):
         self.tier = tier
         self.rank = rank
         self.nslots = nslots
+        self.cfg = cfg
         self._buffers: dict[int, torch.Tensor] = {}
         self._read_cache: dict[int, tuple[tuple, torch.Tensor]] = {}
         self._reported: set[str] = set()  # malformed slot records already logged
+        # Slot allocation: which step each slot holds (read from the records on first use: a restart finds the
+        # slots of the process before it), and the slots a writer or the drain still holds.
+        self._slot_cond = threading.Condition()
+        self._slot_step: dict[int, int] | None = None
+        self._held: set[int] = set()
 
     @property
     def name(self) -> str:
         return self.tier.name
+
+    # ----- the Store protocol ------------------------------------------------------------------------------
+    def slots(self) -> MemoryStore:
+        return self
+
+    def files(self) -> None:
+        return None
+
+    def for_rank(self, rank: int) -> MemoryStore:
+        return self if rank == self.rank else MemoryStore(self.tier, rank, self.nslots)
+
+    def clean_start(self) -> list[str]:
+        return self.remove_temp_files() if self.tier.capabilities.survives_process else []
+
+    def prepare(self, nbytes: int) -> None:
+        for slot in range(self.nslots):
+            self.buffer(slot, nbytes)
+
+    def due(self, ordinal: int, persistent: bool) -> bool:
+        return True  # memory tiers take every save, persistent or not
+
+    def durable_steps(self) -> list[int]:
+        return []
+
+    def release_on_close(self, durable: Callable[[], set[int]]) -> list[int] | None:
+        if self.cfg is None or self.cfg.on_close != "release" or not self.tier.capabilities.survives_process:
+            return None
+        return self.release_slots(durable())
+
+    def close(self) -> None:
+        self.tier.close()
+
+    def loadable_steps(self, coords: RankCoords) -> list[int]:
+        # A snapshot of another parallel layout is another rank's state: never a candidate.
+        here = coords.layout.to_dict()
+        return sorted({m.step for m in self.metas().values()
+                       if not m.parallel or all(m.parallel.get(k) == v for k, v in here.items())})
+
+    def read_step(self, step: int, coords: RankCoords, *, copy: bool, map_location: Any, verify: bool,
+                  trust_pickles: bool, into: dict[str, Any] | None) -> tuple[dict[str, Any], bool, int]:
+        from .load_into import check_into_names
+
+        metas = [m for m in self.metas().values() if m.step == step]
+        if not metas:
+            raise TierError(f"step {step} left the slots while loading", tier=self.name)
+        meta = max(metas, key=lambda m: m.created)
+        if meta.parallel and layout_changes(meta.parallel, coords.layout):
+            raise TierError(f"step {step} here is a snapshot of another parallel layout", tier=self.name)
+        if into is not None:
+            check_into_names(into, [it.name for it in meta.items], f"step {step} on tier {self.name!r}")
+        items = self.load(meta, copy=copy, map_location=map_location, verify=verify, into=into)
+        return items, verify and all(it.checksum for it in meta.items), meta.total_bytes
+
+    def write_step(self, step: int, coords: RankCoords, source: Store, *, slot: int | None,
+                   pinned: Callable[[int], bool], hasher: Executor) -> Written:
+        """Copy a snapshot from the memory tier above (e.g. gpu → shm) into a slot here."""
+        src = source.slots()
+        if src is None or slot is None:
+            raise TierError(f"a memory tier takes snapshots from a memory tier above it; tier {source.name!r} "
+                            "holds files: put memory tiers first in the tier list", tier=self.name)
+        assert isinstance(src, MemoryStore)
+        meta = src.snapshot(step, slot)
+        data = src.data(meta)[:meta.total_bytes]
+        mine = self.acquire_slot(step, wait=True, pinned=pinned)
+        assert mine is not None
+        try:
+            self.invalidate(mine)
+            buf = self.buffer(mine, meta.total_bytes)
+            from .cuda_streams import copy_bytes  # CUDA only when a side is on CUDA: on a side stream, event-waited
+
+            copy_bytes(buf[:meta.total_bytes], data, purpose="drain")
+            self.publish(replace(meta, slot=mine, rank=self.rank))
+        finally:
+            self.release_slot(mine)
+        return Written(step, meta.total_bytes, slot=mine)
+
+    def commit(self, written: Written, coords: RankCoords, *, node_ranks: list[int], wait_s: float,
+               pinned: Callable[[], set[int]], on_committed: Callable[[int], None]) -> None:
+        on_committed(written.nbytes)  # the published slot record is the commit; old slots are reused, not evicted
+
+    # ----- slot allocation ---------------------------------------------------------------------------------
+    def acquire_slot(self, step: int, *, wait: bool, pinned: Callable[[int], bool] | None = None,
+                     on_wait: Callable[[], None] | None = None) -> int | None:
+        """See :meth:`tiered_ckpt.store.SnapshotStore.acquire_slot`. A slot holding ``step`` itself may be
+        reused even when pinned (the same step saved again)."""
+        waited = False
+        with self._slot_cond:
+            if self._slot_step is None:
+                self._slot_step = {s: m.step for s, m in self.metas().items()}
+            while True:
+                held = self._slot_step
+                free = [s for s in range(self.nslots) if s not in self._held and (
+                    s not in held or pinned is None or held[s] == step or not pinned(held[s]))]
+                if free:
+                    slot = min(free, key=lambda s: (s in held, held.get(s, -1)))  # empty first, then the oldest
+                    self._held.add(slot)
+                    return slot
+                if not wait:
+                    return None
+                if not waited and on_wait is not None:
+                    on_wait()
+                waited = True
+                # Pins are released by the drain, which does not notify us: look again every half second.
+                self._slot_cond.wait(0.5)
+
+    def hold_slot(self, slot: int) -> None:
+        with self._slot_cond:
+            self._held.add(slot)
+
+    def release_slot(self, slot: int) -> None:
+        with self._slot_cond:
+            self._held.discard(slot)
+            self._slot_cond.notify_all()
+
+    def _slot_holds(self, slot: int, step: int | None) -> None:
+        with self._slot_cond:
+            if self._slot_step is None:
+                return
+            if step is None:
+                self._slot_step.pop(slot, None)
+            else:
+                self._slot_step[slot] = step
+
+    def write_snapshot(self, step: int, slot: int, placed: list, total: int, *, coords: RankCoords, layout: str,
+                       run_id: str, persistent: bool) -> SlotMeta:
+        self.invalidate(slot)  # the slot's old step is gone from here on
+        crash_point("save.invalidated")
+        buf = self.buffer(slot, total)
+        for _, plan, offset in placed:
+            flat.copy_into(plan, buf[offset:offset + plan.total_bytes])
+            crash_point("save.item_copied")
+        meta = SlotMeta(step=step, rank=coords.rank, slot=slot, total_bytes=total,
+                        items=[SlotItem(name, off, p.total_bytes, flat.encode_header(p).decode())
+                               for name, p, off in placed],
+                        layout=layout, coords=coords.to_dict(), parallel=coords.layout.to_dict(), run_id=run_id,
+                        persistent=persistent)
+        crash_point("save.before_publish")
+        self.publish(meta)
+        return meta
+
+    def snapshot(self, step: int, slot: int) -> SlotMeta:
+        """The record of ``step`` in ``slot``; TierError when the slot holds another step by now."""
+        meta = self.read_meta(slot)
+        if meta is None or meta.step != step:
+            raise TierError(f"snapshot of step {step} is no longer in slot {slot}", tier=self.name)
+        return meta
+
+    def checksum_later(self, meta: SlotMeta, sources: list[ItemSource], hasher: Executor
+                       ) -> tuple[Callable[[], None], Callable[[], None]] | None:
+        """Compute the snapshot's checksums on ``hasher`` (for verified restores from memory after a restart)
+        while a file tier is written: ``(publish, wait)``, or None when there is nothing to compute."""
+        if all(it.checksum for it in meta.items) or not self.tier.capabilities.survives_process:
+            return None
+        digests: Future = hasher.submit(lambda: [snapshot_checksum(src.data) for src in sources])
+
+        def publish() -> None:
+            if digests.exception() is not None:
+                return
+            for it, checksum in zip(meta.items, digests.result(), strict=True):
+                it.checksum = checksum
+            current = self.read_meta(meta.slot)
+            if current is not None and current.step == meta.step and current.created == meta.created:
+                self.publish(meta)
+
+        return publish, digests.exception  # waiting: nothing may read the slot once the drain lets it go
 
     def data_key(self, slot: int) -> str:
         return f"rank_{self.rank:05d}/slot_{slot}.data"
@@ -123,10 +309,12 @@ class MemoryStore:
 
     def invalidate(self, slot: int) -> None:
         self.tier.delete(self.meta_key(slot))
+        self._slot_holds(slot, None)
 
     def publish(self, meta: SlotMeta) -> None:
         crash_point("memory.publish")
         self.tier.publish(self.meta_key(meta.slot), meta.to_json())
+        self._slot_holds(meta.slot, meta.step)
 
     def remove_temp_files(self) -> list[str]:
         """Temporary files in this rank's slot directory: slot records a killed process was writing. Only for the
@@ -161,6 +349,7 @@ class MemoryStore:
             if slot in metas and keep(metas[slot]):
                 continue
             self.tier.delete(self.meta_key(slot))  # the record first: never a record without its data
+            self._slot_holds(slot, None)
             self.tier.delete(self.data_key(slot))
             self._buffers.pop(slot, None)
             self._read_cache.pop(slot, None)

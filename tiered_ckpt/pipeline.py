@@ -1,4 +1,8 @@
-"""The configured tiers, instantiated: stores in pipeline order, the entry tier, and the choice of drain."""
+"""The configured tiers, instantiated: stores in pipeline order and the entry tier (docs/architecture.md).
+
+Every store is held as a :class:`~tiered_ckpt.store.Store`; the drain that moves steps between them is chosen by
+:func:`tiered_ckpt.worker.open_drain`.
+"""
 
 from __future__ import annotations
 
@@ -10,12 +14,12 @@ from dataclasses import dataclass, field
 from . import events as ev
 from .codecs.file_codecs import FileCodec
 from .config import Config, TierConfig
-from .drain import DrainRuntime
 from .errors import ConfigError
 from .file_store import FileStore
 from .memory_store import MemoryStore
 from .parallel import RankCoords
 from .plugins import PluginManager
+from .store import SnapshotStore, Store
 from .tiers.base import Tier, TierContext
 
 log = logging.getLogger(__name__)
@@ -35,12 +39,13 @@ def tier_enabled(pm: PluginManager, cfg: TierConfig) -> bool:
 
 
 def make_store(pm: PluginManager, config: Config, cfg: TierConfig, coords: RankCoords, local_rank: int,
-               emit: Callable[[ev.Event], None]) -> MemoryStore | FileStore:
+               emit: Callable[[ev.Event], None]) -> Store:
+    """The store of one tier: snapshot slots on a memory tier, files through the layout on the others."""
     cls = pm.registries.tiers.get(cfg.kind)
     context = TierContext(run_id=config.run_id, rank=coords.rank, local_rank=local_rank)
     tier: Tier = cls(cfg.name, cfg.options, context)
     if tier.capabilities.memory:
-        return MemoryStore(tier, coords.rank, cfg.slots or DEFAULT_SLOTS)
+        return MemoryStore(tier, coords.rank, cfg.slots or DEFAULT_SLOTS, cfg)
     layout = pm.registries.layouts.get(config.layout)()
     codecs: dict[str, FileCodec] = {name: c() for name, c, _ in pm.registries.codecs.items()}
     return FileStore(tier, cfg, layout, codecs, emit, run_id=config.run_id)
@@ -58,63 +63,37 @@ class Pipeline:
     pm: PluginManager
     order: list[str]
     cfgs: dict[str, TierConfig]
-    stores: dict[str, MemoryStore | FileStore]
+    stores: dict[str, Store]
     emit: Callable[[ev.Event], None]
     local_rank: int = 0
     node_ranks: list[int] = field(default_factory=list)
-    drain: object = field(default=None)
 
     @property
     def entry(self) -> str:
         return self.order[0]
 
     @property
-    def entry_store(self) -> MemoryStore:
-        store = self.stores[self.entry]
-        assert isinstance(store, MemoryStore)
-        return store
+    def entry_store(self) -> SnapshotStore:
+        slots = self.stores[self.entry].slots()
+        assert slots is not None, "build_pipeline puts a memory tier first"
+        return slots
 
     @property
     def entry_cfg(self) -> TierConfig:
         return self.cfgs[self.entry]
 
-    def file_stores(self) -> dict[str, FileStore]:
-        return {n: s for n, s in self.stores.items() if isinstance(s, FileStore)}
+    def durable_stores(self) -> dict[str, Store]:
+        """The file tiers, in pipeline order."""
+        return {n: s for n, s in self.stores.items() if s.durable}
 
-    def due_tiers(self, ordinal: int) -> tuple[str, ...]:
-        """Tiers below the entry that take the ``ordinal``-th save (1-based): memory tiers always, file tiers
-        every ``every``-th save starting with the first, so a misconfigured tier shows up at once."""
-        due = []
-        for name in self.order[1:]:
-            store, cfg = self.stores[name], self.cfgs[name]
-            if isinstance(store, MemoryStore) or (ordinal - 1) % cfg.every == 0:
-                due.append(name)
-        return tuple(due)
+    def due_tiers(self, ordinal: int, persistent: bool = True) -> tuple[str, ...]:
+        """Tiers below the entry that take the ``ordinal``-th save (1-based); each store decides
+        (:meth:`~tiered_ckpt.store.Store.due`)."""
+        return tuple(n for n in self.order[1:] if self.stores[n].due(ordinal, persistent))
 
-    def prepare_memory_tiers(self, nbytes: int) -> None:
-        for name in self.order[1:]:
-            store = self.stores[name]
-            if isinstance(store, MemoryStore):
-                for slot in range(store.nslots):
-                    store.buffer(slot, nbytes)
-
-    def start_drain(self, on_tier_done: Callable, on_slot_released: Callable):
-        shared = next((i for i, n in enumerate(self.order) if isinstance(self.stores[n], MemoryStore)
-                       and self.stores[n].tier.capabilities.survives_process), None)
-        if self.config.drain.mode == "process" and shared is not None:
-            from .worker import ProcessDrain, SplitDrain
-
-            if shared == 0:
-                self.drain = ProcessDrain(self.config, self.coords, self.order, self.local_rank, self.node_ranks,
-                                          self.emit, on_tier_done, on_slot_released, stores=self.stores)
-            else:
-                self.drain = SplitDrain(self, shared, on_tier_done, on_slot_released)
-        else:
-            if self.config.drain.mode == "process":
-                log.info("no shared-memory tier to hand the snapshot to a worker process: the drain runs as threads")
-            self.drain = DrainRuntime(self.stores, self.order, self.coords, self.emit, on_tier_done, on_slot_released,
-                                      **self.drain_options())
-        return self.drain
+    def prepare(self, nbytes: int) -> None:
+        for name in self.order:
+            self.stores[name].prepare(nbytes)
 
     def drain_options(self) -> dict:
         return {"commit_wait_s": self.config.drain.commit_timeout_s, "node_ranks": self.node_ranks}
@@ -122,13 +101,13 @@ class Pipeline:
     def close(self) -> None:
         for store in self.stores.values():
             try:
-                store.tier.close()
+                store.close()
             except Exception:
-                log.exception("closing tier %r failed", store.tier.name)
+                log.exception("closing tier %r failed", store.name)
 
 
 def build_stores(config: Config, pm: PluginManager, coords: RankCoords, local_rank: int, names: list[str],
-                 emit: Callable[[ev.Event], None]) -> dict[str, MemoryStore | FileStore]:
+                 emit: Callable[[ev.Event], None]) -> dict[str, Store]:
     cfgs = {t.name: t for t in config.tiers}
     return {n: make_store(pm, config, cfgs[n], coords, local_rank, emit) for n in names}
 
@@ -173,12 +152,12 @@ def build_pipeline(config: Config, pm: PluginManager, coords: RankCoords, local_
         # Saves must block only for a memory copy: stage in host memory of this process, then drain from there.
         cfgs = {STAGING: staging_config(pm), **cfgs}
         order.insert(0, STAGING)
-    stores = {}
+    stores: dict[str, Store] = {}
     for name in order:
         try:
             stores[name] = make_store(pm, config, cfgs[name], coords, local_rank, emit)
         except ConfigError as exc:
             for store in stores.values():
-                store.tier.close()
+                store.close()
             raise _placed(exc, config, name) if name != STAGING else exc from None
     return Pipeline(config, coords, pm, order, cfgs, stores, emit, local_rank, node_ranks or [coords.rank])

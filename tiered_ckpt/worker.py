@@ -4,6 +4,9 @@ It is started with ``spawn`` (never ``fork``: a forked copy of a CUDA or multi-t
 unsafe), builds its own tier objects from the configuration, and reads the shared-memory snapshot directly — no
 tensor ever travels through a pipe. Only small messages do: requests in, events and outcomes out. If the
 training process dies, the worker finishes the drains it has, then exits.
+
+:func:`open_drain` picks the drain for a pipeline; all three (:class:`~tiered_ckpt.drain.DrainRuntime`,
+:class:`ProcessDrain`, :class:`SplitDrain`) implement :class:`~tiered_ckpt.drain_protocol.Drain`.
 """
 
 from __future__ import annotations
@@ -18,18 +21,35 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import replace
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from . import events as ev
 from .config import Config
-from .drain import DrainRequest, DrainRuntime, Store
-from .file_store import FileStore
+from .drain import DrainRuntime
+from .drain_protocol import Drain, DrainRequest, OnSlotReleased, OnTierDone
 from .parallel import RankCoords
-
-if TYPE_CHECKING:
-    from .pipeline import Pipeline
+from .pipeline import Pipeline, build_stores
+from .plugins import manager_for_worker
+from .store import Store
 
 log = logging.getLogger(__name__)
+
+
+def open_drain(pipeline: Pipeline, on_tier_done: OnTierDone, on_slot_released: OnSlotReleased) -> Drain:
+    """The drain for ``pipeline``: the worker process (``drain.mode: process``) where a shared-memory tier can
+    hand it the snapshot (behind threads for an in-process tier above it), threads of this process otherwise."""
+    stores, order = pipeline.stores, pipeline.order
+    shared = next((i for i, n in enumerate(order) if stores[n].slots() is not None
+                   and stores[n].tier.capabilities.survives_process), None)
+    if pipeline.config.drain.mode == "process" and shared is not None:
+        if shared == 0:
+            return ProcessDrain(pipeline.config, pipeline.coords, order, pipeline.local_rank, pipeline.node_ranks,
+                                pipeline.emit, on_tier_done, on_slot_released, stores=stores)
+        return SplitDrain(pipeline, shared, on_tier_done, on_slot_released)
+    if pipeline.config.drain.mode == "process":
+        log.info("no shared-memory tier to hand the snapshot to a worker process: the drain runs as threads")
+    return DrainRuntime(stores, order, pipeline.coords, pipeline.emit, on_tier_done, on_slot_released,
+                        **pipeline.drain_options())
 
 
 def worker_main(config: Config, coords: RankCoords, order: list[str], local_rank: int, node_ranks: list[int],
@@ -42,8 +62,6 @@ def worker_main(config: Config, coords: RankCoords, order: list[str], local_rank
     import torch
 
     torch.set_num_threads(1)  # leave the cores to training
-    from .pipeline import build_stores
-    from .plugins import manager_for_worker
 
     def emit(event: ev.Event) -> None:
         results.put(("event", event))
@@ -74,7 +92,7 @@ def worker_main(config: Config, coords: RankCoords, order: list[str], local_rank
         runtime.submit(req)
     runtime.close()
     for store in stores.values():
-        store.tier.close()
+        store.close()
     results.put(("closed", os.getpid()))
 
 
@@ -129,7 +147,7 @@ class ProcessDrain:
     """
 
     def __init__(self, config: Config, coords: RankCoords, order: list[str], local_rank: int, node_ranks: list[int],
-                 emit: Callable[[ev.Event], None], on_tier_done: Callable, on_slot_released: Callable,
+                 emit: Callable[[ev.Event], None], on_tier_done: OnTierDone, on_slot_released: OnSlotReleased,
                  stores: dict[str, Store] | None = None):
         self.config, self.coords, self.order, self.local_rank = config, coords, order, local_rank
         self.node_ranks = node_ranks
@@ -141,8 +159,9 @@ class ProcessDrain:
         self._proc: Any = None
         self._closing = False
         self._ready = threading.Event()
+        # Threads here can drain only into tiers without slots: a memory hop needs the worker's own slots.
         self._stores = stores if stores is not None and all(
-            isinstance(stores.get(n), FileStore) for n in order[1:]) else None
+            n in stores and stores[n].slots() is None for n in order[1:]) else None
         self._local: DrainRuntime | None = None
         self._here_pending = 0  # requests the threads here took and have not finished
         self._held: list[DrainRequest] = []  # for the worker, once the threads here are done
@@ -302,7 +321,7 @@ class ProcessDrain:
 class SplitDrain:
     """In-process memory tiers (gpu) hop to shm in threads here; the worker drains shm onwards."""
 
-    def __init__(self, pipeline: Pipeline, shared: int, on_tier_done: Callable, on_slot_released: Callable):
+    def __init__(self, pipeline: Pipeline, shared: int, on_tier_done: OnTierDone, on_slot_released: OnSlotReleased):
         order = pipeline.order
         self.near_names = order[:shared + 1]
         self.shared = order[shared]

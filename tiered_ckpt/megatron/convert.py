@@ -82,9 +82,9 @@ def open_store(target: str | os.PathLike[str] | Tier, layout: str, name: str) ->
     else:
         raw = {"name": name, "kind": "local", "path": os.path.abspath(os.path.expanduser(text.removeprefix("file://")))}
     config = load_config({"layout": layout, "tiers": [raw]}, registries=pm.registries)
-    store = make_store(pm, config, config.tiers[0], ParallelLayout().coords(0), 0, lambda e: None)
-    assert isinstance(store, FileStore)
-    return store
+    files = make_store(pm, config, config.tiers[0], ParallelLayout().coords(0), 0, lambda e: None).files()
+    assert files is not None, "a local or fsspec tier holds files"
+    return files
 
 
 def convert(

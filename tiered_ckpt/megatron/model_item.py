@@ -26,7 +26,6 @@ import torch
 from ..checksum import snapshot_checksum, snapshot_matches
 from ..codecs import flat
 from ..errors import CorruptionError, LayoutMismatchError
-from ..memory_store import MemoryStore
 
 log = logging.getLogger(__name__)
 MODEL_ITEM = "model_optim_rng"
@@ -77,8 +76,9 @@ def _offer(engine: Any, loaded: Any) -> dict[str, Any]:
     """What a holder tells the others: which snapshot it loaded the item from (its record's creation time, and
     the item's checksum where the drain computed one), or only the tier when it loaded from files."""
     store = engine.pipeline.stores.get(loaded.tier)
-    if isinstance(store, MemoryStore):
-        for meta in store.metas().values():
+    slots = store.slots() if store is not None else None
+    if slots is not None:
+        for meta in slots.metas().values():
             if meta.step == loaded.step and any(it.name == MODEL_ITEM for it in meta.items):
                 checksum = next(it.checksum for it in meta.items if it.name == MODEL_ITEM)
                 return {"tier": loaded.tier, "snapshot": {"created": meta.created, "checksum": checksum or None}}
@@ -91,9 +91,10 @@ def _from_node_snapshot(engine: Any, holder: int, step: int,
     loaded, by creation time and checksum)."""
     layout = engine.coords.layout.to_dict()
     for store in engine.pipeline.stores.values():
-        if not isinstance(store, MemoryStore):
+        slots = store.slots()
+        if slots is None:
             continue
-        view = MemoryStore(store.tier, holder, store.nslots)
+        view = slots.for_rank(holder)
         for meta in sorted(view.metas().values(), key=lambda m: -m.created):
             item = next((it for it in meta.items if it.name == MODEL_ITEM), None)
             if meta.step != step or item is None:
@@ -114,10 +115,10 @@ def _from_node_snapshot(engine: Any, holder: int, step: int,
 def _from_files(engine: Any, step: int) -> dict[str, Any]:
     """``model_optim_rng`` of this rank's model-parallel group from a file tier."""
     tried = []
-    for store in engine.pipeline.file_stores().values():
+    for store in engine.pipeline.durable_stores().values():
         try:
-            manifest = store.read_manifest(step)
-            items = store.load_rank(manifest, engine.coords, trust_pickles=engine.config.load.trust_pickles)
+            items, _, _ = store.read_step(step, engine.coords, copy=True, map_location=None, verify=True,
+                                          trust_pickles=engine.config.load.trust_pickles, into=None)
         except Exception as exc:  # try the next tier
             tried.append(f"tier {store.name!r}: {exc}")
             continue

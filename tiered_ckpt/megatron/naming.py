@@ -13,13 +13,13 @@ by the *sizes*, never by the ranks. So ``mp_rank_00_001`` is either pp=1 (PP > 1
 uses the siblings to check consistency and to infer the sizes it can (TP size, and the size of the suffixed
 dimension).
 
-Rank order (:class:`MegatronTopology`): Megatron's default ``tp-cp-ep-dp-pp``, tp varying fastest, i.e.
+Rank order, groups and which rank writes which file: :class:`~tiered_ckpt.parallel.ParallelLayout` (here named
+``MegatronTopology``). Megatron's default order is ``tp-cp-ep-dp-pp``, tp varying fastest, i.e.
 ``rank = tp + TP*(cp + CP*(ep + EP*(dp + DP*pp)))``; with cp = ep = 1 that is ``tp + TP*(dp + DP*pp)``.
 """
 
 from __future__ import annotations
 
-import math
 import os
 import re
 import tempfile
@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from ..errors import ConfigError, DecodeError, LayoutMismatchError
+from ..parallel import ParallelLayout
 
 TRACKER_FILENAME = "latest_checkpointed_iteration.txt"
 RELEASE = "release"
@@ -283,139 +284,9 @@ def _match_rank_dir(name: str) -> re.Match[str]:
 
 
 # ------------------------------------------------------------------------------------------------------------
-# rank order, groups and writers
+# rank order, groups and writers: the package's one topology class, under the name this format's code uses
 
-DEFAULT_ORDER = "tp-cp-ep-dp-pp"
-_DIMS = ("tp", "cp", "ep", "dp", "pp")
-
-
-@dataclass(frozen=True)
-class RankPosition:
-    """A global rank's coordinate along each dimension of the rank order."""
-
-    rank: int
-    tp: int
-    pp: int
-    dp: int
-    ep: int
-    cp: int
-
-
-@dataclass(frozen=True)
-class MegatronTopology:
-    """Sizes of the tp/cp/ep/dp/pp dimensions and the order in which ranks fill them (first = fastest).
-
-    ``dp`` is the size of the order's dp *dimension*. With EP > 1 the dense data-parallel group of Megatron
-    (which shards the dense distributed optimizer) spans the ep and dp dimensions, the expert-data-parallel
-    group only dp.
-    """
-
-    tp: int = 1
-    pp: int = 1
-    dp: int = 1
-    ep: int = 1
-    cp: int = 1
-    order: str = DEFAULT_ORDER
-
-    def __post_init__(self) -> None:
-        for dim in _DIMS:
-            _check_pos_int(getattr(self, dim), dim)
-        tokens = self.order.split("-")
-        if len(set(tokens)) != len(tokens) or not set(tokens) <= set(_DIMS):
-            raise ConfigError(f"rank order {self.order!r}: expected distinct dims among {'-'.join(_DIMS)}")
-        left_out = [d for d in _DIMS if d not in tokens and getattr(self, d) > 1]
-        if left_out:
-            raise ConfigError(f"rank order {self.order!r} leaves out {left_out}, whose size is > 1")
-
-    @classmethod
-    def from_layout(cls, layout: Any) -> MegatronTopology:
-        """From any object with ``tp, pp, dp, ep, cp`` (and optionally ``order``) attributes."""
-        return cls(**{d: getattr(layout, d, 1) for d in _DIMS}, order=getattr(layout, "order", DEFAULT_ORDER))
-
-    @property
-    def world_size(self) -> int:
-        return math.prod(getattr(self, d) for d in _DIMS)
-
-    def _dims(self) -> list[str]:
-        tokens = self.order.split("-")
-        return tokens + [d for d in _DIMS if d not in tokens]  # left-out dims have size 1
-
-    def position(self, rank: int) -> RankPosition:
-        _check_nonneg_int(rank, "rank")
-        if rank >= self.world_size:
-            raise ConfigError(f"rank {rank} is outside a world of {self.world_size}")
-        values, rest = {}, rank
-        for dim in self._dims():
-            size = getattr(self, dim)
-            values[dim] = rest % size
-            rest //= size
-        return RankPosition(rank=rank, **values)
-
-    def rank_of(self, *, tp: int = 0, pp: int = 0, dp: int = 0, ep: int = 0, cp: int = 0) -> int:
-        coords = {"tp": tp, "pp": pp, "dp": dp, "ep": ep, "cp": cp}
-        rank, stride = 0, 1
-        for dim in self._dims():
-            size = getattr(self, dim)
-            if not 0 <= coords[dim] < size:
-                raise ConfigError(f"{dim}={coords[dim]} is outside size {size}")
-            rank += coords[dim] * stride
-            stride *= size
-        return rank
-
-    def group(self, rank: int, dims: str | Iterable[str]) -> list[int]:
-        """The ranks that differ from ``rank`` only along ``dims`` (e.g. ``"tp"``, ``["ep", "dp"]``), sorted.
-        """
-        dims = [dims] if isinstance(dims, str) else list(dims)
-        unknown = [d for d in dims if d not in _DIMS]
-        if unknown:
-            raise ConfigError(f"unknown dims {unknown}; expected some of {_DIMS}")
-        pos = self.position(rank)
-        base = {d: getattr(pos, d) for d in _DIMS}
-        combos: list[dict[str, int]] = [base]
-        for d in dims:
-            combos = [{**c, d: i} for c in combos for i in range(getattr(self, d))]
-        return sorted(self.rank_of(**c) for c in combos)
-
-    def tp_group(self, rank: int) -> list[int]:
-        return self.group(rank, "tp")
-
-    def pp_group(self, rank: int) -> list[int]:
-        return self.group(rank, "pp")
-
-    def dp_group(self, rank: int, *, with_cp: bool = False) -> list[int]:
-        """Megatron's dense data-parallel group (ep and dp dims; plus cp for the optimizer's ``intra_dp_cp``).
-        """
-        return self.group(rank, ["ep", "dp", "cp"] if with_cp else ["ep", "dp"])
-
-    def expert_dp_group(self, rank: int) -> list[int]:
-        return self.group(rank, "dp")
-
-    def ep_group(self, rank: int) -> list[int]:
-        return self.group(rank, "ep")
-
-    def rank_dir(self, rank: int) -> str:
-        """The ``mp_rank_*`` directory holding this rank's model shard."""
-        pos = self.position(rank)
-        return rank_dir_name(pos.tp, pos.pp, pos.ep, pp_size=self.pp, ep_size=self.ep)
-
-    def writes_model_optim_rng(self, rank: int) -> bool:
-        """Whether this rank writes ``model_optim_rng.pt``: exactly one writer per rank directory.
-
-        Megatron writes where ``dp_rank == 0 or expert_dp_rank == 0`` (DP without CP), i.e. dp == 0 in any ep
-        and any cp; ranks with cp > 0 write the same path with the same content. We pick cp == 0 of those.
-        """
-        pos = self.position(rank)
-        return pos.dp == 0 and pos.cp == 0
-
-    def writes_distrib_optim(self, rank: int) -> bool:
-        """Whether this rank writes ``distrib_optim.pt``: DP rank 0 of the optimizer's group (dp == cp == 0).
-
-        With EP > 1 that holds in every ep directory: Megatron's chained optimizer then saves ``[dense,
-        expert]`` in ep = 0 and ``[None, expert]`` elsewhere (spec 2.2, not checked against a real MoE
-        checkpoint).
-        """
-        pos = self.position(rank)
-        return pos.dp == 0 and pos.cp == 0
+MegatronTopology = ParallelLayout
 
 
 def _check_nonneg_int(value: Any, what: str) -> None:
