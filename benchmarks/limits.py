@@ -101,7 +101,7 @@ def aligned_copy(tensors: list[torch.Tensor], ring: int = RING) -> tuple[mmap.mm
     for t in tensors:
         if pos >= len(view):
             break
-        mv = memoryview(t.contiguous().view(torch.uint8).reshape(-1).numpy())[:len(view) - pos]
+        mv = memoryview(t.contiguous().reshape(-1).view(torch.uint8).numpy())[:len(view) - pos]
         view[pos:pos + len(mv)] = mv
         pos += len(mv)
     view.release()
