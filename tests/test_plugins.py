@@ -293,6 +293,8 @@ def test_a_plugin_kind_decides_enabled_auto(tmp_path):
 
 
 def test_gc_finds_and_removes_a_plugin_kinds_temporary_files(tmp_path):
+    import os
+
     import plugin_samples
 
     from tiered_ckpt.config import load_config
@@ -311,7 +313,9 @@ def test_gc_finds_and_removes_a_plugin_kinds_temporary_files(tmp_path):
     assert is_temp_name(leftover.name), "the sample must look like the tier's own temporary names"
     leftover.write_bytes(b"half a write")
     assert not hasattr(store.tier, "files")  # gc must go through the Tier interface
-    debris = find_debris(store, min_age_s=0)
+    assert find_debris(store) == []  # just written: within gc's grace period (the kind's modified() says so)
+    os.utime(leftover, (1, 1))  # written long ago
+    debris = find_debris(store)
     assert [(d.what, d.key) for d in debris] == [("temporary file", "iter_0000001/rank_00000/" + leftover.name)]
-    remove_debris(store, debris, min_age_s=0)
+    remove_debris(store, debris)
     assert not leftover.exists() and store.tier.exists("iter_0000001/rank_00000/state.flat")

@@ -69,32 +69,24 @@ def find_debris(store: FileStore, *, live: bool = False, min_age_s: float = TEMP
             if step is not None and step < newest and step not in committed and key.split("/", 1)[0] not in dcp_dirs:
                 sizes[step] = sizes.get(step, 0) + store.tier.size(key)
         out += [Debris(store.name, "partial step", store.layout.step_dir(s), n) for s, n in sorted(sizes.items())]
-    files = getattr(store.tier, "files", store.tier)  # local and shm: their BlobFiles; fsspec: the tier itself
-    if hasattr(files, "temp_files"):
-        now = time.time() if now is None else now
-        for rel in files.temp_files():
-            if not _old_enough(store, rel, min_age_s, now):
-                continue
-            try:
-                size = store.tier.size(rel)
-            except (TierError, OSError):
-                continue
-            out.append(Debris(store.name, "temporary file", rel, size))
+    now = time.time() if now is None else now
+    for rel in store.tier.temp_files():  # the Tier interface (tiers/base.py): every kind answers, plugins too
+        if not _old_enough(store, rel, min_age_s, now):
+            continue
+        try:
+            size = store.tier.size(rel)
+        except (TierError, OSError):
+            continue
+        out.append(Debris(store.name, "temporary file", rel, size))
     return out
 
 
 def modified(store: FileStore, rel: str) -> float | None:
     """When the file ``rel`` of a file tier last changed (seconds since the epoch), None if that cannot be told."""
-    files = getattr(store.tier, "files", None)
     try:
-        if files is not None and hasattr(files, "path"):
-            return os.stat(files.path(rel), follow_symlinks=False).st_mtime
-        fs, to_path = getattr(store.tier, "fs", None), getattr(store.tier, "_path", None)
-        if fs is not None and to_path is not None:
-            return fs.modified(to_path(rel)).timestamp()
+        return store.tier.modified(rel)  # the Tier interface (tiers/base.py): None when the kind cannot tell
     except Exception:  # noqa: BLE001 - gone, not supported by the store, no answer: the age is unknown
         return None
-    return None
 
 
 def _old_enough(store: FileStore, rel: str, min_age_s: float, now: float) -> bool:
@@ -113,7 +105,7 @@ def remove_debris(store: FileStore, debris: list[Debris], *, min_age_s: float = 
         if d.what == "partial step":
             store.tier.delete_prefix(d.key)
         elif _old_enough(store, d.key, min_age_s, now):
-            getattr(store.tier, "files", store.tier).remove_temp_file(d.key)
+            store.tier.remove_temp_file(d.key)
         else:
             continue
         removed.append(d)

@@ -319,13 +319,10 @@ class MemoryStore:
     def remove_temp_files(self) -> list[str]:
         """Temporary files in this rank's slot directory: slot records a killed process was writing. Only for the
         engine starting with this run's lock for this rank (nothing else writes there then); returns them."""
-        files = getattr(self.tier, "files", None)
-        if files is None or not hasattr(files, "temp_files"):
-            return []
         prefix = f"rank_{self.rank:05d}/"
-        gone = [rel for rel in files.temp_files() if rel.startswith(prefix)]
+        gone = [rel for rel in self.tier.temp_files() if rel.startswith(prefix)]  # the Tier interface
         for rel in gone:
-            files.remove_temp_file(rel)
+            self.tier.remove_temp_file(rel)
         return gone
 
     def release_slots(self, durable: set[int]) -> list[int]:

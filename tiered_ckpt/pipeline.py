@@ -52,8 +52,15 @@ def make_store(pm: PluginManager, config: Config, cfg: TierConfig, coords: RankC
 
 
 def staging_config(pm: PluginManager) -> TierConfig:
-    gpu = pm.registries.tiers.get("gpu")
-    return TierConfig(name=STAGING, kind="gpu", options=gpu.Options(device="cpu"), slots=DEFAULT_SLOTS)
+    """The hidden entry tier when the first one is a file tier: a kind whose ``staging_options()`` (the Tier
+    interface, tiers/base.py) gives host memory of this process, the built-in ``gpu`` kind first."""
+    kinds = pm.registries.tiers
+    for kind in sorted(kinds, key=lambda k: k != "gpu"):
+        options = kinds.get(kind).staging_options()
+        if options is not None:
+            return TierConfig(name=STAGING, kind=kind, options=options, slots=DEFAULT_SLOTS)
+    raise ConfigError("the first tier is a file tier and no tier kind can stage saves in host memory (none has "
+                      "staging_options()); put a memory tier such as shm first", key_path="tiers")
 
 
 @dataclass
