@@ -103,7 +103,8 @@ def body(rank: int, world: int, spec: dict, out: dict) -> None:
                     fut = dcp.async_save(state, storage_writer=writer, checkpoint_id=step)
                     fut.result()
                 else:
-                    dcp.save(state, storage_writer=writer, checkpoint_id=step)
+                    dcp.save(state, storage_writer=writer, checkpoint_id=step,
+                             use_collectives=action.get("use_collectives", True))
                 out.setdefault("blocking_s", []).append(writer.last_handle.blocking_s)
                 if action.get("sigkill"):
                     print("{}", flush=True)

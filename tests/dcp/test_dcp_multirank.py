@@ -120,3 +120,24 @@ def test_a_failed_resave_of_a_step_never_mixes_two_saves_on_load(tmp_path, shm_r
         assert "error" not in res, res["error"]
         assert res["save_failed"] and res["second"] != res["saved_10"]
         assert res["loaded"]["step"] == 10 and res["loaded"]["fingerprint"] == res["saved_10"], (rank, res)
+
+
+def test_a_save_without_collectives_writes_dcp_per_rank_metadata_and_loads_back(tmp_path, shm_root):
+    run_id = f"dcp{uuid.uuid4().hex[:8]}"
+    shm = {"name": "shm", "kind": "shm", "path": shm_root}
+    local = {"name": "local", "kind": "local", "path": str(tmp_path / "local")}
+    step_dir = tmp_path / "local" / "iter_0000010"
+    out = run_ranks(2, {"actions": [
+        {"do": "save", "step": 10, "config": config(run_id, [shm, local]), "use_collectives": False},
+        {"do": "load", "name": "from_shm", "config": config(run_id, [shm, local])},
+        {"do": "load", "name": "from_local", "config": config(run_id, [local])},
+        {"do": "load", "name": "dcp_reads_ours", "reader": "filesystem", "dir": str(step_dir)}]},
+        worker=WORKER, timeout=400)
+    assert sorted(p.name for p in step_dir.iterdir()) == ["__0.metadata", "__0_0.distcp", "__1.metadata",
+                                                         "__1_0.distcp", "tiered_ckpt"]
+    for rank, res in out.items():
+        assert "error" not in res, res["error"]
+        for name, tier in (("from_shm", "shm"), ("from_local", "local")):
+            assert res[name]["step"] == 10 and res[name]["sources"] == {f"__{rank}_0.distcp": tier}, (rank, res)
+            assert res[name]["verified"] and res[name]["fingerprint"] == res["saved_10"]
+        assert res["dcp_reads_ours"]["fingerprint"] == res["saved_10"]

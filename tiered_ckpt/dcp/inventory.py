@@ -13,19 +13,20 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..layouts.dcp import METADATA_FILE
+from ..layouts.dcp import METADATA_FILE, METADATA_NAME
 
 PLAIN_STATE = "dcp, no manifest (written by DCP: nothing to verify)"
 
 
 def plain_step_dirs(keys: list[str]) -> set[str]:
-    """The directories (``""`` for the root) that hold DCP's ``.metadata``: with or without our manifest."""
-    return {k[:-len(METADATA_FILE)].rstrip("/") for k in keys if k == METADATA_FILE or k.endswith("/" + METADATA_FILE)}
+    """The directories (``""`` for the root) that hold DCP's ``.metadata`` (or a rank's ``__{rank}.metadata``):
+    with or without our manifest."""
+    return {k.rpartition("/")[0] for k in keys if METADATA_NAME.match(k.rpartition("/")[2])}
 
 
 def plain_state(keys: list[str], step_dir: str) -> str | None:
     """The ``ls`` state of a step directory without our manifest that holds DCP's ``.metadata``, else None."""
-    return PLAIN_STATE if f"{step_dir}/{METADATA_FILE}" in keys else None
+    return PLAIN_STATE if step_dir in plain_step_dirs([k for k in keys if k.startswith(step_dir + "/")]) else None
 
 
 def _metadata(data: bytes, where: str) -> Any:
@@ -55,30 +56,33 @@ def describe(tier: Any, prefix: str) -> tuple[Any, list[dict[str, Any]]]:
 
 
 def structure_problems(store: Any, manifest: Any) -> list[str]:
-    """DCP's structure of a committed ``dcp`` step, against our manifest: ``.metadata`` is there and loads,
-    every item it names lies inside one of the step's data files."""
+    """DCP's structure of a committed ``dcp`` step, against our manifest: its ``.metadata`` (or, saved without
+    collectives, every rank's ``__{rank}.metadata``) is there and loads, and every item it names lies inside one of
+    the step's data files."""
     from ..tiers.base import as_memoryview
 
     step_dir = store.layout.step_dir(manifest.step)
     sizes = {f.key: f.size for f in manifest.files}
-    key = f"{step_dir}/{METADATA_FILE}"
-    if key not in sizes:
-        return [f"{key}: not in the manifest: DCP cannot load this step"]
-    try:
-        metadata = _metadata(bytes(as_memoryview(store.tier.read_blob(key))), key)
-    except Exception as exc:  # unreadable or refused: the step is not loadable by DCP
-        return [f"{key}: {exc}"]
-    problems = []
-    for index, info in (metadata.storage_data or {}).items():
-        data_key = f"{step_dir}/{info.relative_path}"
-        if data_key not in sizes:
-            problems.append(f"{key}: {index.fqn} is stored in {info.relative_path}, which is not in the manifest")
-        elif info.offset < 0 or info.offset + info.length > sizes[data_key]:
-            problems.append(f"{key}: {index.fqn} at bytes {info.offset}+{info.length} runs past the end of "
-                            f"{info.relative_path} ({sizes[data_key]} bytes)")
-        if len(problems) >= 10:
-            problems.append(f"{key}: (further problems not listed)")
-            break
+    keys = sorted(f.key for f in manifest.files if METADATA_NAME.match(f.key.rsplit("/", 1)[-1]))  # any layout
+    if not keys:
+        return [f"{step_dir}/{METADATA_FILE}: not in the manifest: DCP cannot load this step"]
+    problems: list[str] = []
+    for key in keys:
+        try:
+            metadata = _metadata(bytes(as_memoryview(store.tier.read_blob(key))), key)
+        except Exception as exc:  # unreadable or refused: the step is not loadable by DCP
+            problems.append(f"{key}: {exc}")
+            continue
+        for index, info in (metadata.storage_data or {}).items():
+            data_key = f"{step_dir}/{info.relative_path}"
+            if data_key not in sizes:
+                problems.append(f"{key}: {index.fqn} is stored in {info.relative_path}, which is not in the "
+                                "manifest")
+            elif info.offset < 0 or info.offset + info.length > sizes[data_key]:
+                problems.append(f"{key}: {index.fqn} at bytes {info.offset}+{info.length} runs past the end of "
+                                f"{info.relative_path} ({sizes[data_key]} bytes)")
+            if len(problems) >= 10:
+                return [*problems, "(further problems not listed)"]
     return problems
 
 

@@ -36,13 +36,17 @@ from torch.futures import Future as TorchFuture
 from .. import events as ev
 from ..errors import CorruptionError, NoCheckpointError, TieredCkptError, TierError
 from ..file_store import FileStore
-from ..layouts.dcp import DATA_ITEM, METADATA_FILE, METADATA_ITEM
+from ..layouts.dcp import DATA_ITEM, METADATA_FILE, METADATA_ITEM, RANK_METADATA_ITEM, rank_metadata_file
 from ..memory_store import MemoryStore
 from ..tiers.base import as_memoryview, bytes_to_tensor
 from ._format import load_metadata, parse_data_file
 from .writer import check_engine, parse_step
 
 log = logging.getLogger(__name__)
+
+
+class _NoMetadata(TieredCkptError):
+    """No tier holds the step's .metadata (a save without collectives has per-rank ones instead)."""
 Fetched = Callable[[int, int, bool], Any]  # (offset, length, is_tensor) → tensor, or bytes for BYTE_IO
 
 
@@ -82,36 +86,46 @@ class TieredStorageReader(StorageReader):
         self.verified = True
         if checkpoint_id is None:
             return
-        if self.engine is None or (isinstance(checkpoint_id, str | os.PathLike)
-                                   and os.path.isfile(os.path.join(os.fspath(checkpoint_id), METADATA_FILE))):
+        if self.engine is None or (isinstance(checkpoint_id, str | os.PathLike) and os.path.isdir(checkpoint_id)
+                                   and any(n.endswith(METADATA_FILE) for n in os.listdir(checkpoint_id))):
             self.path = os.fspath(checkpoint_id)  # a plain DCP directory
         else:
             self.requested = parse_step(checkpoint_id)
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-        if kwargs.get("rank") is not None:
-            # DCP's fallback to per-rank metadata after the global one failed: say again why (no collective here)
-            raise self._metadata_error or TieredCkptError("per-rank DCP metadata (dcp.save(use_collectives=False))"
-                                                          " is not supported by TieredStorageReader")
+        rank = kwargs.get("rank")
+        if rank is not None:
+            # DCP's fallback after the global .metadata was not found: this rank's own (a save without
+            # collectives). Anything else failed first: say again why. No collective here.
+            if not isinstance(self._metadata_error, _NoMetadata | FileNotFoundError):
+                raise self._metadata_error or TieredCkptError("read_metadata(rank=...) before the global metadata")
+            try:
+                return self._read_metadata(rank)
+            except (_NoMetadata, FileNotFoundError) as exc:
+                raise TieredCkptError(f"{self._metadata_error}; and no {rank_metadata_file(rank)} either: {exc}"
+                                      ) from None
         try:
-            return self._read_metadata()
+            return self._read_metadata(None)
         except Exception as exc:
             self._metadata_error = exc
             raise
 
-    def _read_metadata(self) -> Metadata:
+    def _read_metadata(self, rank: int | None) -> Metadata:
         self.sources, self.verified = {}, True  # this load's
         self._t0, self._nbytes = time.perf_counter(), 0
         self._metadata_created = None
+        name = METADATA_FILE if rank is None else rank_metadata_file(rank)
         if self.engine is None or self.path is not None:
-            where = os.path.join(self.path or "", METADATA_FILE)
+            where = os.path.join(self.path or "", name)
             with open(where, "rb") as f:
                 metadata = load_metadata(f.read(), where)
             self.verified = False
             self._metadata_tier = "directory"
         else:
-            self.step = self._choose_step()
-            metadata = self._engine_metadata(self.step)
+            if rank is None:
+                self.step = self._choose_step()  # collective: the global attempt only
+            assert self.step is not None
+            metadata = self._engine_metadata(self.step, rank)
         if getattr(metadata, "storage_meta", None) is None:
             metadata.storage_meta = StorageMeta()
         return metadata
@@ -235,36 +249,43 @@ class TieredStorageReader(StorageReader):
         return chosen
 
     # ----- the metadata ------------------------------------------------------------------------------------
-    def _engine_metadata(self, step: int) -> Metadata:
+    def _engine_metadata(self, step: int, rank: int | None = None) -> Metadata:
+        """The step's ``.metadata`` (``rank``: that rank's ``__{rank}.metadata``), from the fastest tier."""
         reasons = []
+        item = METADATA_ITEM if rank is None else RANK_METADATA_ITEM
         for name, store in self._stores():
             try:
                 if isinstance(store, MemoryStore):
-                    found = self._snapshot(store, 0, step, METADATA_ITEM)
+                    found = self._snapshot(store, 0 if rank is None else rank, step, item)
                     if found is None:
                         continue
                     view, meta = found
-                    state = view.load(meta, copy=True, verify=True, only={METADATA_ITEM})[METADATA_ITEM]
+                    state = view.load(meta, copy=True, verify=True, only={item})[item]
                     data = bytes(as_memoryview(state["metadata"]))
-                    verified = all(it.checksum for it in meta.items if it.name == METADATA_ITEM)
+                    verified = all(it.checksum for it in meta.items if it.name == item)
                     # The coordinator snapshots last (in finish(), after every rank's write_data): a rank's
                     # snapshot of this save is no newer than this one. A newer one is a later, failed save.
                     self._metadata_created = meta.created
                 elif isinstance(store, FileStore):
-                    data, verified = self._file_bytes(store, step, store.layout.metadata_key(step))
+                    key = store.layout.metadata_key(step) if rank is None else \
+                        f"{store.layout.step_dir(step)}/{rank_metadata_file(rank)}"
+                    data, verified = self._file_bytes(store, step, key)
                     if data is None:
                         continue
                 else:
                     continue
-                metadata = load_metadata(data, f"tier {name!r} step {step} {METADATA_FILE}")
+                metadata = load_metadata(data, f"tier {name!r} step {step} "
+                                         f"{METADATA_FILE if rank is None else rank_metadata_file(rank)}")
                 self.verified = self.verified and verified
                 self._metadata_tier = name
                 return metadata
             except (TierError, OSError, CorruptionError, TieredCkptError) as exc:
                 reasons.append(f"tier {name!r}: {exc}")
                 log.warning("dcp load: step %d: DCP metadata unusable on tier %r: %s", step, name, exc)
-        raise TieredCkptError(f"rank {self.engine.coords.rank}: step {step}: no tier holds a usable DCP "
-                              f".metadata ({'; '.join(reasons) or 'none holds one'})")
+        what = METADATA_FILE if rank is None else rank_metadata_file(rank)
+        error = TieredCkptError if reasons else _NoMetadata
+        raise error(f"rank {self.engine.coords.rank}: step {step}: no tier holds a usable DCP {what} "
+                    f"({'; '.join(reasons) or 'none holds one'})")
 
     def _file_bytes(self, store: FileStore, step: int, key: str) -> tuple[bytes | None, bool]:
         """A whole file of ``step``: verified against the manifest, or unverified from a plain DCP directory."""

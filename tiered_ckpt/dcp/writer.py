@@ -31,7 +31,7 @@ from torch.futures import Future
 
 from ..errors import ConfigError, TieredCkptError
 from ..handles import SaveHandle
-from ..layouts.dcp import DATA_ITEM, METADATA_ITEM
+from ..layouts.dcp import DATA_ITEM, METADATA_ITEM, RANK_METADATA_ITEM
 from ._format import data_file, torch_save_length
 
 CURRENT_DCP_VERSION = "1.0.0"  # what FileSystemWriter stamps into Metadata.version
@@ -86,6 +86,7 @@ class TieredStorageWriter(StorageWriter, BlockingAsyncStager):
         self._pending: dict[str, Any] | None = None  # the coordinator's items, snapshotted in finish()
         self._lock = threading.Lock()
         self._is_coordinator = False
+        self._use_collectives = True
         self._rank = engine.coords.rank
         self._save_id = str(uuid.uuid4())
 
@@ -104,15 +105,16 @@ class TieredStorageWriter(StorageWriter, BlockingAsyncStager):
         if rank is not None and rank != self.engine.coords.rank:
             raise TieredCkptError(f"DCP saves as rank {rank} of its process group, the engine is rank "
                                   f"{self.engine.coords.rank}: use the default process group (all ranks)")
-        if kwargs.get("use_collectives", True) is False:
-            raise TieredCkptError("dcp.save(use_collectives=False) writes per-rank metadata, which the dcp layout "
-                                  "does not commit yet: save with use_collectives=True (the default)")
+        # use_collectives=False: DCP plans each rank alone and every rank's finish() gets its own Metadata
+        self._use_collectives = kwargs.get("use_collectives", True) is not False
         self._is_coordinator = is_coordinator
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
         return plan
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
+        if not self._use_collectives:  # this rank's plan alone
+            return [dataclasses.replace(p, storage_data=_StoragePrefix(f"__{self._rank}_")) for p in plans]
         world = self.engine.coords.world_size
         if len(plans) != world:
             raise TieredCkptError(f"DCP planned {len(plans)} ranks, the engine's job has {world}: save on the "
@@ -138,8 +140,8 @@ class TieredStorageWriter(StorageWriter, BlockingAsyncStager):
         entries = [entries[i] for i in order]
         index, results = self._file_layout(plan_items, entries)
         items = {DATA_ITEM: {"entries": entries, "index": index}}
-        if self._is_coordinator:
-            self._pending = items  # the snapshot waits for the Metadata (finish), on this rank only
+        if self._is_coordinator or not self._use_collectives:
+            self._pending = items  # the snapshot waits for the Metadata (finish): the coordinator's, or each rank's
         else:
             self._snapshot(items)
         fut: Future[list[WriteResult]] = Future()
@@ -152,7 +154,8 @@ class TieredStorageWriter(StorageWriter, BlockingAsyncStager):
         metadata.storage_meta = self.storage_meta()
         pickled = pickle.dumps(metadata)
         items = dict(self._pending or {DATA_ITEM: {"entries": [], "index": []}})
-        items[METADATA_ITEM] = {"metadata": torch.frombuffer(bytearray(pickled), dtype=torch.uint8)}
+        item = METADATA_ITEM if self._use_collectives else RANK_METADATA_ITEM
+        items[item] = {"metadata": torch.frombuffer(bytearray(pickled), dtype=torch.uint8)}
         self._pending = None
         self._snapshot(items)
 

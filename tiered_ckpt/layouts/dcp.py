@@ -7,12 +7,15 @@ and checksums of every file), written last as on every layout.
 
 The coordinator's pickled Metadata travels in its own snapshot as the ``dcp_metadata`` item and is staged at
 ``tiered_ckpt/dcp_metadata.bin``; once every rank's files are on the tier, :meth:`DcpLayout.finalize` writes it as
-``.metadata`` (so a DCP reader never finds ``.metadata`` beside a missing data file).
+``.metadata`` (so a DCP reader never finds ``.metadata`` beside a missing data file). A save without collectives
+(``dcp.save(..., use_collectives=False)``) gives every rank its own Metadata (``dcp_rank_metadata``), staged at
+``tiered_ckpt/dcp_metadata_RRRRR.bin`` and written as DCP's ``__{rank}.metadata``.
 """
 
 from __future__ import annotations
 
 import logging
+import re
 from typing import TYPE_CHECKING, Any
 
 from ..parallel import ParallelLayout, RankCoords
@@ -25,8 +28,14 @@ log = logging.getLogger(__name__)
 
 DATA_ITEM = "dcp"
 METADATA_ITEM = "dcp_metadata"
+RANK_METADATA_ITEM = "dcp_rank_metadata"  # a save without collectives: each rank's own Metadata
 METADATA_FILE = ".metadata"
 STAGED_METADATA = "dcp_metadata.bin"
+METADATA_NAME = re.compile(r"^(?:__\d+)?\.metadata$")  # DCP's .metadata, or a rank's __{rank}.metadata
+
+
+def rank_metadata_file(rank: int) -> str:
+    return f"__{rank}{METADATA_FILE}"
 
 
 class DcpLayout(Layout):
@@ -34,13 +43,15 @@ class DcpLayout(Layout):
     shared_items: tuple[str, ...] = ()
 
     def codec_for(self, item: str) -> str:
-        return "distcp" if item in (DATA_ITEM, METADATA_ITEM) else "flat"
+        return "distcp" if item in (DATA_ITEM, METADATA_ITEM, RANK_METADATA_ITEM) else "flat"
 
     def item_key(self, step: int, item: str, coords: RankCoords, extension: str) -> str | None:
         if item == DATA_ITEM:
             return f"{self.step_dir(step)}/__{coords.rank}_0.distcp"
         if item == METADATA_ITEM:
             return f"{self.step_dir(step)}/{META_DIR}/{STAGED_METADATA}"
+        if item == RANK_METADATA_ITEM:
+            return f"{self.step_dir(step)}/{META_DIR}/dcp_metadata_{coords.rank:05d}.bin"
         return f"{self.step_dir(step)}/rank_{coords.rank:05d}/{item}.{extension}"
 
     def optimizer_key(self, step: int, coords: RankCoords) -> str | None:
@@ -50,7 +61,7 @@ class DcpLayout(Layout):
         return f"{self.step_dir(step)}/{METADATA_FILE}"
 
     def is_derived(self, entry: FileEntry) -> bool:
-        return entry.key.endswith("/" + METADATA_FILE)
+        return bool(METADATA_NAME.match(entry.key.rsplit("/", 1)[-1]))
 
     def finalize(self, store: Any, step: int, parallel: ParallelLayout, files: list[FileEntry], scope: str
                  ) -> list[FileEntry]:
@@ -59,16 +70,19 @@ class DcpLayout(Layout):
 
         if any(self.is_derived(f) for f in files):
             return []
-        staged = next((f for f in files if f.item == METADATA_ITEM), None)
-        if staged is None:
+        staged = [f for f in files if f.item in (METADATA_ITEM, RANK_METADATA_ITEM)]
+        if not staged:
             # A node-local tier of a node without the coordinator: its data files are here, the step's
             # .metadata is on the coordinator's node and on the shared tiers.
             log.info("tier %r: step %d has no DCP metadata here (scope %s): load it from a shared tier",
                      store.name, step, scope)
             return []
-        blob = store.read_verified(staged, step, staged.rank)
-        raw = store.decode_stored(staged, blob)
-        key = self.metadata_key(step)
-        size, checksum, _ = store._write_file(key, lambda: [raw], step, staged.rank, compress=False)
-        return [FileEntry(key=key, item=METADATA_ITEM, rank=staged.rank, codec="distcp", size=size,
-                          checksum=checksum)]
+        out = []
+        for entry in staged:
+            blob = store.decode_stored(entry, store.read_verified(entry, step, entry.rank))
+            name = METADATA_FILE if entry.item == METADATA_ITEM else rank_metadata_file(entry.rank)
+            key = f"{self.step_dir(step)}/{name}"
+            size, checksum, _ = store._write_file(key, lambda b=blob: [b], step, entry.rank, compress=False)
+            out.append(FileEntry(key=key, item=entry.item, rank=entry.rank, codec="distcp", size=size,
+                                 checksum=checksum))
+        return out
