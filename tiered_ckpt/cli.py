@@ -236,9 +236,10 @@ def _open(args: argparse.Namespace, *, memory: bool) -> Opened:
         if cfg.name not in names:
             continue
         cls = pm.registries.tiers.get(cfg.kind)
-        is_memory = cls.capabilities_for(cfg.options).memory
-        if cfg.kind == "gpu" or (is_memory and not memory):
-            continue  # a process's own memory: nothing to see from here
+        caps = cls.capabilities_for(cfg.options)
+        is_memory = caps.memory
+        if (is_memory and not caps.survives_process) or (is_memory and not memory):
+            continue  # a process's own memory (gpu, or a plugin's like it): nothing to see from here
         opened.cfgs[cfg.name] = cfg
         try:
             why = absent_before_open(cfg, config.run_id, user)
