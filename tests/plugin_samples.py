@@ -77,10 +77,39 @@ class SweptTier(Tier):
             return None
 
 
+class VaultTier(SweptTier):
+    """A plugin kind that tells the CLI when its location is missing, without creating it."""
+
+    kind = "vault"
+
+    def __init__(self, name, options=None, context=None):
+        Tier.__init__(self, name, options, context)
+        self._disk = None  # opened on the first write: reading must create nothing
+
+    def _open(self):
+        if self._disk is None:
+            self._disk = LocalTier(self.name, self.options, self.context)
+        return self._disk
+
+    def write_blob(self, key, chunks):
+        return self._open().write_blob(key, chunks)
+
+    def list(self, prefix=""):
+        return self._open().list(prefix) if os.path.isdir(self.options.path) else []
+
+    @property
+    def location(self):
+        return f"vault:{self.options.path}"
+
+    def missing_location(self):
+        return None if os.path.isdir(self.options.path) else f"no such vault {os.path.basename(self.options.path)!r}"
+
+
 @hookimpl(specname="tiered_ckpt_register_tiers")
 def register_more_tiers(registry):
     registry.add("part_time", PartTimeTier)
     registry.add("swept", SweptTier)
+    registry.add("vault", VaultTier)
 
 
 more_kinds = types.SimpleNamespace(register_more_tiers=register_more_tiers)

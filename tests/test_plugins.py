@@ -319,3 +319,20 @@ def test_gc_finds_and_removes_a_plugin_kinds_temporary_files(tmp_path):
     assert [(d.what, d.key) for d in debris] == [("temporary file", "iter_0000001/rank_00000/" + leftover.name)]
     remove_debris(store, debris)
     assert not leftover.exists() and store.tier.exists("iter_0000001/rank_00000/state.flat")
+
+
+def test_the_cli_says_when_a_plugin_kinds_location_is_missing(tmp_path, capsys, monkeypatch):
+    import plugin_samples
+
+    from tiered_ckpt import plugins
+    from tiered_ckpt.cli import main
+
+    monkeypatch.setattr(plugins, "_default",
+                        PluginManager(load_entry_points=False, extra_plugins=(plugin_samples.more_kinds,)))
+    config = tmp_path / "tiers.yaml"
+    config.write_text(f"tiers:\n  - {{name: v, kind: vault, path: {tmp_path / 'nowhere'}}}\n")
+    code = main(["ls", "--config", str(config)])
+    captured = capsys.readouterr()
+    assert code == 3, captured  # nothing there
+    assert "no such vault 'nowhere'" in captured.out + captured.err
+    assert not (tmp_path / "nowhere").exists()  # a read-only command created nothing

@@ -61,6 +61,9 @@ def absent_location(tier: Tier) -> str | None:
 
     Raises :class:`Unreadable` when the store could not be asked (no answer, access denied, no credentials) and
     :class:`ConfigError` when the URL names a file."""
+    why = tier.missing_location()  # the Tier interface (tiers/base.py): a kind that can tell, plugins too
+    if why is not None:
+        return why
     fs, root = getattr(tier, "fs", None), getattr(tier, "root", None)
     if fs is None or not isinstance(root, str) or not hasattr(fs, "info"):
         return None
