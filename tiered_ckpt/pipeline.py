@@ -29,13 +29,8 @@ DEFAULT_SLOTS = 2
 
 
 def tier_enabled(pm: PluginManager, cfg: TierConfig) -> bool:
-    cls = pm.registries.tiers.get(cfg.kind)
-    if cfg.enabled == "auto" or cfg.enabled is True:
-        resolve = getattr(cls, "resolve_enabled", None)
-        if resolve is None:
-            return True
-        return bool(resolve(cfg.enabled, cfg.options))
-    return False
+    # The Tier interface (tiers/base.py): off only for false, unless the kind knows better (gpu without a device).
+    return bool(pm.registries.tiers.get(cfg.kind).resolve_enabled(cfg.enabled, cfg.options, name=cfg.name))
 
 
 def make_store(pm: PluginManager, config: Config, cfg: TierConfig, coords: RankCoords, local_rank: int,
@@ -135,9 +130,8 @@ def build_pipeline(config: Config, pm: PluginManager, coords: RankCoords, local_
     for cfg in config.tiers:
         try:
             enabled = tier_enabled(pm, cfg)
-            check = getattr(pm.registries.tiers.get(cfg.kind), "check_usable", None)
-            if enabled and check is not None:
-                check(cfg.options)  # what only this machine can tell (pin: true and no CUDA), before any save
+            if enabled:  # what only this machine can tell (pin: true and no CUDA), before any save
+                pm.registries.tiers.get(cfg.kind).check_usable(cfg.options)
         except ConfigError as exc:
             raise _placed(exc, config, cfg.name) from None
         if enabled:
