@@ -12,6 +12,7 @@ and shape), so the WriteResults are exact before a byte is written; the coordina
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import io
 import os
@@ -71,8 +72,8 @@ class TieredStorageWriter(StorageWriter, BlockingAsyncStager):
     ``step``: the step to save (otherwise ``checkpoint_id`` names it on every ``dcp.save``). ``persistent=False``:
     memory tiers only (no file tier takes these steps). For ``dcp.async_save`` this writer is also DCP's stager
     (a CPU copy, DCP's own ``BlockingAsyncStager``; ``cache_staged_state_dict`` keeps its buffers between saves):
-    the engine's snapshot then runs in DCP's upload thread. ``handles`` holds each save's
-    :class:`~tiered_ckpt.handles.SaveHandle`; :meth:`wait` waits until the last one is durable."""
+    the engine's snapshot then runs in DCP's upload thread. ``handles`` holds the latest saves'
+    :class:`~tiered_ckpt.handles.SaveHandle` (newest last); :meth:`wait` waits until the last one is durable."""
 
     def __init__(self, engine: Any, step: int | None = None, *, persistent: bool = True,
                  cache_staged_state_dict: bool = False):
@@ -82,7 +83,7 @@ class TieredStorageWriter(StorageWriter, BlockingAsyncStager):
         self.engine = engine
         self.step = step
         self.persistent = persistent
-        self.handles: list[SaveHandle] = []
+        self.handles: collections.deque[SaveHandle] = collections.deque(maxlen=16)  # the latest saves' handles
         self._pending: dict[str, Any] | None = None  # the coordinator's items, snapshotted in finish()
         self._lock = threading.Lock()
         self._is_coordinator = False
@@ -108,6 +109,7 @@ class TieredStorageWriter(StorageWriter, BlockingAsyncStager):
         # use_collectives=False: DCP plans each rank alone and every rank's finish() gets its own Metadata
         self._use_collectives = kwargs.get("use_collectives", True) is not False
         self._is_coordinator = is_coordinator
+        self._pending = None  # a save that failed before finish() left its items here
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
         return plan
