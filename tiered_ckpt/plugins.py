@@ -259,10 +259,10 @@ class PluginManager:
             self.pm.check_pending()
         except pluggy.PluginValidationError as exc:
             hooks = exc.plugin
-            plugin = getattr(hooks, "name", repr(hooks))
+            plugin = self._shown(hooks.name) if isinstance(hooks, _Hooks) else repr(hooks)
             unknown = sorted(h for h in dir(hooks) if h.startswith(f"{hookspecs.PROJECT}_") and h not in HOOK_NAMES)
             hook = unknown[0] if unknown else "?"
-            raise PluginError(f"plugin {plugin!r} implements {hook!r}, which is no hook of tiered_ckpt"
+            raise PluginError(f"plugin {plugin} implements {hook!r}, which is no hook of tiered_ckpt"
                               f"{suggest(hook, HOOK_NAMES)} (hooks: {', '.join(HOOK_NAMES)}; see docs/hooks.md)"
                               ) from None
 
@@ -300,6 +300,14 @@ class PluginManager:
     def _remove(self, name: str) -> None:
         self.pm.unregister(self._hooks.pop(name))
         self._origins.pop(name, None)
+
+    def _shown(self, name: str) -> str:
+        """A plugin's name for messages, with what it is when the name alone says nothing (an id)."""
+        hooks = self._hooks.get(name)
+        if hooks is None or not name.isdigit():
+            return repr(name)
+        what = repr(hooks.plugin)
+        return f"{name!r} ({what[:117] + '...' if len(what) > 120 else what})"
 
     def get_plugin(self, name: str) -> Any:
         hooks = self._hooks.get(name)
@@ -343,8 +351,8 @@ class PluginManager:
         fix = (f"move it into an importable module (and register that module, or publish an entry point of group "
                f"{ENTRY_POINT_GROUP!r}), or drain in threads of this process: drain: {{mode: thread}}{where}")
         for name, why in spec.unreachable:
-            raise PluginError(f"plugin {name!r} cannot reach the drain worker process (drain: {{mode: process}}): "
-                              f"the worker re-creates each plugin by import, and {why}; {fix}")
+            raise PluginError(f"plugin {self._shown(name)} cannot reach the drain worker process (drain: "
+                              f"{{mode: process}}): the worker re-creates each plugin by import, and {why}; {fix}")
         _, why = _worker_safe_pickle(dataclasses.replace(config, plugins=None))
         if why is not None:
             raise PluginError(f"the configuration cannot reach the drain worker process: {why}; a tier kind's "
