@@ -29,6 +29,7 @@ from .compression import compress_chunks, decompress_to_tensor
 from .config import TierConfig
 from .crashpoints import crash_point
 from .errors import BlobNotFoundError, CorruptionError, DecodeError, LayoutMismatchError, NoCheckpointError, TierError
+from .file_streams import check_entry, raw_pieces
 from .layouts.base import MODEL_ITEM, OPTIM_ITEM, Layout
 from .manifest import (
     CheckpointManifest,
@@ -265,6 +266,43 @@ class FileStore:
                          compression=self.compression_name, raw_size=raw,
                          meta={"byte_grouping": True} if grouping else {})
 
+    def write_file(self, key: str, make_chunks: Callable[[], Iterable[Chunk]], *, item: str, rank: int, step: int,
+                   codec: str = "torch", meta: dict[str, Any] | None = None) -> FileEntry:
+        """One file of ``step`` written from a chunk stream that is not an item of a snapshot (Megatron's merged
+        or converted files), with this tier's retries and events, checksummed on the way out and never
+        compressed (Megatron must read it). ``make_chunks`` is called once per attempt."""
+        size, checksum, raw = self._write_file(key, make_chunks, step, rank, compress=False)
+        return FileEntry(key=key, item=item, rank=rank, codec=codec, size=size, checksum=checksum, compression=None,
+                         raw_size=raw, meta=dict(meta or {}))
+
+    def copy_file(self, src: Tier, src_key: str, key: str, *, entry: FileEntry | None, item: str, rank: int,
+                  step: int, meta: dict[str, Any] | None = None,
+                  on_read: Callable[[int], None] | None = None) -> FileEntry:
+        """Copy a file from another tier piece by piece (decompressed if its ``entry`` says it was stored
+        compressed). With ``entry`` the source is checked while it is read: a mismatch removes the copy and
+        raises :class:`CorruptionError` naming the source."""
+        try:
+            return self.write_file(key, lambda: raw_pieces(src, src_key, entry, on_read=on_read), item=item,
+                                   rank=rank, step=step, meta=meta)
+        except CorruptionError:
+            self.tier.delete(key)
+            raise
+
+    def commit_files(self, step: int, layout: ParallelLayout, entries: list[FileEntry]) -> CheckpointManifest:
+        """Commit files of ``step`` already written (by :meth:`write_file`/:meth:`copy_file`) for a job of
+        ``layout``: every rank's manifest (empty for ranks that own no file), then the checkpoint manifest and
+        the tracker (:meth:`try_commit`)."""
+        by_rank: dict[int, list[FileEntry]] = {r: [] for r in range(layout.world_size)}
+        for e in entries:
+            by_rank[e.rank].append(e)
+        for r, files in by_rank.items():
+            self._publish_rank(step, layout.coords(r), files)
+        committed = self.try_commit(step, layout.coords(0))
+        if committed is None:
+            raise CorruptionError(f"step {step}: not committed on {self.tier.describe()}: rank manifests missing",
+                                  tier=self.name)
+        return committed
+
     def _publish_rank(self, step: int, coords: RankCoords, entries: list[FileEntry]) -> RankManifest:
         manifest = RankManifest(step=step, rank=coords.rank, layout=self.layout.name, coords=coords.to_dict(),
                                 parallel=coords.layout.to_dict(), files=tuple(entries), run_id=self.run_id)
@@ -418,17 +456,9 @@ class FileStore:
     def verify(self, entry: FileEntry, blob: torch.Tensor, hexdigest: str | None = None) -> None:
         """Raise CorruptionError unless ``blob`` is the file the manifest describes. ``hexdigest``: the blob's
         digest under this build's algorithm, if already computed while reading it."""
-        if blob.numel() != entry.size:
-            raise CorruptionError(f"size is {blob.numel()} bytes, the manifest says {entry.size}",
-                                  tier=self.name, key=entry.key)
-        algorithm = entry.checksum.split(":", 1)[0]
-        if algorithm != ALGORITHM:
-            raise CorruptionError(f"unknown checksum algorithm {algorithm!r}", tier=self.name, key=entry.key)
-        if hexdigest is None:
+        if blob.numel() == entry.size and entry.checksum.startswith(f"{ALGORITHM}:") and hexdigest is None:
             hexdigest = digest(blob)
-        if f"{ALGORITHM}:{hexdigest}" != entry.checksum:
-            raise CorruptionError("checksum mismatch: the file's bytes differ from what was written",
-                                  tier=self.name, key=entry.key)
+        check_entry(entry, blob.numel(), hexdigest or "", tier=self.name)
 
     def read_verified(self, entry: FileEntry, step: int | None, rank: int, *, verify: bool = True) -> torch.Tensor:
         """The stored bytes of ``entry`` (with retries), checked against the manifest when ``verify``: a

@@ -6,7 +6,8 @@ tensor ever travels through a pipe. Only small messages do: requests in, events 
 training process dies, the worker finishes the drains it has, then exits.
 
 :func:`open_drain` picks the drain for a pipeline; all three (:class:`~tiered_ckpt.drain.DrainRuntime`,
-:class:`ProcessDrain`, :class:`SplitDrain`) implement :class:`~tiered_ckpt.drain_protocol.Drain`.
+:class:`ProcessDrain`, :class:`SplitDrain`) implement :class:`~tiered_ckpt.drain_protocol.Drain`
+(docs/architecture.md, "The two protocols").
 """
 
 from __future__ import annotations

@@ -185,6 +185,7 @@ def test_megatron_layout_through_the_commit_hook(tmp_path: Path, shm_root: str) 
     from dataclasses import replace
 
     from tiered_ckpt.manifest import dump_checkpoint, load_checkpoint
+    from tiered_ckpt.megatron.convert import open_store
     from tiered_ckpt.megatron.merge import merge_step_on_tier
     from tiered_ckpt.tiers.fsspec_tier import FsspecOptions, FsspecTier
 
@@ -208,7 +209,8 @@ def test_megatron_layout_through_the_commit_hook(tmp_path: Path, shm_root: str) 
     tier = FsspecTier("shared", FsspecOptions(url=f"file://{shared}"))
     key = f"{step_dir}/tiered_ckpt/manifest.json"
     manifest = load_checkpoint(bytes(tier.read_blob(key).numpy()))
-    entries = merge_step_on_tier(tier, job.iteration, topology=job.parallel, entries=manifest.files)
+    entries = merge_step_on_tier(open_store(tier, "megatron", "shared"), job.iteration, topology=job.parallel,
+                                 entries=manifest.files)
     assert [e.key for e in entries] == [f"{step_dir}/mp_rank_0{t}/distrib_optim.pt" for t in (0, 1)]
     tier.publish(key, dump_checkpoint(replace(manifest, files=manifest.files + tuple(entries))))
     for shard in job.shards():

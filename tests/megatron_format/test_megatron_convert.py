@@ -27,7 +27,8 @@ from megatron_fixtures import (
 
 from tiered_ckpt.cli import main as cli_main
 from tiered_ckpt.errors import ConfigError, CorruptionError
-from tiered_ckpt.megatron import legacy, tier_io
+from tiered_ckpt.file_streams import checked_pieces
+from tiered_ckpt.megatron import legacy
 from tiered_ckpt.megatron.convert import convert
 from tiered_ckpt.megatron.distrib_optim import merge_shards
 from tiered_ckpt.megatron.rank_shard import dp_group
@@ -52,7 +53,8 @@ def _assert_committed(root: Path, step: int, files: int) -> None:
     manifest = load_checkpoint((root / info.step_dir / "tiered_ckpt" / "manifest.json").read_bytes())
     assert len(manifest.files) == files
     for entry in manifest.files:
-        tier_io.verify_file(tier, entry)
+        for _ in checked_pieces(tier, entry.key, entry):  # raises on a mismatch
+            pass
 
 
 def _megatron_files_identical(root: Path, config: str) -> None:

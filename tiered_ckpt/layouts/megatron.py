@@ -52,4 +52,4 @@ class MegatronLayout(Layout):
             return []
         from ..megatron.merge import merge_step_on_tier
 
-        return merge_step_on_tier(store.tier, step, topology=parallel, entries=files, retry=store.cfg.retry)
+        return merge_step_on_tier(store, step, topology=parallel, entries=files)

@@ -3,8 +3,9 @@ for another DP size: :func:`convert`, and ``tiered-ckpt convert`` (:mod:`.cli_co
 
 Sources: a checkpoint Megatron-LM wrote (no manifest: nothing to verify, the report says so), or one of ours in
 either layout (every file verified against the manifest while it is read). The destination gets our manifest
-and Megatron's tracker, in the commit protocol's order: the files (checksummed while they are written), every
-rank's manifest, then the checkpoint manifest and the tracker (``FileStore.try_commit``).
+and Megatron's tracker, in the commit protocol's order, all through the destination's file store (its retries,
+events and crash points): the files (``FileStore.write_file``/``copy_file``, checksummed while they are written),
+then ``FileStore.commit_files``: every rank's manifest, the checkpoint manifest and the tracker.
 
 What happens to each file:
 
@@ -135,12 +136,12 @@ def convert(
         notes=list(info.notes))
     with StepSource(src_tier, info, trust_pickles=trust_pickles, verify=verify) as source, \
             _progress_bar(progress, _estimate(src_tier, info)) as bar:
-        entries = _write(source, dst_tier, to, target, report, bar)
+        entries = _write(source, store, to, target, report, bar)
         if not isinstance(bar, _NoBar):  # the total was an estimate: a finished bar says 100%, never 97% or "?"
             bar.total = bar.n
             bar.refresh()
         report.bytes_read += source.bytes_read
-        tier_io.commit_step(store, step_no, target, entries)
+        store.commit_files(step_no, target, entries)
     report.files = [{"key": e.key, "item": e.item, "rank": e.rank, "size": e.size, "checksum": e.checksum}
                     for e in entries]
     report.bytes_written = sum(e.size for e in entries)
@@ -176,50 +177,55 @@ def _check_megatron_loadable(tier: Tier, key: str, report: ConvertReport, trust_
     report.notes.append(message)
 
 
-def _write(source: StepSource, dst: Tier, to: str, target: MegatronTopology, report: ConvertReport,
+def _write(source: StepSource, store: FileStore, to: str, target: MegatronTopology, report: ConvertReport,
            bar: Any) -> list[FileEntry]:
-    info, src = source.info, source.tier
+    info, src, dst = source.info, source.tier, store.tier
+    step = int(info.iteration)
     entries: list[FileEntry] = []
-    stats = tier_io.CopyStats()
-    progress = bar.update
+    read = 0
+
+    def on_read(n: int) -> None:
+        nonlocal read
+        read += n
+        bar.update(n)
+
+    def copy(key: str, item: str, rank: int, meta: dict[str, Any] | None = None) -> FileEntry:
+        return store.copy_file(src, key, key, entry=source.entry(key), item=item, rank=rank, step=step, meta=meta,
+                               on_read=on_read)
+
     writers = model_dirs(target)
     for d, writer in writers.items():
         key = source.key(d, MODEL_FILENAME)
-        entries.append(tier_io.copy_file(src, key, dst, key, item=MODEL_ITEM, rank=writer, entry=source.entry(key),
-                                         stats=stats, progress=progress))
+        entries.append(copy(key, MODEL_ITEM, writer))
         _check_megatron_loadable(dst, key, report, source.trust_pickles)  # the verified copy: not committed yet
     same_dp = target.dp == info.topology.dp
     if to == "megatron":
         if info.layout == "rank_sharded":
             shards_dirs = plan_dirs(_rank_shards(source))
             for d, parts in shards_dirs.items():
-                entries.append(write_megatron_file(dst, source.key(d, DISTRIB_OPTIM_FILENAME), parts,
-                                                   progress=progress))
+                entries.append(write_megatron_file(store, source.key(d, DISTRIB_OPTIM_FILENAME), parts, step=step,
+                                                   progress=bar.update))
         elif info.has_distrib_optim:
             meta = _megatron_meta(source, report)
             for d in info.rank_dirs:
                 key = source.key(d, DISTRIB_OPTIM_FILENAME)
                 if src.exists(key):
-                    entries.append(tier_io.copy_file(src, key, dst, key, item=OPTIM_ITEM, rank=writers[d],
-                                                     entry=source.entry(key), meta=meta.get(d), stats=stats,
-                                                     progress=progress))
+                    entries.append(copy(key, OPTIM_ITEM, writers[d], meta.get(d)))
     elif info.layout == "rank_sharded" and same_dp:
         for r in info.rank_files:
-            key = source.key(f"rank_{r:05d}", DISTRIB_OPTIM_FILENAME)
-            entries.append(tier_io.copy_file(src, key, dst, key, item=OPTIM_ITEM, rank=r, entry=source.entry(key),
-                                             stats=stats, progress=progress))
+            entries.append(copy(source.key(f"rank_{r:05d}", DISTRIB_OPTIM_FILENAME), OPTIM_ITEM, r))
     elif source.dir_states():
         from .merge import counted
         from .torch_zip import iter_torch_save
 
         for r in range(target.world_size):
             key = source.key(f"rank_{r:05d}", DISTRIB_OPTIM_FILENAME)
-            entries.append(tier_io.write_file(
-                dst, key, lambda r=r: counted(iter_torch_save(source.streamed_rank_shard(target, r)), progress),
-                item=OPTIM_ITEM, rank=r))
+            entries.append(store.write_file(
+                key, lambda r=r: counted(iter_torch_save(source.streamed_rank_shard(target, r)), bar.update),
+                item=OPTIM_ITEM, rank=r, step=step))
     if not any(e.item == OPTIM_ITEM for e in entries):
         report.notes.append("no distributed-optimizer state in the source: only model files were converted")
-    report.bytes_read += stats.bytes_read
+    report.bytes_read += read
     return entries
 
 

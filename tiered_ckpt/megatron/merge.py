@@ -15,11 +15,10 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ..config import RetryConfig
 from ..errors import CorruptionError, LayoutMismatchError
 from ..manifest import FileEntry
 from ..tiers.base import Tier
@@ -29,6 +28,9 @@ from .geometry import BufferGeometry, OptimizerGeometry
 from .lazy_torch import LazyArray, LazyTorchFile, copy_range, open_lazy
 from .naming import DISTRIB_OPTIM_FILENAME, MegatronTopology, iteration_dir_name
 from .torch_zip import StreamedTensor, iter_torch_save
+
+if TYPE_CHECKING:
+    from ..file_store import FileStore
 
 OPTIM_ITEM = "distrib_optim"
 Progress = Callable[[int], None]
@@ -181,12 +183,13 @@ def counted(chunks: Iterator[Any], progress: Progress | None) -> Iterator[Any]:
         progress(memoryview(c).nbytes if not isinstance(c, torch.Tensor) else c.numel() * c.element_size())
 
 
-def write_megatron_file(tier: Tier, key: str, parts: Sequence[GroupPart | None], *,
-                        retry: RetryConfig | None = None, progress: Progress | None = None) -> FileEntry:
-    """Merge the DP groups of one directory into ``key`` (Megatron's ``distrib_optim.pt``), streamed."""
-    return tier_io.write_file(
-        tier, key, lambda: counted(iter_torch_save(megatron_object(parts), archive="distrib_optim"), progress),
-        item=OPTIM_ITEM, rank=owner_rank(parts), meta=parts_meta(parts), retry=retry)
+def write_megatron_file(store: FileStore, key: str, parts: Sequence[GroupPart | None], *, step: int,
+                        progress: Progress | None = None) -> FileEntry:
+    """Merge the DP groups of one directory into ``key`` (Megatron's ``distrib_optim.pt``), streamed through
+    the file store (its retries and events)."""
+    return store.write_file(
+        key, lambda: counted(iter_torch_save(megatron_object(parts), archive="distrib_optim"), progress),
+        item=OPTIM_ITEM, rank=owner_rank(parts), step=step, meta=parts_meta(parts))
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -217,16 +220,15 @@ def open_rank_shards(tier: Tier, keys: Mapping[str, int], files: OpenedFiles,
 
 
 def merge_step_on_tier(
-    tier: Tier,
+    store: FileStore,
     step: int,
     *,
     topology: Any = None,
     entries: Sequence[FileEntry] | None = None,
     verify: bool = True,
-    retry: RetryConfig | None = None,
     progress: Progress | None = None,
 ) -> list[FileEntry]:
-    """Write ``iter_<step>/mp_rank_*/distrib_optim.pt`` on ``tier`` from the step's rank files; return their
+    """Write ``iter_<step>/mp_rank_*/distrib_optim.pt`` on ``store`` from the step's rank files; return their
     manifest entries (item ``distrib_optim``, rank = the directory's DP rank 0, ``meta`` = kinds, DP sizes and
     bucket geometry). The rank files stay; the caller decides whether the checkpoint manifest lists them.
 
@@ -234,6 +236,7 @@ def merge_step_on_tier(
     ``entries``: the rank files' manifest entries (from the rank manifests): each file is then verified before
     it is used (``verify``) and decompressed if its tier compressed it. Without them nothing is verified.
     """
+    tier = store.tier
     keys = rank_file_keys(tier, step)
     by_key = {e.key: e for e in entries or ()}
     with OpenedFiles(verify=verify) as files:
@@ -247,7 +250,7 @@ def merge_step_on_tier(
                 raise LayoutMismatchError(f"step {step}: rank files were written by {rank_shard.topology_dict(topo)}, "
                                           f"the job is {rank_shard.topology_dict(want)}")
         step_dir = iteration_dir_name(step)
-        return [write_megatron_file(tier, f"{step_dir}/{d}/{DISTRIB_OPTIM_FILENAME}", parts, retry=retry,
+        return [write_megatron_file(store, f"{step_dir}/{d}/{DISTRIB_OPTIM_FILENAME}", parts, step=step,
                                     progress=progress)
                 for d, parts in plan_dirs(shards).items()]
 

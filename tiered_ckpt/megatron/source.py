@@ -21,6 +21,7 @@ import torch
 from ..checksum import new_hasher
 from ..compression import decompress_to_tensor
 from ..errors import CorruptionError, LayoutMismatchError, UnsafePickleError
+from ..file_streams import check_entry
 from ..layouts.base import META_DIR
 from ..manifest import CheckpointManifest, FileEntry, load_checkpoint
 from ..parallel import RankCoords
@@ -103,7 +104,7 @@ class StepSource:
         self.model_bytes_read += blob.numel()
         if entry is not None:
             if hasher is not None:
-                tier_io.check_digest(entry, blob.numel(), hasher.hexdigest(), where)
+                check_entry(entry, blob.numel(), hasher.hexdigest(), tier=self.tier.name, key=key)
             if entry.compression is not None:
                 blob = decompress_to_tensor(blob, entry.raw_size or 0, where=key, tier=self.tier.name)
                 return safe_load.load_views(blob, where=where, trust_pickles=self.trust_pickles)

@@ -354,7 +354,6 @@ def write_checkpoint(job: SyntheticJob, dst: Any, *, layout: str = "rank_sharded
     ``manifest=False``: its files and tracker only). Returns the files' manifest entries. The ``megatron`` layout
     holds every rank's shards in memory while merging: for tests; a large checkpoint is written ``rank_sharded``
     and converted."""
-    from . import tier_io
     from .convert import open_store
     from .merge import plan_dirs, write_megatron_file
     from .naming import TRACKER_FILENAME, iteration_dir_name
@@ -365,22 +364,22 @@ def write_checkpoint(job: SyntheticJob, dst: Any, *, layout: str = "rank_sharded
     entries = []
     for shard in job.shards():
         key = f"{step_dir}/{job.mp_dir(shard)}/model_optim_rng.pt"
-        entries.append(tier_io.write_file(
-            tier, key, lambda shard=shard: iter_torch_save(job.model_optim_rng(shard), archive="model_optim_rng"),
-            item="model_optim_rng", rank=job.writer_rank(shard)))
+        entries.append(store.write_file(
+            key, lambda shard=shard: iter_torch_save(job.model_optim_rng(shard), archive="model_optim_rng"),
+            item="model_optim_rng", rank=job.writer_rank(shard), step=job.iteration))
     if layout == "rank_sharded":
         for r in job.iter_ranks():
-            entries.append(tier_io.write_file(tier, f"{step_dir}/rank_{r:05d}/distrib_optim.pt",
-                                              lambda r=r: iter_torch_save(job.rank_shard(r)), item="distrib_optim",
-                                              rank=r))
+            entries.append(store.write_file(f"{step_dir}/rank_{r:05d}/distrib_optim.pt",
+                                            lambda r=r: iter_torch_save(job.rank_shard(r)), item="distrib_optim",
+                                            rank=r, step=job.iteration))
     elif layout == "megatron":
         shards = {r: rank_shard.parse(job.rank_shard(r), where=f"rank {r}") for r in job.iter_ranks()}
         for d, parts in plan_dirs(shards).items():
-            entries.append(write_megatron_file(tier, f"{step_dir}/{d}/distrib_optim.pt", parts))
+            entries.append(write_megatron_file(store, f"{step_dir}/{d}/distrib_optim.pt", parts, step=job.iteration))
     else:
         raise ValueError(f"layout: expected megatron or rank_sharded, got {layout!r}")
     if manifest:
-        tier_io.commit_step(store, job.iteration, job.topology, entries)
+        store.commit_files(job.iteration, job.topology, entries)
     else:
         tier.publish(TRACKER_FILENAME, str(job.iteration).encode())
     return entries
