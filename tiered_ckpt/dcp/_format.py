@@ -62,7 +62,7 @@ def _zip_length(records: list[tuple[str, int]]) -> int:
     return offset + central + 56 + 20 + 22  # zip64 end record, its locator, the end record
 
 
-@functools.lru_cache(maxsize=4096)
+@functools.lru_cache(maxsize=65536)  # (dtype, shape) pairs: models repeat them
 def torch_save_length(dtype: torch.dtype, shape: tuple[int, ...]) -> int:
     """``len(torch.save(t))`` for a contiguous CPU tensor ``t`` of ``dtype`` and ``shape``."""
     stream = torch_zip.StreamedTensor(dtype, tuple(shape), lambda: [])
