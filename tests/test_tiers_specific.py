@@ -16,6 +16,7 @@ import torch
 from tiered_ckpt.errors import (
     CapacityError,
     ConfigError,
+    CorruptionError,
     PermanentTierError,
     TierError,
     TransientTierError,
@@ -564,3 +565,13 @@ def test_make_tier_defaults_to_throwaway_locations(make_tier, shm_root, tmp_path
     assert make_tier("gpu").device.type in ("cpu", "cuda")
     with pytest.raises(ConfigError, match=r"make_tier\('local'\)\.fsync: expected true or false"):
         make_tier("local", fsync="no")
+
+
+@pytest.mark.parametrize("size", ["big", None, -1])
+def test_fsspec_a_store_answer_without_a_byte_count_is_a_corruption_error(make_tier, monkeypatch, size):
+    tier = make_tier("fsspec")
+    tier.write_blob("k", [b"v"])
+    monkeypatch.setattr(tier.fs, "info", lambda path, **kw: {"name": path, "type": "file", "size": size})
+    for read in (tier.size, tier.read_blob, lambda k: tier.read_range(k, 0, 1)):
+        with pytest.raises(CorruptionError, match="the store gives no byte count"):
+            read("k")

@@ -302,7 +302,7 @@ class FsspecTier(Tier):
         path = self._path(key)
         with self._errors(key, "read", path, missing_ok=True):
             if isinstance(self.fs, MemoryFileSystem):  # its open() shares one file position between readers
-                size = int(self.fs.info(path)["size"])
+                size = self._info_size(self.fs.info(path), key, path)
                 check_size(size, max_size, self._redact(path), tier=self.name, key=key)
                 out = bytes_to_tensor(self.fs.cat_file(path))
             else:
@@ -380,7 +380,20 @@ class FsspecTier(Tier):
             info = self.fs.info(path)
         if info.get("type") != "file":
             raise BlobNotFoundError("no such blob (a directory)", tier=self.name, key=key)
-        return int(info["size"])
+        return self._info_size(info, key, path)
+
+    def _info_size(self, info: dict[str, Any], key: str, path: str) -> int:
+        """The size in a store's ``info`` answer; one that is not a byte count is a corruption (a load falls
+        back to the next tier), never a ``ValueError``."""
+        value = info.get("size")
+        try:
+            size = int(value)
+        except (TypeError, ValueError):
+            size = -1
+        if size < 0 or isinstance(value, bool):
+            raise CorruptionError(f"{self._redact(path)}: the store gives no byte count for it (size {value!r})",
+                                  tier=self.name, key=key)
+        return size
 
     def exists(self, key: str) -> bool:
         if self.files is not None:
