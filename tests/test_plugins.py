@@ -194,15 +194,20 @@ def _worker_config(tmp_path, shm_root, kind="mirror"):
 def test_a_kind_from_extra_plugins_drains_in_the_worker_process(tmp_path, shm_root, how):
     import plugin_samples
     import torch
+    from helpers import Recorder
 
     from tiered_ckpt import CheckpointEngine
 
     plugin = plugin_samples if how == "module" else plugin_samples.as_object
     pm = PluginManager(load_entry_points=False, extra_plugins=(plugin,))
-    with CheckpointEngine(_worker_config(tmp_path, shm_root), plugin_manager=pm) as engine:
+    rec = Recorder()
+    config = _worker_config(tmp_path, shm_root)
+    with CheckpointEngine(config, plugin_manager=pm, observers=[rec]) as engine:
         handle = engine.save(1, {"state": {"w": torch.arange(4.0)}})
         handle.wait(timeout=120)  # raises if a tier failed (before: the worker had no kind "mirror")
     assert (tmp_path / "disk" / "iter_0000001" / "tiered_ckpt" / "manifest.json").is_file()
+    # The worker's events reach this engine's observers, with its run_id.
+    assert [(e.run_id, e.step) for e in rec.kinds("commit", tier="disk")] == [(config["run_id"], 1)]
 
 
 def test_the_worker_rebuilds_the_plugins_from_the_spec(monkeypatch):
