@@ -341,3 +341,21 @@ def test_the_cli_says_when_a_plugin_kinds_location_is_missing(tmp_path, capsys, 
     assert code == 3, captured  # nothing there
     assert "no such vault 'nowhere'" in captured.out + captured.err
     assert not (tmp_path / "nowhere").exists()  # a read-only command created nothing
+
+
+def test_a_plugin_kinds_options_load_from_yaml_with_the_same_checks(tmp_path):
+    import plugin_samples
+
+    from tiered_ckpt.config import load_config
+    from tiered_ckpt.errors import ConfigError
+
+    pm = PluginManager(load_entry_points=False, extra_plugins=(plugin_samples,))
+    path = tmp_path / "tiers.yaml"
+    path.write_text(f"tiers:\n  - {{name: m, kind: mirror, path: {tmp_path}/m, fsync: false}}\n")
+    tier = load_config(str(path), registries=pm.registries).tiers[0]
+    assert (tier.options.path, tier.options.fsync) == (f"{tmp_path}/m", False)
+    path.write_text(f"tiers:\n  - {{name: m, kind: mirror, path: {tmp_path}/m, fsyn: false}}\n")
+    with pytest.raises(ConfigError) as info:
+        load_config(str(path), registries=pm.registries)
+    assert str(info.value).startswith(f"{path}: tiers[0].fsyn: unknown key (allowed for a mirror tier: ")
+    assert str(info.value).endswith("did you mean 'fsync'?")
