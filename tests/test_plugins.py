@@ -224,6 +224,11 @@ def test_the_worker_rebuilds_the_plugins_from_the_spec(monkeypatch):
         assert rebuilt.registries.tiers.get("mirror") is plugin_samples.MirrorTier
         assert plugins.get_plugin_manager() is rebuilt  # what a kind looking up other kinds finds there
         assert "faulty" not in rebuilt.registries.tiers  # the same plugins: no entry points here either
+    # A hook under another attribute name (specname) is a registration hook all the same.
+    pm = PluginManager(load_entry_points=False, extra_plugins=(plugin_samples.more_kinds,))
+    assert "swept" in manager_for_worker(pm.spec()).registries.tiers
+    with pytest.raises(PluginError, match="runs only when the plugin manager starts"):
+        pm.register(types.SimpleNamespace(register_more_tiers=plugin_samples.register_more_tiers))
 
 
 def test_a_plugin_the_worker_cannot_import_is_an_error_at_engine_construction(tmp_path, shm_root):

@@ -277,7 +277,7 @@ class PluginManager:
         """Add an observer plugin at run time: it sees the events of every engine built on this manager (for
         one engine's events alone, give the engine ``observers=``). Registration hooks run only at start-up: a
         plugin adding kinds must be passed as ``extra_plugins`` or installed as an entry point."""
-        adds = [h for h in REGISTRATION_HOOKS if self.pm.parse_hookimpl_opts(plugin, h) is not None]
+        adds = sorted(_implemented(self.pm, plugin) & set(REGISTRATION_HOOKS))
         if adds:
             raise PluginError(f"plugin {name or plugin!r} implements {adds[0]}, which runs only when the plugin "
                               "manager starts: pass it as PluginManager(extra_plugins=(...,)) or publish it as an "
@@ -332,7 +332,7 @@ class PluginManager:
     def spec(self) -> PluginSpec:
         plugins, unreachable = [], []
         for name, hooks in self._hooks.items():
-            if not any(self.pm.parse_hookimpl_opts(hooks, h) is not None for h in REGISTRATION_HOOKS):
+            if not _implemented(self.pm, hooks.plugin) & set(REGISTRATION_HOOKS):
                 continue  # an observer: the worker forwards events, it runs none
             how, what = self._origins.get(name) or self._origin(hooks.plugin)
             if how == "builtin":
@@ -357,6 +357,16 @@ class PluginManager:
         if why is not None:
             raise PluginError(f"the configuration cannot reach the drain worker process: {why}; a tier kind's "
                               f"Options class must be importable too: {fix}")
+
+
+def _implemented(pm: pluggy.PluginManager, plugin: Any) -> set[str]:
+    """The hooks ``plugin`` implements (a ``specname`` counts as its hook)."""
+    hooks = set()
+    for attr in dir(plugin):
+        opts = pm.parse_hookimpl_opts(plugin, attr)
+        if opts is not None:
+            hooks.add(opts.get("specname") or attr)
+    return hooks
 
 
 def _uses_worker(manager: PluginManager, config: Config) -> bool:
