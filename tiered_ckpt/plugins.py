@@ -260,7 +260,7 @@ class PluginManager:
         except pluggy.PluginValidationError as exc:
             hooks = exc.plugin
             plugin = self._shown(hooks.name) if isinstance(hooks, _Hooks) else repr(hooks)
-            unknown = sorted(h for h in dir(hooks) if h.startswith(f"{hookspecs.PROJECT}_") and h not in HOOK_NAMES)
+            unknown = sorted(_implemented(self.pm, hooks) - set(HOOK_NAMES))
             hook = unknown[0] if unknown else "?"
             raise PluginError(f"plugin {plugin} implements {hook!r}, which is no hook of tiered_ckpt"
                               f"{suggest(hook, HOOK_NAMES)} (hooks: {', '.join(HOOK_NAMES)}; see docs/hooks.md)"
