@@ -24,7 +24,7 @@ import tiered_ckpt
 
 ROOT = Path(tiered_ckpt.__file__).parent
 PACKAGE = "tiered_ckpt"
-CORE = {f"{PACKAGE}.{m}" for m in ("engine", "pipeline", "store", "memory_store", "file_store", "drain",
+CORE = {f"{PACKAGE}.{m}" for m in ("engine", "pipeline", "store", "memory_store", "file_store", "step_read", "drain",
                                    "drain_protocol", "worker")}
 
 

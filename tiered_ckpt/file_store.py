@@ -28,9 +28,9 @@ from .codecs.transcode import item_source
 from .compression import compress_chunks, decompress_to_tensor
 from .config import TierConfig
 from .crashpoints import crash_point
-from .errors import BlobNotFoundError, CorruptionError, DecodeError, LayoutMismatchError, NoCheckpointError, TierError
+from .errors import BlobNotFoundError, CorruptionError, DecodeError, TierError
 from .file_streams import check_entry, raw_pieces
-from .layouts.base import MODEL_ITEM, OPTIM_ITEM, Layout
+from .layouts.base import Layout
 from .manifest import (
     CheckpointManifest,
     FileEntry,
@@ -41,8 +41,9 @@ from .manifest import (
     load_rank,
 )
 from .memory_store import MemoryStore
-from .parallel import ParallelLayout, RankCoords, layout_changes
+from .parallel import ParallelLayout, RankCoords
 from .retry import call_with_retry
+from .step_read import read_committed_step
 from .store import Store, Written
 from .tiers.base import Chunk, Tier, as_memoryview
 
@@ -175,47 +176,8 @@ class FileStore:
 
     def read_step(self, step: int, coords: RankCoords, *, copy: bool, map_location: Any, verify: bool,
                   trust_pickles: bool, into: dict[str, Any] | None) -> tuple[dict[str, Any], bool, int]:
-        if into is not None:
-            # Load as usual, then copy into the targets (the fused path is for memory snapshots).
-            from .load_into import apply_into
-
-            items, verified, nbytes = self.read_step(step, coords, copy=copy, map_location=map_location,
-                                                     verify=verify, trust_pickles=trust_pickles, into=None)
-            return apply_into(items, into, f"step {step} on tier {self.name!r}"), verified, nbytes
-        if not self.tier.exists(self.layout.manifest_key(step)):
-            return self._read_megatron(step, coords, verify=verify, trust=trust_pickles)  # written by Megatron-LM
-        manifest = self.read_manifest(step, cached=True)
-        changed = layout_changes(manifest.parallel, coords.layout)
-        if changed:
-            if any(not c.startswith("DP ") for c in changed):
-                raise self._refuse(changed, step, "only a DP change can be re-split")
-            saved = {f.item for f in manifest.files}
-            if not saved <= {MODEL_ITEM, OPTIM_ITEM}:
-                raise self._refuse(changed, step, f"items {sorted(saved - {MODEL_ITEM, OPTIM_ITEM})} were saved "
-                                   "per rank and cannot be re-split (Megatron's items can)")
-            return self._read_megatron(step, coords, verify=verify, trust=trust_pickles)
-        items = self.load_rank(manifest, coords, verify=verify, copy=copy, map_location=map_location,
-                               trust_pickles=trust_pickles)
-        mine = self.layout.files_for_rank(manifest.files, manifest.parallel, coords)
-        return items, verify, sum(f.size for f in mine)
-
-    def _refuse(self, changed: list[str], step: int, why: str) -> LayoutMismatchError:
-        return LayoutMismatchError(f"step {step} on tier {self.name!r} was saved with another parallel layout "
-                                   f"({', '.join(changed)}): {why}")
-
-    def _read_megatron(self, step: int, coords: RankCoords, *, verify: bool, trust: bool
-                       ) -> tuple[dict[str, Any], bool, int]:
-        """Megatron's items for this rank, re-split for this job's DP size where it changed; also reads
-        checkpoints Megatron-LM wrote (no manifest: nothing to verify, and the result says so)."""
-        from .load_into import tensors
-        from .megatron import legacy  # Megatron's format is read only when a step needs it
-
-        try:
-            items = legacy.load_rank_items(self.tier, step, coords, trust_pickles=trust, verify=verify)
-        except (LayoutMismatchError, NoCheckpointError) as exc:
-            raise TierError(str(exc), tier=self.name) from None
-        nbytes = sum(t.numel() * t.element_size() for t in tensors(items))
-        return dict(items), bool(items.verified), nbytes
+        return read_committed_step(self, step, coords, copy=copy, map_location=map_location, verify=verify,
+                                   trust_pickles=trust_pickles, into=into)
 
     # ----- retries -----------------------------------------------------------------------------------------
     def _retry(self, fn: Callable[[], Any], step: int | None, rank: int, what: str) -> Any:

@@ -1,0 +1,66 @@
+"""Reading a committed step of a file tier for one rank: which reader the step needs (docs/architecture.md, "The
+data path of a load").
+
+* Our manifest at this job's parallel layout: the rank's own files (``FileStore.load_rank``), verified.
+* Our manifest at another DP size: Megatron's items re-split for this rank (``megatron/legacy.py``); any other
+  change of layout, or items saved per rank, is refused naming what changed.
+* No manifest (Megatron-LM wrote it): Megatron's files, unverified, and the result says so.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from .errors import LayoutMismatchError, NoCheckpointError, TierError
+from .layouts.base import MODEL_ITEM, OPTIM_ITEM
+from .load_into import apply_into, tensors
+from .parallel import RankCoords, layout_changes
+
+if TYPE_CHECKING:
+    from .file_store import FileStore
+
+
+def read_committed_step(store: FileStore, step: int, coords: RankCoords, *, copy: bool, map_location: Any,
+                        verify: bool, trust_pickles: bool, into: dict[str, Any] | None
+                        ) -> tuple[dict[str, Any], bool, int]:
+    """``(items, verified, bytes read)`` of ``coords``' part of ``step`` on ``store`` (see the module docstring).
+    ``into``: load as usual, then copy into the targets (the fused path is for memory snapshots)."""
+    if into is not None:
+        items, verified, nbytes = read_committed_step(store, step, coords, copy=copy, map_location=map_location,
+                                                      verify=verify, trust_pickles=trust_pickles, into=None)
+        return apply_into(items, into, f"step {step} on tier {store.name!r}"), verified, nbytes
+    if not store.tier.exists(store.layout.manifest_key(step)):
+        return _read_megatron(store, step, coords, verify=verify, trust=trust_pickles)  # written by Megatron-LM
+    manifest = store.read_manifest(step, cached=True)
+    changed = layout_changes(manifest.parallel, coords.layout)
+    if changed:
+        if any(not c.startswith("DP ") for c in changed):
+            raise _refuse(store, changed, step, "only a DP change can be re-split")
+        saved = {f.item for f in manifest.files}
+        if not saved <= {MODEL_ITEM, OPTIM_ITEM}:
+            raise _refuse(store, changed, step, f"items {sorted(saved - {MODEL_ITEM, OPTIM_ITEM})} were saved "
+                          "per rank and cannot be re-split (Megatron's items can)")
+        return _read_megatron(store, step, coords, verify=verify, trust=trust_pickles)
+    items = store.load_rank(manifest, coords, verify=verify, copy=copy, map_location=map_location,
+                            trust_pickles=trust_pickles)
+    mine = store.layout.files_for_rank(manifest.files, manifest.parallel, coords)
+    return items, verify, sum(f.size for f in mine)
+
+
+def _refuse(store: FileStore, changed: list[str], step: int, why: str) -> LayoutMismatchError:
+    return LayoutMismatchError(f"step {step} on tier {store.name!r} was saved with another parallel layout "
+                               f"({', '.join(changed)}): {why}")
+
+
+def _read_megatron(store: FileStore, step: int, coords: RankCoords, *, verify: bool, trust: bool
+                   ) -> tuple[dict[str, Any], bool, int]:
+    """Megatron's items for this rank, re-split for this job's DP size where it changed; also reads checkpoints
+    Megatron-LM wrote (no manifest: nothing to verify, and the result says so)."""
+    from .megatron import legacy  # Megatron's format code is imported only when a step needs it
+
+    try:
+        items = legacy.load_rank_items(store.tier, step, coords, trust_pickles=trust, verify=verify)
+    except (LayoutMismatchError, NoCheckpointError) as exc:
+        raise TierError(str(exc), tier=store.name) from None
+    nbytes = sum(t.numel() * t.element_size() for t in tensors(items))
+    return dict(items), bool(items.verified), nbytes
