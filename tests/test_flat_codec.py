@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import enum
 import io
 import json
@@ -616,6 +617,96 @@ def mutate(fn):
 def test_decode_error_on_malformed_headers(data, match):
     with pytest.raises(DecodeError, match=match):
         decode_header(data())
+
+
+def refingerprinted(doc: dict) -> bytes:
+    """``doc`` with its fingerprint recomputed, as a tool (or an attacker) rewriting a header would."""
+    from tiered_ckpt.codecs._flat_common import _fingerprint
+    from tiered_ckpt.codecs._flat_decode import _decode_entry
+
+    with contextlib.suppress(DecodeError, TypeError, KeyError, AttributeError):  # a broken table stays broken
+        entries = [_decode_entry(i, e, doc["total_bytes"], ALIGNMENT) for i, e in enumerate(doc["tensors"])]
+        doc["fingerprint"] = _fingerprint(entries, doc["total_bytes"])
+    return json.dumps(doc).encode()
+
+
+def decode_and_restore(data: bytes, buffer: torch.Tensor) -> None:
+    restore(decode_header(data), buffer)
+
+
+def _absurd(index: int, **fields):
+    def change(doc):
+        doc["tensors"][index].update(fields)
+    return change
+
+
+def _absurd_array(doc):
+    doc["tensors"].append({"path": "a", "kind": "ndarray", "offset": 0, "nbytes": 0, "np_dtype": "<f8",
+                           "shape": [0, 2 ** 61]})
+
+
+ABSURD = {
+    # Each was a TypeError, RuntimeError or ValueError out of restore() (issue #15): sizes that agree with each
+    # other (nbytes = 0) but overflow torch's and numpy's int64 sizes and strides.
+    "a zero dim and one beyond int64": (_absurd(0, shape=[0, 2 ** 100], nbytes=0), "beyond any tensor's"),
+    "strides beyond int64": (_absurd(0, shape=[0, 2 ** 62, 2 ** 62], nbytes=0), "beyond any tensor's"),
+    "a last dim of 2**63": (_absurd(1, shape=[3, 0, 2 ** 63], nbytes=0), "beyond any tensor's"),
+    "65 dimensions": (_absurd(1, shape=[1] * 64 + [0], nbytes=0), "65 dimensions"),
+    "an array of 2**61 doubles per row": (_absurd_array, "beyond any tensor's"),
+    "total_bytes beyond any buffer": (lambda d: d.update(total_bytes=1 << 80), "invalid total_bytes"),
+    "offset beyond any buffer": (_absurd(1, offset=1 << 80), "beyond any buffer's"),
+}
+
+
+@pytest.mark.parametrize("name", list(ABSURD))
+def test_absurd_sizes_in_a_header_are_decode_errors(name):
+    change, match = ABSURD[name]
+    plan, doc = valid_header()
+    change(doc)
+    with pytest.raises(DecodeError, match=match):
+        decode_and_restore(refingerprinted(doc), torch.zeros(plan.total_bytes, dtype=torch.uint8))
+
+
+HEADER_VALUES = (st.sampled_from([None, True, -1, 0, 1, 63, 64, 2 ** 31, 2 ** 53 + 1, 2 ** 62, 2 ** 63, 2 ** 64,
+                                  1 << 80, 10 ** 400, 1.5, "", "float32", "bfloat16", "<f8", "|O", "tensor",
+                                  "ndarray", "bytes", "cuda:99", "meta", [], [0], [0, 2 ** 63], [2 ** 40, 0, 2 ** 40],
+                                  [1] * 70, {}, {"$": "tensor", "i": 0}, {"$": "size", "v": [2 ** 70]},
+                                  {"$": "int", "v": "f" * 300}, {"$": "npdtype", "v": "V99999999999"}])
+                 | st.recursive(st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=6),
+                                lambda inner: st.lists(inner, max_size=3)
+                                | st.dictionaries(st.text(max_size=4), inner, max_size=3), max_leaves=5))
+DIMS = st.sampled_from([0, 1, 2, 3, 2 ** 31, 2 ** 61, 2 ** 62, 2 ** 63, 2 ** 64, 2 ** 100])
+ENTRY_FIELDS = ["path", "kind", "offset", "nbytes", "dtype", "shape", "device", "requires_grad", "np_dtype"]
+
+
+@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.data())
+def test_random_header_changes_raise_only_decode_errors(data):
+    """Random fields of a valid header replaced (the fingerprint recomputed): decoding and restoring either work
+    or raise :class:`DecodeError`; nothing else escapes (the engine turns it into a fallback)."""
+    plan = plan_snapshot({"w": torch.arange(6.0).reshape(2, 3), "b": torch.ones(3, dtype=torch.bfloat16),
+                          "n": np.arange(4.0), "blob": b"x" * 5000, "s": torch.Size([2, 3]), "i": 7})
+    buf = torch.zeros(plan.total_bytes, dtype=torch.uint8)
+    copy_into(plan, buf)
+    doc = json.loads(encode_header(plan))
+    for _ in range(data.draw(st.integers(1, 3))):
+        where = data.draw(st.sampled_from(["header", "entry", "tree"]))
+        value = data.draw(HEADER_VALUES)
+        if where == "header":
+            doc[data.draw(st.sampled_from(["total_bytes", "alignment", "tensors", "version"]))] = value
+        elif where == "entry" and isinstance(doc.get("tensors"), list) and doc["tensors"]:
+            entry = doc["tensors"][data.draw(st.integers(0, len(doc["tensors"]) - 1))]
+            if isinstance(entry, dict):
+                field = data.draw(st.sampled_from(ENTRY_FIELDS + ["shape"] * 4))  # shapes: where torch overflows
+                if field == "shape":
+                    value = data.draw(st.lists(DIMS, max_size=6) | st.lists(st.just(1), min_size=60, max_size=70))
+                    itemsize = 2 if entry.get("dtype") == "bfloat16" else 4 if entry.get("kind") == "tensor" else 8
+                    entry["nbytes"] = math.prod(value) * itemsize  # sizes that agree: only the shape is absurd
+                entry[field] = value
+        elif isinstance(doc.get("tree"), dict) and isinstance(doc["tree"].get("kv"), dict):
+            doc["tree"]["kv"][data.draw(st.sampled_from(["w", "b", "n", "blob", "s", "i"]))] = value
+    with contextlib.suppress(DecodeError):
+        decode_and_restore(refingerprinted(doc), buf)
 
 
 def test_deeply_nested_header_is_a_decode_error():

@@ -8,11 +8,24 @@
 Manifests are data, never code: they are parsed strictly and every path in them is validated. Each carries a
 ``digest`` of its own content: a flipped byte that still parses (an item's name, a rank, the parallel layout)
 is caught too, never loaded as a valid but different manifest.
+
+A digest proves only that nobody changed the manifest by accident; a tool (or a person) that rewrites one
+recomputes it. So every field is also checked against what the layout allows, and any failure is a
+:class:`CorruptionError` naming the manifest and the field (``load()`` then falls back to the next tier):
+
+* the step and rank agree with the manifest's own key, sizes are non-negative and below :data:`MAX_BYTES`,
+  ``raw_size`` is the stored size for an uncompressed file and at most :data:`ZSTD_MAX_RATIO` times it for a
+  compressed one (an absurd ``raw_size`` would otherwise become an absurd allocation);
+* every file lies in the step's directory, once, and is a file its rank writes in the manifest's layout
+  (``Layout.item_key`` for that rank's coordinates; or a file the layout derives from others, such as Megatron's
+  merged optimizer file): a rank's manifest names only that rank's files, so no rank restores another's state.
 """
 
 from __future__ import annotations
 
 import json
+import math
+import re
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -23,6 +36,13 @@ from .parallel import ParallelLayout
 from .tiers.base import check_key
 
 VERSION = 1
+#: No tier holds more than this in one file; larger sizes would overflow the int64 of tensors and offsets.
+MAX_BYTES = 1 << 62
+#: zstd's most compact block (RLE) stores 128 KiB in 4 bytes: no frame decompresses to more than this per byte.
+ZSTD_MAX_RATIO = 32768
+COMPRESSIONS = ("zstd",)
+_MAX_STEP = (1 << 63) - 1
+_CHECKSUM = re.compile(r"[A-Za-z0-9_]+:[0-9a-f]+")
 RANK_FORMAT = "tiered_ckpt.rank_manifest"
 CHECKPOINT_FORMAT = "tiered_ckpt.manifest"
 
@@ -133,15 +153,35 @@ class _Reader:
         size = self.get(d, "size", int, path)
         raw = self.get(d, "raw_size", int, path, optional=True)
         if size < 0 or (raw is not None and raw < 0):
-            raise self.fail(f"{path}size: negative")
+            raise self.fail(f"{path}{'size' if size < 0 else 'raw_size'}: negative")
+        if size > MAX_BYTES:
+            raise self.fail(f"{path}size: {size} bytes is more than any tier holds ({MAX_BYTES})")
+        compression = self.get(d, "compression", str, path, optional=True)
+        if compression is None:
+            if raw is not None and raw != size:
+                raise self.fail(f"{path}raw_size: {raw} differs from the size {size} of an uncompressed file")
+        elif compression not in COMPRESSIONS:
+            raise self.fail(f"{path}compression: unknown {compression!r} (known: {', '.join(COMPRESSIONS)})")
+        elif raw is None:
+            raise self.fail(f"{path}raw_size is missing for a {compression} file")
+        elif raw > min(size * ZSTD_MAX_RATIO, MAX_BYTES):
+            raise self.fail(f"{path}raw_size: {raw} bytes cannot come from {size} bytes of {compression} (at most "
+                            f"{ZSTD_MAX_RATIO} times as many)")
         checksum = self.get(d, "checksum", str, path)
         if ":" not in checksum:
             raise self.fail(f"{path}checksum: expected '<algorithm>:<hex>', got {checksum!r}")
+        if not _CHECKSUM.fullmatch(checksum):
+            raise self.fail(f"{path}checksum: expected '<algorithm>:<hex digits>', got {checksum[:80]!r}")
+        item, codec = self.get(d, "item", str, path), self.get(d, "codec", str, path)
+        for name, value in (("item", item), ("codec", codec)):
+            if not value or not value.isprintable():
+                raise self.fail(f"{path}{name}: expected a name, got {value[:80]!r}")
+        meta = self.get(d, "meta", dict, path, optional=True) or {}
+        if not isinstance(meta.get("byte_grouping", False), bool):
+            raise self.fail(f"{path}meta.byte_grouping: expected a bool, got {type(meta['byte_grouping']).__name__}")
         return FileEntry(
-            key=key, item=self.get(d, "item", str, path), rank=self.get(d, "rank", int, path),
-            codec=self.get(d, "codec", str, path), size=size, checksum=checksum,
-            compression=self.get(d, "compression", str, path, optional=True), raw_size=raw,
-            meta=self.get(d, "meta", dict, path, optional=True) or {},
+            key=key, item=item, rank=self.get(d, "rank", int, path), codec=codec, size=size, checksum=checksum,
+            compression=compression, raw_size=raw, meta=meta,
         )
 
 
@@ -177,12 +217,13 @@ def _parse(data: bytes, fmt: str, where: str, tier: str | None) -> tuple[_Reader
     if unknown:  # a damaged name (the digest's own included) is not an extension
         raise r.fail(f"unknown field {unknown[0]!r}")
     step = r.get(d, "step", int, "")
-    if step < 0:
-        raise r.fail("step: negative")
+    if not 0 <= step <= _MAX_STEP:
+        raise r.fail(f"step: {'negative' if step < 0 else f'{step} is out of range'}")
     parallel = r.get(d, "parallel", dict, "")
     try:
-        world = ParallelLayout.from_dict(parallel).world_size
-    except (TypeError, ValueError, AttributeError) as exc:
+        saved = ParallelLayout.from_dict(parallel)
+        world = saved.world_size
+    except (TypeError, ValueError, AttributeError, OverflowError) as exc:
         raise r.fail(f"parallel: {exc}") from None
     if parallel.get("world_size", world) != world:
         raise r.fail(f"parallel.world_size: {parallel['world_size']!r} is not the product of the sizes ({world})")
@@ -190,22 +231,116 @@ def _parse(data: bytes, fmt: str, where: str, tier: str | None) -> tuple[_Reader
     outside = [i for i, f in enumerate(files) if not 0 <= f.rank < world]
     if outside:
         raise r.fail(f"files[{outside[0]}].rank: {files[outside[0]].rank} is outside a world of {world}")
+    layout = r.get(d, "layout", str, "")
+    created = r.get(d, "created", (int, float), "", optional=True) or 0.0
+    if not isinstance(created, float):
+        created = float(created) if abs(created) < 1 << 53 else math.inf
+    if not math.isfinite(created):
+        raise r.fail(f"created: {created!r} is not a time")
+    extra = r.get(d, "extra", dict, "", optional=True) or {}
+    _check_extra(r, extra, world)
+    _check_key_names(r, step, None if fmt == CHECKPOINT_FORMAT else d.get("rank"))
     return r, {
         "step": step,
-        "layout": r.get(d, "layout", str, ""),
+        "layout": layout,
         "parallel": parallel,
         "files": files,
         "run_id": r.get(d, "run_id", str, "", optional=True) or "default",
-        "created": float(r.get(d, "created", (int, float), "", optional=True) or 0.0),
-        "extra": r.get(d, "extra", dict, "", optional=True) or {},
+        "created": created,
+        "extra": extra,
     }
+
+
+def _check_extra(r: _Reader, extra: dict, world: int) -> None:
+    ranks = extra.get("ranks")
+    if ranks is not None:
+        if not isinstance(ranks, list) or not all(isinstance(x, int) and not isinstance(x, bool) for x in ranks):
+            raise r.fail("extra.ranks: expected a list of ranks")
+        if any(not 0 <= x < world for x in ranks) or len(set(ranks)) != len(ranks):
+            raise r.fail(f"extra.ranks: expected distinct ranks of a world of {world}, got {ranks[:8]!r}")
+    if extra.get("scope", "job") not in ("job", "node"):
+        raise r.fail(f"extra.scope: expected 'job' or 'node', got {extra['scope']!r}")
+
+
+def _check_key_names(r: _Reader, step: int, rank: Any) -> None:
+    """The step (and rank) a manifest states agree with the key it was read from, when that key is a manifest's."""
+    from .layouts.base import Layout
+
+    if rank is None:
+        named = Layout.parse_manifest_key(r.where)
+        if named is not None and named != step:
+            raise r.fail(f"step: {step}, but the manifest is the one of step {named}")
+        return
+    parsed = Layout.parse_rank_manifest_key(r.where)
+    if parsed is not None and parsed != (step, rank):
+        raise r.fail(f"step/rank: {step}/{rank!r}, but the manifest is the one of step {parsed[0]} rank {parsed[1]}")
+
+
+def _layout(name: str) -> tuple[Any, dict[str, str]]:
+    """An instance of the layout registered under ``name`` (None when this process has no such layout), and the
+    file extension of each registered codec."""
+    from .plugins import get_plugin_manager
+
+    registries = get_plugin_manager().registries
+    extensions = {c: str(getattr(registries.codecs.get(c), "extension", "")) for c in registries.codecs}
+    return (registries.layouts.get(name)() if name in registries.layouts else None), extensions
+
+
+def check_ownership(r: _Reader, step: int, layout_name: str, saved: ParallelLayout, files: tuple[FileEntry, ...],
+                    rank: int | None) -> None:
+    """Every file is in the step's directory, and one its rank writes in the layout, listed once (``rank``: a rank
+    manifest's, whose files must all be that rank's own); files the layout derives from others (Megatron's merged
+    optimizer file, DCP's ``.metadata``) only need to be in the step's directory. Unknown layouts (a plugin not
+    installed here): a ``rank_RRRRR`` directory must be the file's rank."""
+    layout, extensions = _layout(layout_name)
+    step_dir = f"iter_{step:07d}/"
+    seen: set[str] = set()
+    for i, f in enumerate(files):
+        where = f"files[{i}]"
+        if not f.key.startswith(step_dir):
+            raise r.fail(f"{where}.key: {f.key!r} is outside the directory of step {step} ({step_dir})")
+        if rank is not None and f.rank != rank:
+            raise r.fail(f"{where}.rank: {f.rank}, in the manifest of rank {rank}: a rank lists only its own files")
+        if layout is None:
+            others = [p for p in f.key.split("/") if re.fullmatch(r"rank_\d{5,}", p) and int(p[5:]) != f.rank]
+            if others:
+                raise r.fail(f"{where}.key: {f.key!r} is in another rank's directory ({others[0]}), not in rank "
+                             f"{f.rank}'s")
+            continue
+        if layout.is_derived(f):  # made from other files (at commit, by convert): its place is the layout's
+            continue
+        if f.key in seen:
+            raise r.fail(f"{where}.key: {f.key!r} is listed twice")
+        seen.add(f.key)
+        extension = extensions.get(f.codec) or f.key.rsplit("/", 1)[-1].rsplit(".", 1)[-1]
+        try:
+            expected = layout.item_key(step, f.item, saved.coords(f.rank), extension)
+        except Exception as exc:  # noqa: BLE001 - a third-party layout refusing what it is asked is a refusal
+            raise r.fail(f"{where}: layout {layout_name!r} has no file {f.item!r} of rank {f.rank}: {exc}") from None
+        if expected != f.key:
+            wanted = f"its file is {expected!r}" if expected else "that rank writes none"
+            raise r.fail(f"{where}.key: {f.key!r} is not rank {f.rank}'s file of item {f.item!r} in layout "
+                         f"{layout_name!r} ({wanted})")
 
 
 def load_rank(data: bytes, where: str = "", tier: str | None = None) -> RankManifest:
     r, fields = _parse(data, RANK_FORMAT, where, tier)
-    return RankManifest(rank=r.get(r.data, "rank", int, ""), coords=r.get(r.data, "coords", dict, ""), **fields)
+    rank = r.get(r.data, "rank", int, "")
+    saved = ParallelLayout.from_dict(fields["parallel"])
+    if not 0 <= rank < saved.world_size:
+        raise r.fail(f"rank: {rank} is outside a world of {saved.world_size}")
+    coords = r.get(r.data, "coords", dict, "")
+    own = saved.coords(rank).to_dict()
+    wrong = sorted((k for k in coords if k not in own or coords[k] != own[k]), key=str)
+    if wrong:
+        raise r.fail(f"coords.{wrong[0]}: {coords[wrong[0]]!r}, but rank {rank} of the layout has "
+                     f"{own.get(wrong[0], 'no such coordinate')!r}")
+    check_ownership(r, fields["step"], fields["layout"], saved, fields["files"], rank)
+    return RankManifest(rank=rank, coords=coords, **fields)
 
 
 def load_checkpoint(data: bytes, where: str = "", tier: str | None = None) -> CheckpointManifest:
-    _, fields = _parse(data, CHECKPOINT_FORMAT, where, tier)
+    r, fields = _parse(data, CHECKPOINT_FORMAT, where, tier)
+    check_ownership(r, fields["step"], fields["layout"], ParallelLayout.from_dict(fields["parallel"]),
+                    fields["files"], None)
     return CheckpointManifest(**fields)

@@ -360,7 +360,7 @@ def _megatron_checkpoint(tmp_path: Path, model_item) -> tuple[dict, Path]:
     (root / entry_key).write_bytes(payload)
 
     def match(doc):
-        doc["files"][0].update(size=len(payload), checksum=f"{ALGORITHM}:{digest(payload)}")
+        doc["files"][0].update(size=len(payload), raw_size=len(payload), checksum=f"{ALGORITHM}:{digest(payload)}")
 
     _rewrite_manifest(root / "iter_0000005/tiered_ckpt/manifest.json", match)
     return cfg, root / entry_key

@@ -42,6 +42,15 @@ from tiered_ckpt.codecs._flat_common import (
 )
 from tiered_ckpt.errors import DecodeError
 
+#: Bounds of every size in a header: beyond them torch and numpy overflow their int64 sizes and strides.
+MAX_BYTES = 1 << 62
+MAX_DIMS = 64  # numpy's limit (torch's is higher)
+
+
+def _short(shape: list) -> str:
+    text = repr(shape)
+    return text if len(text) <= 80 else text[:77] + "..."
+
 
 def _reject_constant(name: str) -> Any:
     raise ValueError(f"non-standard JSON constant {name}")
@@ -76,6 +85,8 @@ def _decode_entry(i: int, raw: Any, total: int, alignment: int) -> TensorEntry:
     nbytes = _get(raw, "nbytes", int, where)
     if offset < 0 or nbytes < 0:
         raise DecodeError(f"snapshot header: {where} has a negative offset or size ({offset}, {nbytes})")
+    if offset > MAX_BYTES or nbytes > MAX_BYTES:
+        raise DecodeError(f"snapshot header: {where} has an offset or size beyond any buffer's ({MAX_BYTES})")
     if offset % alignment:
         raise DecodeError(f"snapshot header: {where} offset {offset} is not a multiple of {alignment}")
     if offset + nbytes > total:
@@ -92,6 +103,8 @@ def _decode_entry(i: int, raw: Any, total: int, alignment: int) -> TensorEntry:
         shape_raw = _get(raw, "shape", list, where)
         if not all(_is_int(d) and d >= 0 for d in shape_raw):
             raise DecodeError(f"snapshot header: {where} has an invalid shape {shape_raw!r}")
+        if len(shape_raw) > MAX_DIMS:
+            raise DecodeError(f"snapshot header: {where} has {len(shape_raw)} dimensions (at most {MAX_DIMS})")
         shape = tuple(shape_raw)
         if kind == "ndarray":
             np_dtype = _get(raw, "np_dtype", str, where)
@@ -115,6 +128,10 @@ def _decode_entry(i: int, raw: Any, total: int, alignment: int) -> TensorEntry:
             requires_grad = _get(raw, "requires_grad", bool, where, False)
             if requires_grad and not (dtype.is_floating_point or dtype.is_complex):
                 raise DecodeError(f"snapshot header: {where}: a {name} tensor cannot require grad")
+    # Zero-size tensors too: torch and numpy compute strides and sizes from the other dims, in int64.
+    if math.prod(d for d in shape if d) * itemsize > MAX_BYTES:
+        raise DecodeError(f"snapshot header: {where} has a shape {_short(list(shape))} beyond any tensor's "
+                          f"({MAX_BYTES} bytes)")
     expected = math.prod(shape) * itemsize
     if nbytes != expected:
         raise DecodeError(
@@ -156,7 +173,7 @@ def _decode_text(text: str) -> HeaderInfo:
     if alignment != ALIGNMENT:
         raise DecodeError(f"snapshot header: alignment {alignment}, expected {ALIGNMENT}")
     total = _get(doc, "total_bytes", int, "the header")
-    if total < 0 or total % alignment:
+    if total < 0 or total % alignment or total > MAX_BYTES:
         raise DecodeError(f"snapshot header: invalid total_bytes {total}")
     fingerprint = _get(doc, "fingerprint", str, "the header")
     table = _get(doc, "tensors", list, "the header")
