@@ -253,8 +253,7 @@ def remove_stale_run(run: StaleRun, shm_path: str | None = None) -> None:
     the shm path the run was listed in (default: the one above ``run.path``)."""
     shm_path = shm_path or os.path.dirname(os.path.dirname(run.path))
     directory = shm_lock_path(shm_path, run.run_id)
-    with contextlib.suppress(FileExistsError):
-        os.mkdir(directory, 0o700)  # the parents exist: the run's slots are beside them
+    os.makedirs(directory, 0o700, exist_ok=True)  # beside the run's slots, in this user's private directory
     fd = os.open(os.path.join(directory, RUN_LOCK), os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
     try:
         try:

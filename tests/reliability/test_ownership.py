@@ -14,6 +14,7 @@ import contextlib
 import io
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -174,3 +175,18 @@ def test_gc_delete_during_a_drain_leaves_the_write_in_flight(shm_root, tmp_path,
     assert code == EXIT_OK and not old.exists()
     with CheckpointEngine({**cfg, "tiers": cfg["tiers"][1:]}) as engine:
         assert_same(items, engine.load().items)
+
+
+def test_gc_removes_a_closed_run_whose_lock_directory_is_gone(shm_root, tmp_path):
+    """A run closed with its slots kept, on a node where the lock directory was cleaned away (or written by an
+    older version): gc still takes the run's lock before removing it, creating what it needs."""
+    cfg = config(shm_root, tmp_path)
+    with CheckpointEngine(cfg) as engine:
+        engine.save(1, {"state": {"w": torch.ones(10)}}).wait(timeout=60)
+    locks = Path(shm_root) / _user_name() / "@locks"
+    shutil.rmtree(locks)
+    code, out = cli("gc", "--stale", "--shm-path", shm_root, "--delete", "--json")
+    assert code == EXIT_OK
+    assert {f["run_id"]: f["state"] for f in json.loads(out)["found"]} == {cfg["run_id"]: "closed"}
+    assert not (Path(shm_root) / _user_name() / cfg["run_id"]).exists()
+    assert not (locks / cfg["run_id"]).exists()
