@@ -281,3 +281,26 @@ def test_a_tier_copying_from_another_file_tier_writes_its_own_codec(tmp_path):
         loaded = engine.load()
     assert loaded.verified and loaded.items["state"]["step"] == 3
     assert torch.equal(loaded.items["state"]["w"], items["state"]["w"])
+
+
+def test_a_layouts_own_codec_choice_is_fixed():
+    from tiered_ckpt.layouts.base import Layout
+
+    class OwnFormat(Layout):
+        def codec_for(self, item):
+            return "torch" if item == "weights" else "flat"
+
+    tier = load_config(_tiers({**LOCAL, "codec": "flat", "codecs": {"state": "torch"}})).tiers[0]
+    layout = OwnFormat()
+    assert layout.file_codec("weights", load_config(_tiers({**LOCAL, "codecs": {"weights": "flat"}})).tiers[0]) \
+        == "torch"
+    assert layout.file_codec("state", tier) == "torch" and layout.file_codec("other", tier) == "flat"
+
+
+def test_the_dcp_layout_keeps_its_own_files_codec():
+    from tiered_ckpt.plugins import get_plugin_manager
+
+    if "dcp" not in get_plugin_manager().registries.layouts:
+        pytest.skip("no dcp layout registered")
+    msg = _err(_tiers({**LOCAL, "codecs": {"dcp": "flat"}}, layout="dcp"))
+    assert msg.startswith('tiers[0].codecs.dcp: layout "dcp" writes dcp with codec "distcp" (the layout writes')

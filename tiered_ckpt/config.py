@@ -217,13 +217,15 @@ def _check_codecs(tc: TierConfig, registries: Any, path: str, source: str | None
 
 
 def _check_layout_codecs(tiers: tuple[TierConfig, ...], layout_cls: Any, source: str | None) -> None:
-    """Items whose files another program reads (Megatron's ``model_optim_rng.pt``) keep the layout's codec."""
-    fixed: dict[str, str] = getattr(layout_cls, "fixed_codecs", {})
+    """Items whose files another program reads (Megatron's ``model_optim_rng.pt``, DCP's ``.distcp``) keep the
+    layout's codec (layouts/base.py: any choice of its own but the default)."""
+    layout = layout_cls()
     for i, t in enumerate(tiers):
         for item, name in t.codecs.items():
-            want = fixed.get(item)
-            if want is not None and name != want:
-                why = getattr(layout_cls, "fixed_codec_reason", "another program reads these files")
+            want = layout.codec_for(item)
+            if want != layout.default_codec and name != want:
+                why = (layout.fixed_codec_reason if item in layout.fixed_codecs else
+                       "the layout writes this file in its own format")
                 raise ConfigError(f'layout "{layout_cls.name}" writes {item} with codec "{want}" ({why}); got '
                                   f'"{name}" (remove the key)', source=source, key_path=f"tiers[{i}].codecs.{item}")
 

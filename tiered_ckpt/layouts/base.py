@@ -65,28 +65,25 @@ class Layout:
         m = _RANK_MANIFEST.match(key)
         return (int(m.group(1)), int(m.group(2))) if m else None
 
-    # Items whose files another program reads, with the codec it needs: a tier's ``codecs`` cannot change them
-    # (config.py refuses it, naming the key). Megatron-LM loads its two files with torch.load.
+    # Items whose files another program reads, with the codec it needs: a tier's ``codec``/``codecs`` cannot change
+    # them (config.py refuses it, naming the key). Megatron-LM loads its two files with torch.load.
     fixed_codecs: ClassVar[dict[str, str]] = {MODEL_ITEM: "torch", OPTIM_ITEM: "torch"}
     fixed_codec_reason: ClassVar[str] = "Megatron-LM loads this file with torch.load"
     # The codec of every other item, unless the tier's configuration names one (``codec``, ``codecs``).
     default_codec: ClassVar[str] = "flat"
 
     def codec_for(self, item: str) -> str:
-        """The layout's own choice of codec for ``item`` (before any tier's configuration)."""
+        """The layout's own choice of codec for ``item``. Any choice but :attr:`default_codec` is fixed: a tier's
+        configuration cannot change it (a layout overriding this method keeps its files' formats that way)."""
         return self.fixed_codecs.get(item, self.default_codec)
 
     def file_codec(self, item: str, tier: Any = None) -> str:
         """The codec of ``item``'s file on a tier configured by ``tier`` (a TierConfig; None: the layout's own
-        choice): a fixed item keeps its codec, then the tier's ``codecs[item]``, its ``codec``, :meth:`codec_for`."""
-        fixed = self.fixed_codecs.get(item)
-        if fixed is not None:
-            return fixed
-        if tier is not None:
-            chosen = (getattr(tier, "codecs", None) or {}).get(item) or getattr(tier, "codec", None)
-            if chosen:
-                return chosen
-        return self.codec_for(item)
+        choice): the layout's fixed choice, else the tier's ``codecs[item]``, its ``codec``, the default."""
+        own = self.codec_for(item)
+        if own != self.default_codec or tier is None:
+            return own
+        return (getattr(tier, "codecs", None) or {}).get(item) or getattr(tier, "codec", None) or own
 
     def item_key(self, step: int, item: str, coords: RankCoords, extension: str) -> str | None:
         """The file of ``item`` written by ``coords`` at ``step``, or None when this rank does not write it."""
