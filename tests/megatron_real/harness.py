@@ -58,7 +58,7 @@ def _on_cpu(factory: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]
 
 
 def patch_megatron_for_cpu() -> None:
-    """Make megatron-core 0.16 run on CPU, and fix three of its bugs on the torch-optimizer path (no
+    """Make megatron-core 0.16 run on CPU, and fix four of its bugs on the torch-optimizer path (no
     TransformerEngine/Apex). Everything goes through the patched functions alike: our adapter and Megatron's own
     checkpoint code call the same DistributedOptimizer methods."""
     global _PATCHED
@@ -124,6 +124,24 @@ def patch_megatron_for_cpu() -> None:
                 state["step"] = state["step"].clone()
 
     DistributedOptimizer.load_state_dict = load_state_dict_own_steps
+
+    # Megatron bug 4 (torch_dist loads): on the torch-optimizer path, DistributedOptimizer.state_dict() asserts
+    # that the params' states hold one "step", so before the first step (no state yet) it fails, and a job cannot
+    # build its torch_dist load request (optimizer.sharded_state_dict calls state_dict()). Fixed: an optimizer
+    # without any state gets the state torch's Adam would create on its first step (zero moments, step 0), which
+    # the load then overwrites. Only that case changes (it used to raise).
+    state_dict = DistributedOptimizer.state_dict
+
+    def state_dict_before_first_step(self: Any) -> Any:
+        inner = self.optimizer
+        params = [p for g in inner.param_groups for p in g["params"]]
+        if params and all(len(inner.state[p]) == 0 for p in params):
+            for p in params:
+                inner.state[p].update(step=torch.tensor(0.0), exp_avg=torch.zeros_like(p.data),
+                                      exp_avg_sq=torch.zeros_like(p.data))
+        return state_dict(self)
+
+    DistributedOptimizer.state_dict = state_dict_before_first_step
 
 
 # ------------------------------------------------------------------------------------------------------------

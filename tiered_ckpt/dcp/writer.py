@@ -90,6 +90,9 @@ class TieredStorageWriter(StorageWriter, BlockingAsyncStager):
         self._use_collectives = True
         self._rank = engine.coords.rank
         self._save_id = str(uuid.uuid4())
+        # Raw files the coordinator's snapshot carries beside DCP's (layouts.dcp.STEP_FILES: Megatron's common.pt
+        # and metadata.json), {item: {"metadata": uint8 tensor}}; set before each save by the caller.
+        self.step_files: dict[str, dict[str, torch.Tensor]] = {}
 
     # ----- DCP's protocol ----------------------------------------------------------------------------------
     def reset(self, checkpoint_id: Any = None) -> None:
@@ -158,6 +161,8 @@ class TieredStorageWriter(StorageWriter, BlockingAsyncStager):
         items = dict(self._pending or {DATA_ITEM: {"entries": [], "index": []}})
         item = METADATA_ITEM if self._use_collectives else RANK_METADATA_ITEM
         items[item] = {"metadata": torch.frombuffer(bytearray(pickled), dtype=torch.uint8)}
+        if self._is_coordinator:
+            items.update(self.step_files)
         self._pending = None
         self._snapshot(items)
 

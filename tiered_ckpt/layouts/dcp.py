@@ -32,6 +32,9 @@ RANK_METADATA_ITEM = "dcp_rank_metadata"  # a save without collectives: each ran
 METADATA_FILE = ".metadata"
 STAGED_METADATA = "dcp_metadata.bin"
 METADATA_NAME = re.compile(r"^(?:__\d+)?\.metadata$")  # DCP's .metadata, or a rank's __{rank}.metadata
+# Files beside DCP's that a framework on top of it writes once per step (Megatron's torch_dist: its common state and
+# its metadata.json), carried as raw bytes in the coordinator's snapshot and written at the step directory's top.
+STEP_FILES = {"megatron_common": "common.pt", "megatron_config": "metadata.json"}
 
 
 def rank_metadata_file(rank: int) -> str:
@@ -43,7 +46,7 @@ class DcpLayout(Layout):
     shared_items: tuple[str, ...] = ()
 
     def codec_for(self, item: str) -> str:
-        return "distcp" if item in (DATA_ITEM, METADATA_ITEM, RANK_METADATA_ITEM) else "flat"
+        return "distcp" if item in (DATA_ITEM, METADATA_ITEM, RANK_METADATA_ITEM) or item in STEP_FILES else "flat"
 
     def item_key(self, step: int, item: str, coords: RankCoords, extension: str) -> str | None:
         if item == DATA_ITEM:
@@ -52,6 +55,8 @@ class DcpLayout(Layout):
             return f"{self.step_dir(step)}/{META_DIR}/{STAGED_METADATA}"
         if item == RANK_METADATA_ITEM:
             return f"{self.step_dir(step)}/{META_DIR}/dcp_metadata_{coords.rank:05d}.bin"
+        if item in STEP_FILES:
+            return f"{self.step_dir(step)}/{STEP_FILES[item]}"
         return f"{self.step_dir(step)}/rank_{coords.rank:05d}/{item}.{extension}"
 
     def optimizer_key(self, step: int, coords: RankCoords) -> str | None:

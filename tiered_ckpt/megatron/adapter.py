@@ -441,6 +441,13 @@ def save_checkpoint(iteration: int, model: Any, optimizer: Any, opt_param_schedu
                      pp_group=pp_group)
     chunks = model if isinstance(model, list | tuple) else [model]
     _check_dp_groups(engine, optimizer, dp_group, expt_dp_group)
+    if _format(args) == "torch_dist":  # Megatron's dist_checkpointing through our DCP storage
+        from . import adapter_dist
+
+        return adapter_dist.save(iteration, chunks, optimizer, opt_param_scheduler,
+                                 num_floating_point_operations_so_far, args, rng_tracker, engine,
+                                 persistent=not non_persistent_ckpt, preprocess_common=preprocess_common_state_dict_fn,
+                                 rng_key_prefix=rng_state_key_prefix, dp_cp_group=dp_cp_group)
     items = _items(iteration, chunks, optimizer, opt_param_scheduler, num_floating_point_operations_so_far, args,
                    rng_tracker, engine, model_on_every_rank)
     if not items:
@@ -450,6 +457,14 @@ def save_checkpoint(iteration: int, model: Any, optimizer: Any, opt_param_schedu
     # After the first save, the other slots are pre-faulted in the background (the first one already is).
     _prepare_in_background(engine, lambda: items)
     return handle
+
+
+def _format(args: Any) -> str:
+    """Megatron's checkpoint format for this job: ``torch`` (legacy) or ``torch_dist``; others are refused."""
+    fmt = getattr(args, "ckpt_format", None) or "torch"
+    if fmt not in ("torch", "torch_dist"):
+        raise ConfigError(f"args.ckpt_format={fmt!r}: the adapter handles 'torch' and 'torch_dist'")
+    return fmt
 
 
 def _check_dp_groups(engine: Any, optimizer: Any, dp_group: Any, expt_dp_group: Any) -> None:
@@ -509,6 +524,12 @@ def load_checkpoint(ddp_model: Any, optimizer: Any, opt_param_scheduler: Any, lo
     _check_rank_args(engine, tp_group=tp_group, pp_group=pp_group)
     _check_dp_groups(engine, optimizer, dp_group, expt_dp_group)
     chunks = [unwrap(c) for c in (ddp_model if isinstance(ddp_model, list | tuple) else [ddp_model])]
+    if _format(args) == "torch_dist" and load_arg == "load":
+        from . import adapter_dist
+
+        return adapter_dist.load(chunks, optimizer, opt_param_scheduler, strict, skip_load_to_model_and_opt, args,
+                                 rng_tracker, engine, step, rng_key_prefix=rng_state_key_prefix,
+                                 dp_cp_group=dp_cp_group)
     if load_arg != "load":
         return _load_megatron_dir(getattr(args, load_arg, None), load_arg, chunks, optimizer, opt_param_scheduler,
                                   strict, skip_load_to_model_and_opt, args, rng_tracker, engine)

@@ -1,0 +1,290 @@
+"""Megatron's ``torch_dist`` format through the adapter, on genuine megatron-core (CPU/gloo, harness.py).
+
+(a) our save -> Megatron's own ``dist_checkpointing.load`` (its FileSystemReader on the file tier), at the same
+layout (tp1 pp1 dp2: every rank's model and full optimizer state bit-exact) and at another (tp2 pp1 dp1: every
+tensor, in checkpoint space, bit-exact); (b) Megatron's own ``dist_checkpointing.save`` -> our ``load_checkpoint``,
+at both layouts; (c) SIGKILL after a memory-only save: every rank resumes from shm and trains on bit-exact;
+(d) with a constant structure the second save reuses the first save's plan.
+
+Bit-exact across layouts is checked in checkpoint space: each ShardedTensor a job's (model, optimizer)
+sharded_state_dict holds equals its slice of the global tensor Megatron's ``load_plain_tensors`` reads back.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import tempfile
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import harness  # noqa: E402
+import pytest
+import torch
+from harness import build_job, differences, fingerprint, full_state, launch, train  # noqa: E402
+
+from tiered_ckpt import CheckpointEngine  # noqa: E402
+from tiered_ckpt.megatron import adapter  # noqa: E402
+
+SAVED_AT, RESUMED_TO, FLOPS = 3, 5, 4321.0
+DRAIN = os.environ.get("MEGATRON_REAL_DRAIN")
+SAVE_LAYOUT, OTHER_LAYOUT = (1, 1), (2, 1)  # (TP, PP) on 2 ranks: DP 2, then DP 1
+
+
+def config(run_id: str, *, shm: str | None = None, files: Path | None = None) -> dict:
+    tiers = []
+    if shm is not None:
+        tiers.append({"name": "shm", "kind": "shm", "path": shm})
+    if files is not None:
+        tiers.append({"name": "disk", "kind": "local", "path": str(files)})
+    return {"run_id": run_id, "layout": "dcp", "tiers": tiers, **({"drain": {"mode": DRAIN}} if DRAIN else {})}
+
+
+def job_at(tp: int, pp: int, seed: int = 20) -> harness.Job:
+    job = build_job(tp, pp, "fp32", seed=seed, dropout=0.1)
+    job.args.ckpt_format = "torch_dist"
+    job.args.dist_ckpt_optim_fully_reshardable = True  # the optimizer reshards over TP too (Megatron's flag)
+    job.args.distrib_optim_fully_reshardable_mem_efficient = False
+    return job
+
+
+def metadata(job: harness.Job) -> dict[str, Any]:
+    from megatron.core import parallel_state
+
+    from tiered_ckpt.megatron.adapter_dist import content_metadata
+
+    return content_metadata(job.args, parallel_state.get_data_parallel_group(with_context_parallel=True))
+
+
+def megatron_request(job: harness.Job, *, is_loading: bool) -> dict[str, Any]:
+    """The sharded state dict as Megatron's generate_state_dict builds it, from Megatron's own methods."""
+    md = metadata(job)
+    model = adapter.unwrap(job.model[0])
+    state: dict[str, Any] = {"model": model.sharded_state_dict(metadata=md)}
+    state["optimizer"] = job.optimizer.sharded_state_dict(state, is_loading=is_loading, metadata=md)
+    return state
+
+
+def checkpoint_space(job: harness.Job) -> dict[str, list[tuple[tuple, torch.Tensor]]]:
+    """Every ShardedTensor of this rank's (model, optimizer) state: key -> [(its index in the global tensor, data)]."""
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+    from megatron.core.dist_checkpointing.state_dict_utils import save_preprocess
+
+    sharded, _ = save_preprocess(megatron_request(job, is_loading=False), validate_access_integrity=False)
+    out: dict[str, list[tuple[tuple[int, ...], torch.Tensor]]] = {}
+    for t in nested_values(sharded):
+        if isinstance(t, ShardedTensor) and t.data is not None:
+            assert t.flattened_range is None, t.key
+            # the leading prepend_axis_num axes (a layer's index in its stack, say) have local size 1
+            index = tuple(t.global_offset[:t.prepend_axis_num]) + tuple(
+                slice(o, o + n) for o, n in zip(t.global_offset[t.prepend_axis_num:], t.data.shape, strict=True))
+            out.setdefault(t.key, []).append((index, t.data.detach().clone()))
+    return out
+
+
+def mismatches(space: dict[str, list[tuple[tuple, torch.Tensor]]], plain: dict[str, torch.Tensor]
+               ) -> list[str]:
+    """The tensors of ``space`` that are not bit for bit their slice of the global tensors in ``plain``."""
+    bad = []
+    for key, pieces in space.items():
+        if key not in plain:
+            bad.append(f"{key}: not in the checkpoint")
+            continue
+        for offset, data in pieces:
+            piece = plain[key][offset]
+            if piece.dtype != data.dtype or piece.shape != data.shape or not torch.equal(
+                    piece.reshape(-1).view(torch.uint8), data.reshape(-1).view(torch.uint8)):
+                bad.append(f"{key} at {offset}: differs")
+    return sorted(bad)
+
+
+def rank_plain_tensors(rank: int, world: int, ckpt: str) -> dict[str, torch.Tensor]:
+    from megatron.core.dist_checkpointing import load_plain_tensors
+
+    return {k: v for k, v in load_plain_tensors(ckpt).items() if isinstance(v, torch.Tensor)}
+
+
+def plain_tensors(ckpt: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of a torch_dist step directory, whole, read by Megatron's own load_plain_tensors (one rank)."""
+    (tensors,) = launch(rank_plain_tensors, 1, str(ckpt))
+    assert tensors, ckpt
+    return tensors
+
+
+def save(job: harness.Job, engine: CheckpointEngine, *, persistent: bool = True) -> Any:
+    return adapter.save_checkpoint(job.iteration, job.model, job.optimizer, job.scheduler, FLOPS, engine=engine,
+                                   args=job.args, rng_tracker=job.tracker, non_persistent_ckpt=not persistent)
+
+
+def load(job: harness.Job, engine: CheckpointEngine) -> tuple[int, float]:
+    loaded = adapter.load_checkpoint(job.model, job.optimizer, job.scheduler, engine=engine, args=job.args,
+                                     rng_tracker=job.tracker)
+    job.iteration = job.args.iteration = loaded[0]
+    return loaded
+
+
+# ------------------------------------------------------------------------------------------------------------
+# what the ranks run
+
+
+def rank_save_ours(rank: int, world: int, cfg: dict, saves: int) -> dict[str, Any]:
+    """Train to SAVED_AT, save through the adapter (``saves`` times: the later ones reuse the plan), train on."""
+    job = job_at(*SAVE_LAYOUT)
+    job.args.ckpt_assume_constant_structure = saves > 1
+    train(job, SAVED_AT - (saves - 1))
+    with CheckpointEngine(cfg, job.layout, rank=rank) as engine:
+        for _ in range(saves):
+            if job.iteration < SAVED_AT:
+                save(job, engine)
+                train(job, job.iteration + 1)
+        save(job, engine).wait(timeout=120)
+        saved = {"full_state": full_state(job), "space": checkpoint_space(job)}
+        strategy = next(iter(adapter_strategies(engine).values()))
+        planned = strategy.planned_saves
+    train(job, RESUMED_TO)
+    return {**saved, "fingerprint": fingerprint(job), "planned": planned}
+
+
+def adapter_strategies(engine: CheckpointEngine) -> dict[bool, Any]:
+    from tiered_ckpt.megatron import adapter_dist
+
+    return adapter_dist._strategies[engine]
+
+
+def rank_megatron_load(rank: int, world: int, tp: int, pp: int, ckpt: str) -> dict[str, Any]:
+    """Megatron's own dist_checkpointing.load (its default strategy, FileSystemReader) into a fresh job."""
+    from megatron.core import dist_checkpointing
+
+    job = job_at(tp, pp, seed=77)
+    state = dist_checkpointing.load(megatron_request(job, is_loading=True), ckpt)
+    adapter.unwrap(job.model[0]).load_state_dict(state["model"])
+    job.optimizer.load_state_dict(state["optimizer"])
+    return {"coords": harness.coords(), "full_state": full_state(job), "space": checkpoint_space(job)}
+
+
+def rank_megatron_save(rank: int, world: int, ckpt: str) -> dict[str, Any]:
+    """Megatron's own dist_checkpointing.save (its default TorchDistSaveShardedStrategy), and its tracker."""
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.mapping import ShardedObject
+
+    job = job_at(*SAVE_LAYOUT)
+    train(job, SAVED_AT)
+    md = metadata(job)
+    state = {"args": job.args, "checkpoint_version": 3.0, "iteration": job.iteration,
+             **megatron_request(job, is_loading=False), "opt_param_scheduler": job.scheduler.state_dict(),
+             "rng_state": ShardedObject("rng_state", adapter.rng_state(job.args, job.tracker), (1, 1), (0, 0),
+                                        replica_id=harness.coords()[2]),
+             "num_floating_point_operations_so_far": FLOPS}
+    step_dir = Path(ckpt) / f"iter_{job.iteration:07d}"
+    if rank == 0:
+        step_dir.mkdir(parents=True)
+    torch.distributed.barrier()
+    from megatron.core.dist_checkpointing.utils import _clean_metadata_for_serialization
+
+    dist_checkpointing.save(state, str(step_dir), content_metadata=_clean_metadata_for_serialization(md))
+    if rank == 0:
+        (Path(ckpt) / "latest_checkpointed_iteration.txt").write_text(str(job.iteration))
+    saved = {"full_state": full_state(job), "space": checkpoint_space(job)}
+    train(job, RESUMED_TO)
+    return {**saved, "fingerprint": fingerprint(job)}
+
+
+def rank_our_load(rank: int, world: int, tp: int, pp: int, cfg: dict, cont: bool) -> dict[str, Any]:
+    # the saving job's seed: its data (harness.batch) depends on it; its weights are the load's to restore
+    job = job_at(tp, pp)
+    with CheckpointEngine(cfg, job.layout, rank=rank) as engine:
+        loaded = load(job, engine)
+    out = {"coords": harness.coords(), "loaded": loaded, "full_state": full_state(job),
+           "space": checkpoint_space(job)}
+    if cont:
+        train(job, RESUMED_TO)
+        out["fingerprint"] = fingerprint(job)
+    return out
+
+
+def rank_save_to_memory_and_die(rank: int, world: int, cfg: dict) -> None:
+    job = job_at(*SAVE_LAYOUT)
+    train(job, SAVED_AT)
+    engine = CheckpointEngine(cfg, job.layout, rank=rank)
+    save(job, engine, persistent=False).wait(timeout=120)
+    harness.kill_self()
+
+
+# ------------------------------------------------------------------------------------------------------------
+# tests
+
+
+@pytest.fixture(scope="module")
+def shm_dir() -> Iterator[str]:
+    path = tempfile.mkdtemp(prefix="tiered-ckpt-test-", dir="/dev/shm" if os.access("/dev/shm", os.W_OK) else None)
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def test_our_save_loads_in_megatron_at_same_and_other_layout(tmp_path: Path, shm_dir: str) -> None:
+    """(a) + (d): saved at tp1 pp1 dp2 through shm and disk (twice, the second save on the cached plan); Megatron's
+    dist_checkpointing.load of the disk's step directory gives every rank its state bit for bit, at tp1 dp2
+    and at tp2 dp1; our own load at the same layout resumes and trains on bit-exact."""
+    files = tmp_path / "disk"
+    cfg = config(f"td-ours-{uuid.uuid4().hex[:8]}", shm=shm_dir, files=files)
+    saved = launch(rank_save_ours, 2, cfg, 2)
+    assert [r["planned"] for r in saved] == [1, 1]  # the second save reused the first one's plan
+    step_dir = files / f"iter_{SAVED_AT:07d}"
+    names = {p.name for p in step_dir.iterdir()}
+    assert {"metadata.json", "common.pt", ".metadata", "__0_0.distcp", "__1_0.distcp"} <= names, names
+    plain = plain_tensors(step_dir)
+    for rank, res in enumerate(saved):
+        assert mismatches(res["space"], plain) == [], f"saved rank {rank}"
+
+    same = launch(rank_megatron_load, 2, *SAVE_LAYOUT, str(step_dir))
+    for rank, res in enumerate(same):
+        assert differences(saved[rank]["full_state"], res["full_state"]) == [], f"Megatron's load, rank {rank}"
+    other = launch(rank_megatron_load, 2, *OTHER_LAYOUT, str(step_dir))
+    for rank, res in enumerate(other):
+        assert res["coords"][0] == rank  # TP rank
+        assert mismatches(res["space"], plain) == [], f"Megatron's load at tp2, rank {rank}"
+
+    ours = launch(rank_our_load, 2, *SAVE_LAYOUT, config(cfg["run_id"], files=files), True)
+    for rank, res in enumerate(ours):
+        assert res["loaded"] == (SAVED_AT, FLOPS)
+        assert differences(saved[rank]["full_state"], res["full_state"]) == [], f"our load, rank {rank}"
+        assert differences(saved[rank]["fingerprint"], res["fingerprint"]) == [], f"our load, rank {rank}"
+    from tiered_ckpt.cli import main as cli_main
+
+    assert cli_main(["verify", str(files)]) == 0
+
+
+def test_megatron_saved_checkpoint_loads_through_the_adapter(tmp_path: Path) -> None:
+    """(b): Megatron's own dist_checkpointing.save at tp1 pp1 dp2 (no manifest of ours); the adapter loads it from
+    a file tier at tp1 dp2 (resumes bit-exact, RNG included) and at tp2 dp1 (every tensor bit-exact)."""
+    ckpt = tmp_path / "megatron"
+    saved = launch(rank_megatron_save, 2, str(ckpt))
+    plain = plain_tensors(ckpt / f"iter_{SAVED_AT:07d}")
+    cfg = config(f"td-megatron-{uuid.uuid4().hex[:8]}", files=ckpt)
+    same = launch(rank_our_load, 2, *SAVE_LAYOUT, cfg, True)
+    for rank, res in enumerate(same):
+        assert res["loaded"] == (SAVED_AT, FLOPS)
+        assert differences(saved[rank]["full_state"], res["full_state"]) == [], f"rank {rank}"
+        assert differences(saved[rank]["fingerprint"], res["fingerprint"]) == [], f"rank {rank}"
+    other = launch(rank_our_load, 2, *OTHER_LAYOUT, cfg, False)
+    for rank, res in enumerate(other):
+        assert res["loaded"] == (SAVED_AT, FLOPS)
+        assert mismatches(res["space"], plain) == [], f"tp2 rank {rank}"
+
+
+def test_sigkill_after_memory_only_save_resumes_from_shm(shm_dir: str, tmp_path: Path) -> None:
+    """(c): a non-persistent save goes to shm only; every rank is SIGKILLed; new ranks load it from shm (no file
+    tier holds it) and train on exactly like the run that never stopped."""
+    reference = launch(rank_save_ours, 2, config(f"td-ref-{uuid.uuid4().hex[:8]}", files=tmp_path / "ref"), 1)
+    cfg = config(f"td-mem-{uuid.uuid4().hex[:8]}", shm=shm_dir, files=tmp_path / "disk")
+    codes = launch(rank_save_to_memory_and_die, 2, cfg, expect_kill=True)
+    assert codes == [-signal.SIGKILL] * 2
+    assert not (tmp_path / "disk" / f"iter_{SAVED_AT:07d}").exists()
+    results = launch(rank_our_load, 2, *SAVE_LAYOUT, cfg, True)
+    for rank, res in enumerate(results):
+        assert res["loaded"] == (SAVED_AT, FLOPS)
+        assert differences(reference[rank]["fingerprint"], res["fingerprint"]) == [], f"rank {rank}"
