@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING
 
 from .errors import RunLockedError, TieredCkptError, TierError
 from .locking import LOCKS_DIR, RUN_LOCK, shm_lock_path, tmp_lock_base
+from .tiers._files import remove_empty_dirs
 from .tiers.base import _user_name
 
 if TYPE_CHECKING:
@@ -106,6 +107,9 @@ def remove_debris(store: FileStore, debris: list[Debris], *, min_age_s: float = 
             store.tier.delete_prefix(d.key)
         elif _old_enough(store, d.key, min_age_s, now):
             store.tier.remove_temp_file(d.key)
+            files = getattr(store.tier, "files", None)  # a directory tree: the directories it left empty go too
+            if files is not None and "/" in d.key:
+                remove_empty_dirs(files.root, d.key.rsplit("/", 1)[0])
         else:
             continue
         removed.append(d)

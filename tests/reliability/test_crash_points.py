@@ -270,16 +270,22 @@ def test_crash_point(sc: Scenario, zygote: Zygote, tmp_path: Path, shm_root: str
         if newest is not None:
             assert engine.load().step == newest
 
-        # 4. gc removes the crash's temporary files; the next save commits everywhere.
-        code, _ = cli("gc", "--config", str(config_path), "--delete")
+        # 4. While an engine of the run holds its lock, gc touches none of the run's files (it cannot tell the
+        #    crash's temporary files from the writes in flight); the next save commits everywhere.
+        left = temp_files(tmp_path, shm_root)
+        code, _ = cli("gc", "--config", str(config_path), "--delete", "--min-age", "0")
         assert code == EXIT_OK
-        assert temp_files(tmp_path, shm_root) == []
+        assert temp_files(tmp_path, shm_root) == left
         check_tiers(config_path)
         following = max(plan["steps"]) + 1
         engine.save(following, scenario_items(following, 1)).wait(timeout=60)
         loaded = engine.load()
         assert loaded.step == following
         assert_same(scenario_items(following, 1), loaded.items)
+    # 5. Once no engine holds the run, gc removes the crash's temporary files (--min-age 0: seconds old).
+    code, _ = cli("gc", "--config", str(config_path), "--delete", "--min-age", "0")
+    assert code == EXIT_OK
+    assert temp_files(tmp_path, shm_root) == []
     assert saved == plan["steps"][:len(saved)]
 
 
@@ -309,6 +315,9 @@ def test_gc_finds_temporary_files_on_a_shared_filesystem_tier(tmp_path):
     left.write_bytes(b"x" * 10)
     config = tmp_path / "tiers.json"
     config.write_text(json.dumps({"tiers": [{"name": "shared", "kind": "fsspec", "url": f"file://{shared}"}]}))
+    code, out = cli("gc", "--config", str(config), "--json")
+    assert json.loads(out)["found"] == []  # seconds old: it may be a write in flight (the store tells its age)
+    os.utime(left, (1, 1))  # a crash long ago
     code, out = cli("gc", "--config", str(config), "--json")
     assert json.loads(out)["found"] == [{"tier": "shared", "what": "temporary file", "bytes": 10,
                                          "key": f"iter_0000004/rank_00000/{left.name}"}]
