@@ -31,7 +31,7 @@ from .errors import (
 )
 from .handles import LoadResult, SaveHandle, SavesFailedError
 from .locking import RunLock, shm_paths
-from .memory_store import plan_items
+from .memory_store import plan_items, snapshot_layout_changes
 from .parallel import ParallelLayout, RankCoords, detect, local_rank
 from .pipeline import STAGING, Pipeline, build_pipeline
 from .plugins import PluginManager, get_plugin_manager
@@ -193,6 +193,17 @@ class CheckpointEngine:
         for meta in metas:
             if not meta.persistent:
                 continue  # saved for memory tiers only (a non-persistent step): no file tier ever takes it
+            changed = snapshot_layout_changes(meta, self.coords)
+            if changed:
+                # An elastic restart: this slot holds a rank of the old layout, a part of another job's state.
+                # It is never committed as this layout's (the drain refuses it too); it stays, overwritten in time.
+                log.warning("tier %r: the snapshot of step %d in slot %d (rank %d of %s) is not recovered: it was "
+                            "saved with another parallel layout (%s) than this job's (rank %d of %s). It stays in "
+                            "memory, is never loaded as this job's state, and its slot is reused by later saves; "
+                            "to keep it, restart with its layout", self.pipeline.entry, meta.step, meta.slot,
+                            meta.rank, meta.parallel or "an unrecorded layout", ", ".join(changed),
+                            self.coords.rank, self.coords.layout.to_dict())
+                continue
             due = tuple(n for n in self.pipeline.order[1:] if n in durable
                         and meta.step not in committed[n] and max(committed[n], default=-1) < meta.step)
             if not due:

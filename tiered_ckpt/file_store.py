@@ -146,6 +146,7 @@ class FileStore:
             return Written(step, sum(f.size for f in manifest.files), manifest=manifest)
         assert isinstance(mem, MemoryStore) and slot is not None
         meta = mem.snapshot(step, slot)
+        mem.check_layout(meta, coords)  # never another layout's snapshot under this layout's name
         sources = mem.item_sources(meta)
         # The snapshot's own checksums (for verified restores from memory) are computed on another core while
         # this tier is written; they are published once the tier committed.

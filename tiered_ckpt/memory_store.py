@@ -88,6 +88,19 @@ class SlotMeta:
             raise CorruptionError(f"malformed snapshot record: {exc}", tier=tier, key=where) from None
 
 
+def snapshot_layout_changes(meta: SlotMeta, coords: RankCoords) -> list[str]:
+    """What differs between the layout a snapshot was saved with (its rank, coordinates, parallel layout) and
+    ``coords``' ("DP 2 → 1", "rank 1 → 0"); empty when the snapshot is this rank's state at this layout. A record
+    without a layout (written before layouts were recorded) is taken as this rank's."""
+    changed = layout_changes(meta.parallel, coords.layout) if meta.parallel else []
+    if meta.rank != coords.rank:
+        changed.append(f"rank {meta.rank} → {coords.rank}")
+    here = coords.to_dict()
+    changed += [f"{k} coordinate {meta.coords[k]} → {here[k]}" for k in sorted(here)
+                if k != "rank" and k in meta.coords and meta.coords[k] != here[k]]
+    return changed
+
+
 def plan_items(items: dict[str, Any]) -> tuple[list[tuple[str, flat.SnapshotPlan, int]], int]:
     """Plan each item and place it in the slot: [(name, plan, offset)], total bytes."""
     placed, end = [], 0
@@ -160,9 +173,7 @@ class MemoryStore:
 
     def loadable_steps(self, coords: RankCoords) -> list[int]:
         # A snapshot of another parallel layout is another rank's state: never a candidate.
-        here = coords.layout.to_dict()
-        return sorted({m.step for m in self.metas().values()
-                       if not m.parallel or all(m.parallel.get(k) == v for k, v in here.items())})
+        return sorted({m.step for m in self.metas().values() if not snapshot_layout_changes(m, coords)})
 
     def read_step(self, step: int, coords: RankCoords, *, copy: bool, map_location: Any, verify: bool,
                   trust_pickles: bool, into: dict[str, Any] | None) -> tuple[dict[str, Any], bool, int]:
@@ -172,8 +183,11 @@ class MemoryStore:
         if not metas:
             raise TierError(f"step {step} left the slots while loading", tier=self.name)
         meta = max(metas, key=lambda m: m.created)
-        if meta.parallel and layout_changes(meta.parallel, coords.layout):
-            raise TierError(f"step {step} here is a snapshot of another parallel layout", tier=self.name)
+        changed = snapshot_layout_changes(meta, coords)
+        if changed:
+            raise TierError(f"step {step} in slot {meta.slot} is a snapshot of another parallel layout "
+                            f"({', '.join(changed)}): not this rank's state", tier=self.name,
+                            key=self.meta_key(meta.slot))
         if into is not None:
             check_into_names(into, [it.name for it in meta.items], f"step {step} on tier {self.name!r}")
         items = self.load(meta, copy=copy, map_location=map_location, verify=verify, into=into)
@@ -188,6 +202,7 @@ class MemoryStore:
                             "holds files: put memory tiers first in the tier list", tier=self.name)
         assert isinstance(src, MemoryStore)
         meta = src.snapshot(step, slot)
+        src.check_layout(meta, coords)
         data = src.data(meta)[:meta.total_bytes]
         mine = self.acquire_slot(step, wait=True, pinned=pinned)
         assert mine is not None
@@ -272,6 +287,14 @@ class MemoryStore:
         if meta is None or meta.step != step:
             raise TierError(f"snapshot of step {step} is no longer in slot {slot}", tier=self.name)
         return meta
+
+    def check_layout(self, meta: SlotMeta, coords: RankCoords) -> None:
+        """Refuse to drain a snapshot of another layout as this rank's state (an elastic restart's leftovers)."""
+        changed = snapshot_layout_changes(meta, coords)
+        if changed:
+            raise TierError(f"the snapshot of step {meta.step} in slot {meta.slot} was saved with another parallel "
+                            f"layout ({', '.join(changed)}): it is not drained as this job's state",
+                            tier=self.name, key=self.meta_key(meta.slot))
 
     def checksum_later(self, meta: SlotMeta, sources: list[ItemSource], hasher: Executor
                        ) -> tuple[Callable[[], None], Callable[[], None]] | None:

@@ -26,6 +26,7 @@ import torch
 from ..checksum import snapshot_checksum, snapshot_matches
 from ..codecs import flat
 from ..errors import CorruptionError, LayoutMismatchError
+from ..memory_store import snapshot_layout_changes
 
 log = logging.getLogger(__name__)
 MODEL_ITEM = "model_optim_rng"
@@ -89,7 +90,7 @@ def _from_node_snapshot(engine: Any, holder: int, step: int,
                         snapshot: dict[str, Any] | None) -> dict[str, Any] | None:
     """The holder's snapshot of ``step`` from a memory tier on this node (``snapshot``: the very one the holder
     loaded, by creation time and checksum)."""
-    layout = engine.coords.layout.to_dict()
+    holder_coords = engine.coords.layout.coords(holder)
     for store in engine.pipeline.stores.values():
         slots = store.slots()
         if slots is None:
@@ -102,8 +103,8 @@ def _from_node_snapshot(engine: Any, holder: int, step: int,
             if snapshot is not None and (meta.created != snapshot["created"]
                                          or (item.checksum or None) != snapshot["checksum"]):
                 continue
-            if meta.parallel and any(meta.parallel.get(k, 1) != layout[k] for k in ("tp", "pp", "dp", "ep", "cp")):
-                continue  # a snapshot of another parallel layout (an older job)
+            if snapshot_layout_changes(meta, holder_coords):
+                continue  # a snapshot of another parallel layout (an older job), or not the holder's own
             try:
                 return view.load(meta, copy=True, verify=True, only={MODEL_ITEM})[MODEL_ITEM]
             except CorruptionError as exc:
