@@ -45,7 +45,8 @@ class DrainRuntime:
                  on_tier_done: OnTierDone,
                  on_slot_released: OnSlotReleased,
                  on_job_done: Callable[[DrainRequest, dict[str, bool], dict[str, int]], None] | None = None,
-                 commit_wait_s: float = 120.0, node_ranks: list[int] | None = None):
+                 commit_wait_s: float = 120.0, node_ranks: list[int] | None = None,
+                 fence: Callable[[], None] | None = None):
         self.stores = stores
         self.order = order
         self.coords = coords
@@ -55,6 +56,8 @@ class DrainRuntime:
         self.on_job_done = on_job_done
         self.commit_wait_s = commit_wait_s
         self.node_ranks = sorted(node_ranks or [coords.rank])
+        # Raises once this drain may no longer write (a worker whose training process is gone: fencing.py).
+        self.fence = fence or (lambda: None)
         self._cond = threading.Condition()
         self._pins: Counter[tuple[str, int]] = Counter()
         self._pending = 0
@@ -174,6 +177,7 @@ class DrainRuntime:
     def _deliver(self, tier: str, source: str, job: _Job, t0: float) -> None:
         """Write the step on ``tier`` from ``source``, then commit it there (the stores decide how)."""
         req, store = job.req, self.stores[tier]
+        self.fence()
         written = store.write_step(req.step, self.coords, self.stores[source], slot=job.memory_slots.get(source),
                                    pinned=lambda step: self.is_pinned(tier, step), hasher=self._hasher)
         try:
@@ -186,6 +190,7 @@ class DrainRuntime:
                 self.emit(ev.Event(ev.COMMIT, step=req.step, rank=self.coords.rank, tier=tier,
                                    seconds=time.time() - req.created, nbytes=nbytes))
 
+            self.fence()
             store.commit(written, self.coords, node_ranks=self.node_ranks, wait_s=self.commit_wait_s,
                          pinned=lambda: self.pinned_steps(tier) - {req.step}, on_committed=committed)
             written.committed()

@@ -29,6 +29,7 @@ from .errors import (
     TierError,
     TierUnavailableError,
 )
+from .fencing import fence_previous_worker
 from .handles import LoadResult, SaveHandle, SavesFailedError
 from .locking import RunLock, shm_paths
 from .memory_store import plan_items, snapshot_layout_changes
@@ -56,6 +57,7 @@ class CheckpointEngine:
         self._lock = RunLock(self.config.run_id, self.coords.rank, shm_paths(self.config))  # beside the slots
         self._lock.acquire()
         try:
+            fence_previous_worker(self.config, self.coords.rank)  # issue #15: an old worker never writes again
             self.coordinator = Coordinator.create(self.coords)
             self.pipeline: Pipeline = build_pipeline(self.config, self.pm, self.coords, local_rank(), self._emit,
                                                      self.coordinator.node_ranks)

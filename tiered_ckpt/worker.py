@@ -3,7 +3,9 @@
 It is started with ``spawn`` (never ``fork``: a forked copy of a CUDA or multi-threaded training process is
 unsafe), builds its own tier objects from the configuration, and reads the shared-memory snapshot directly — no
 tensor ever travels through a pipe. Only small messages do: requests in, events and outcomes out. If the
-training process dies, the worker finishes the drains it has, then exits.
+training process dies, the worker exits at once without writing more (``fencing.py``): a newer owner of the run
+may already be reusing its slots. ``close()`` and interpreter exit end a worker in bounded time whatever its
+state (SIGKILL after the deadline: a stopped process cannot take SIGTERM, but is killed by SIGKILL).
 
 :func:`open_drain` picks the drain for a pipeline; all three (:class:`~tiered_ckpt.drain.DrainRuntime`,
 :class:`ProcessDrain`, :class:`SplitDrain`) implement :class:`~tiered_ckpt.drain_protocol.Drain`
@@ -12,6 +14,7 @@ training process dies, the worker finishes the drains it has, then exits.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import logging
 import multiprocessing as mp
@@ -20,6 +23,7 @@ import queue
 import sys
 import threading
 import time
+import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import replace
 from typing import Any
@@ -28,12 +32,17 @@ from . import events as ev
 from .config import Config
 from .drain import DrainRuntime
 from .drain_protocol import Drain, DrainRequest, OnSlotReleased, OnTierDone
+from .errors import TieredCkptError
+from .fencing import hold_worker_lock, owner_alive, watch_parent, worker_lock_path
 from .parallel import RankCoords
 from .pipeline import Pipeline, build_stores
 from .plugins import manager_for_worker
 from .store import Store
 
 log = logging.getLogger(__name__)
+#: After its stop message (or the close deadline), how long a worker gets to exit before it is SIGKILLed.
+STOP_GRACE_S = 10.0
+_drains: weakref.WeakSet[ProcessDrain] = weakref.WeakSet()
 
 
 def open_drain(pipeline: Pipeline, on_tier_done: OnTierDone, on_slot_released: OnSlotReleased) -> Drain:
@@ -60,6 +69,7 @@ def worker_main(config: Config, coords: RankCoords, order: list[str], local_rank
     # Ctrl-C in a terminal reaches the whole process group: the training process decides (its close() finishes
     # or abandons the drain); the worker neither dies mid-write nor prints a KeyboardInterrupt traceback.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    watch_parent(parent_pid)  # an orphan exits at once: it never writes what a newer owner may own
     import torch
 
     torch.set_num_threads(1)  # leave the cores to training
@@ -67,7 +77,16 @@ def worker_main(config: Config, coords: RankCoords, order: list[str], local_rank
     def emit(event: ev.Event) -> None:
         results.put(("event", event))
 
+    def fence() -> None:  # before each write and commit (the watcher may be a poll interval late)
+        if not owner_alive(parent_pid):
+            raise TieredCkptError(f"drain worker {os.getpid()}: its training process {parent_pid} is gone; "
+                                  "fenced, nothing more is written")
+
+    lock_fd = None
+    lock_path = worker_lock_path(config, coords.rank)
     try:
+        if lock_path is not None:
+            lock_fd = hold_worker_lock(lock_path)
         pm = manager_for_worker(config.plugins)  # the training process's plugins (plugins.py)
         stores = build_stores(config, pm, coords, local_rank, order, emit)
         runtime = DrainRuntime(
@@ -75,7 +94,7 @@ def worker_main(config: Config, coords: RankCoords, order: list[str], local_rank
             on_tier_done=lambda step, tier, ok, err: results.put(("tier_done", step, tier, ok, err)),
             on_slot_released=lambda tier, slot, step: results.put(("slot_released", tier, slot, step)),
             on_job_done=lambda req, res, slots: results.put(("job_done", req.step, req.created)),
-            commit_wait_s=config.drain.commit_timeout_s, node_ranks=node_ranks,
+            commit_wait_s=config.drain.commit_timeout_s, node_ranks=node_ranks, fence=fence,
         )
     except BaseException as exc:
         results.put(("fatal", f"{type(exc).__name__}: {exc}"))
@@ -85,15 +104,17 @@ def worker_main(config: Config, coords: RankCoords, order: list[str], local_rank
         try:
             req = requests.get(timeout=1.0)
         except queue.Empty:
-            if os.getppid() != parent_pid:  # orphaned: finish what we have, then go
-                break
-            continue
+            continue  # orphaned: the parent watcher ends this process
         if req is None:
             break
         runtime.submit(req)
     runtime.close()
     for store in stores.values():
         store.close()
+    if lock_fd is not None:
+        with contextlib.suppress(OSError):
+            os.unlink(lock_path)  # while held: the next worker of this rank takes a fresh file
+        os.close(lock_fd)
     results.put(("closed", os.getpid()))
 
 
@@ -156,7 +177,10 @@ class ProcessDrain:
         self.on_tier_done = on_tier_done
         self.on_slot_released = on_slot_released
         self._cond = threading.Condition(threading.RLock())
-        self._outstanding: dict[tuple[int, float], tuple[DrainRequest, set[str], bool]] = {}
+        # (step, created) -> request, tiers still due, slot released?, the worker process it was handed to: a
+        # worker's death fails only its own requests, never those its replacement already took.
+        self._outstanding: dict[tuple[int, float], tuple[DrainRequest, set[str], bool, Any]] = {}
+        self._all_stores = stores or {}  # to tell, after a worker died, what it committed before it could say so
         self._proc: Any = None
         self._closing = False
         self._ready = threading.Event()
@@ -168,6 +192,7 @@ class ProcessDrain:
         self._held: list[DrainRequest] = []  # for the worker, once the threads here are done
         self.drained_here = 0  # requests drained by this process's threads while the worker was starting
         self._start()
+        _drains.add(self)
 
     def _local_runtime(self) -> DrainRuntime:
         if self._local is None:
@@ -191,7 +216,7 @@ class ProcessDrain:
                 held, self._held = self._held, []
                 for r in held:
                     if self._ready.is_set():
-                        self._outstanding[(r.step, r.created)] = (r, set(r.due), False)
+                        self._outstanding[(r.step, r.created)] = (r, set(r.due), False, self._proc)
                         send.append(r)
                     else:  # the worker went away meanwhile: keep draining here
                         self._drain_here(r)
@@ -224,7 +249,7 @@ class ProcessDrain:
             if self._here_pending or self._held:  # the worker is up: it takes this once the threads are done
                 self._held.append(req)
                 return
-            self._outstanding[(req.step, req.created)] = (req, set(req.due), False)
+            self._outstanding[(req.step, req.created)] = (req, set(req.due), False, self._proc)
         self._requests.put(req)
 
     def _listen(self, proc: Any, results: Any) -> None:
@@ -241,27 +266,30 @@ class ProcessDrain:
                 return
             kind = msg[0]
             if kind == "ready":
-                self._ready.set()
+                if proc is self._proc:
+                    self._ready.set()
             elif kind == "event":
                 self.emit(msg[1])
             elif kind == "tier_done":
                 _, step, tier, ok, err = msg
                 with self._cond:  # the oldest request of that step still due there (each tier keeps order)
-                    for (s, _), (_req, left, _rel) in self._outstanding.items():
-                        if s == step and tier in left:
+                    for (s, _), (_req, left, _rel, owner) in self._outstanding.items():
+                        if s == step and tier in left and owner is proc:
                             left.discard(tier)
                             break
                 self.on_tier_done(step, tier, ok, err)
             elif kind == "slot_released":
                 _, tier, slot, step = msg
                 with self._cond:
-                    for key, (req, left, _rel) in list(self._outstanding.items()):
-                        if req.step == step and req.slot == slot:
-                            self._outstanding[key] = (req, left, True)
+                    for key, (req, left, _rel, owner) in list(self._outstanding.items()):
+                        if req.step == step and req.slot == slot and owner is proc:
+                            self._outstanding[key] = (req, left, True, owner)
                 self.on_slot_released(tier, slot, step)
             elif kind == "job_done":
                 with self._cond:
-                    self._outstanding.pop((msg[1], msg[2]), None)
+                    entry = self._outstanding.get((msg[1], msg[2]))
+                    if entry is not None and entry[3] is proc:
+                        del self._outstanding[(msg[1], msg[2])]
                     self._cond.notify_all()
             elif kind == "fatal":
                 log.error("the drain worker could not start: %s", msg[1])
@@ -271,21 +299,38 @@ class ProcessDrain:
                 return
 
     def _worker_died(self, proc: Any, why: str | None = None) -> None:
+        if proc.is_alive():  # it said it failed, or its pipe broke: nothing of it may read a slot from now on
+            proc.kill()
+        proc.join(STOP_GRACE_S)
         reason = why or f"the drain worker exited (code {proc.exitcode})"
-        self._ready.clear()
         with self._cond:
-            lost = list(self._outstanding.values())
-            self._outstanding.clear()
+            if proc is self._proc:
+                self._ready.clear()
+            lost = [(k, v) for k, v in self._outstanding.items() if v[3] is proc]  # its replacement's stay
+            for key, _ in lost:
+                del self._outstanding[key]
             self._cond.notify_all()
         if lost and not self._closing:
-            log.error("%s with %d drains pending; they are reported failed (the shm snapshot stays loadable)",
-                      reason, len(lost))
-        for req, left, released in lost:
+            log.error("%s with %d drains pending; those not committed are reported failed (the shm snapshot stays "
+                      "loadable)", reason, len(lost))
+        for _, (req, left, released, _owner) in lost:
             for tier in req.due:
                 if tier in left:
-                    self.on_tier_done(req.step, tier, False, reason)
-            if not released:
+                    ok = self._committed(tier, req.step)
+                    self.on_tier_done(req.step, tier, ok, None if ok else reason)
+            if not released:  # the worker is dead: nothing reads the slot for this request any more
                 self.on_slot_released(req.source, req.slot, req.step)
+
+    def _committed(self, tier: str, step: int) -> bool:
+        """Whether ``tier`` committed ``step`` (a worker killed between its commit and its report)."""
+        store = self._all_stores.get(tier)
+        if store is None or store.files() is None:
+            return False
+        try:
+            return step in store.durable_steps()
+        except Exception as exc:  # cannot tell: reported failed, which is what a reader must assume
+            log.warning("tier %r: cannot list its committed steps after the drain worker died: %s", tier, exc)
+            return False
 
     def wait_idle(self, timeout: float | None = None) -> bool:
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -304,19 +349,38 @@ class ProcessDrain:
         self._closing = True
         if self._local is not None:
             self._local.close(None if idle else 0)
-        if self._proc is not None and self._proc.is_alive():
-            with self._cond:
-                unused = not self._ready.is_set() and not self._outstanding and not self._held
-            if unused:  # still starting and never given anything: no need to wait for its start-up
-                self._proc.terminate()
-                self._proc.join(5.0)
-                return idle
-            self._requests.put(None)
-            self._proc.join(timeout=None if idle else 5.0)
-            if self._proc.is_alive():
-                self._proc.terminate()
-                self._proc.join(5.0)
+        self._stop(STOP_GRACE_S if idle else 0.0)
+        _drains.discard(self)
         return idle
+
+    def _stop(self, grace: float) -> None:
+        """Stop the worker in bounded time: the stop message, ``grace`` to exit, then SIGKILL (which ends a
+        stopped process too, unlike SIGTERM). What it had not committed stays in shm for recovery."""
+        proc = self._proc
+        if proc is None or not proc.is_alive():
+            return
+        with self._cond:
+            unused = not self._ready.is_set() and not self._outstanding and not self._held
+        if unused:  # still starting and never given anything: no need to wait for its start-up
+            grace = 0.0
+        with contextlib.suppress(Exception):
+            self._requests.put(None)
+        proc.join(grace)
+        if proc.is_alive():
+            if grace > 0:
+                log.warning("the drain worker (process %d) did not exit within %.0f s; it is killed", proc.pid, grace)
+            proc.kill()
+            proc.join(STOP_GRACE_S)
+
+
+@atexit.register
+def _stop_workers() -> None:
+    # Before multiprocessing's own exit handler (registered earlier, run later), which joins every child with
+    # no timeout: a worker still here (its engine never closed) is stopped in bounded time.
+    for drain in list(_drains):
+        with contextlib.suppress(Exception):
+            drain._closing = True
+            drain._stop(STOP_GRACE_S)
 
 
 class SplitDrain:

@@ -1,0 +1,211 @@
+"""The drain worker's life and death (issue #15).
+
+* An orphaned worker (its training process SIGKILLed) writes nothing more: it exits without committing the step
+  it was draining, and a new engine of the run kills one that cannot exit by itself (SIGSTOPped) before it
+  touches a slot.
+* The worker alone SIGKILLed at random points: every handle's outcome is what the tier has committed, and every
+  committed step holds exactly what was saved (no slot was reused while a worker read it).
+* ``close(timeout)`` and interpreter exit return with the worker SIGSTOPped; the committed step stays loadable.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+from helpers import assert_same, make_items
+
+from tiered_ckpt import CheckpointEngine, SaveError
+
+HANG_GUARD_S = 120.0  # only against a hang: every wait below ends long before when the code is right
+
+PARENT = textwrap.dedent("""
+    import json, os, sys, time
+    sys.path.insert(0, {tests!r})
+    from helpers import make_items
+    from tiered_ckpt import CheckpointEngine
+    engine = CheckpointEngine(json.loads({cfg!r}))
+    assert engine._drain._ready.wait(120), "the drain worker never came up"
+    handle = engine.save(1, make_items(1))
+    if {wait!r}:
+        handle.wait(timeout=120)
+    print("WORKER", engine._drain._proc.pid, flush=True)
+    {then}
+""")
+
+
+def _config(shm_root: Path, tmp_path: Path, local: dict | None = None, run_id: str | None = None) -> dict:
+    return {"run_id": run_id or f"w{uuid.uuid4().hex[:8]}", "drain": {"mode": "process"},
+            "tiers": [{"name": "shm", "kind": "shm", "path": str(shm_root)},
+                      local or {"name": "local", "kind": "local", "path": str(tmp_path / "local")}]}
+
+
+def _gone(pid: int) -> bool:
+    """Whether ``pid`` has exited (a zombie nobody reaps counts as gone)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except FileNotFoundError:
+        return True
+
+
+def _wait_gone(pid: int) -> bool:
+    deadline = time.monotonic() + HANG_GUARD_S
+    while not _gone(pid):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
+
+
+def _release(pid: int | None) -> None:
+    """Cleanup: a stopped process left behind is continued and killed."""
+    if pid is None:
+        return
+    for sig in (signal.SIGCONT, signal.SIGKILL):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, sig)
+
+
+def _start_parent(cfg: dict, wait: bool, then: str) -> tuple[subprocess.Popen, int]:
+    script = PARENT.format(tests=str(Path(__file__).parent.parent), cfg=json.dumps(cfg), wait=wait, then=then)
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    line = proc.stdout.readline()
+    if not line.startswith("WORKER"):
+        proc.kill()
+        pytest.fail(f"the training process did not start its worker: {line!r} {proc.stderr.read()[-3000:]}")
+    return proc, int(line.split()[1])
+
+
+def _manifest(tmp_path: Path, step: int) -> Path:
+    return tmp_path / "local" / f"iter_{step:07d}" / "tiered_ckpt" / "manifest.json"
+
+
+def test_orphaned_worker_commits_nothing_after_its_owner_died(shm_root, tmp_path):
+    # Slow writes: the step is still being drained when the training process is killed.
+    slow = {"name": "local", "kind": "faulty", "inner": {"kind": "local", "path": str(tmp_path / "local")},
+            "latency_s": 0.5}
+    cfg = _config(shm_root, tmp_path, slow)
+    parent, worker = _start_parent(cfg, wait=False, then="time.sleep(600)")
+    try:
+        parent.kill()
+        parent.wait()
+        assert _wait_gone(worker), "the orphaned drain worker is still running"
+        assert not _manifest(tmp_path, 1).exists(), "the orphaned worker committed step 1 after its owner died"
+    finally:
+        _release(worker)
+        parent.kill()
+    # The snapshot is still in shm: the next engine of the run drains it itself.
+    with CheckpointEngine(_config(shm_root, tmp_path, run_id=cfg["run_id"])) as engine:
+        assert [h.step for h in engine.recovered] == [1]
+        engine.recovered[0].wait(timeout=HANG_GUARD_S)
+        assert_same(make_items(1), engine._load_from("local", 1, True, None)[0])
+
+
+def test_new_owner_fences_a_stopped_orphan_before_it_starts(shm_root, tmp_path):
+    cfg = _config(shm_root, tmp_path)
+    parent, worker = _start_parent(cfg, wait=True, then="time.sleep(600)")
+    try:
+        os.kill(worker, signal.SIGSTOP)  # cannot notice its parent's death by itself
+        parent.kill()
+        parent.wait()
+        with CheckpointEngine(cfg) as engine:
+            assert _gone(worker), "a new owner of the run started while the old owner's worker could still write"
+            loaded = engine.load()
+            assert loaded.step == 1
+            assert_same(make_items(1), loaded.items)
+    finally:
+        _release(worker)
+        parent.kill()
+
+
+def test_close_is_bounded_with_the_worker_stopped(shm_root, tmp_path):
+    cfg = _config(shm_root, tmp_path)
+    engine = CheckpointEngine(cfg)
+    worker = None
+    try:
+        assert engine._drain._ready.wait(HANG_GUARD_S)
+        engine.save(1, make_items(1)).wait(timeout=HANG_GUARD_S)
+        proc = engine._drain._proc
+        worker = proc.pid
+        os.kill(worker, signal.SIGSTOP)
+        closer = threading.Thread(target=engine.close, kwargs={"timeout": 3}, daemon=True)
+        closer.start()
+        closer.join(HANG_GUARD_S)
+        assert not closer.is_alive(), "close(timeout=3) hangs on a stopped drain worker"
+        assert proc.exitcode is not None, "close() returned with the stopped worker still there"
+    finally:
+        _release(worker)
+        engine.close(timeout=0)
+    with CheckpointEngine(cfg) as again:
+        loaded = again.load()
+        assert loaded.step == 1
+        assert_same(make_items(1), loaded.items)
+
+
+def test_interpreter_exit_is_bounded_with_the_worker_stopped(shm_root, tmp_path):
+    cfg = _config(shm_root, tmp_path)
+    # No close(): the interpreter's exit has to end the engine and its stopped worker.
+    parent, worker = _start_parent(cfg, wait=True, then="os.kill(engine._drain._proc.pid, 19)")  # 19: SIGSTOP
+    try:
+        try:
+            code = parent.wait(timeout=HANG_GUARD_S)
+        except subprocess.TimeoutExpired:
+            pytest.fail("the interpreter's exit hangs on the stopped drain worker")
+        assert code == 0, parent.stderr.read()[-3000:]
+        assert _wait_gone(worker)
+    finally:
+        _release(worker)
+        parent.kill()
+    with CheckpointEngine(cfg) as engine:
+        assert engine.load().step == 1
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_worker_killed_at_random_points(shm_root, tmp_path, seed):
+    """The worker alone SIGKILLed at random moments (seeded) while saves go on: a handle fails only where the step
+    is not committed, succeeds only where it is, and each committed step is exactly what was saved."""
+    rnd = random.Random(seed)
+    run_id = f"r{seed}{uuid.uuid4().hex[:6]}"
+    cfg = {"run_id": run_id, "drain": {"mode": "process"},
+           "tiers": [{"name": "shm", "kind": "shm", "path": str(shm_root), "slots": 2},
+                     {"name": "shm2", "kind": "shm", "path": os.path.join(shm_root, "second"), "slots": 2},
+                     {"name": "local", "kind": "local", "path": str(tmp_path / "local")}]}
+    handles = []
+    engine = CheckpointEngine(cfg)
+    try:
+        drain = engine._drain.proc if hasattr(engine._drain, "proc") else engine._drain
+        assert drain._ready.wait(HANG_GUARD_S)
+        for step in range(1, 9):
+            handles.append(engine.save(step, make_items(step)))
+            if rnd.random() < 0.4:
+                assert drain._ready.wait(HANG_GUARD_S)  # kill a worker at work, not one starting
+                time.sleep(rnd.uniform(0.0, 0.4))  # a random point of the drain
+                proc = drain._proc
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(proc.pid, signal.SIGKILL)
+                proc.join(HANG_GUARD_S)  # the next save goes to a replacement
+        outcomes = {}
+        for h in handles:
+            try:
+                h.wait("local", timeout=HANG_GUARD_S)
+                outcomes[h.step] = True
+            except SaveError:
+                outcomes[h.step] = False
+        committed = set(engine.pipeline.stores["local"].durable_steps())
+        assert {s for s, ok in outcomes.items() if ok} == committed, (outcomes, committed)
+        for step in committed:
+            assert_same(make_items(step), engine._load_from("local", step, True, None)[0])
+    finally:
+        engine.close(timeout=HANG_GUARD_S)
