@@ -291,7 +291,11 @@ def test_random_rank_manifests_are_refused_or_name_only_that_ranks_sane_files(da
         return
     assert (manifest.step, manifest.rank) == (10, 1)
     for f in manifest.files:
-        assert f.rank == 1 and f.key == f"iter_0000010/rank_00001/{f.item}.{EXTENSION[f.codec]}"
+        assert f.rank == 1 and f.key.startswith("iter_0000010/rank_00001/")
+        if manifest.layout in ("rank_sharded", "megatron", "dcp") and f.codec in EXTENSION:
+            assert f.key == f"iter_0000010/rank_00001/{f.item}.{EXTENSION[f.codec]}"
+        # (a layout or codec this process does not have: only the rank's directory can be checked; loading it
+        # is refused later, naming the unknown codec or layout)
         assert 0 <= f.size <= MAX_BYTES
         assert f.raw_size in (None, f.size) if f.compression is None else 0 <= f.raw_size <= f.size * 32768
 
