@@ -295,6 +295,7 @@ def check_ownership(r: _Reader, step: int, layout_name: str, saved: ParallelLayo
     layout, extensions = _layout(layout_name)
     step_dir = f"iter_{step:07d}/"
     seen: set[str] = set()
+    ranks: dict[int, Any] = {}  # a rank's coordinates, computed once per manifest
     for i, f in enumerate(files):
         where = f"files[{i}]"
         if not f.key.startswith(step_dir):
@@ -314,7 +315,8 @@ def check_ownership(r: _Reader, step: int, layout_name: str, saved: ParallelLayo
         seen.add(f.key)
         extension = extensions.get(f.codec) or f.key.rsplit("/", 1)[-1].rsplit(".", 1)[-1]
         try:
-            expected = layout.item_key(step, f.item, saved.coords(f.rank), extension)
+            coords = ranks.get(f.rank) or ranks.setdefault(f.rank, saved.coords(f.rank))
+            expected = layout.item_key(step, f.item, coords, extension)
         except Exception as exc:  # noqa: BLE001 - a third-party layout refusing what it is asked is a refusal
             raise r.fail(f"{where}: layout {layout_name!r} has no file {f.item!r} of rank {f.rank}: {exc}") from None
         if expected != f.key:
