@@ -49,9 +49,7 @@ from torch.distributed.checkpoint import save as dcp_save
 from ..dcp.reader import TieredStorageReader
 from ..dcp.writer import TieredStorageWriter
 from ..errors import CorruptionError, TieredCkptError, TierError
-from ..file_store import FileStore
 from ..layouts.dcp import STEP_FILES
-from ..memory_store import MemoryStore
 from ..tiers.base import as_memoryview
 
 log = logging.getLogger(__name__)
@@ -179,16 +177,17 @@ class _StepReader(TieredStorageReader):
         reasons = []
         for tier, store in self._stores():
             try:
-                if isinstance(store, MemoryStore):
-                    found = self._snapshot(store, 0, self.step, item)
+                slots, files = store.slots(), store.files()  # the Store protocol: no switch on its class
+                if slots is not None:
+                    found = self._snapshot(slots, 0, self.step, item)
                     if found is None:
                         continue
                     view, meta = found
                     state = view.load(meta, copy=True, verify=True, only={item})[item]
                     return bytes(as_memoryview(state["metadata"])), tier, all(
                         it.checksum for it in meta.items if it.name == item)
-                if isinstance(store, FileStore):
-                    data, verified = self._file_bytes(store, self.step, f"{store.layout.step_dir(self.step)}/{name}")
+                if files is not None:
+                    data, verified = self._file_bytes(files, self.step, f"{files.layout.step_dir(self.step)}/{name}")
                     if data is not None:
                         return data, tier, verified
             except (TierError, OSError, CorruptionError, TieredCkptError) as exc:
