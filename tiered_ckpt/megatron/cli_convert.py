@@ -7,6 +7,9 @@ tier could not be read or written (unreachable, permission denied). With ``--jso
 ``{"error": ..., "exit_code": N}`` on stdout.
 
 ``--storage-option KEY=VALUE`` and ``--endpoint-url`` apply to SRC and DST when they are URLs.
+
+Between Megatron's ``torch`` and ``torch_dist`` formats nothing is converted here (:data:`TORCH_DIST_HELP` says
+why and what to do instead).
 """
 
 from __future__ import annotations
@@ -14,6 +17,16 @@ from __future__ import annotations
 import argparse
 import json
 from typing import Any
+
+TORCH_DIST_HELP = (
+    "convert works on Megatron's legacy torch format only (layouts megatron and rank_sharded). A torch_dist "
+    "checkpoint cannot be made from a torch one, or the reverse, without the model: torch_dist keys and shards "
+    "every tensor by the model's sharded_state_dict() (its names, TP/PP splits, the optimizer's sharding type), which "
+    "the files do not hold; Megatron's own converter builds the model for the same reason. Instead load the "
+    "checkpoint in the job through the adapter with its format (args.ckpt_format) and save it once with the other "
+    "(a torch_dist engine needs layout: dcp). A torch_dist checkpoint needs no conversion for another TP/PP/DP: "
+    "Megatron's dist_checkpointing.load and the adapter reshard it at load (the distributed optimizer across TP/PP "
+    "only if it was saved with --dist-ckpt-optim-fully-reshardable).")
 
 
 def _target(text: str, name: str, options: dict[str, Any]) -> Any:
@@ -34,11 +47,20 @@ def _target(text: str, name: str, options: dict[str, Any]) -> Any:
 
 def cmd_convert(args: argparse.Namespace) -> int:
     from ..cli import storage_options
+    from ..errors import ConfigError, DecodeError
     from .convert import convert
 
+    if args.to == "torch_dist":
+        raise ConfigError(f"--to torch_dist: {TORCH_DIST_HELP}", key_path="to")
     options = storage_options(args.storage_option, args.endpoint_url)
-    report = convert(_target(args.src, "source", options), _target(args.dst, "destination", options), to=args.to,
-                     dp=args.dp, step=args.step, progress=not args.json, trust_pickles=args.trust_pickles)
+    try:
+        report = convert(_target(args.src, "source", options), _target(args.dst, "destination", options),
+                         to=args.to, dp=args.dp, step=args.step, progress=not args.json,
+                         trust_pickles=args.trust_pickles)
+    except DecodeError as exc:
+        if "torch_dist" not in str(exc):
+            raise
+        raise DecodeError(f"{exc}. {TORCH_DIST_HELP}") from None
     if args.json:
         print(json.dumps(report.to_dict(), indent=1, default=str))
         return 0
@@ -58,11 +80,13 @@ def add_convert_command(sub: Any, add: Any) -> argparse.ArgumentParser:
     """Register ``convert`` with the CLI's ``add(name, func, help, target=False)`` helper."""
     from ..cli import add_storage_flags
 
-    p = add("convert", cmd_convert, "convert a Megatron checkpoint between the megatron and rank_sharded layouts, "
-                                    "or re-split it for another DP size", target=False)
+    p = add("convert", cmd_convert, "convert a Megatron checkpoint (legacy torch format) between the megatron and "
+                                    "rank_sharded layouts, or re-split it for another DP size; torch <-> torch_dist "
+                                    "needs the model (--to torch_dist says why and what to do)", target=False)
     p.add_argument("src", help="the source: a directory or fsspec URL holding Megatron's tracker and iter_* dirs")
     p.add_argument("dst", help="where to write (a directory or fsspec URL; must not hold the step yet)")
-    p.add_argument("--to", required=True, choices=["megatron", "rank_sharded"], help="the destination's layout")
+    p.add_argument("--to", required=True, choices=["megatron", "rank_sharded", "torch_dist"],
+                   help="the destination's layout; torch_dist is refused with what to do instead (it needs the model)")
     p.add_argument("--dp", type=int, help="data-parallel size of the destination (world / (TP x PP x CP), as "
                                           "Megatron counts it; default: the source's)")
     p.add_argument("--step", type=int, help="the iteration to convert (default: the source's tracker)")
