@@ -168,10 +168,10 @@ def _held(path: str, mode: int) -> bool | None:
 
 
 def run_state(run_id: str, shm_paths: str | Sequence[str] = (), *, ranks_only: bool = False) -> str:
-    """``"live"``: an engine holds a lock of ``run_id`` (beside its slots in one of ``shm_paths``, or in the
-    ``$TMPDIR`` lock directory); ``"stale"``: a lock file is left but nobody holds it (the process ended without
-    ``close()``: killed, crashed); ``"closed"``: no lock file (``close()`` removes its own). Reads only.
-    ``ranks_only``: look at the ranks' own locks only (gc, holding ``run.lock`` itself)."""
+    """``"live"``: an engine (or its drain worker) holds a lock of ``run_id`` (beside its slots in one of
+    ``shm_paths``, or in the ``$TMPDIR`` lock directory); ``"stale"``: an engine's lock file is left but nobody
+    holds it (the process ended without ``close()``: killed, crashed); ``"closed"``: no such file (``close()``
+    removes its own). Reads only. ``ranks_only``: skip ``run.lock`` (gc, holding it itself)."""
     left = False
     for directory in lock_dirs(run_id, shm_paths):
         try:
@@ -183,9 +183,10 @@ def run_state(run_id: str, shm_paths: str | Sequence[str] = (), *, ranks_only: b
                 continue
             # Every engine of the run shares run.lock; each holds its rank's lock alone.
             held = _held(os.path.join(directory, name), fcntl.LOCK_EX if name == RUN_LOCK else fcntl.LOCK_SH)
-            if held:
+            if held:  # an engine, or a drain worker still running (fencing.py): either may be writing
                 return "live"
-            left = left or held is False
+            # Only an engine's locks left unheld say it ended without close(); a worker's may stay after it exits.
+            left = left or (held is False and (name == RUN_LOCK or name.startswith("rank_")))
     return "stale" if left else "closed"
 
 

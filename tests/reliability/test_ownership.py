@@ -190,3 +190,25 @@ def test_gc_removes_a_closed_run_whose_lock_directory_is_gone(shm_root, tmp_path
     assert {f["run_id"]: f["state"] for f in json.loads(out)["found"]} == {cfg["run_id"]: "closed"}
     assert not (Path(shm_root) / _user_name() / cfg["run_id"]).exists()
     assert not (locks / cfg["run_id"]).exists()
+
+
+def test_a_drain_workers_lock_counts_while_held_and_is_no_sign_of_a_crash_once_let_go(shm_root):
+    """The drain worker's lock (fencing.py) sits beside the engine's: held, the run is live (the worker may be
+    writing, gc leaves the run alone); left behind unheld by a worker that exited, the run is closed, not stale."""
+    import fcntl
+
+    from tiered_ckpt.housekeeping import run_state
+    from tiered_ckpt.locking import shm_lock_dir
+
+    run_id = f"own-{uuid.uuid4().hex[:8]}"
+    path = os.path.join(shm_lock_dir(shm_root, run_id), "worker_00000.lock")
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        assert run_state(run_id, shm_root) == "live"
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        assert run_state(run_id, shm_root) == "closed"
+        Path(path).with_name("rank_00000.lock").write_text("{}")  # an engine's lock left unheld: killed
+        assert run_state(run_id, shm_root) == "stale"
+    finally:
+        os.close(fd)
