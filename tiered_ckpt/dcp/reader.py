@@ -24,7 +24,7 @@ import time
 from collections import Counter
 from collections.abc import Callable
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.distributed._shard._utils import narrow_tensor_by_index
@@ -35,12 +35,14 @@ from torch.futures import Future as TorchFuture
 
 from .. import events as ev
 from ..errors import CorruptionError, NoCheckpointError, TieredCkptError, TierError
-from ..file_store import FileStore
 from ..layouts.dcp import DATA_ITEM, METADATA_FILE, METADATA_ITEM, RANK_METADATA_ITEM, rank_metadata_file
-from ..memory_store import MemoryStore
+from ..store import SnapshotStore, Store
 from ..tiers.base import as_memoryview, bytes_to_tensor
 from ._format import load_metadata, parse_data_file
 from .writer import check_engine, parse_step
+
+if TYPE_CHECKING:
+    from ..file_store import FileStore
 
 log = logging.getLogger(__name__)
 
@@ -196,17 +198,14 @@ class TieredStorageReader(StorageReader):
             emit(ev.Event(kind, step=self.step, rank=self.engine.coords.rank, tier=tier, **fields))
 
     # ----- choosing a step ---------------------------------------------------------------------------------
-    def _stores(self) -> list[tuple[str, Any]]:
+    def _stores(self) -> list[tuple[str, Store]]:
         return [(name, self.engine.pipeline.stores[name]) for name in self.engine.tiers]
 
-    def _rank_view(self, store: MemoryStore, rank: int) -> MemoryStore:
-        for_rank = getattr(store, "for_rank", None)
-        return for_rank(rank) if for_rank is not None else MemoryStore(store.tier, rank, store.nslots)
-
-    def _snapshot(self, store: MemoryStore, rank: int, step: int, item: str, not_after: float | None = None) -> Any:
+    @staticmethod
+    def _snapshot(slots: SnapshotStore, rank: int, step: int, item: str, not_after: float | None = None) -> Any:
         """The newest snapshot record of ``step`` holding ``item`` in ``rank``'s slots on this node (taken no later
         than ``not_after``), or None."""
-        view = self._rank_view(store, rank)
+        view = slots.for_rank(rank)
         metas = [m for m in view.metas().values() if m.step == step and any(it.name == item for it in m.items)
                  and (not_after is None or m.created <= not_after)]
         return (view, max(metas, key=lambda m: m.created)) if metas else None
@@ -215,13 +214,13 @@ class TieredStorageReader(StorageReader):
         steps: set[int] = set()
         for name, store in self._stores():
             try:
-                if isinstance(store, MemoryStore):
+                if (slots := store.slots()) is not None:
                     # any world size: DCP reshards, and this node's snapshots of every rank are readable here
-                    steps.update(m.step for m in store.metas().values() if any(it.name == DATA_ITEM for it in m.items))
-                elif isinstance(store, FileStore):
-                    self._committed[name] = set(store.committed_steps())
-                    steps.update(s for s in self._committed[name] if _is_dcp_step(store, s))
-                    steps.update(self._plain_steps(store))
+                    steps.update(m.step for m in slots.metas().values() if any(it.name == DATA_ITEM for it in m.items))
+                elif (files := store.files()) is not None:
+                    self._committed[name] = set(files.committed_steps())
+                    steps.update(s for s in self._committed[name] if _is_dcp_step(files, s))
+                    steps.update(self._plain_steps(files))
             except (TierError, OSError, CorruptionError) as exc:
                 log.warning("dcp load: cannot list tier %r: %s", name, exc)
                 self._emit(ev.TIER_UNREACHABLE, name, message=str(exc))
@@ -255,8 +254,8 @@ class TieredStorageReader(StorageReader):
         item = METADATA_ITEM if rank is None else RANK_METADATA_ITEM
         for name, store in self._stores():
             try:
-                if isinstance(store, MemoryStore):
-                    found = self._snapshot(store, 0 if rank is None else rank, step, item)
+                if (slots := store.slots()) is not None:
+                    found = self._snapshot(slots, 0 if rank is None else rank, step, item)
                     if found is None:
                         continue
                     view, meta = found
@@ -266,10 +265,10 @@ class TieredStorageReader(StorageReader):
                     # The coordinator snapshots last (in finish(), after every rank's write_data): a rank's
                     # snapshot of this save is no newer than this one. A newer one is a later, failed save.
                     self._metadata_created = meta.created
-                elif isinstance(store, FileStore):
-                    key = store.layout.metadata_key(step) if rank is None else \
-                        f"{store.layout.step_dir(step)}/{rank_metadata_file(rank)}"
-                    data, verified = self._file_bytes(store, step, key)
+                elif (files := store.files()) is not None:
+                    key = files.layout.metadata_key(step) if rank is None else \
+                        f"{files.layout.step_dir(step)}/{rank_metadata_file(rank)}"
+                    data, verified = self._file_bytes(files, step, key)
                     if data is None:
                         continue
                 else:
@@ -316,10 +315,10 @@ class TieredStorageReader(StorageReader):
         reasons = []
         for tier_name, store in self._stores():
             try:
-                if isinstance(store, MemoryStore):
-                    got = self._from_memory(store, name, step)
-                elif isinstance(store, FileStore):
-                    got = self._from_files(store, name, step, reqs)
+                if (slots := store.slots()) is not None:
+                    got = self._from_memory(slots, name, step)
+                elif (files := store.files()) is not None:
+                    got = self._from_files(files, name, step, reqs)
                 else:
                     got = None
                 if got is not None:
@@ -332,7 +331,7 @@ class TieredStorageReader(StorageReader):
         raise TieredCkptError(f"rank {self.engine.coords.rank}: step {step}: no tier holds a usable {name} "
                               f"({'; '.join(reasons) or 'no tier has it'})")
 
-    def _from_memory(self, store: MemoryStore, name: str, step: int) -> tuple[Fetched, bool] | None:
+    def _from_memory(self, store: SnapshotStore, name: str, step: int) -> tuple[Fetched, bool] | None:
         rank = parse_data_file(name)
         if rank is None or not name.endswith("_0.distcp") or self._metadata_created is None:
             return None  # snapshots are used with the coordinator's own: nothing else tells which save they are

@@ -58,10 +58,8 @@ def check_engine(engine: Any) -> None:
     if engine.config.layout != "dcp":
         raise ConfigError(f"tiered_ckpt.dcp needs an engine with layout: dcp (this one has "
                           f"{engine.config.layout!r}): set layout: dcp in its configuration", key_path="layout")
-    from ..file_store import FileStore
-
     for name, store in engine.pipeline.stores.items():
-        if isinstance(store, FileStore) and store.compression_name:
+        if (files := store.files()) is not None and files.compression_name:
             raise ConfigError(f"tier {name!r}: compression would make .distcp files DCP's own reader cannot read; "
                               "set compression: none on it for layout dcp", key_path="tiers")
 
