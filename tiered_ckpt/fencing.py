@@ -42,19 +42,35 @@ def worker_lock_path(config: Any, rank: int) -> str | None:
 
 
 def _try_lock(path: str) -> int | None:
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        os.close(fd)
-        return None
-    return fd
+    """The lock's fd, or None while another process holds it."""
+    for _ in range(100):
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            return None
+        try:
+            same = os.path.samestat(os.fstat(fd), os.stat(path, follow_symlinks=False))
+        except OSError:
+            same = False
+        if same:
+            return fd
+        os.close(fd)  # unlinked by an exiting worker between our open and flock: lock the file now at the path
+    raise TieredCkptError(f"the drain worker lock {path} keeps changing (removed by other processes while we lock it)")
 
 
 def _holder(path: str) -> int | None:
     with contextlib.suppress(OSError, ValueError), open(path, "rb") as f:
         return int(f.read(32).decode().strip() or "0") or None
     return None
+
+
+def release_worker_lock(path: str, fd: int) -> None:
+    """Remove the lock file we hold (so the run's lock directory can go with its last engine), then let go."""
+    with contextlib.suppress(OSError):
+        os.unlink(path)
+    os.close(fd)
 
 
 def hold_worker_lock(path: str, wait_s: float = ORPHAN_GRACE_S * 4) -> int:
@@ -80,7 +96,7 @@ def fence_previous_worker(config: Any, rank: int, grace_s: float = ORPHAN_GRACE_
         return None
     fd = _try_lock(path)
     if fd is not None:  # no worker holds it: nothing to fence
-        os.close(fd)
+        release_worker_lock(path, fd)
         return None
     pid = _holder(path)
     log.warning("run %r rank %d: the drain worker of a previous engine (process %s) is still alive; it is stopped "
@@ -90,16 +106,18 @@ def fence_previous_worker(config: Any, rank: int, grace_s: float = ORPHAN_GRACE_
     while True:
         fd = _try_lock(path)
         if fd is not None:
-            os.close(fd)
+            release_worker_lock(path, fd)
             return pid
-        if not killed and time.monotonic() >= deadline and pid is not None:
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.kill(pid, signal.SIGKILL)  # a stopped process is killed too
-            killed = True
-            deadline = time.monotonic() + grace_s
-        elif killed and time.monotonic() >= deadline:
-            raise TieredCkptError(f"run {config.run_id!r} rank {rank}: the drain worker of a previous engine "
-                                  f"(process {pid}, lock {path}) does not exit; kill it, then start again")
+        now = time.monotonic()
+        if now >= deadline:
+            if killed:
+                raise TieredCkptError(f"run {config.run_id!r} rank {rank}: the drain worker of a previous engine "
+                                      f"(process {pid}, lock {path}) does not exit; kill it, then start again")
+            pid = _holder(path) or pid  # it may have written its pid only now
+            if pid is not None:
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.kill(pid, signal.SIGKILL)  # a stopped process is killed too
+            killed, deadline = True, now + grace_s
         time.sleep(0.02)
 
 

@@ -33,7 +33,7 @@ from .config import Config
 from .drain import DrainRuntime
 from .drain_protocol import Drain, DrainRequest, OnSlotReleased, OnTierDone
 from .errors import TieredCkptError
-from .fencing import hold_worker_lock, owner_alive, watch_parent, worker_lock_path
+from .fencing import hold_worker_lock, owner_alive, release_worker_lock, watch_parent, worker_lock_path
 from .parallel import RankCoords
 from .pipeline import Pipeline, build_stores
 from .plugins import manager_for_worker
@@ -112,9 +112,7 @@ def worker_main(config: Config, coords: RankCoords, order: list[str], local_rank
     for store in stores.values():
         store.close()
     if lock_fd is not None:
-        with contextlib.suppress(OSError):
-            os.unlink(lock_path)  # while held: the next worker of this rank takes a fresh file
-        os.close(lock_fd)
+        release_worker_lock(lock_path, lock_fd)
     results.put(("closed", os.getpid()))
 
 
