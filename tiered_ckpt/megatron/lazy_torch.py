@@ -21,7 +21,7 @@ import torch
 
 from ..errors import DecodeError
 from ..tiers.base import bytes_to_tensor
-from .torch_zip import DICTS, ZIP64_MARKER, itemsize, same_dict
+from .torch_records import DICTS, ZIP64_MARKER, itemsize, same_dict
 
 MAX_PICKLE_BYTES = 256 << 20  # a data.pkl larger than this is not a checkpoint we read lazily
 READ_PIECE = 16 << 20  # bytes per range read when copying out of a file

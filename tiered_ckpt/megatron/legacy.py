@@ -19,7 +19,6 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 from ..errors import BlobNotFoundError, DecodeError, LayoutMismatchError, NoCheckpointError, UnsafePickleError
@@ -27,6 +26,7 @@ from ..layouts.base import META_DIR
 from ..parallel import RankCoords
 from ..tiers.base import Tier, as_memoryview
 from . import rank_shard, tier_io
+from .checkpoint_info import CheckpointInfo, LoadedItems
 from .geometry import OptimizerGeometry
 from .lazy_torch import open_lazy
 from .naming import (
@@ -41,41 +41,14 @@ from .naming import (
     parse_tracker,
     scan_rank_dirs,
 )
+from .source import StepSource
+
+__all__ = ["CheckpointInfo", "LoadedItems", "detect", "load_rank_items", "warn_unverified"]
 
 log = logging.getLogger(__name__)
 LAYOUTS = ("megatron", "rank_sharded", "dlrover")
 _warned: set[tuple[str, str]] = set()
 _warned_lock = threading.Lock()
-
-
-@dataclass(frozen=True)
-class CheckpointInfo:
-    """What a tier holds for one step (see the module doc)."""
-
-    layout: str  # megatron | rank_sharded | dlrover
-    iteration: Iteration
-    step_dir: str  # iter_XXXXXXX or release
-    has_manifest: bool
-    topology: MegatronTopology
-    rank_dirs: tuple[str, ...]  # mp_rank_* directories
-    rank_files: tuple[int, ...]  # ranks with rank_RRRRR/distrib_optim.pt
-    has_distrib_optim: bool  # mp_rank_*/distrib_optim.pt present
-    tracker: Iteration | None  # what the tracker says (None: no tracker)
-    writer: str  # tiered_ckpt | megatron | dlrover
-    where: str
-    args: Any = field(default=None, repr=False)  # the checkpoint's argparse.Namespace, when read
-    notes: tuple[str, ...] = ()
-
-    @property
-    def verifiable(self) -> bool:
-        return self.has_manifest
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"layout": self.layout, "iteration": self.iteration, "step_dir": self.step_dir,
-                "has_manifest": self.has_manifest, "topology": rank_shard.topology_dict(self.topology),
-                "rank_dirs": list(self.rank_dirs), "rank_files": len(self.rank_files),
-                "has_distrib_optim": self.has_distrib_optim, "tracker": self.tracker, "writer": self.writer,
-                "where": self.where, "notes": list(self.notes)}
 
 
 def read_tracker(tier: Tier) -> Iteration | None:
@@ -207,20 +180,6 @@ def warn_unverified(info: CheckpointInfo) -> None:
                 "verified", info.where, info.writer)
 
 
-class LoadedItems(dict):
-    """A rank's items (item name -> state), plus what is known about where they came from."""
-
-    def __init__(self, items: dict[str, Any], *, info: CheckpointInfo, verified: bool, formats: dict[str, str],
-                 notes: Sequence[str] = ()):
-        super().__init__(items)
-        self.info = info
-        self.step = info.iteration
-        self.layout = info.layout
-        self.verified = verified
-        self.formats = formats  # item -> "megatron" | "rank_shard" | "dlrover" (the layout of its content)
-        self.notes = list(notes)
-
-
 def load_rank_items(
     tier: Tier,
     step: Iteration | None,
@@ -238,8 +197,6 @@ def load_rank_items(
     model state. With a manifest (our layouts) every file read is verified (``verify``); without one nothing
     is, and the result says so.
     """
-    from .source import StepSource
-
     info = detect(tier, step=step, trust_pickles=trust_pickles)
     if not info.has_manifest:
         warn_unverified(info)

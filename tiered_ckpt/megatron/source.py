@@ -27,11 +27,11 @@ from ..manifest import CheckpointManifest, FileEntry, load_checkpoint
 from ..parallel import RankCoords
 from ..tiers.base import Tier, as_memoryview
 from . import rank_shard, safe_load, tier_io
+from .checkpoint_info import CheckpointInfo, LoadedItems
 from .distrib_optim import iter_split, split_state, sub_optimizer_states
 from .geometry import OptimizerGeometry
 from .infer import infer_geometry
 from .lazy_torch import LazyTorchFile, materialize
-from .legacy import CheckpointInfo, LoadedItems
 from .merge import OpenedFiles, check_same_model_parallel, open_rank_shards, plan_dirs, world_view
 from .naming import DISTRIB_OPTIM_FILENAME, MODEL_FILENAME, MegatronTopology
 from .torch_zip import StreamedTensor

@@ -29,8 +29,11 @@ from typing import Any
 import torch
 
 from .. import pickle_by_name
+from ..errors import EncodeError
 from ..pickle_by_name import StandInDetector
 from ..tiers.base import IO_BLOCK, as_memoryview
+from .loadable import explain, refused_globals
+from .torch_records import DICTS, ZIP64_MARKER, itemsize, same_dict
 
 try:  # ISA-L's CRC-32 runs at ~20 GB/s, zlib's at ~4: on a 2 GiB file that is most of the cost above a raw write
     from isal.isal_zlib import crc32
@@ -39,7 +42,6 @@ except ImportError:  # pragma: no cover - platforms without isal wheels
 
 ALIGNMENT = 64
 PICKLE_PROTOCOL = 2  # torch.save's default
-ZIP64_MARKER = 0xFFFFFFFF  # the "see the zip64 extra field" marker
 ZIP64_FROM = 0xFFFFFFFF  # sizes and offsets from here on go to zip64 extra fields (lowered in tests)
 _TAIL = 4096
 _CRC_ASYNC_MIN = 1 << 20  # smaller pieces: the thread hand-off costs more than the CRC
@@ -109,16 +111,7 @@ def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
     return tuple(reversed(stride))
 
 
-DICTS = (dict, collections.OrderedDict)  # containers walked (Megatron's model state is an OrderedDict)
 _STORAGE, _CPU = "storage", "cpu"
-
-
-def same_dict(like: dict, items: Iterable[tuple[Any, Any]]) -> dict:
-    """A dict of ``like``'s type with ``items``, keeping instance attributes (a state dict's ``_metadata``)."""
-    out = type(like)(items)
-    if type(like) is not dict and vars(like):
-        out.__dict__.update(vars(like))
-    return out  # one object each: the pickle memoizes them as torch's does
 
 
 def _storage_type(dtype: torch.dtype) -> Any:
@@ -126,10 +119,6 @@ def _storage_type(dtype: torch.dtype) -> Any:
     if name is None:
         raise pickle.PicklingError(f"no storage type for dtype {dtype}")
     return getattr(torch, name)
-
-
-def itemsize(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
 
 
 class _Storages:
@@ -332,9 +321,6 @@ def iter_torch_save(obj: Any, *, archive: str = "archive", page_congruent: bool 
 
 
 def _check_megatron_loadable(pkl: bytes, archive: str) -> None:
-    from ..errors import EncodeError
-    from .loadable import explain, refused_globals
-
     refused = refused_globals(pkl)
     if refused:
         raise EncodeError(explain(f"{archive}.pt", refused) + ": keep such objects out of the checkpoint, or "
