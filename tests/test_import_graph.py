@@ -5,11 +5,12 @@ What counts (decided here):
 * **Module-level imports form a DAG**, over the whole package. These run when a module is first imported: a
   cycle among them makes the import order matter (a half-initialised module, an ImportError that depends on
   which module a user imports first). Imports under ``if TYPE_CHECKING:`` never run and do not count.
-* **Imports inside functions** are allowed to defer optional or heavy parts (Megatron's format, tqdm, the
-  CLI's subcommands), so they may close a loop elsewhere; but **no cycle, counting them too, may pass through
-  the save/load core** (:data:`CORE`: the engine, the pipeline, the stores, the drains and their protocols),
-  where a deferred import would only hide a dependency that goes both ways (the pipeline and the worker used
-  to import each other that way).
+* **Imports inside functions count too.** They defer optional or heavy parts (Megatron's format, tqdm, the CLI's
+  subcommands), but a deferred import that closes a loop only hides a dependency that goes both ways (the
+  pipeline and the worker used to import each other that way; so did the CLI and ``convert``, ``legacy`` and
+  ``source``, ``torch_zip`` and ``lazy_torch``): no cycle may remain, at any level. :data:`REMAINING` names the
+  few that are still there, each with the reason and what removes it; the test fails on any other cycle, and on
+  an entry of :data:`REMAINING` that no longer is one (so the list only shrinks).
 
 Both ``from tiered_ckpt.x import y`` and relative imports count; ``from . import x`` is an import of the
 submodule ``x``. Importing a package's submodule is not counted as importing the package itself.
@@ -26,6 +27,20 @@ ROOT = Path(tiered_ckpt.__file__).parent
 PACKAGE = "tiered_ckpt"
 CORE = {f"{PACKAGE}.{m}" for m in ("engine", "pipeline", "store", "memory_store", "file_store", "step_read", "drain",
                                    "drain_protocol", "worker")}
+
+
+# Cycles (through function-level imports) not removed yet: the modules involved -> why, and what removes it.
+REMAINING: dict[frozenset[str], str] = {
+    frozenset({f"{PACKAGE}.parallel", f"{PACKAGE}.megatron.naming"}):
+        "ParallelLayout.rank_dir asks megatron.naming for Megatron's directory name, and naming aliases "
+        "ParallelLayout as MegatronTopology: move rank_dir to megatron.naming (its callers ask naming)",
+    frozenset({f"{PACKAGE}.tiers.fsspec_tier", f"{PACKAGE}.tiers.s3"}):
+        "FsspecTier.__new__ returns an S3Tier for s3:// URLs, and S3Tier subclasses FsspecTier: let the fsspec "
+        "tier's plugin factory pick the class instead",
+    frozenset({f"{PACKAGE}.megatron.adapter", f"{PACKAGE}.megatron.adapter_dist"}):
+        "adapter_dist borrows rng_state/unwrap/_apply from adapter, which calls adapter_dist: move those "
+        "helpers to a module both import",
+}
 
 
 def _module_name(path: Path) -> str:
@@ -152,9 +167,30 @@ def test_module_level_imports_form_a_dag():
     assert not found, f"module-level import cycle(s): {_show(found)}"
 
 
-def test_no_cycle_through_the_core_even_with_function_level_imports():
-    found = [c for c in cycles(import_graph(in_functions=True)) if CORE & set(c)]
-    assert not found, f"import cycle(s) through the save/load core: {_show(found)}"
+def _components(graph: dict[str, set[str]]) -> dict[frozenset[str], list[str]]:
+    """Each cycle found, keyed by the modules it passes through."""
+    return {frozenset(c): c for c in cycles(graph)}
+
+
+def test_no_import_cycle_even_through_function_level_imports():
+    found = _components(import_graph(in_functions=True))
+    new = [c for key, c in found.items() if not any(key <= known or known <= key for known in REMAINING)]
+    assert not new, f"import cycle(s), function-level imports included: {_show(new)}"
+    core = [c for c in found.values() if CORE & set(c)]
+    assert not core, f"import cycle(s) through the save/load core: {_show(core)}"
+
+
+def test_every_remaining_cycle_is_still_one():
+    found = set(_components(import_graph(in_functions=True)))
+    gone = [" <-> ".join(sorted(known)) for known in REMAINING if not any(known <= key for key in found)]
+    assert not gone, f"no longer a cycle, remove it from REMAINING: {'; '.join(gone)}"
+
+
+def test_function_level_imports_are_in_the_graph():
+    # megatron.cli_convert imports the CLI's shared parts only inside its functions
+    graph = import_graph(in_functions=True)
+    assert f"{PACKAGE}.cli_common" in graph[f"{PACKAGE}.megatron.cli_convert"]
+    assert f"{PACKAGE}.cli_common" not in import_graph(in_functions=False)[f"{PACKAGE}.megatron.cli_convert"]
 
 
 def test_a_cycle_is_found_and_named():

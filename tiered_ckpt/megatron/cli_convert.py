@@ -31,7 +31,7 @@ TORCH_DIST_HELP = (
 
 def _target(text: str, name: str, options: dict[str, Any]) -> Any:
     """``text`` itself, or for a URL with storage options from the command line, a tier built with them."""
-    from ..cli import _is_url
+    from ..cli_common import _is_url
 
     if not options or not _is_url(text):
         return text
@@ -46,7 +46,7 @@ def _target(text: str, name: str, options: dict[str, Any]) -> Any:
 
 
 def cmd_convert(args: argparse.Namespace) -> int:
-    from ..cli import storage_options
+    from ..cli_common import storage_options
     from ..errors import ConfigError, DecodeError
     from .convert import convert
 
@@ -78,7 +78,7 @@ def cmd_convert(args: argparse.Namespace) -> int:
 
 def add_convert_command(sub: Any, add: Any) -> argparse.ArgumentParser:
     """Register ``convert`` with the CLI's ``add(name, func, help, target=False)`` helper."""
-    from ..cli import add_storage_flags
+    from ..cli_common import add_storage_flags
 
     p = add("convert", cmd_convert, "convert a Megatron checkpoint (legacy torch format) between the megatron and "
                                     "rank_sharded layouts, or re-split it for another DP size; torch <-> torch_dist "

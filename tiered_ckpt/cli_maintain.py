@@ -1,0 +1,112 @@
+"""The ``tiered-ckpt`` commands that clean up or measure: ``gc`` (debris and dead runs' shared memory; a dry run
+unless ``--delete``), ``bench`` (this machine's and the tiers' throughput) and ``demo``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+from .cli_common import (
+    DEFAULT_SHM_PATH,
+    EXIT_OK,
+    Opened,
+    _built_stores,
+    _emit,
+    _open,
+    _print_json,
+    _print_table,
+    _text,
+    human_bytes,
+)
+from .errors import ConfigError, TierError
+
+
+def cmd_gc(args: argparse.Namespace) -> int:
+    from .housekeeping import find_debris, find_stale_runs, remove_debris, remove_stale_run, run_state
+    from .locking import shm_paths
+
+    found: list[dict] = []
+    opened = _open(args, memory=False) if args.target or args.config else None
+    if opened is None and not args.stale:
+        raise ConfigError("give a checkpoint directory or URL, --config tiers.yaml, or --stale")
+    if args.stale:
+        for shm_path in _shm_paths(args, opened):
+            for run in find_stale_runs(shm_path):
+                found.append({"what": "stale run", **run.to_dict()})
+                if args.delete:
+                    remove_stale_run(run, shm_path)
+    if opened is not None:
+        live = bool(args.config) and run_state(opened.config.run_id, shm_paths(opened.config)) == "live"
+        for name, store in opened.file_stores().items():
+            try:
+                debris = find_debris(store, live=live, min_age_s=args.min_age)
+            except (TierError, OSError) as exc:
+                opened.unreadable[name] = _text(exc)
+                continue
+            found += [d.to_dict() for d in debris]
+            if args.delete:
+                remove_debris(store, debris, min_age_s=args.min_age)
+        opened.notes(args)
+    problem = opened.problem(True, "") if opened is not None else None
+    verb = "removed" if args.delete else "would remove"
+
+    def text() -> None:
+        for f in found:
+            if f["what"] == "stale run":
+                steps = f", steps {', '.join(map(str, f['steps']))}" if f["steps"] else ""
+                print(f"{verb}  shared memory of run {f['run_id']!r} ({f['state']}{steps})  {f['path']}  "
+                      f"({human_bytes(f['bytes'])})")
+            else:
+                print(f"{verb}  {f['what']}  tier {f['tier']!r}: {f['key']}  ({human_bytes(f['bytes'])})")
+        if not found:
+            print("nothing to remove")
+        elif not args.delete:
+            print("dry run: nothing was removed; add --delete to remove these")
+
+    return _emit(args, {"deleted": args.delete, "found": found}, problem, text, bool(found))
+
+
+def _shm_paths(args: argparse.Namespace, opened: Opened | None) -> list[str]:
+    """Where ``gc --stale`` looks: --shm-path; else the configuration's shm tiers; else the default path."""
+    if args.shm_path:
+        return [args.shm_path]
+    if opened is not None and args.config:
+        paths = [t.options.path for t in opened.config.tiers if t.kind == "shm"]
+        if paths:
+            return list(dict.fromkeys(paths))
+    return [DEFAULT_SHM_PATH]
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from . import machine_bench as mb
+
+    nbytes = args.size_mib << 20
+    rows = [mb.copy_prefaulted(nbytes)]
+    if os.path.isdir("/dev/shm"):
+        rows.append(mb.fresh_shm_write(nbytes))
+    stores: dict = {}
+    if args.config or args.target:
+        _, stores = _built_stores(args)
+    for store in stores.values():
+        path = getattr(store.tier.options, "path", None)
+        if store.tier.kind == "local" and path:
+            rows.append(mb.write_fsync(nbytes, path))
+    if not stores:
+        rows.append(mb.write_fsync(nbytes, os.getcwd()))
+    for store in stores.values():
+        rows.extend(mb.tier_round_trip(store.tier, nbytes))
+    ceiling = rows[0].gbps
+    if args.json:
+        _print_json([{**r.to_dict(), "vs_copy": round(r.gbps / ceiling, 3)} for r in rows])
+        return EXIT_OK
+    _print_table([[r.what, f"{r.seconds:.3f}", f"{r.gbps:.2f}", f"{r.gbps / ceiling:.2f}"] for r in rows],
+                 ["what", "seconds", "GB/s", "vs copy"])
+    return EXIT_OK
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from .demo.run import run_demo
+
+    return run_demo(args.workdir, world=args.world, steps=args.steps, remote=args.remote,
+                    keep_files=not args.clean)

@@ -1,0 +1,210 @@
+"""The ``tiered-ckpt`` commands that only read: ``plugins``, ``ls``, ``inspect``, ``verify``.
+
+A tier whose directory does not exist is reported, never created, and lock files are only looked at.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from typing import TYPE_CHECKING
+
+from .cli_common import (
+    EXIT_FAILED,
+    EXIT_OK,
+    Opened,
+    _emit,
+    _file_tiers,
+    _note,
+    _open,
+    _pick_step,
+    _print_json,
+    _print_table,
+    _ranks,
+    _text,
+    human_bytes,
+)
+from .errors import NoCheckpointError, TierError
+
+if TYPE_CHECKING:
+    from .file_store import FileStore
+
+
+def cmd_plugins(args: argparse.Namespace) -> int:
+    from .plugins import get_plugin_manager
+
+    regs = get_plugin_manager().registries
+    rows = []
+    for what, reg in (("tier", regs.tiers), ("layout", regs.layouts), ("codec", regs.codecs)):
+        for name, cls, provider in reg.items():
+            rows.append({"type": what, "name": name, "provider": provider, "class": f"{cls.__module__}.{cls.__name__}"})
+    if args.json:
+        _print_json(rows)
+    else:
+        _print_table([[r["type"], r["name"], r["provider"], r["class"]] for r in rows],
+                     ["type", "name", "provider", "class"])
+    return EXIT_OK
+
+
+def cmd_ls(args: argparse.Namespace) -> int:
+    from .inventory import StepInfo, file_steps, memory_steps
+
+    opened = _open(args, memory=True)
+    infos: list[StepInfo] = []
+    committed: dict[str, set[int]] = {}
+    for name, store in opened.file_stores().items():
+        try:
+            steps = file_steps(store)
+        except (TierError, OSError) as exc:
+            opened.unreadable[name] = _text(exc)
+            continue
+        committed[name] = {i.step for i in steps if i.state == "committed" and i.step is not None}
+        infos.extend(steps)
+    run_id = opened.config.run_id
+    shm_bases: list[tuple[str, str]] = []
+    for name, cfg in opened.cfgs.items():
+        if cfg.kind == "shm":
+            shm_bases.append((name, os.path.abspath(os.path.expanduser(cfg.options.path))))
+        slots = opened.stores[name].slots() if name in opened.stores else None
+        if slots is not None:
+            infos.extend(_snapshot_rows(memory_steps(slots), run_id, committed, opened))
+    for name, base in shm_bases:
+        infos.extend(_other_runs(name, base, run_id))
+    problem = opened.problem(bool(infos), f"no checkpoints in {opened.target}" if opened.target else
+                             "no checkpoints on any tier")
+    opened.notes(args)
+
+    def text() -> None:
+        _print_table([[i.tier, "-" if i.step is None else i.step, i.state, human_bytes(i.nbytes),
+                       "-" if i.age_s is None else f"{i.age_s:.0f}s", i.files, _ranks(i.ranks)] for i in infos],
+                     ["tier", "step", "state", "size", "age", "files", "ranks"])
+
+    return _emit(args, [i.to_dict() for i in infos], problem, text if infos else lambda: None, bool(infos))
+
+
+def _snapshot_rows(rows: list, run_id: str, committed: dict[str, set[int]], opened: Opened) -> list:
+    """This run's snapshots, each with its run's state (:func:`~tiered_ckpt.housekeeping.run_state`: a live
+    engine holds it; "closed": the engine closed; "stale": the process ended without ``close()``) and, with no
+    live engine, the file tiers that never got it (the next engine of this run_id drains it there)."""
+    from .housekeeping import run_state
+    from .locking import shm_paths
+
+    state = run_state(run_id, shm_paths(opened.config))
+    for info in rows:
+        memory_only = info.state == "snapshot (non-persistent)"  # saved for memory tiers only: never drained
+        if state == "live":
+            info.state = "snapshot (live engine" + ("; non-persistent)" if memory_only else ")")
+            continue
+        what = "closed" if state == "closed" else "stale: its process ended without close()"
+        missing = [n for n, steps in committed.items() if info.step not in steps and max(steps, default=-1) < info.step]
+        if memory_only:
+            info.state = f"snapshot ({what}; non-persistent: memory only, no file tier takes it)"
+        elif missing:
+            info.state = (f"snapshot ({what}; not on {', '.join(map(repr, missing))}: the next engine of run "
+                          f"{run_id!r} drains it)")
+        elif committed and not opened.unreadable and not opened.absent:
+            info.state = f"snapshot ({what}; on every file tier)"
+        else:
+            info.state = f"snapshot ({what})"
+    return rows
+
+
+def _other_runs(tier: str, shm_path: str, run_id: str) -> list:
+    """One row per other run with shared memory under ``shm_path``: its newest snapshot step, never a made-up one."""
+    from .housekeeping import list_runs
+    from .inventory import StepInfo
+
+    out = []
+    for run in list_runs(shm_path):
+        if run.run_id == run_id:
+            continue
+        what = {"live": "live engine", "closed": "closed", "stale": "stale: its process ended without close()"}
+        state = (f"run {run.run_id!r}: {what[run.state]}" + ("" if run.live else "; gc --stale removes it")
+                 + (f"; steps {', '.join(map(str, run.steps))}" if len(run.steps) > 1 else ""))
+        out.append(StepInfo(tier, run.steps[-1] if run.steps else None, state, run.nbytes, run.age_s,
+                            run.snapshots, run.ranks, run_id=run.run_id))
+    return out
+
+
+def cmd_inspect(args: argparse.Namespace) -> int:
+    opened = _open(args, memory=False)
+    name, store = next(iter(_file_tiers(opened).items()))
+    opened.notes(args)
+    if (plain := _inspect_dcp(store, args)) is not None:  # a DCP directory without our manifest (issue #14)
+        return plain
+    step = _pick_step(store, args.step, opened.label(name))
+    m = store.read_manifest(step)
+    if args.json:
+        from dataclasses import asdict
+
+        _print_json({"tier": store.name, **asdict(m)})
+        return EXIT_OK
+    p = m.parallel
+    print(f"tier {store.name!r} ({store.tier.describe()}), step {m.step}, layout {m.layout}, run_id {m.run_id}")
+    print(f"parallel: world {p.get('world_size')}  tp {p.get('tp')}  pp {p.get('pp')}  dp {p.get('dp')}  "
+          f"ep {p.get('ep')}  cp {p.get('cp')}  order {p.get('order')}")
+    print(f"{len(m.files)} files, {human_bytes(m.total_bytes)}")
+    _print_table([[f.rank, f.item, f.key, human_bytes(f.size), f.compression or "-", f.checksum] for f in m.files],
+                 ["rank", "item", "file", "size", "compression", "checksum"])
+    return EXIT_OK
+
+
+def _inspect_dcp(store: FileStore, args: argparse.Namespace) -> int | None:
+    """``inspect`` of a DCP checkpoint written by DCP itself (no manifest of ours), where the step asked for (or
+    the directory given) is one; None otherwise (issue #14, docs/dcp.md)."""
+    from .dcp.inventory import inspect_plain
+
+    committed = store.committed_steps()
+    if args.step in committed or (args.step is None and committed and not store.tier.exists(".metadata")):
+        return None
+    found = inspect_plain(store, args.step, args.json)
+    if found is None:
+        return None
+    if isinstance(found, dict):
+        _print_json(found)
+        return EXIT_OK
+    lines, rows = found
+    print("\n".join(lines))
+    _print_table(rows, ["item", "kind", "shape", "dtype", "file", "offset", "length"])
+    return EXIT_OK
+
+
+def cmd_verify(args: argparse.Namespace) -> int:
+    from .inventory import verify_step
+
+    opened = _open(args, memory=False)
+    stores = _file_tiers(opened)
+    opened.notes(args)
+    results, empty = [], []
+    for name, store in stores.items():
+        try:
+            steps = store.committed_steps() if args.all else [_pick_step(store, args.step, opened.label(name))]
+        except NoCheckpointError as exc:
+            empty.append(str(exc))
+            continue
+        except (TierError, OSError) as exc:
+            opened.unreadable[name] = _text(exc)
+            continue
+        if not steps:
+            empty.append(f"{opened.label(name)} holds no committed checkpoint")
+            continue
+        progress = sys.stderr.isatty() and not args.json
+        results.extend(verify_step(store, s, progress=progress) for s in steps)
+    if len(stores) > 1:
+        for text in empty:
+            _note(args, text)
+    bad = [r for r in results if not r.ok]
+    payload = [{"tier": r.tier, "step": r.step, "files": r.checked, "bytes": r.nbytes, "ok": r.ok,
+                "problems": r.problems} for r in results]
+    problem = None if bad else opened.problem(bool(results), "; ".join(empty) or "no committed checkpoint")
+
+    def text() -> None:
+        for r in results:
+            status = "OK" if r.ok else "FAILED"
+            print(f"{status}  tier {r.tier!r} step {r.step}: {r.checked} files, {human_bytes(r.nbytes)}")
+            for p in r.problems:
+                print(f"    {p}")
+
+    code = _emit(args, payload, problem, text, bool(results))
+    return EXIT_FAILED if bad else code
