@@ -62,7 +62,6 @@ class Capabilities:
     memory: bool = False  # holds snapshot slots (gpu, shm)
     node_local: bool = True  # each node sees its own copy (False: one shared store for the whole job)
     survives_process: bool = True  # a blob outlives the process that wrote it
-    survives_node: bool = False  # a blob outlives the loss of the node
     atomic_rename: bool = True  # write_blob/publish use rename (False: object stores, where puts are atomic)
     zero_copy_read: bool = False
 

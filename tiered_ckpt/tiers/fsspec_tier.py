@@ -114,7 +114,7 @@ class FsspecTier(Tier):
     the S3 transfers."""
 
     kind = "fsspec"
-    capabilities = Capabilities(memory=False, node_local=False, survives_process=True, survives_node=True,
+    capabilities = Capabilities(memory=False, node_local=False, survives_process=True,
                                 atomic_rename=False, zero_copy_read=False)
     Options = FsspecOptions
 
@@ -130,9 +130,9 @@ class FsspecTier(Tier):
     def capabilities_for(cls, options: FsspecOptions) -> Capabilities:
         protocol = protocol_of(options.url)
         if protocol == "memory":  # one process's dict: a test double, volatile and private
-            return Capabilities(node_local=True, survives_process=False, survives_node=False,
+            return Capabilities(node_local=True, survives_process=False,
                                 atomic_rename=False)
-        return Capabilities(node_local=False, survives_process=True, survives_node=True,
+        return Capabilities(node_local=False, survives_process=True,
                             atomic_rename=protocol not in OBJECT_STORES)
 
     def __init__(self, name: str, options: FsspecOptions, context: TierContext | None = None):

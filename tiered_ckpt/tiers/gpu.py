@@ -96,7 +96,7 @@ def resolve_enabled(enabled: bool | str, options: GpuOptions, *, name: str = "gp
 
 class GpuTier(Tier):
     kind = "gpu"
-    capabilities = Capabilities(memory=True, node_local=True, survives_process=False, survives_node=False,
+    capabilities = Capabilities(memory=True, node_local=True, survives_process=False,
                                 atomic_rename=True, zero_copy_read=True)
     Options = GpuOptions
 

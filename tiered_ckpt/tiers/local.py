@@ -41,7 +41,7 @@ class LocalOptions:
 
 class LocalTier(Tier):
     kind = "local"
-    capabilities = Capabilities(memory=False, node_local=True, survives_process=True, survives_node=False,
+    capabilities = Capabilities(memory=False, node_local=True, survives_process=True,
                                 atomic_rename=True, zero_copy_read=False)
     Options = LocalOptions
 

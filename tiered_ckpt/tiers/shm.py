@@ -146,7 +146,7 @@ class _Slot:
 
 class ShmTier(Tier):
     kind = "shm"
-    capabilities = Capabilities(memory=True, node_local=True, survives_process=True, survives_node=False,
+    capabilities = Capabilities(memory=True, node_local=True, survives_process=True,
                                 atomic_rename=True, zero_copy_read=True)
     Options = ShmOptions
 
