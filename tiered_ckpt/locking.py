@@ -220,6 +220,8 @@ class RunLock:
 
     def release(self) -> None:
         for rank_lock, run_lock in zip(self._ranks, self._runs, strict=True):
+            if rank_lock.fd is not None:
+                _remove_if_unheld(os.path.join(rank_lock.dir, f"worker_{self.rank:05d}.lock"))
             rank_lock.release()
             if run_lock is not None and run_lock.fd is not None:
                 # The last engine of the run removes run.lock: only it can take it exclusively.
@@ -231,6 +233,23 @@ class RunLock:
                 run_lock.release(unlink=last)
             with contextlib.suppress(OSError):  # other ranks' lock files still there: it stays
                 os.rmdir(rank_lock.dir)
+
+
+def _remove_if_unheld(path: str) -> None:
+    """Remove a lock file of this rank that nobody holds (a drain worker's, fencing.py, left by a worker that was
+    killed): the run's lock directory then goes with its last engine. One still held (an orphan) stays."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+    except OSError:
+        return
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        if _same_file(fd, path):
+            os.unlink(path)  # while held: a worker opening it now sees it is gone
+    except OSError:  # held (BlockingIOError) or gone
+        pass
+    finally:
+        os.close(fd)
 
 
 def _same_file(fd: int, path: str) -> bool:
