@@ -39,6 +39,7 @@ from .plugins import PluginManager, get_plugin_manager
 from .worker import open_drain
 
 log = logging.getLogger(__name__)
+_MAX_RELISTS = 16  # load(): listings again after every step listed vanished, before "no checkpoint"
 _live: weakref.WeakSet[CheckpointEngine] = weakref.WeakSet()
 
 
@@ -206,6 +207,15 @@ class CheckpointEngine:
                             meta.rank, meta.parallel or "an unrecorded layout", ", ".join(changed),
                             self.coords.rank, self.coords.layout.to_dict())
                 continue
+            if not meta.checksummed:
+                # The process died before the checksums taken after the copy were in: nothing shows these bytes
+                # are the ones saved, so no file tier gets them stamped verified (docs/architecture.md).
+                log.warning("tier %r: the snapshot of step %d in slot %d (rank %d) is not recovered: it has no "
+                            "checksums from its save (unverified origin: its process died before they were "
+                            "taken). It stays in memory, where load() returns it with verified=False; to keep "
+                            "it, load it, check it and save it again", self.pipeline.entry, meta.step, meta.slot,
+                            meta.rank)
+                continue
             due = tuple(n for n in self.pipeline.order[1:] if n in durable
                         and meta.step not in committed[n] and max(committed[n], default=-1) < meta.step)
             if not due:
@@ -273,8 +283,19 @@ class CheckpointEngine:
         mine = {s for steps in available.values() for s in steps}
         rejected: set[int] = set()
         fallbacks: list[str] = []
+        relists = 0
         while True:
             chosen = self.coordinator.agree_on_step(mine - rejected, step)
+            if chosen is None and step is None and relists < _MAX_RELISTS:
+                # The steps listed may have gone since (retention after a newer commit, in another process):
+                # only a listing that shows no step not tried yet may say "no checkpoint". Collective: every rank
+                # lists again when any rank sees a new step.
+                fresh, fresh_unreachable = self._list_tiers()
+                new = {s for steps in fresh.values() for s in steps} - rejected
+                if not self.coordinator.all_succeeded(not new):
+                    relists += 1
+                    available, unreachable, mine = fresh, fresh_unreachable, new | rejected
+                    continue
             if chosen is None:
                 what = f"step {step}" if step is not None else "a checkpoint"
                 detail = f" ({'; '.join(fallbacks)})" if fallbacks else ""

@@ -41,7 +41,7 @@ from .manifest import (
     load_rank,
 )
 from .memory_store import MemoryStore
-from .parallel import ParallelLayout, RankCoords
+from .parallel import ParallelLayout, RankCoords, layout_changes
 from .retry import call_with_retry
 from .step_read import read_committed_step
 from .store import Store, Written
@@ -136,9 +136,9 @@ class FileStore:
     def write_step(self, step: int, coords: RankCoords, source: Store, *, slot: int | None,
                    pinned: Callable[[int], bool], hasher: Executor) -> Written:
         """This rank's files and manifest of ``step``, encoded from a snapshot or copied from a file tier."""
-        crash_point("drain.before_write")
         mem = source.slots()
         if mem is None:
+            crash_point("drain.before_write")
             upper = source.files()
             assert upper is not None
             manifest = self.copy_rank_from(upper, step, coords)
@@ -147,19 +147,27 @@ class FileStore:
         assert isinstance(mem, MemoryStore) and slot is not None
         meta = mem.snapshot(step, slot)
         mem.check_layout(meta, coords)  # never another layout's snapshot under this layout's name
+        meta = mem.await_checksums(meta)  # taken right after the save's copy, by the saving process
+        crash_point("drain.before_write")
         sources = mem.item_sources(meta)
-        # The snapshot's own checksums (for verified restores from memory) are computed on another core while
-        # this tier is written; they are published once the tier committed.
-        later = mem.checksum_later(meta, sources, hasher)
+        # The slot is checked against those checksums on another core while this tier is written, and this
+        # rank's manifest is published only if it still matches: damage in memory is never stamped verified here.
+        check = hasher.submit(mem.check_sources, meta, sources) if meta.checksummed else None
+        entries: list[FileEntry] = []
         try:
-            manifest = self.write_rank(step, coords, sources)
-            crash_point("drain.after_write")
+            entries = [e for e in (self._write_item(step, coords, src) for src in sources) if e is not None]
+            if check is not None:
+                check.result()
         except BaseException:
-            if later is not None:
-                later[1]()
+            if check is not None:
+                check.exception()  # nothing may read the slot once the drain lets it go
+            if not self.tier.exists(self.layout.manifest_key(step)):  # never a committed step's files
+                for e in entries:
+                    self.tier.delete(e.key)
             raise
-        return Written(step, sum(f.size for f in manifest.files), manifest=manifest,
-                       on_committed=later[0] if later else None, settle=later[1] if later else None)
+        manifest = self._publish_rank(step, coords, entries)
+        crash_point("drain.after_write")
+        return Written(step, sum(f.size for f in manifest.files), manifest=manifest)
 
     def commit(self, written: Written, coords: RankCoords, *, node_ranks: list[int], wait_s: float,
                pinned: Callable[[], set[int]], on_committed: Callable[[int], None]) -> None:
@@ -326,19 +334,33 @@ class FileStore:
         write the checkpoint manifest, then the tracker. Waits up to ``wait_s``; None means not committed."""
         ranks = list(range(coords.world_size)) if ranks is None else sorted(ranks)
         deadline = time.monotonic() + wait_s
+        votes: dict[int, RankManifest] = {}
         while True:
             present = self._retry(lambda: self.rank_manifests(step), step, coords.rank, "list rank manifests")
             missing = [r for r in ranks if r not in present]
+            stale: list[str] = []
+            if not missing:
+                for r in ranks:
+                    if r not in votes:
+                        # manifest.load_rank checks every field (a rank lists only its own files, ...): a
+                        # CorruptionError naming the manifest and field refuses the commit
+                        vote = self.read_rank_manifest(step, r)
+                        why = self._not_a_vote(vote, coords.layout)
+                        if why:
+                            stale.append(f"rank {r}: {why}")
+                        else:
+                            votes[r] = vote
+                missing = [r for r in ranks if r not in votes]
             if not missing:
                 break
             if time.monotonic() >= deadline:
-                log.warning("tier %r: step %d not committed: no files from rank(s) %s after %.0f s", self.name, step,
-                            _short(missing), wait_s)
+                log.warning("tier %r: step %d not committed: no files from rank(s) %s after %.0f s%s", self.name,
+                            step, _short(missing), wait_s, f" ({'; '.join(stale[:4])})" if stale else "")
                 return None
             time.sleep(poll_s)
         files: list[FileEntry] = []
         for r in ranks:
-            files.extend(self.read_rank_manifest(step, r).files)
+            files.extend(votes[r].files)
         scope = "job" if len(ranks) == coords.world_size else "node"
         files += self.layout.finalize(self, step, coords.layout, files, scope)
         manifest = CheckpointManifest(step=step, layout=self.layout.name, parallel=coords.layout.to_dict(),
@@ -349,6 +371,16 @@ class FileStore:
         crash_point("store.manifest_written")
         self._update_tracker(step, coords.rank)
         return manifest
+
+    def _not_a_vote(self, vote: RankManifest, layout: ParallelLayout) -> str:
+        """Why a rank manifest is not this job's vote for the step (an old job's, of another layout), or ''."""
+        key = self.layout.rank_manifest_key(vote.step, vote.rank)
+        if vote.layout != self.layout.name:
+            return f"{key} is of layout {vote.layout!r}, not {self.layout.name!r}"
+        if ParallelLayout.from_dict(vote.parallel) != layout:
+            changed = ", ".join(layout_changes(vote.parallel, layout)) or "another parallel layout"
+            return f"{key} was written by a job of another parallel layout ({changed}): waiting for this job's"
+        return ""
 
     def read_tracker(self) -> int | None:
         try:

@@ -1,8 +1,15 @@
 """Snapshot slots on a memory tier (gpu, shm): what a save copies into, and what a restart finds again.
 
 Per rank, slot ``i`` is two blobs: ``rank_RRRRR/slot_i.data`` (every item's tensor bytes, each item's region
-64-byte aligned) and ``rank_RRRRR/slot_i.json`` (the step, each item's flat header and region, checksums once
-the drain has computed them). The JSON is written last and deleted first: a slot without it holds nothing.
+64-byte aligned) and ``rank_RRRRR/slot_i.json`` (the step, each item's flat header and region, its checksums).
+The JSON is written last and deleted first: a slot without it holds nothing.
+
+Checksums are born with the data (docs/architecture.md, "Snapshot checksums"): on a tier that outlives the
+process, each item is hashed from the slot right after the save's copy, on a background thread (the save
+returns after the copy), and the record is published again with them (``checksums: "saved"``). The drain waits
+for them, and checks the slot against them while it writes a file tier: damage in memory after the save is
+never stamped verified. A record still ``"pending"`` after its writer died has no trustworthy checksums: it is
+never recovered to a file tier and loads as unverified.
 
 :class:`MemoryStore` implements the :class:`~tiered_ckpt.store.Store` protocol (docs/architecture.md); which slot
 a save or a memory-to-memory hop writes into is chosen here (:meth:`MemoryStore.acquire_slot`).
@@ -12,16 +19,17 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import Executor, Future
+from concurrent.futures import Executor, Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from .checksum import snapshot_checksum
+from .checksum import snapshot_checksum, snapshot_matches
 from .codecs import flat
 from .codecs.file_codecs import ItemSource
 from .crashpoints import crash_point
@@ -49,7 +57,7 @@ class SlotItem:
     offset: int
     nbytes: int
     header: str  # the flat codec's JSON header, as text
-    checksum: str | None = None  # of the item's data region, filled in by the drain
+    checksum: str | None = None  # of the item's data region, taken from the slot right after the save's copy
 
 
 @dataclass
@@ -65,6 +73,14 @@ class SlotMeta:
     run_id: str = "default"
     created: float = field(default_factory=time.time)
     persistent: bool = True  # False: a non-persistent save (memory tiers only, never drained to a file tier)
+    # Where the items' checksums come from: "pending" (being taken after the save's copy), "saved" (taken from
+    # the slot right after it), "copied" (taken after a copy from a memory tier above that had none), "" (none:
+    # a tier that does not outlive the process, or a record of an older version).
+    checksums: str = ""
+
+    @property
+    def checksummed(self) -> bool:
+        return bool(self.items) and all(it.checksum for it in self.items)
 
     def to_json(self) -> bytes:
         doc = {"format": FORMAT, "version": VERSION, **asdict(self)}
@@ -101,6 +117,27 @@ def snapshot_layout_changes(meta: SlotMeta, coords: RankCoords) -> list[str]:
     return changed
 
 
+_born: ThreadPoolExecutor | None = None
+_born_lock = threading.Lock()
+
+
+def _forget_born() -> None:  # a forked child has the executor object but not its thread
+    global _born
+    _born = None
+
+
+os.register_at_fork(after_in_child=_forget_born)
+
+
+def _born_pool() -> ThreadPoolExecutor:
+    """The thread that takes snapshots' checksums after their copy (it fans the pieces out to the hash pool)."""
+    global _born
+    with _born_lock:
+        if _born is None:
+            _born = ThreadPoolExecutor(1, thread_name_prefix="tiered_ckpt-snapshot-checksums")
+        return _born
+
+
 def plan_items(items: dict[str, Any]) -> tuple[list[tuple[str, flat.SnapshotPlan, int]], int]:
     """Plan each item and place it in the slot: [(name, plan, offset)], total bytes."""
     placed, end = [], 0
@@ -135,6 +172,7 @@ class MemoryStore:
         self._slot_cond = threading.Condition()
         self._slot_step: dict[int, int] | None = None
         self._held: set[int] = set()
+        self._hashing: dict[int, Future] = {}  # slot -> the checksums being taken after its save's copy
 
     @property
     def name(self) -> str:
@@ -169,6 +207,8 @@ class MemoryStore:
         return self.release_slots(durable())
 
     def close(self) -> None:
+        for slot in list(self._hashing):
+            self.settle_hash(slot)  # a record left for a restart carries its checksums
         self.tier.close()
 
     def loadable_steps(self, coords: RankCoords) -> list[int]:
@@ -190,8 +230,10 @@ class MemoryStore:
                             key=self.meta_key(meta.slot))
         if into is not None:
             check_into_names(into, [it.name for it in meta.items], f"step {step} on tier {self.name!r}")
+        if meta.checksums == "pending" and meta.slot in self._hashing:
+            meta = self.settle_hash(meta.slot) or meta  # taken by this process: in within a copy's time
         items = self.load(meta, copy=copy, map_location=map_location, verify=verify, into=into)
-        return items, verify and all(it.checksum for it in meta.items), meta.total_bytes
+        return items, verify and meta.checksummed, meta.total_bytes
 
     def write_step(self, step: int, coords: RankCoords, source: Store, *, slot: int | None,
                    pinned: Callable[[int], bool], hasher: Executor) -> Written:
@@ -212,7 +254,13 @@ class MemoryStore:
             from .cuda_streams import copy_bytes  # CUDA only when a side is on CUDA: on a side stream, event-waited
 
             copy_bytes(buf[:meta.total_bytes], data, purpose="drain")
-            self.publish(replace(meta, slot=mine, rank=self.rank))
+            mine_meta = replace(meta, slot=mine, rank=self.rank, items=[replace(it) for it in meta.items])
+            if self.tier.capabilities.survives_process and not meta.checksummed:
+                # the tier above (gpu) took none: this copy is where they are born, before anything reads it
+                for it in mine_meta.items:
+                    it.checksum = snapshot_checksum(buf[it.offset:it.offset + it.nbytes])
+                mine_meta.checksums = "copied"
+            self.publish(mine_meta)
         finally:
             self.release_slot(mine)
         return Written(step, meta.total_bytes, slot=mine)
@@ -266,7 +314,7 @@ class MemoryStore:
 
     def write_snapshot(self, step: int, slot: int, placed: list, total: int, *, coords: RankCoords, layout: str,
                        run_id: str, persistent: bool) -> SlotMeta:
-        self.invalidate(slot)  # the slot's old step is gone from here on
+        self.invalidate(slot)  # the slot's old step is gone from here on (and its old hashing done)
         crash_point("save.invalidated")
         buf = self.buffer(slot, total)
         for _, plan, offset in placed:
@@ -276,10 +324,65 @@ class MemoryStore:
                         items=[SlotItem(name, off, p.total_bytes, flat.encode_header(p).decode())
                                for name, p, off in placed],
                         layout=layout, coords=coords.to_dict(), parallel=coords.layout.to_dict(), run_id=run_id,
-                        persistent=persistent)
+                        persistent=persistent, checksums="pending" if self.tier.capabilities.survives_process else "")
         crash_point("save.before_publish")
         self.publish(meta)
+        if meta.checksums == "pending":
+            # Off the blocking path, but from the slot right after the copy: what is hashed is what was saved.
+            self._hashing[slot] = _born_pool().submit(self._take_checksums, meta, buf)
         return meta
+
+    def _take_checksums(self, meta: SlotMeta, buf: torch.Tensor) -> SlotMeta:
+        done = replace(meta, checksums="saved", items=[
+            replace(it, checksum=snapshot_checksum(buf[it.offset:it.offset + it.nbytes])) for it in meta.items])
+        # Nothing else writes this slot meanwhile: a new save or a release first waits for this (settle_hash).
+        self.publish(done)
+        return done
+
+    def settle_hash(self, slot: int) -> SlotMeta | None:
+        """Wait for the checksums of the slot's save, if this process is taking them; the record with them."""
+        fut = self._hashing.get(slot)
+        if fut is None:
+            return None
+        try:
+            return fut.result()
+        except Exception as exc:  # noqa: BLE001 - the record stays "pending": never verified, never recovered
+            log.warning("tier %r: checksums of slot %d could not be taken: %s", self.name, slot, exc)
+            return None
+        finally:
+            if self._hashing.get(slot) is fut:  # a caller in another thread may have settled it already
+                self._hashing.pop(slot, None)
+
+    def await_checksums(self, meta: SlotMeta, timeout_s: float = 120.0, poll_s: float = 0.01) -> SlotMeta:
+        """``meta`` once its save-time checksums are in (taken here or by the saving process, whose record is
+        polled); TierError when the slot moved on or they did not arrive in ``timeout_s``."""
+        if meta.checksums != "pending":
+            return meta
+        mine = self.settle_hash(meta.slot)
+        if mine is not None and mine.created == meta.created:
+            return mine
+        deadline = time.monotonic() + timeout_s
+        while True:
+            current = self.read_meta(meta.slot)
+            if current is None or current.step != meta.step or current.created != meta.created:
+                raise TierError(f"snapshot of step {meta.step} left slot {meta.slot} before its checksums were in",
+                                tier=self.name, key=self.meta_key(meta.slot))
+            if current.checksums != "pending":
+                return current
+            if time.monotonic() >= deadline:
+                raise TierError(f"the checksums of step {meta.step} in slot {meta.slot} were not taken within "
+                                f"{timeout_s:.0f} s of the save (is the training process alive?): not drained "
+                                "unverified", tier=self.name, key=self.meta_key(meta.slot))
+            time.sleep(poll_s)
+
+    def check_sources(self, meta: SlotMeta, sources: list[ItemSource]) -> None:
+        """CorruptionError naming the item unless every item's bytes still match the checksums taken at save."""
+        for src, it in zip(sources, meta.items, strict=True):
+            if it.checksum and not snapshot_matches(src.data, it.checksum):
+                raise CorruptionError(f"snapshot of step {meta.step}, item {it.name!r} (rank {meta.rank}) no longer "
+                                      "matches the checksum taken when it was saved: the memory copy was damaged "
+                                      "after save(); it is not written to any tier. Load an older step",
+                                      tier=self.name, key=self.data_key(meta.slot))
 
     def snapshot(self, step: int, slot: int) -> SlotMeta:
         """The record of ``step`` in ``slot``; TierError when the slot holds another step by now."""
@@ -295,25 +398,6 @@ class MemoryStore:
             raise TierError(f"the snapshot of step {meta.step} in slot {meta.slot} was saved with another parallel "
                             f"layout ({', '.join(changed)}): it is not drained as this job's state",
                             tier=self.name, key=self.meta_key(meta.slot))
-
-    def checksum_later(self, meta: SlotMeta, sources: list[ItemSource], hasher: Executor
-                       ) -> tuple[Callable[[], None], Callable[[], None]] | None:
-        """Compute the snapshot's checksums on ``hasher`` (for verified restores from memory after a restart)
-        while a file tier is written: ``(publish, wait)``, or None when there is nothing to compute."""
-        if all(it.checksum for it in meta.items) or not self.tier.capabilities.survives_process:
-            return None
-        digests: Future = hasher.submit(lambda: [snapshot_checksum(src.data) for src in sources])
-
-        def publish() -> None:
-            if digests.exception() is not None:
-                return
-            for it, checksum in zip(meta.items, digests.result(), strict=True):
-                it.checksum = checksum
-            current = self.read_meta(meta.slot)
-            if current is not None and current.step == meta.step and current.created == meta.created:
-                self.publish(meta)
-
-        return publish, digests.exception  # waiting: nothing may read the slot once the drain lets it go
 
     def data_key(self, slot: int) -> str:
         return f"rank_{self.rank:05d}/slot_{slot}.data"
@@ -331,6 +415,7 @@ class MemoryStore:
         return buf
 
     def invalidate(self, slot: int) -> None:
+        self.settle_hash(slot)  # its hashing thread would publish the old record again
         self.tier.delete(self.meta_key(slot))
         self._slot_holds(slot, None)
 
@@ -368,6 +453,7 @@ class MemoryStore:
         for slot in sorted(slots):
             if slot in metas and keep(metas[slot]):
                 continue
+            self.settle_hash(slot)
             self.tier.delete(self.meta_key(slot))  # the record first: never a record without its data
             self._slot_holds(slot, None)
             self.tier.delete(self.data_key(slot))
