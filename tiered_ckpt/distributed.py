@@ -38,10 +38,8 @@ class Coordinator:
 
     @classmethod
     def create(cls, coords: RankCoords, timeout_s: float = 600.0) -> Coordinator:
-        try:
-            import torch.distributed as dist
-        except ImportError:  # a torch without distributed support
-            return cls(coords)
+        import torch.distributed as dist  # always importable; is_available() tells a build without it
+
         if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
             return cls(coords)
         if dist.get_world_size() != coords.world_size or dist.get_rank() != coords.rank:
@@ -53,10 +51,6 @@ class Coordinator:
         dist.all_gather_object(names, node_id(), group=group)
         mine = names[coords.rank]
         return cls(coords, group, [r for r, n in enumerate(names) if n == mine])
-
-    @property
-    def node_leader(self) -> int:
-        return min(self.node_ranks)
 
     def all_gather(self, value: Any) -> list[Any]:
         if self.group is None:
