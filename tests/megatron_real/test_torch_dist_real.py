@@ -166,8 +166,31 @@ def rank_megatron_load(rank: int, world: int, tp: int, pp: int, ckpt: str) -> di
     return {"coords": harness.coords(), "full_state": full_state(job), "space": checkpoint_space(job)}
 
 
+def _megatron_sync_strategy() -> Any:
+    """Megatron's TorchDistSaveShardedStrategy, but writing with DCP's FileSystemWriter: its own
+    FileSystemWriterAsync forks writer processes, which hang in a rank started by the harness's fork server
+    (the rank waits for them forever). Everything else is Megatron's: its save entrypoint (common.pt,
+    metadata.json, sharding validation), its key translation and its MCoreSavePlanner."""
+    from megatron.core.dist_checkpointing.strategies.torch import (
+        MCoreSavePlanner,
+        TorchDistSaveShardedStrategy,
+        _replace_state_dict_keys_with_sharded_keys,
+        mcore_to_pyt_state_dict,
+    )
+    from torch.distributed.checkpoint import FileSystemWriter
+    from torch.distributed.checkpoint import save as dcp_save
+
+    class Strategy(TorchDistSaveShardedStrategy):
+        def save(self, sharded_state_dict: Any, checkpoint_dir: Any) -> None:
+            sharded, _, _ = _replace_state_dict_keys_with_sharded_keys(sharded_state_dict, True)
+            dcp_save(mcore_to_pyt_state_dict(sharded, False), storage_writer=FileSystemWriter(checkpoint_dir),
+                     planner=MCoreSavePlanner(dedup_replicated_tensors=False, flatten_state_dict=False))
+
+    return Strategy("torch_dist", 1)
+
+
 def rank_megatron_save(rank: int, world: int, ckpt: str) -> dict[str, Any]:
-    """Megatron's own dist_checkpointing.save (its default TorchDistSaveShardedStrategy), and its tracker."""
+    """Megatron's own dist_checkpointing.save (see _megatron_sync_strategy), and Megatron's tracker file."""
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.mapping import ShardedObject
 
@@ -185,7 +208,8 @@ def rank_megatron_save(rank: int, world: int, ckpt: str) -> dict[str, Any]:
     torch.distributed.barrier()
     from megatron.core.dist_checkpointing.utils import _clean_metadata_for_serialization
 
-    dist_checkpointing.save(state, str(step_dir), content_metadata=_clean_metadata_for_serialization(md))
+    dist_checkpointing.save(state, str(step_dir), sharded_strategy=_megatron_sync_strategy(),
+                            content_metadata=_clean_metadata_for_serialization(md))
     if rank == 0:
         (Path(ckpt) / "latest_checkpointed_iteration.txt").write_text(str(job.iteration))
     saved = {"full_state": full_state(job), "space": checkpoint_space(job)}
@@ -259,7 +283,7 @@ def test_our_save_loads_in_megatron_at_same_and_other_layout(tmp_path: Path, shm
 
 
 def test_megatron_saved_checkpoint_loads_through_the_adapter(tmp_path: Path) -> None:
-    """(b): Megatron's own dist_checkpointing.save at tp1 pp1 dp2 (no manifest of ours); the adapter loads it from
+    """(b): Megatron's dist_checkpointing.save at tp1 pp1 dp2 (no manifest of ours); the adapter loads it from
     a file tier at tp1 dp2 (resumes bit-exact, RNG included) and at tp2 dp1 (every tensor bit-exact)."""
     ckpt = tmp_path / "megatron"
     saved = launch(rank_megatron_save, 2, str(ckpt))
