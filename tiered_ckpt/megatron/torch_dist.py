@@ -80,20 +80,24 @@ class _RecordingWriter(TieredStorageWriter):
     """Our writer, keeping what a cached save needs: this rank's local and final plans, the coordinator's
     Metadata as DCP built it (before finish() fills in storage data)."""
 
+    record = False  # set while a save whose plan is to be cached runs
     local_plan: Any = None
     final_plan: Any = None
     metadata: Any = None
 
     def prepare_local_plan(self, plan: Any) -> Any:
-        self.local_plan = plan
+        if self.record:
+            self.local_plan = plan
         return super().prepare_local_plan(plan)
 
     def write_data(self, plan: Any, planner: Any) -> Any:
-        self.final_plan = plan
+        if self.record:
+            self.final_plan = plan
         return super().write_data(plan, planner)
 
     def finish(self, metadata: Any, results: Any) -> None:
-        self.metadata = copy.deepcopy(metadata)
+        if self.record:
+            self.metadata = copy.deepcopy(metadata)
         super().finish(metadata, results)
 
 
@@ -132,7 +136,11 @@ class TieredSaveShardedStrategy(SaveShardedStrategy):
         if self._cached is not None:
             self._save_cached(pyt_state_dict, planner)
             return
-        dcp_save(pyt_state_dict, storage_writer=writer, planner=planner)
+        writer.record = self.cache_plan
+        try:
+            dcp_save(pyt_state_dict, storage_writer=writer, planner=planner)
+        finally:
+            writer.record = False
         self.planned_saves += 1
         if self.cache_plan:
             self._cached = (_plan_signature(writer.local_plan), writer.final_plan, writer.metadata)
