@@ -62,7 +62,7 @@ def main() -> None:
     parser.add_argument("--json", help="write the results here")
     args = parser.parse_args()
 
-    from tiered_ckpt.megatron.synthetic import SyntheticJob, spec_for_bytes, write_checkpoint
+    from tests.megatron_synthetic import SyntheticJob, spec_for_bytes, write_checkpoint
 
     work = Path(args.workdir or tempfile.mkdtemp(prefix="bench-convert-"))
     work.mkdir(parents=True, exist_ok=True)

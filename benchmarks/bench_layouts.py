@@ -1,7 +1,7 @@
 """Time to durable of a multi-rank Megatron-shaped job, layouts ``rank_sharded`` and ``megatron`` side by side,
 against the O_DIRECT ceiling of all the ranks writing the same bytes at once.
 
-``--world`` gloo ranks on loopback (one node) save a synthetic Megatron GPT (``tiered_ckpt.megatron.synthetic``:
+``--world`` gloo ranks on loopback (one node) save a synthetic Megatron GPT (``tests/megatron_synthetic.py``:
 TP=1, PP=1, DP=world, the distributed optimizer: ``distrib_optim`` on every rank, ``model_optim_rng`` on rank 0)
 through tiers ``shm`` + ``local`` (``keep: 1``, ``O_DIRECT``; one node holds every rank, so the local tier's
 commit covers the job, and with ``layout: megatron`` rank 0 merges the optimizer shards into Megatron's gathered
@@ -41,7 +41,7 @@ sys.path.insert(0, sys.argv[2])
 import torch.distributed as dist
 import _common as c
 from tiered_ckpt import CheckpointEngine, hookimpl
-from tiered_ckpt.megatron.synthetic import SyntheticJob, spec_for_bytes
+from tests.megatron_synthetic import SyntheticJob, spec_for_bytes
 from tiered_ckpt.plugins import get_plugin_manager
 spec = json.loads(sys.argv[1]); rank = int(os.environ["RANK"]); world = int(os.environ["WORLD_SIZE"])
 dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=600))

@@ -1,4 +1,5 @@
-"""Megatron-shaped training state for any (TP, PP, DP, EP), without Megatron: for tests, the demo and benchmarks.
+"""Megatron-shaped training state for any (TP, PP, DP, EP), without Megatron: test data for the tests and the
+benchmarks (not shipped in the package).
 
 A :class:`SyntheticJob` describes a GPT model the way Megatron-LM's local transformer implementation names and
 shapes it (the fixtures in ``tests/data/megatron`` show those names): per pipeline stage, the embedding (first
@@ -8,9 +9,9 @@ when PP > 1). Column-parallel weights are split along dim 0 by TP, row-parallel 
 
 Per model-parallel shard it gives what a rank holds: bf16 model params, fp32 main params and Adam moments (a
 deterministic function of ``seed``, the shard and the param name: a rank regenerates just what it needs), the
-bucket geometry of :mod:`.geometry`, each rank's contiguous local shards (dense and expert optimizers, the way
-Megatron's DistributedOptimizer holds them), ``args``, RNG states, and the ``model_optim_rng`` dict. Everything
-is generated lazily, rank by rank, so a multi-GB job never sits in memory.
+bucket geometry (``tiered_ckpt.megatron.geometry``), each rank's contiguous local shards (dense and expert
+optimizers, the way Megatron's DistributedOptimizer holds them), ``args``, RNG states, and the ``model_optim_rng``
+dict. Everything is generated lazily, rank by rank, so a multi-GB job never sits in memory.
 """
 
 from __future__ import annotations
@@ -28,11 +29,17 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..parallel import ParallelLayout
-from . import rank_shard
-from .distrib_optim import shard_key
-from .geometry import ADAM_STATE_KEYS, OptimizerGeometry, ParamSpec, compute_optimizer_geometry, megatron_bucket_size
-from .naming import MegatronTopology
+from tiered_ckpt.megatron import rank_shard
+from tiered_ckpt.megatron.distrib_optim import shard_key
+from tiered_ckpt.megatron.geometry import (
+    ADAM_STATE_KEYS,
+    OptimizerGeometry,
+    ParamSpec,
+    compute_optimizer_geometry,
+    megatron_bucket_size,
+)
+from tiered_ckpt.megatron.naming import MegatronTopology
+from tiered_ckpt.parallel import ParallelLayout
 
 STATE_KEYS = ADAM_STATE_KEYS
 
@@ -236,7 +243,7 @@ class SyntheticJob:
         return out
 
     def rank_shard(self, rank: int) -> dict[str, Any]:
-        """The content of this rank's ``rank_sharded`` file (:mod:`.rank_shard`)."""
+        """The content of this rank's ``rank_sharded`` file (:mod:`tiered_ckpt.megatron.rank_shard`)."""
         shard = self.shard_of(rank)
         subs = []
         for kind in self.kinds():
@@ -354,10 +361,10 @@ def write_checkpoint(job: SyntheticJob, dst: Any, *, layout: str = "rank_sharded
     ``manifest=False``: its files and tracker only). Returns the files' manifest entries. The ``megatron`` layout
     holds every rank's shards in memory while merging: for tests; a large checkpoint is written ``rank_sharded``
     and converted."""
-    from .convert import open_store
-    from .merge import plan_dirs, write_megatron_file
-    from .naming import TRACKER_FILENAME, iteration_dir_name
-    from .torch_zip import iter_torch_save
+    from tiered_ckpt.megatron.convert import open_store
+    from tiered_ckpt.megatron.merge import plan_dirs, write_megatron_file
+    from tiered_ckpt.megatron.naming import TRACKER_FILENAME, iteration_dir_name
+    from tiered_ckpt.megatron.torch_zip import iter_torch_save
 
     store = open_store(dst, layout, "synthetic")
     tier, step_dir = store.tier, iteration_dir_name(job.iteration)

@@ -9,11 +9,11 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
+from megatron_synthetic import SyntheticJob  # noqa: E402
 from rank_main import rank_main  # noqa: E402
 
 from tiered_ckpt import CheckpointEngine, ParallelLayout  # noqa: E402
 from tiered_ckpt.megatron import rank_shard  # noqa: E402
-from tiered_ckpt.megatron.synthetic import SyntheticJob  # noqa: E402
 
 
 def digest(shards: dict) -> dict[str, str]:

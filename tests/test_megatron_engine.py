@@ -51,7 +51,7 @@ def test_dp_halved_restart(tmp_path, shm_root, layout):
 def test_megatron_layout_files_are_megatrons_own(tmp_path, shm_root):
     """The gathered distrib_optim.pt equals what Megatron's writer produces, and loads with only Megatron's
     allow-list, without Megatron installed."""
-    from tiered_ckpt.megatron.synthetic import SyntheticJob, write_checkpoint
+    from megatron_synthetic import SyntheticJob, write_checkpoint
 
     cfg = _config(tmp_path, "megatron", shm_root)
     run_ranks(2, {"config": cfg, "mode": "save", "job": {"dp": 2}}, worker=WORKER)

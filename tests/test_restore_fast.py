@@ -22,13 +22,13 @@ import pytest
 import torch
 import xxhash
 from helpers import assert_same
+from megatron_synthetic import SyntheticJob
 
 from tiered_ckpt import CheckpointEngine, NoCheckpointError, hostmem
 from tiered_ckpt.checksum import digest
 from tiered_ckpt.errors import BlobNotFoundError, CorruptionError, DecodeError, PermanentTierError, UnsafePickleError
 from tiered_ckpt.load_into import tensors
 from tiered_ckpt.megatron import safe_load
-from tiered_ckpt.megatron.synthetic import SyntheticJob
 from tiered_ckpt.tiers.base import Tier
 
 FIXTURES = Path(__file__).parent / "data" / "megatron"

@@ -13,11 +13,11 @@ import sys
 sys.path.insert(0, os.path.dirname(__file__))
 sys.path.insert(0, os.path.dirname(os.path.dirname(__file__)))
 from fakes import fake_rank, fingerprint, scramble  # noqa: E402
+from megatron_synthetic import ModelSpec, SyntheticJob  # noqa: E402
 from rank_main import rank_main  # noqa: E402
 
 from tiered_ckpt import CheckpointEngine  # noqa: E402
 from tiered_ckpt.megatron import adapter  # noqa: E402
-from tiered_ckpt.megatron.synthetic import ModelSpec, SyntheticJob  # noqa: E402
 
 
 def body(rank: int, world: int, spec: dict, out: dict) -> None:

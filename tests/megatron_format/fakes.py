@@ -20,9 +20,9 @@ from types import SimpleNamespace
 from typing import Any
 
 import torch
+from megatron_synthetic import STATE_KEYS, SyntheticJob
 
 from tiered_ckpt.megatron import rank_shard
-from tiered_ckpt.megatron.synthetic import STATE_KEYS, SyntheticJob
 
 
 class Range:

@@ -14,6 +14,7 @@ import torch
 from fakes import fake_rank, fingerprint, scramble
 from helpers import assert_same
 from megatron_fixtures import model_path, truth
+from megatron_synthetic import ModelSpec, SyntheticJob
 
 from tiered_ckpt import CheckpointEngine
 from tiered_ckpt.errors import ConfigError, LayoutMismatchError
@@ -21,7 +22,6 @@ from tiered_ckpt.megatron import adapter, safe_load
 from tiered_ckpt.megatron.convert import convert
 from tiered_ckpt.megatron.distrib_optim import merge_shards
 from tiered_ckpt.megatron.rank_shard import dp_group
-from tiered_ckpt.megatron.synthetic import ModelSpec, SyntheticJob
 from tiered_ckpt.parallel import ParallelLayout
 
 JOBS = {

@@ -24,6 +24,7 @@ from megatron_fixtures import (
     oracle_split,
     truth,
 )
+from megatron_synthetic import ModelSpec, SyntheticJob, write_checkpoint
 
 from tiered_ckpt.cli import main as cli_main
 from tiered_ckpt.errors import ConfigError, CorruptionError
@@ -32,7 +33,6 @@ from tiered_ckpt.megatron import legacy
 from tiered_ckpt.megatron.convert import convert
 from tiered_ckpt.megatron.distrib_optim import merge_shards
 from tiered_ckpt.megatron.rank_shard import dp_group
-from tiered_ckpt.megatron.synthetic import ModelSpec, SyntheticJob, write_checkpoint
 from tiered_ckpt.parallel import ParallelLayout
 from tiered_ckpt.tiers.fsspec_tier import FsspecOptions, FsspecTier
 from tiered_ckpt.tiers.local import LocalOptions, LocalTier

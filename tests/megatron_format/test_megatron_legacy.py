@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 from megatron_fixtures import ITER_DIR, RELOADS, bits, copy_checkpoint, local_shards, truth
+from megatron_synthetic import SyntheticJob, write_checkpoint
 
 from tiered_ckpt.errors import (
     CorruptionError,
@@ -19,7 +20,6 @@ from tiered_ckpt.errors import (
 )
 from tiered_ckpt.megatron import legacy
 from tiered_ckpt.megatron.convert import convert
-from tiered_ckpt.megatron.synthetic import SyntheticJob, write_checkpoint
 from tiered_ckpt.parallel import ParallelLayout
 from tiered_ckpt.tiers.local import LocalOptions, LocalTier
 

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from megatron_synthetic import SyntheticJob, write_checkpoint
 
 from tiered_ckpt import CheckpointEngine
 from tiered_ckpt.cli import main as cli_main
@@ -26,7 +27,6 @@ from tiered_ckpt.handles import SaveError
 from tiered_ckpt.inventory import verify_step
 from tiered_ckpt.megatron import loadable
 from tiered_ckpt.megatron.convert import convert, open_store
-from tiered_ckpt.megatron.synthetic import SyntheticJob, write_checkpoint
 from tiered_ckpt.megatron.torch_zip import iter_torch_save
 
 

@@ -9,6 +9,7 @@ import pytest
 import torch
 from helpers import assert_same
 from megatron_fixtures import CONFIGS, ITER_DIR, fixture_rank_shard, truth
+from megatron_synthetic import ModelSpec, SyntheticJob
 
 from tiered_ckpt.compression import compress_chunks
 from tiered_ckpt.config import CompressionConfig
@@ -20,7 +21,6 @@ from tiered_ckpt.megatron.convert import open_store
 from tiered_ckpt.megatron.distrib_optim import merge_shards
 from tiered_ckpt.megatron.merge import merge_step_on_tier
 from tiered_ckpt.megatron.naming import MegatronTopology
-from tiered_ckpt.megatron.synthetic import ModelSpec, SyntheticJob
 from tiered_ckpt.megatron.torch_zip import iter_torch_save
 from tiered_ckpt.parallel import ParallelLayout
 from tiered_ckpt.tiers.local import LocalOptions, LocalTier

@@ -7,11 +7,11 @@ import io
 import pytest
 import torch
 from megatron_fixtures import fixture_rank_shard, local_shards, truth, truth_geometry
+from megatron_synthetic import ModelSpec, SyntheticJob
 
 from tiered_ckpt.errors import DecodeError
 from tiered_ckpt.megatron import rank_shard
 from tiered_ckpt.megatron.naming import MegatronTopology
-from tiered_ckpt.megatron.synthetic import ModelSpec, SyntheticJob
 
 
 def test_content_and_weights_only_load_without_allow_list() -> None:

@@ -7,11 +7,11 @@ import argparse
 import torch
 from helpers import assert_same
 from megatron_fixtures import model_path, truth, truth_geometry
+from megatron_synthetic import ModelSpec, SyntheticJob, spec_for_bytes
 
 from tiered_ckpt.megatron import safe_load
 from tiered_ckpt.megatron.distrib_optim import iter_param_states, merge_shards
 from tiered_ckpt.megatron.rank_shard import dp_group
-from tiered_ckpt.megatron.synthetic import ModelSpec, SyntheticJob, spec_for_bytes
 
 FP32 = dict(params_dtype=torch.float32, grads_in_fp32=False)
 

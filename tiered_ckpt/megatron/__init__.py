@@ -13,8 +13,7 @@ Operations:
 - :mod:`.legacy` / :mod:`.source`: checkpoints without our manifest (Megatron's, DLRover's): detect, load a rank;
 - :mod:`.infer`: bucket geometry of a Megatron-written checkpoint, from its own model state;
 - :mod:`.convert` / :mod:`.cli_convert`: layout conversion and DP re-splitting, ``tiered-ckpt convert``;
-- :mod:`.adapter`: ``save_checkpoint`` / ``load_checkpoint`` mirroring Megatron-LM's, through the engine;
-- :mod:`.synthetic`: Megatron-shaped state for any TP/PP/DP/EP, for tests, the demo and benchmarks.
+- :mod:`.adapter`: ``save_checkpoint`` / ``load_checkpoint`` mirroring Megatron-LM's, through the engine.
 """
 
 from __future__ import annotations
