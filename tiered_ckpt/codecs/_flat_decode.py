@@ -44,7 +44,8 @@ from tiered_ckpt.errors import DecodeError
 
 #: Bounds of every size in a header: beyond them torch and numpy overflow their int64 sizes and strides.
 MAX_BYTES = 1 << 62
-MAX_DIMS = 64  # numpy's limit (torch's is higher)
+# numpy's limit, which torch's exceeds: 64 from numpy 2.0, 32 before (numpy 1.24 is our declared floor)
+MAX_DIMS = 64 if int(np.__version__.split(".")[0]) >= 2 else 32
 
 
 def _short(shape: list) -> str:
