@@ -207,15 +207,15 @@ class CheckpointEngine:
                             meta.rank, meta.parallel or "an unrecorded layout", ", ".join(changed),
                             self.coords.rank, self.coords.layout.to_dict())
                 continue
-            if not meta.checksummed:
+            if not meta.checksummed or meta.checksums == "pending":
                 # The process died before the checksums taken after the copy were in: nothing shows these bytes
-                # are the ones saved, so no file tier gets them stamped verified (docs/architecture.md).
-                log.warning("tier %r: the snapshot of step %d in slot %d (rank %d) is not recovered: it has no "
-                            "checksums from its save (unverified origin: its process died before they were "
-                            "taken). It stays in memory, where load() returns it with verified=False; to keep "
-                            "it, load it, check it and save it again", self.pipeline.entry, meta.step, meta.slot,
-                            meta.rank)
-                continue
+                # are the ones saved. They are hashed now and drained marked so: every load of them, from memory
+                # or a file tier, says verified=False (docs/architecture.md).
+                log.warning("tier %r: the snapshot of step %d in slot %d (rank %d) has no checksums from its save "
+                            "(its process died before they were taken): recovered with status 'unverified "
+                            "origin', and every load of it reports verified=False", self.pipeline.entry, meta.step,
+                            meta.slot, meta.rank)
+                meta = entry.mark_unverified(meta)
             due = tuple(n for n in self.pipeline.order[1:] if n in durable
                         and meta.step not in committed[n] and max(committed[n], default=-1) < meta.step)
             if not due:

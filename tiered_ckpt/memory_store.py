@@ -45,6 +45,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+UNVERIFIED = "unverified origin"
 FORMAT = "tiered_ckpt.snapshot"
 VERSION = 1
 ALIGN = 64
@@ -74,13 +75,19 @@ class SlotMeta:
     created: float = field(default_factory=time.time)
     persistent: bool = True  # False: a non-persistent save (memory tiers only, never drained to a file tier)
     # Where the items' checksums come from: "pending" (being taken after the save's copy), "saved" (taken from
-    # the slot right after it), "copied" (taken after a copy from a memory tier above that had none), "" (none:
-    # a tier that does not outlive the process, or a record of an older version).
+    # the slot right after it), "copied" (taken after a copy from a memory tier above that had none),
+    # UNVERIFIED (taken by a restart from a slot whose process died first: they prove nothing about the save),
+    # "" (none: a tier that does not outlive the process, or a record of an older version).
     checksums: str = ""
 
     @property
     def checksummed(self) -> bool:
         return bool(self.items) and all(it.checksum for it in self.items)
+
+    @property
+    def verified_origin(self) -> bool:
+        """Checksums that show the bytes are the ones saved (not ones a restart took from what it found)."""
+        return self.checksummed and self.checksums != UNVERIFIED
 
     def to_json(self) -> bytes:
         doc = {"format": FORMAT, "version": VERSION, **asdict(self)}
@@ -233,7 +240,7 @@ class MemoryStore:
         if meta.checksums == "pending" and meta.slot in self._hashing:
             meta = self.settle_hash(meta.slot) or meta  # taken by this process: in within a copy's time
         items = self.load(meta, copy=copy, map_location=map_location, verify=verify, into=into)
-        return items, verify and meta.checksummed, meta.total_bytes
+        return items, verify and meta.verified_origin, meta.total_bytes
 
     def write_step(self, step: int, coords: RankCoords, source: Store, *, slot: int | None,
                    pinned: Callable[[int], bool], hasher: Executor) -> Written:
@@ -255,6 +262,7 @@ class MemoryStore:
 
             copy_bytes(buf[:meta.total_bytes], data, purpose="drain")
             mine_meta = replace(meta, slot=mine, rank=self.rank, items=[replace(it) for it in meta.items])
+            # (a hop keeps UNVERIFIED: the status travels with the bytes)
             if self.tier.capabilities.survives_process and not meta.checksummed:
                 # the tier above (gpu) took none: this copy is where they are born, before anything reads it
                 for it in mine_meta.items:
@@ -336,6 +344,16 @@ class MemoryStore:
         done = replace(meta, checksums="saved", items=[
             replace(it, checksum=snapshot_checksum(buf[it.offset:it.offset + it.nbytes])) for it in meta.items])
         # Nothing else writes this slot meanwhile: a new save or a release first waits for this (settle_hash).
+        self.publish(done)
+        return done
+
+    def mark_unverified(self, meta: SlotMeta) -> SlotMeta:
+        """A restart's record of a snapshot whose process died before its checksums were in: hashed now, so
+        later damage is caught, with status UNVERIFIED, so no load of it (or of files drained from it) says
+        verified."""
+        buf = self.data(meta)
+        done = replace(meta, checksums=UNVERIFIED, items=[
+            replace(it, checksum=snapshot_checksum(buf[it.offset:it.offset + it.nbytes])) for it in meta.items])
         self.publish(done)
         return done
 
