@@ -30,17 +30,7 @@ CORE = {f"{PACKAGE}.{m}" for m in ("engine", "pipeline", "store", "memory_store"
 
 
 # Cycles (through function-level imports) not removed yet: the modules involved -> why, and what removes it.
-REMAINING: dict[frozenset[str], str] = {
-    frozenset({f"{PACKAGE}.parallel", f"{PACKAGE}.megatron.naming"}):
-        "ParallelLayout.rank_dir asks megatron.naming for Megatron's directory name, and naming aliases "
-        "ParallelLayout as MegatronTopology: move rank_dir to megatron.naming (its callers ask naming)",
-    frozenset({f"{PACKAGE}.tiers.fsspec_tier", f"{PACKAGE}.tiers.s3"}):
-        "FsspecTier.__new__ returns an S3Tier for s3:// URLs, and S3Tier subclasses FsspecTier: let the fsspec "
-        "tier's plugin factory pick the class instead",
-    frozenset({f"{PACKAGE}.megatron.adapter", f"{PACKAGE}.megatron.adapter_dist"}):
-        "adapter_dist borrows rng_state/unwrap/_apply from adapter, which calls adapter_dist: move those "
-        "helpers to a module both import",
-}
+REMAINING: dict[frozenset[str], str] = {}  # none left; an entry needs the reason and what removes it
 
 
 def _module_name(path: Path) -> str:

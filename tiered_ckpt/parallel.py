@@ -16,6 +16,18 @@ from typing import Any
 from .errors import ConfigError
 
 DEFAULT_ORDER = "tp-cp-ep-dp-pp"
+
+
+def mp_rank_name(tp: int, pp: int, ep: int, *, pp_size: int, ep_size: int) -> str:
+    """Megatron's ``mp_rank_{tp:02d}[_{pp:03d}][_{ep:03d}]`` for valid coordinates: the pp part when
+    ``pp_size > 1``, the ep part when ``ep_size > 1`` (``megatron.naming.rank_dir_name`` checks its arguments
+    first; its parser lives there too)."""
+    name = f"mp_rank_{tp:02d}"
+    if pp_size > 1:
+        name += f"_{pp:03d}"
+    if ep_size > 1:
+        name += f"_{ep:03d}"
+    return name
 _DIMS = ("tp", "cp", "ep", "dp", "pp")
 
 
@@ -118,10 +130,8 @@ class ParallelLayout:
 
     def rank_dir(self, rank: int) -> str:
         """Megatron's ``mp_rank_*`` directory holding this rank's model shard."""
-        from .megatron.naming import rank_dir_name  # Megatron's naming rules live with its format
-
         pos = self.coords(rank)
-        return rank_dir_name(pos.tp, pos.pp, pos.ep, pp_size=self.pp, ep_size=self.ep)
+        return mp_rank_name(pos.tp, pos.pp, pos.ep, pp_size=self.pp, ep_size=self.ep)
 
     def writes_model_optim_rng(self, rank: int) -> bool:
         """Whether this rank writes ``model_optim_rng.pt``: exactly one writer per rank directory.

@@ -56,7 +56,7 @@ def sharded_state(iteration: int, chunks: list[Any], optimizer: Any, scheduler: 
     """Megatron's ``generate_state_dict`` for ``torch_dist`` (``is_loading``: the request for a load)."""
     from megatron.core.dist_checkpointing.mapping import ShardedObject
 
-    from .adapter import rng_state
+    from .adapter_state import rng_state
 
     _, pp_rank, pp_size, tp_rank, tp_size, dp_cp_rank = _groups(dp_cp_group)
     state: dict[str, Any] = {"args": args, "checkpoint_version": CHECKPOINT_VERSION, "iteration": iteration}
@@ -91,7 +91,7 @@ def save(iteration: int, chunks: list[Any], optimizer: Any, scheduler: Any, flop
     from megatron.core.dist_checkpointing.utils import _clean_metadata_for_serialization
 
     from . import torch_dist
-    from .adapter import unwrap
+    from .adapter_state import unwrap
 
     _check_engine(engine)
     group = _groups(dp_cp_group)[0]
@@ -111,7 +111,7 @@ def load(chunks: list[Any], optimizer: Any, scheduler: Any, strict: bool, skip: 
          engine: Any, step: int | None, *, rng_key_prefix: str = "", dp_cp_group: Any = None) -> tuple[int, float]:
     """Megatron's torch_dist load from the engine's tiers (collective); ``(0, 0)`` when no tier holds a step."""
     from . import torch_dist
-    from .adapter import _apply, unwrap
+    from .adapter_state import restore, unwrap
 
     _check_engine(engine)
     chunks = [unwrap(c) for c in chunks]
@@ -150,7 +150,7 @@ def load(chunks: list[Any], optimizer: Any, scheduler: Any, strict: bool, skip: 
         if ckpt_tp_pp != run_tp_pp:
             log.warning("step %d: (TP, PP) %s -> %s: the RNG state is not loaded (Megatron's behaviour)",
                         reader.step, ckpt_tp_pp, run_tp_pp)
-    return _apply(state, {}, chunks, optimizer, scheduler, strict, skip, args, rng_tracker, engine.coords,
+    return restore(state, {}, chunks, optimizer, scheduler, strict, skip, args, rng_tracker, engine.coords,
                   where=f"step {reader.step} (torch_dist, tiers {sorted(set(reader.sources.values()))})")
 
 

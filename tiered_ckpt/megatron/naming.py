@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from ..errors import ConfigError, DecodeError, LayoutMismatchError
-from ..parallel import ParallelLayout
+from ..parallel import ParallelLayout, mp_rank_name
 
 TRACKER_FILENAME = "latest_checkpointed_iteration.txt"
 RELEASE = "release"
@@ -155,12 +155,7 @@ def rank_dir_name(tp: int, pp: int = 0, ep: int = 0, *, pp_size: int = 1, ep_siz
         _check_pos_int(size, what)
     if pp >= pp_size or ep >= ep_size:
         raise ConfigError(f"rank (pp={pp}, ep={ep}) outside sizes (pp_size={pp_size}, ep_size={ep_size})")
-    name = f"mp_rank_{tp:02d}"
-    if pp_size > 1:
-        name += f"_{pp:03d}"
-    if ep_size > 1:
-        name += f"_{ep:03d}"
-    return name
+    return mp_rank_name(tp, pp, ep, pp_size=pp_size, ep_size=ep_size)
 
 
 def parse_rank_dir(name: str, *, pp_size: int | None = None, ep_size: int | None = None) -> RankDirCoords:

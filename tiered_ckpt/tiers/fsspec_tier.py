@@ -118,12 +118,20 @@ class FsspecTier(Tier):
                                 atomic_rename=False, zero_copy_read=False)
     Options = FsspecOptions
 
+    #: Plain (unchained) URL protocols a subclass serves instead of this class: a subclass that names them here
+    #: is picked for them by ``FsspecTier(...)`` itself (``tiers/__init__.py`` imports the built-in one, S3).
+    url_protocols: tuple[str, ...] = ()
+    _by_protocol: dict[str, type[FsspecTier]] = {}
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        for protocol in cls.url_protocols:
+            FsspecTier._by_protocol[protocol] = cls
+
     def __new__(cls, *args: Any, **kwargs: Any) -> FsspecTier:
         options = args[1] if len(args) > 1 else kwargs.get("options")
-        if cls is FsspecTier and isinstance(options, FsspecOptions) and is_s3_url(options.url):
-            from .s3 import S3Tier
-
-            cls = S3Tier
+        if cls is FsspecTier and isinstance(options, FsspecOptions) and "::" not in options.url:
+            cls = FsspecTier._by_protocol.get(protocol_of(options.url), cls)
         return super().__new__(cls)
 
     @classmethod

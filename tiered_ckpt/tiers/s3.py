@@ -52,6 +52,7 @@ from ._s3 import (
     MIN_RATE,
     READ_ATTEMPTS,
     READ_PIECE,
+    S3_PROTOCOLS,
     Replaced,
     Upload,
     content_length,
@@ -68,6 +69,7 @@ log = logging.getLogger(__name__)
 class S3Tier(FsspecTier):
     """The ``fsspec`` kind on S3 (module docstring)."""
 
+    url_protocols = tuple(sorted(S3_PROTOCOLS))  # FsspecTier(...) and kind fsspec pick this class for them
     _install_hint = " (pip install 'tiered-ckpt[s3]')"  # fsspec says "Install s3fs"; our extra pins a tested one
 
     def __init__(self, name: str, options: FsspecOptions, context: TierContext | None = None):
