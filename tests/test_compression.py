@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import uuid
 
+import pytest
 import torch
+import zstandard
 from helpers import assert_same, make_items
 
 from tiered_ckpt import CheckpointEngine
@@ -75,3 +77,14 @@ def test_grouped_bytes_are_ungrouped_for_an_uncompressed_tier(tmp_path, shm_root
         assert entry.compression is None and "byte_grouping" not in entry.meta
         assert entry.size == grouped.raw_size
         assert_same(items, engine._load_from("raw", 1, True, None)[0])
+
+
+def test_a_raw_size_the_machine_cannot_allocate_is_a_corruption_error():
+    # Within the manifest check's bound for zstd (32768x the stored size) but not allocatable: the load must fall
+    # back to the next tier, so this is a CorruptionError naming the file, never torch's RuntimeError.
+    from tiered_ckpt.compression import decompress_to_tensor
+    from tiered_ckpt.errors import CorruptionError
+
+    blob = torch.frombuffer(bytearray(zstandard.ZstdCompressor().compress(b"x" * 100)), dtype=torch.uint8)
+    with pytest.raises(CorruptionError, match="state.flat.*raw_size of 1125899906842624 bytes"):
+        decompress_to_tensor(blob, 1 << 50, where="iter_0000001/rank_00000/state.flat", tier="local")

@@ -33,7 +33,12 @@ def compress_chunks(chunks: Iterable[Chunk], cfg: CompressionConfig) -> Iterator
 def decompress_to_tensor(blob: torch.Tensor, raw_size: int, *, where: str = "",
                          tier: str | None = None) -> torch.Tensor:
     """Decompress a whole stored blob into a fresh uint8 tensor of exactly ``raw_size`` bytes."""
-    out = torch.empty(raw_size, dtype=torch.uint8)
+    try:
+        out = torch.empty(raw_size, dtype=torch.uint8)
+    except (RuntimeError, MemoryError) as exc:  # our zstd frames carry no content size to check it against first
+        raise CorruptionError(f"cannot allocate the manifest's raw_size of {raw_size} bytes for the decompressed "
+                              f"data ({type(exc).__name__}): a damaged manifest, or less memory than the data "
+                              "needs", tier=tier, key=where) from None
     dest = as_memoryview(out) if raw_size else memoryview(bytearray(0))
     try:
         reader = zstandard.ZstdDecompressor().stream_reader(as_memoryview(blob), read_across_frames=True)
