@@ -54,10 +54,10 @@ def test_empty_item():
 
 def test_the_pool_is_rebuilt_in_a_forked_child():
     snapshot_checksum(_data(3 * SNAPSHOT_PIECE // 2, 4))  # starts the pool here
-    assert checksum._pool is not None
+    assert checksum._HASH_POOL._pool is not None
     pid = os.fork()
     if pid == 0:  # child: the parent's pool has no threads here; a fresh one must be made
-        ok = checksum._pool is None and snapshot_matches(d := _data(3 * SNAPSHOT_PIECE // 2, 5),
+        ok = checksum._HASH_POOL._pool is None and snapshot_matches(d := _data(3 * SNAPSHOT_PIECE // 2, 5),
                                                          snapshot_checksum(d))
         os._exit(0 if ok else 1)
     _, status = os.waitpid(pid, 0)

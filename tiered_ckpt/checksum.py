@@ -71,25 +71,29 @@ def digest(data: Chunk) -> str:
 # xxh3 stream runs at about memory speed on one core, which on its own costs most of a copy of the snapshot.
 SNAPSHOT_PIECE = 64 << 20
 _SNAPSHOT_TAG = f"{ALGORITHM}*{SNAPSHOT_PIECE >> 20}MiB"
-_pool: ThreadPoolExecutor | None = None
-_pool_lock = threading.Lock()
+class LazyPool:
+    """A thread pool made on first use, and made again in a forked child (which inherits the object but not its
+    threads, and maybe a lock some other thread held at the fork)."""
+
+    def __init__(self, workers: int, thread_name_prefix: str):
+        self._workers, self._prefix = workers, thread_name_prefix
+        self._pool: ThreadPoolExecutor | None = None
+        self._lock = threading.Lock()
+        os.register_at_fork(after_in_child=self._forget)
+
+    def _forget(self) -> None:
+        self._pool, self._lock = None, threading.Lock()
+
+    def get(self) -> ThreadPoolExecutor:
+        with self._lock:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(self._workers, thread_name_prefix=self._prefix)
+            return self._pool
 
 
-def _forget_pool() -> None:  # a forked child has the pool object but not its threads
-    global _pool
-    _pool = None
-
-
-os.register_at_fork(after_in_child=_forget_pool)
-
-
-def hash_pool() -> ThreadPoolExecutor:
-    """Threads for hashing (and copying) pieces in parallel: xxhash and numpy copies release the GIL."""
-    global _pool
-    with _pool_lock:
-        if _pool is None:
-            _pool = ThreadPoolExecutor(min(4, os.cpu_count() or 1), thread_name_prefix="tiered_ckpt-verify")
-        return _pool
+# Threads for hashing (and copying) pieces in parallel: xxhash and numpy copies release the GIL.
+_HASH_POOL = LazyPool(min(4, os.cpu_count() or 1), "tiered_ckpt-verify")
+hash_pool = _HASH_POOL.get
 
 
 def _piece_digests(mv: memoryview, piece: int) -> list[str]:

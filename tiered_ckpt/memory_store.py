@@ -19,17 +19,16 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import Executor, Future, ThreadPoolExecutor
+from concurrent.futures import Executor, Future
 from dataclasses import asdict, dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from .checksum import snapshot_checksum, snapshot_matches
+from .checksum import LazyPool, snapshot_checksum, snapshot_matches
 from .codecs import flat
 from .codecs.file_codecs import ItemSource
 from .crashpoints import crash_point
@@ -124,25 +123,8 @@ def snapshot_layout_changes(meta: SlotMeta, coords: RankCoords) -> list[str]:
     return changed
 
 
-_born: ThreadPoolExecutor | None = None
-_born_lock = threading.Lock()
-
-
-def _forget_born() -> None:  # a forked child has the executor object but not its thread
-    global _born
-    _born = None
-
-
-os.register_at_fork(after_in_child=_forget_born)
-
-
-def _born_pool() -> ThreadPoolExecutor:
-    """The thread that takes snapshots' checksums after their copy (it fans the pieces out to the hash pool)."""
-    global _born
-    with _born_lock:
-        if _born is None:
-            _born = ThreadPoolExecutor(1, thread_name_prefix="tiered_ckpt-snapshot-checksums")
-        return _born
+# The thread that takes snapshots' checksums after their copy (it fans the pieces out to the hash pool).
+_born_pool = LazyPool(1, "tiered_ckpt-snapshot-checksums").get
 
 
 def plan_items(items: dict[str, Any]) -> tuple[list[tuple[str, flat.SnapshotPlan, int]], int]:
