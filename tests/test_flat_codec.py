@@ -622,7 +622,7 @@ def test_decode_error_on_malformed_headers(data, match):
 def refingerprinted(doc: dict) -> bytes:
     """``doc`` with its fingerprint recomputed, as a tool (or an attacker) rewriting a header would."""
     from tiered_ckpt.codecs._flat_common import _fingerprint
-    from tiered_ckpt.codecs._flat_decode import _decode_entry
+    from tiered_ckpt.codecs._flat_header import _decode_entry
 
     with contextlib.suppress(DecodeError, TypeError, KeyError, AttributeError):  # a broken table stays broken
         entries = [_decode_entry(i, e, doc["total_bytes"], ALIGNMENT) for i, e in enumerate(doc["tensors"])]

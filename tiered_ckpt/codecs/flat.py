@@ -31,8 +31,8 @@ factory is a callable), an ``np.memmap`` as an ``ndarray``; identity is kept for
 Anything that cannot be represented without pickle raises :class:`~tiered_ckpt.errors.EncodeError` naming its
 key path.
 
-This module is the public API; the walk lives in ``_flat_encode``, header parsing and restoring in
-``_flat_decode``, and what both share in ``_flat_common``.
+This module is the public API; the walk lives in ``_flat_encode``, the header's fields and tensor table are
+checked in ``_flat_header``, the tree and restoring in ``_flat_decode``, and what they share in ``_flat_common``.
 """
 
 from __future__ import annotations
