@@ -32,10 +32,11 @@ from .errors import (
 from .fencing import fence_previous_worker
 from .handles import LoadResult, SaveHandle, SavesFailedError
 from .locking import RunLock, shm_paths
-from .memory_store import plan_items, snapshot_layout_changes
+from .memory_store import plan_items
 from .parallel import ParallelLayout, RankCoords, detect, local_rank
 from .pipeline import STAGING, Pipeline, build_pipeline
 from .plugins import PluginManager, get_plugin_manager
+from .snapshot_record import snapshot_layout_changes
 from .worker import open_drain
 
 log = logging.getLogger(__name__)

@@ -41,9 +41,10 @@ from .manifest import (
     load_checkpoint,
     load_rank,
 )
-from .memory_store import UNVERIFIED, MemoryStore
+from .memory_store import MemoryStore
 from .parallel import ParallelLayout, RankCoords, layout_changes
 from .retry import call_with_retry
+from .snapshot_record import UNVERIFIED
 from .step_read import read_committed_step
 from .store import Store, Written
 from .tiers.base import Chunk, Tier, as_memoryview

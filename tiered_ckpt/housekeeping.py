@@ -236,7 +236,7 @@ def list_runs(shm_path: str) -> list[StaleRun]:
 
 def _snapshot_step(path: str) -> int | None:
     """The step of a slot record (``rank_RRRRR/slot_i.json``), None if it is unreadable or malformed."""
-    from .memory_store import SlotMeta
+    from .snapshot_record import SlotMeta
 
     try:
         with open(path, "rb") as f:

@@ -12,18 +12,18 @@ never stamped verified. A record still ``"pending"`` after its writer died has n
 never recovered to a file tier and loads as unverified.
 
 :class:`MemoryStore` implements the :class:`~tiered_ckpt.store.Store` protocol (docs/architecture.md); which slot
-a save or a memory-to-memory hop writes into is chosen here (:meth:`MemoryStore.acquire_slot`).
+a save or a memory-to-memory hop writes into is chosen here (:meth:`MemoryStore.acquire_slot`). The slot record
+itself (:class:`SlotMeta`, its JSON form, :func:`snapshot_layout_changes`) is in :mod:`tiered_ckpt.snapshot_record`.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Executor, Future
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -34,8 +34,8 @@ from .codecs.file_codecs import ItemSource
 from .crashpoints import crash_point
 from .errors import BlobNotFoundError, CorruptionError, DecodeError, EncodeError, TierError
 from .hostmem import private_copy
-from .manifest import content_digest
-from .parallel import RankCoords, layout_changes
+from .parallel import RankCoords
+from .snapshot_record import UNVERIFIED, SlotItem, SlotMeta, snapshot_layout_changes
 from .store import Store, Written
 from .tiers.base import IO_BLOCK, Tier
 
@@ -44,83 +44,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-UNVERIFIED = "unverified origin"
-FORMAT = "tiered_ckpt.snapshot"
-VERSION = 1
 ALIGN = 64
 ITEM_ALIGN = IO_BLOCK  # where items start in a slot
-
-
-@dataclass
-class SlotItem:
-    name: str
-    offset: int
-    nbytes: int
-    header: str  # the flat codec's JSON header, as text
-    checksum: str | None = None  # of the item's data region, taken from the slot right after the save's copy
-
-
-@dataclass
-class SlotMeta:
-    step: int
-    rank: int
-    slot: int
-    items: list[SlotItem]
-    total_bytes: int
-    layout: str = ""
-    coords: dict[str, int] = field(default_factory=dict)
-    parallel: dict[str, Any] = field(default_factory=dict)
-    run_id: str = "default"
-    created: float = field(default_factory=time.time)
-    persistent: bool = True  # False: a non-persistent save (memory tiers only, never drained to a file tier)
-    # Where the items' checksums come from: "pending" (being taken after the save's copy), "saved" (taken from
-    # the slot right after it), "copied" (taken after a copy from a memory tier above that had none),
-    # UNVERIFIED (taken by a restart from a slot whose process died first: they prove nothing about the save),
-    # "" (none: a tier that does not outlive the process, or a record of an older version).
-    checksums: str = ""
-
-    @property
-    def checksummed(self) -> bool:
-        return bool(self.items) and all(it.checksum for it in self.items)
-
-    @property
-    def verified_origin(self) -> bool:
-        """Checksums that show the bytes are the ones saved (not ones a restart took from what it found)."""
-        return self.checksummed and self.checksums != UNVERIFIED
-
-    def to_json(self) -> bytes:
-        doc = {"format": FORMAT, "version": VERSION, **asdict(self)}
-        return json.dumps({**doc, "digest": content_digest(doc)}, sort_keys=True).encode()
-
-    @classmethod
-    def from_json(cls, data: bytes, where: str, tier: str) -> SlotMeta:
-        try:
-            d = json.loads(bytes(data).decode())
-            if "digest" in d and d.pop("digest") != content_digest(d):  # its headers are not in the checksums
-                raise ValueError("the record does not match its digest: it changed after it was written")
-            if d.pop("format") != FORMAT or d.pop("version") != VERSION:
-                raise ValueError("unknown format or version")
-            d["items"] = [SlotItem(**it) for it in d["items"]]
-            meta = cls(**d)
-            if meta.step < 0 or any(it.offset < 0 or it.nbytes < 0 or it.offset + it.nbytes > meta.total_bytes
-                                    for it in meta.items):
-                raise ValueError("step or item region out of range")
-            return meta
-        except Exception as exc:  # any malformation means: this slot holds nothing usable
-            raise CorruptionError(f"malformed snapshot record: {exc}", tier=tier, key=where) from None
-
-
-def snapshot_layout_changes(meta: SlotMeta, coords: RankCoords) -> list[str]:
-    """What differs between the layout a snapshot was saved with (its rank, coordinates, parallel layout) and
-    ``coords``' ("DP 2 → 1", "rank 1 → 0"); empty when the snapshot is this rank's state at this layout. A record
-    without a layout (written before layouts were recorded) is taken as this rank's."""
-    changed = layout_changes(meta.parallel, coords.layout) if meta.parallel else []
-    if meta.rank != coords.rank:
-        changed.append(f"rank {meta.rank} → {coords.rank}")
-    here = coords.to_dict()
-    changed += [f"{k} coordinate {meta.coords[k]} → {here[k]}" for k in sorted(here)
-                if k != "rank" and k in meta.coords and meta.coords[k] != here[k]]
-    return changed
 
 
 # The thread that takes snapshots' checksums after their copy (it fans the pieces out to the hash pool).

@@ -44,7 +44,7 @@ def read_committed_step(store: FileStore, step: int, coords: RankCoords, *, copy
     items = store.load_rank(manifest, coords, verify=verify, copy=copy, map_location=map_location,
                             trust_pickles=trust_pickles)
     mine = store.layout.files_for_rank(manifest.files, manifest.parallel, coords)
-    # files drained from a snapshot of unverified origin (memory_store.UNVERIFIED) match their checksums, but
+    # files drained from a snapshot of unverified origin (snapshot_record.UNVERIFIED) match their checksums, but
     # nothing showed those bytes were the ones saved
     origin_ok = not any(f.meta.get("origin") == "unverified" for f in mine)
     return items, verify and origin_ok, sum(f.size for f in mine)

@@ -19,8 +19,8 @@ from typing import TYPE_CHECKING, Any, Protocol
 if TYPE_CHECKING:
     from .file_store import FileStore
     from .manifest import RankManifest
-    from .memory_store import SlotMeta
     from .parallel import RankCoords
+    from .snapshot_record import SlotMeta
     from .tiers.base import Tier
 
 

@@ -26,7 +26,7 @@ import torch
 from ..checksum import snapshot_checksum, snapshot_matches
 from ..codecs import flat
 from ..errors import CorruptionError, LayoutMismatchError
-from ..memory_store import snapshot_layout_changes
+from ..snapshot_record import snapshot_layout_changes
 
 log = logging.getLogger(__name__)
 MODEL_ITEM = "model_optim_rng"
