@@ -38,7 +38,7 @@ from ..hostmem import FileShrankError, read_file
 from ..retry import FULL_ERRNOS, TRANSIENT_ERRNOS, repeat_on
 from ._direct_io import DIRECT_MIN, DirectWriter, buffered_io
 from ._nofollow import check_dirs, check_size, open_parent, open_regular, real_dir, refused_entry
-from .base import as_memoryview, check_key, check_prefix
+from .base import as_memoryview, check_key, check_prefix, check_range
 
 log = logging.getLogger(__name__)
 
@@ -333,10 +333,7 @@ class BlobFiles:
     def read_range(self, key: str, offset: int, length: int) -> bytes:
         fd, st, path = self.open_regular(key)
         try:
-            size = st.st_size
-            if offset < 0 or length < 0 or offset + length > size:
-                raise TierError(f"range {offset}+{length} is outside the blob of {size} bytes",
-                                tier=self.tier, key=key)
+            check_range(offset, length, st.st_size, tier=self.tier, key=key)
             parts = []
             while length:
                 data = os.pread(fd, min(length, _WRITE_MAX), offset)
@@ -477,3 +474,24 @@ def vanished_temp(tmp: str, final: str, *, tier: str, key: str) -> TransientTier
     return TransientTierError(f"rename {tmp} into {final}: the temporary file vanished before its rename "
                               f"(removed by a concurrent gc --delete or delete?); the write is tried again",
                               tier=tier, key=key)
+
+
+class FilesHousekeeping:
+    """What gc and the CLI ask of a kind (the Tier interface, tiers/base.py), for kinds whose blobs are
+    :class:`BlobFiles` under a directory ``root``: listed before :class:`~tiered_ckpt.tiers.base.Tier` in the bases."""
+
+    root: str
+    files: BlobFiles
+
+    @property
+    def location(self) -> str | None:
+        return self.root
+
+    def temp_files(self) -> list[str]:
+        return self.files.temp_files()
+
+    def remove_temp_file(self, key: str) -> None:
+        self.files.remove_temp_file(key)
+
+    def modified(self, key: str) -> float | None:
+        return self.files.modified(key)

@@ -110,6 +110,12 @@ def check_prefix(prefix: str) -> str:
     return prefix
 
 
+
+def check_range(offset: int, length: int, size: int, *, tier: str | None, key: str) -> None:
+    """The bounds every ``read_range`` checks: ``offset + length`` within a blob of ``size`` bytes."""
+    if offset < 0 or length < 0 or offset + length > size:
+        raise TierError(f"range {offset}+{length} is outside the blob of {size} bytes", tier=tier, key=key)
+
 def as_memoryview(chunk: Chunk) -> memoryview:
     """A flat byte view of a host chunk, without copying."""
     if isinstance(chunk, torch.Tensor):
@@ -184,9 +190,7 @@ class Tier(ABC):
 
     def read_range(self, key: str, offset: int, length: int) -> bytes:
         data = self.read_blob(key)
-        if offset < 0 or length < 0 or offset + length > data.numel():
-            raise TierError(f"range {offset}+{length} is outside the blob of {data.numel()} bytes",
-                            tier=self.name, key=key)
+        check_range(offset, length, data.numel(), tier=self.name, key=key)
         return bytes(as_memoryview(data[offset:offset + length]))
 
     @abstractmethod

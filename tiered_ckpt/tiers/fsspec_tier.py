@@ -58,7 +58,17 @@ from ._files import BlobFiles, is_temp_name, temp_name, tier_error, vanished_tem
 from ._nofollow import check_size
 from ._redact import REDACTED, redact, redacted_options, secret_values
 from ._s3 import READ_ATTEMPTS, READ_PIECE, S3_MAX_PART, S3_MIN_PART, S3_PROTOCOLS, MiB, s3_error_code
-from .base import Capabilities, Chunk, Tier, TierContext, as_memoryview, bytes_to_tensor, check_key, check_prefix
+from .base import (
+    Capabilities,
+    Chunk,
+    Tier,
+    TierContext,
+    as_memoryview,
+    bytes_to_tensor,
+    check_key,
+    check_prefix,
+    check_range,
+)
 
 log = logging.getLogger(__name__)
 
@@ -370,10 +380,7 @@ class FsspecTier(Tier):
     def read_range(self, key: str, offset: int, length: int) -> bytes:
         if self.files is not None:
             return self.files.read_range(key, offset, length)
-        size = self.size(key)
-        if offset < 0 or length < 0 or offset + length > size:
-            raise TierError(f"range {offset}+{length} is outside the blob of {size} bytes", tier=self.name,
-                            key=key)
+        check_range(offset, length, self.size(key), tier=self.name, key=key)
         if length == 0:
             return b""
         path = self._path(key)

@@ -28,9 +28,9 @@ from dataclasses import dataclass
 import torch
 
 from .. import cuda_streams
-from ..errors import BlobNotFoundError, CapacityError, ConfigError, TierError
+from ..errors import BlobNotFoundError, CapacityError, ConfigError
 from ..validate import Size
-from .base import Capabilities, Chunk, Tier, TierContext, as_memoryview, check_key, check_prefix
+from .base import Capabilities, Chunk, Tier, TierContext, as_memoryview, check_key, check_prefix, check_range
 
 log = logging.getLogger(__name__)
 
@@ -209,9 +209,7 @@ class GpuTier(Tier):
 
     def read_range(self, key: str, offset: int, length: int) -> bytes:
         data = self._get(key)
-        if offset < 0 or length < 0 or offset + length > data.numel():
-            raise TierError(f"range {offset}+{length} is outside the blob of {data.numel()} bytes",
-                            tier=self.name, key=key)
+        check_range(offset, length, data.numel(), tier=self.name, key=key)
         return bytes(as_memoryview(data[offset:offset + length]))
 
     def size(self, key: str) -> int:

@@ -22,7 +22,7 @@ from typing import Any, Literal
 import torch
 
 from ..errors import PermanentTierError
-from ._files import BlobFiles
+from ._files import BlobFiles, FilesHousekeeping
 from .base import Capabilities, Chunk, Tier, TierContext, check_key
 
 
@@ -39,7 +39,7 @@ class LocalOptions:
             raise ValueError("path: expected a directory, got an empty string")
 
 
-class LocalTier(Tier):
+class LocalTier(FilesHousekeeping, Tier):
     kind = "local"
     capabilities = Capabilities(memory=False, node_local=True, survives_process=True,
                                 atomic_rename=True, zero_copy_read=False)
@@ -86,19 +86,6 @@ class LocalTier(Tier):
     def delete_prefix(self, prefix: str) -> None:
         self.files.delete_prefix(prefix)
 
-    # ----- what gc and the CLI ask of a kind (tiers/base.py) ---------------------------------------------
-    @property
-    def location(self) -> str | None:
-        return self.root
-
-    def temp_files(self) -> list[str]:
-        return self.files.temp_files()
-
-    def remove_temp_file(self, key: str) -> None:
-        self.files.remove_temp_file(key)
-
-    def modified(self, key: str) -> float | None:
-        return self.files.modified(key)
 
     def describe(self) -> str:
         return f"local {self.root}" + ("" if self.options.fsync else " (fsync off)") + (

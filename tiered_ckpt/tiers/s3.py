@@ -60,7 +60,7 @@ from ._s3 import (
     object_size,
     s3_error_code,
 )
-from .base import Chunk, TierContext, as_memoryview
+from .base import Chunk, TierContext, as_memoryview, check_range
 from .fsspec_tier import FsspecOptions, FsspecTier
 
 log = logging.getLogger(__name__)
@@ -198,10 +198,7 @@ class S3Tier(FsspecTier):
         return out
 
     def read_range(self, key: str, offset: int, length: int) -> bytes:
-        size = self.size(key)
-        if offset < 0 or length < 0 or offset + length > size:
-            raise TierError(f"range {offset}+{length} is outside the blob of {size} bytes", tier=self.name,
-                            key=key)
+        check_range(offset, length, self.size(key), tier=self.name, key=key)
         if length == 0:
             return b""
         path = self._path(key)

@@ -52,7 +52,7 @@ from ..errors import CapacityError, ConfigError, PermanentTierError, TieredCkptE
 from ..private_dirs import private_dir
 from ..retry import FULL_ERRNOS
 from ..validate import Size
-from ._files import BlobFiles, make_dirs
+from ._files import BlobFiles, FilesHousekeeping, make_dirs
 from ._nofollow import check_dirs, check_size, refused_entry
 from .base import Capabilities, Chunk, Tier, TierContext, as_memoryview, check_key, check_prefix
 
@@ -144,7 +144,7 @@ class _Slot:
         self.mm = None  # type: ignore[assignment]
 
 
-class ShmTier(Tier):
+class ShmTier(FilesHousekeeping, Tier):
     kind = "shm"
     capabilities = Capabilities(memory=True, node_local=True, survives_process=True,
                                 atomic_rename=True, zero_copy_read=True)
@@ -283,19 +283,6 @@ class ShmTier(Tier):
                 self._slots.pop(key).release(self.name, key)
         self.files.delete_prefix(prefix)
 
-    # ----- what gc and the CLI ask of a kind (tiers/base.py) ---------------------------------------------
-    @property
-    def location(self) -> str | None:
-        return self.root
-
-    def temp_files(self) -> list[str]:
-        return self.files.temp_files()
-
-    def remove_temp_file(self, key: str) -> None:
-        self.files.remove_temp_file(key)
-
-    def modified(self, key: str) -> float | None:
-        return self.files.modified(key)
 
     # ----- slots -------------------------------------------------------------------------------------------
     def allocate_slot(self, key: str, nbytes: int) -> torch.Tensor:
