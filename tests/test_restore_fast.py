@@ -284,7 +284,7 @@ def test_store_reads_local_files_hashed_in_one_pass(saved, monkeypatch):
         return real(fd, size, hasher=hasher, **kw)
 
     monkeypatch.setattr("tiered_ckpt.tiers._files.read_file", spy)
-    monkeypatch.setattr("tiered_ckpt.file_store.digest", lambda blob: pytest.fail("hashed a second time"))
+    monkeypatch.setattr("tiered_ckpt.file_store_read.digest", lambda blob: pytest.fail("hashed a second time"))
     monkeypatch.setattr("tiered_ckpt.tiers.base.Tier.read_blob_hashed",
                         lambda *a, **k: pytest.fail("the local tier hashes while it reads"))
     with CheckpointEngine(_config(root, run_id)) as engine:

@@ -6,7 +6,8 @@ manifest once every rank's manifest is there, then the tracker. Retention runs o
 removes the newest committed step. A step without its checkpoint manifest does not exist.
 
 :class:`FileStore` implements the :class:`~tiered_ckpt.store.Store` protocol (docs/architecture.md): which rank
-commits a step here, and when retention runs, are decided in :meth:`FileStore.commit`.
+commits a step here, and when retention runs, are decided in :meth:`FileStore.commit`. Discovering committed steps
+and reading their files verified is :mod:`tiered_ckpt.file_store_read`'s part of the class.
 """
 
 from __future__ import annotations
@@ -21,16 +22,17 @@ from typing import Any
 import torch
 
 from . import events as ev
-from .checksum import ALGORITHM, HashingStream, digest, new_hasher
+from .checksum import ALGORITHM, HashingStream
 from .codecs import flat
 from .codecs.byte_grouping import grouped_chunks, ungroup_
 from .codecs.file_codecs import FileCodec, FlatFileCodec, ItemSource
 from .codecs.transcode import item_source
-from .compression import compress_chunks, decompress_to_tensor
+from .compression import compress_chunks
 from .config import TierConfig
 from .crashpoints import crash_point
-from .errors import BlobNotFoundError, CorruptionError, DecodeError, TierError
-from .file_streams import check_entry, raw_pieces
+from .errors import BlobNotFoundError, CorruptionError, TierError
+from .file_store_read import CommittedFiles
+from .file_streams import raw_pieces
 from .layouts.base import Layout
 from .manifest import (
     CheckpointManifest,
@@ -38,8 +40,6 @@ from .manifest import (
     RankManifest,
     dump_checkpoint,
     dump_rank,
-    load_checkpoint,
-    load_rank,
 )
 from .memory_store import MemoryStore
 from .parallel import ParallelLayout, RankCoords, layout_changes
@@ -85,8 +85,9 @@ def _short(ranks: list[int]) -> str:
     return ", ".join(map(str, ranks[:8])) + (f" and {len(ranks) - 8} more" if len(ranks) > 8 else "")
 
 
-class FileStore:
-    """One file tier seen through a layout, with this tier's compression and retry policy."""
+class FileStore(CommittedFiles):
+    """One file tier seen through a layout, with this tier's compression and retry policy (its discovering and
+    reading half: :class:`~tiered_ckpt.file_store_read.CommittedFiles`)."""
 
     def __init__(self, tier: Tier, cfg: TierConfig, layout: Layout, codecs: dict[str, FileCodec],
                  emit: Emit, run_id: str = "default"):
@@ -399,120 +400,6 @@ class FileStore:
             return  # never move the tracker backwards (a late, older commit); a damaged one names no commit
         self._retry(lambda: self.tier.publish(self.layout.tracker, str(step).encode()), step, rank,
                     f"publish {self.layout.tracker}")
-
-    # ----- discovering and reading -------------------------------------------------------------------------
-    def committed_steps(self) -> list[int]:
-        return sorted({s for s in map(self.layout.parse_manifest_key, self.tier.list("")) if s is not None})
-
-    def read_manifest(self, step: int, *, cached: bool = False) -> CheckpointManifest:
-        if cached and step in self._manifests:
-            return self._manifests[step]
-        key = self.layout.manifest_key(step)
-        manifest = load_checkpoint(as_memoryview(self.tier.read_blob(key)).tobytes(), key, self.name)
-        self._manifests[step] = manifest
-        return manifest
-
-    def steps_for_rank(self, coords: RankCoords) -> list[int]:
-        """Committed steps that hold this rank's part (a node-local tier's manifest covers only its node).
-
-        Steps saved with another parallel layout are listed too: ``load()`` re-splits them where the format
-        allows (DP changes of Megatron's items) or says clearly what changed."""
-        rank = coords.rank
-        # Transient errors (a throttled object store, EAGAIN) are retried here as on the load path: a listing
-        # that gave up at once would hide the tier's newest step from this rank alone.
-        steps = self._retry(self.committed_steps, None, rank, "list committed steps")
-        for stale in set(self._manifests) - set(steps):
-            del self._manifests[stale]
-        out = []
-        for step in steps:
-            try:
-                manifest = self._retry(lambda s=step: self.read_manifest(s, cached=True), step, rank,
-                                       f"read {self.layout.manifest_key(step)}")
-            except BlobNotFoundError:
-                continue  # removed since it was listed
-            except CorruptionError as exc:
-                log.warning("tier %r lists step %d as committed, but %s", self.name, step, exc)
-                out.append(step)  # listed as committed, unreadable: load() reports it (a fallback) if it is chosen
-                continue
-            same_layout = ParallelLayout.from_dict(manifest.parallel) == coords.layout
-            if not same_layout or rank in manifest.extra.get("ranks", range(manifest.world_size)):
-                out.append(step)
-        return out
-
-    def legacy_step(self) -> int | None:
-        """The step a Megatron-written checkpoint on this tier (no manifest) names in its tracker, if any."""
-        if self.tier.list(self.layout.tracker) != [self.layout.tracker]:
-            return None
-        step = self.read_tracker()
-        if step is None or self.tier.exists(self.layout.manifest_key(step)):
-            return None
-        return step if self.tier.list(self.layout.step_dir(step) + "/mp_rank_") else None
-
-    def read_rank_manifest(self, step: int, rank: int) -> RankManifest:
-        key = self.layout.rank_manifest_key(step, rank)
-        return load_rank(as_memoryview(self.tier.read_blob(key)).tobytes(), key, self.name)
-
-    def verify(self, entry: FileEntry, blob: torch.Tensor, hexdigest: str | None = None) -> None:
-        """Raise CorruptionError unless ``blob`` is the file the manifest describes. ``hexdigest``: the blob's
-        digest under this build's algorithm, if already computed while reading it."""
-        if blob.numel() == entry.size and entry.checksum.startswith(f"{ALGORITHM}:") and hexdigest is None:
-            hexdigest = digest(blob)
-        check_entry(entry, blob.numel(), hexdigest or "", tier=self.name)
-
-    def read_verified(self, entry: FileEntry, step: int | None, rank: int, *, verify: bool = True) -> torch.Tensor:
-        """The stored bytes of ``entry`` (with retries), checked against the manifest when ``verify``: a
-        :class:`CorruptionError` naming the file otherwise. Nothing of a file that fails the check is returned.
-
-        The checksum is computed while the tier reads (``Tier.read_blob_hashed``: the ``local`` tier hashes its
-        parallel pieces as they arrive), not in a second pass over the bytes."""
-        hash_it = verify and entry.checksum.startswith(f"{ALGORITHM}:")
-
-        def attempt() -> tuple[torch.Tensor, str | None]:
-            hasher = new_hasher() if hash_it else None
-            blob = self.tier.read_blob_hashed(entry.key, hasher, max_size=entry.size)
-            return blob, hasher.hexdigest() if hasher is not None else None
-
-        blob, hexdigest = self._retry(attempt, step, rank, f"read {entry.key}")
-        if verify:
-            self.verify(entry, blob, hexdigest)
-        return blob
-
-    def decode_stored(self, entry: FileEntry, blob: torch.Tensor) -> torch.Tensor:
-        if entry.compression is None:
-            return blob
-        if entry.compression != "zstd":
-            raise CorruptionError(f"unknown compression {entry.compression!r}", tier=self.name, key=entry.key)
-        if entry.raw_size is None:
-            raise CorruptionError("compressed file without raw_size in the manifest", tier=self.name, key=entry.key)
-        return decompress_to_tensor(blob, entry.raw_size, where=entry.key, tier=self.name)
-
-    def load_rank(self, manifest: CheckpointManifest, coords: RankCoords, *, verify: bool = True, copy: bool = True,
-                  map_location: Any = None, trust_pickles: bool = False) -> dict[str, Any]:
-        items: dict[str, Any] = {}
-        for entry in self.layout.files_for_rank(manifest.files, manifest.parallel, coords):
-            blob = self.read_verified(entry, manifest.step, coords.rank, verify=verify)
-            items[entry.item] = self.decode_entry(entry, blob, copy=copy, map_location=map_location,
-                                                  trust_pickles=trust_pickles)
-        return items
-
-    def decode_entry(self, entry: FileEntry, blob: torch.Tensor, *, copy: bool = True, map_location: Any = None,
-                     trust_pickles: bool = False) -> Any:
-        """The item in ``entry``'s file, from its bytes as stored (``blob``, already verified)."""
-        raw = self.decode_stored(entry, blob)
-        if entry.meta.get("byte_grouping") and entry.compression is None:
-            raw = raw.clone()  # un-grouping works in place; never on the tier's own bytes
-        try:
-            codec = self.codecs[entry.codec]
-        except KeyError:
-            raise CorruptionError(f"unknown codec {entry.codec!r}", tier=self.name, key=entry.key) from None
-        try:
-            # Bytes read from a file tier are this process's own: views into them are already a copy.
-            private = raw is not blob or not self.tier.capabilities.zero_copy_read
-            return codec.decode(raw, copy=copy and not private, map_location=map_location,
-                                trust_pickles=trust_pickles, where=entry.key,
-                                byte_grouping=bool(entry.meta.get("byte_grouping")))
-        except DecodeError as exc:
-            raise CorruptionError(str(exc), tier=self.name, key=entry.key) from None
 
     # ----- retention ---------------------------------------------------------------------------------------
     def retain(self, keep: int | None, pinned: set[int], rank: int) -> list[int]:
