@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import signal
 import sys
 from typing import Any
 
@@ -134,6 +135,20 @@ def _run(args: argparse.Namespace) -> int:
         return _failure(args, f"could not read{where}: {exc.strerror or exc}", EXIT_UNREADABLE)
 
 
+def _import_torch_without_sigint() -> None:
+    """Import torch with SIGINT blocked, so that the native thread it starts never takes a Ctrl-C: the kernel hands
+    a process-wide signal to any thread that does not block it, only the main thread turns it into
+    KeyboardInterrupt, and a main thread blocked in a read (a FIFO, a hung mount) would then never see it. A Ctrl-C
+    during the import stays pending and is raised when the mask is restored."""
+    if "torch" in sys.modules or not hasattr(signal, "pthread_sigmask"):
+        return
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    try:
+        import torch  # noqa: F401
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     set_json_errors("--json" in argv)
@@ -143,6 +158,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s")
     try:
         try:
+            _import_torch_without_sigint()
             return _run(args)
         except KeyboardInterrupt:
             print(f"tiered-ckpt {args.command}: interrupted", file=sys.stderr)
