@@ -495,3 +495,70 @@ class FilesHousekeeping:
 
     def modified(self, key: str) -> float | None:
         return self.files.modified(key)
+
+
+class PositionalFiles:
+    """Writes at known offsets into one file several processes share (the ``megatron`` layout's gather-free
+    commit, :mod:`tiered_ckpt.megatron.inplace`): opened without truncation, written with ``pwrite`` through the
+    page cache (the ranges are not block-aligned), fsynced; :meth:`rename` moves it into place once complete."""
+
+    def __init__(self, files: BlobFiles):
+        self.files = files
+
+    def open(self, key: str) -> int:
+        f = self.files
+        rel_dir = os.path.dirname(key)
+        check_dirs(f.root, rel_dir, tier=f.tier, key=key)
+        path = f.path(key)
+
+        def create() -> int:
+            make_dirs(f.root, rel_dir, f.dir_mode)
+            return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, f.file_mode)
+
+        try:
+            return repeat_on(FileNotFoundError, 2)(create)
+        except OSError as exc:
+            raise f.error(exc, key, "open", path) from exc
+
+    def pwrite(self, fd: int, data: memoryview, offset: int, key: str) -> None:
+        try:
+            while len(data):
+                n = os.pwrite(fd, data[:_WRITE_MAX], offset)
+                data, offset = data[n:], offset + n
+        except OSError as exc:
+            raise self.files.error(exc, key, "write", self.files.path(key)) from exc
+
+    def truncate(self, fd: int, size: int, key: str) -> None:
+        try:
+            os.ftruncate(fd, size)
+        except OSError as exc:
+            raise self.files.error(exc, key, "truncate", self.files.path(key)) from exc
+
+    def sync(self, fd: int, key: str) -> None:
+        if self.files.fsync:
+            try:
+                os.fsync(fd)
+            except OSError as exc:
+                raise self.files.error(exc, key, "fsync", self.files.path(key)) from exc
+
+    def close(self, fd: int) -> None:
+        os.close(fd)
+
+    def rename(self, tmp_key: str, key: str) -> None:
+        """``tmp_key`` (written and fsynced) replaces ``key``; then the directories are fsynced."""
+        f = self.files
+        tmp, final = f.path(tmp_key), f.path(key)
+        crash_point(f.temp_written_point)
+        try:
+            os.rename(tmp, final)
+        except FileNotFoundError as exc:
+            raise vanished_temp(tmp, final, tier=f.tier, key=key) from exc
+        except OSError as exc:
+            raise f.error(exc, key, "rename into", final) from exc
+        if f.fsync:
+            directory = os.path.dirname(final)
+            try:
+                fsync_dir(directory)
+                fsync_dir(os.path.dirname(directory))  # the mp_rank directory may be new in the step's
+            except OSError as exc:
+                raise f.error(exc, key, "fsync the directory of", final) from exc

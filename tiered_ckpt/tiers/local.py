@@ -22,7 +22,7 @@ from typing import Any, Literal
 import torch
 
 from ..errors import PermanentTierError
-from ._files import BlobFiles, FilesHousekeeping
+from ._files import BlobFiles, FilesHousekeeping, PositionalFiles
 from .base import Capabilities, Chunk, Tier, TierContext, check_key
 
 
@@ -86,6 +86,8 @@ class LocalTier(FilesHousekeeping, Tier):
     def delete_prefix(self, prefix: str) -> None:
         self.files.delete_prefix(prefix)
 
+    def positional(self) -> PositionalFiles:
+        return PositionalFiles(self.files)
 
     def describe(self) -> str:
         return f"local {self.root}" + ("" if self.options.fsync else " (fsync off)") + (
