@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from .checksum import ALGORITHM, digest, new_hasher
+from .checksum import ALGORITHM, digest, hasher_for
 from .codecs.file_codecs import FileCodec
 from .compression import decompress_to_tensor
 from .errors import BlobNotFoundError, CorruptionError, DecodeError
@@ -90,8 +90,12 @@ class CommittedFiles:
     def verify(self, entry: FileEntry, blob: torch.Tensor, hexdigest: str | None = None) -> None:
         """Raise CorruptionError unless ``blob`` is the file the manifest describes. ``hexdigest``: the blob's
         digest under this build's algorithm, if already computed while reading it."""
-        if blob.numel() == entry.size and entry.checksum.startswith(f"{ALGORITHM}:") and hexdigest is None:
-            hexdigest = digest(blob)
+        if blob.numel() == entry.size and hexdigest is None:
+            if entry.checksum.startswith(f"{ALGORITHM}:"):
+                hexdigest = digest(blob)
+            elif (crc := hasher_for(entry.checksum)) is not None:
+                crc.update(blob)
+                hexdigest = crc.hexdigest()
         check_entry(entry, blob.numel(), hexdigest or "", tier=self.name)
 
     def read_verified(self, entry: FileEntry, step: int | None, rank: int, *, verify: bool = True) -> torch.Tensor:
@@ -100,10 +104,10 @@ class CommittedFiles:
 
         The checksum is computed while the tier reads (``Tier.read_blob_hashed``: the ``local`` tier hashes its
         parallel pieces as they arrive), not in a second pass over the bytes."""
-        hash_it = verify and entry.checksum.startswith(f"{ALGORITHM}:")
+        hash_it = verify and hasher_for(entry.checksum) is not None
 
         def attempt() -> tuple[torch.Tensor, str | None]:
-            hasher = new_hasher() if hash_it else None
+            hasher = hasher_for(entry.checksum) if hash_it else None
             blob = self.tier.read_blob_hashed(entry.key, hasher, max_size=entry.size)
             return blob, hasher.hexdigest() if hasher is not None else None
 
@@ -125,6 +129,8 @@ class CommittedFiles:
                   map_location: Any = None, trust_pickles: bool = False) -> dict[str, Any]:
         items: dict[str, Any] = {}
         for entry in self.layout.files_for_rank(manifest.files, manifest.parallel, coords):
+            if "in_place" in entry.meta:  # written into Megatron's merged file: step_read.py reads it from there
+                continue
             blob = self.read_verified(entry, manifest.step, coords.rank, verify=verify)
             items[entry.item] = self.decode_entry(entry, blob, copy=copy, map_location=map_location,
                                                   trust_pickles=trust_pickles)

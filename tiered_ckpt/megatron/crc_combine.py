@@ -10,7 +10,7 @@ CRC-32's reflected bit order: bit 31 holds the coefficient of ``x^0``.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from functools import lru_cache
+from functools import cache
 
 _POLY = 0xEDB88320  # x^32 + x^26 + ... + 1, reflected, without the x^32 term
 _ONE = 1 << 31  # the polynomial 1
@@ -26,7 +26,7 @@ def _times(a: int, b: int) -> int:
     return out
 
 
-@lru_cache(maxsize=None)
+@cache
 def _x_to_2_to_the(k: int) -> int:
     """``x^(2^k)`` modulo the polynomial."""
     if k == 0:
