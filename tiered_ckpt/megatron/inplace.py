@@ -44,6 +44,7 @@ from .torch_zip import (
     StreamedTensor,
     _Entry,
     central_directory,
+    crc32,
     descriptor,
     local_header,
     pickle_with_streams,
@@ -193,7 +194,7 @@ def write_rank_pieces(writer: Any, step_dir: str, shard: Any, *, run_id: str, st
                 mv = memoryview(data.numpy()).cast("B")
                 pos = 4 * (off + lo)
                 writer.pwrite(fd, mv, base + pos, tmp)
-                pieces.append([t, pos, len(mv), zlib.crc32(mv)])
+                pieces.append([t, pos, len(mv), crc32(mv)])
         writer.sync(fd, tmp)
     finally:
         writer.close(fd)
