@@ -42,10 +42,20 @@ def test_megatron_layout_in_place_on_a_local_tier(tmp_path, shm_root):
     assert all("error" not in r for r in saved.values()), saved
     step_dir = tmp_path / "shared" / "iter_0000100"
     manifest = json.loads((step_dir / "tiered_ckpt" / "manifest.json").read_text())
+    # the checkpoint manifest lists exactly the step's files, each whole; the ranks' ranges of the merged file
+    # are in their rank manifests, keyed by that file
+    on_disk = {str(p.relative_to(tmp_path / "shared")) for p in step_dir.rglob("*")
+               if p.is_file() and "tiered_ckpt" not in p.parts}
+    assert {f["key"] for f in manifest["files"]} == on_disk
     optim = [f for f in manifest["files"] if f["item"] == "distrib_optim"]
-    assert sorted(f["rank"] for f in optim if "in_place" in f["meta"]) == [0, 1, 2, 3]
-    merged = [f for f in optim if f["key"] == "iter_0000100/mp_rank_00/distrib_optim.pt"]
-    assert len(merged) == 1 and merged[0]["checksum"].startswith("crc32:")
+    assert [f["key"] for f in optim] == ["iter_0000100/mp_rank_00/distrib_optim.pt"]
+    assert optim[0]["checksum"].startswith("crc32:") and optim[0]["meta"]["written"] == "in_place"
+    assert optim[0]["size"] == (step_dir / "mp_rank_00" / "distrib_optim.pt").stat().st_size
+    for rank in range(4):
+        ranks = json.loads((step_dir / "tiered_ckpt" / f"rank_{rank:05d}.json").read_text())
+        pieces = [f for f in ranks["files"] if "in_place" in f["meta"]]
+        assert [f["key"] for f in pieces] == [optim[0]["key"]]
+        assert pieces[0]["meta"]["in_place"]["plan"] == optim[0]["meta"]["plan"]
     assert not list(step_dir.glob("rank_*/distrib_optim.pt")) and not list(step_dir.rglob(".*.tmp-*"))
     reference = tmp_path / "reference"
     write_checkpoint(SyntheticJob(dp=4), str(reference), layout="megatron", manifest=False)

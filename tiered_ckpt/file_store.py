@@ -381,7 +381,7 @@ class FileStore(CommittedFiles):
         for r in ranks:
             files.extend(votes[r].files)
         scope = "job" if len(ranks) == coords.world_size else "node"
-        files += self.layout.finalize(self, step, coords.layout, files, scope)
+        files = self.layout.checkpoint_files(files, self.layout.finalize(self, step, coords.layout, files, scope))
         manifest = CheckpointManifest(step=step, layout=self.layout.name, parallel=coords.layout.to_dict(),
                                       files=tuple(files), run_id=self.run_id, extra={"ranks": ranks, "scope": scope})
         key = self.layout.manifest_key(step)

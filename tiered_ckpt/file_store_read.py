@@ -129,8 +129,6 @@ class CommittedFiles:
                   map_location: Any = None, trust_pickles: bool = False) -> dict[str, Any]:
         items: dict[str, Any] = {}
         for entry in self.layout.files_for_rank(manifest.files, manifest.parallel, coords):
-            if "in_place" in entry.meta:  # written into Megatron's merged file: step_read.py reads it from there
-                continue
             blob = self.read_verified(entry, manifest.step, coords.rank, verify=verify)
             items[entry.item] = self.decode_entry(entry, blob, copy=copy, map_location=map_location,
                                                   trust_pickles=trust_pickles)

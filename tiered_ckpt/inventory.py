@@ -211,9 +211,6 @@ def verify_step(store: FileStore, step: int, progress: bool | TextIO = False) ->
     with tqdm(total=sum(e.size for e in manifest.files), desc=f"verify {store.name} step {step}", unit="B",
               unit_scale=True, unit_divisor=1024, disable=not progress, file=stream_out, leave=True) as bar:
         for entry in manifest.files:
-            if "in_place" in entry.meta:  # a rank's ranges of Megatron's merged file, verified as that file
-                bar.update(entry.size)
-                continue
             try:
                 _verify_file(store, entry, report, ALGORITHM, HashingStream, is_megatron_file)
             finally:

@@ -18,7 +18,8 @@ from tiered_ckpt.megatron import inplace, rank_shard
 from tiered_ckpt.megatron.crc_combine import crc32_combine, crc32_of_parts
 from tiered_ckpt.megatron.merge import GroupPart, megatron_object
 from tiered_ckpt.megatron.torch_zip import iter_torch_save
-from tiered_ckpt.tiers._files import BlobFiles, PositionalFiles
+from tiered_ckpt.tiers._files import BlobFiles
+from tiered_ckpt.tiers._positional import PositionalFiles
 
 
 def _files(tmp_path) -> PositionalFiles:
@@ -128,3 +129,28 @@ def test_pieces_name_ranges_of_the_file(tmp_path):
     for t, pos, length, crc in facts["pieces"]:
         start = plan.records[t].data_offset + pos
         assert zlib.crc32(data[start:start + length]) == crc
+
+
+@pytest.mark.parametrize("direct", [True, False])
+def test_write_range_direct_interiors_and_shared_edges(tmp_path, direct):
+    """Writers of adjacent, unaligned ranges of one file (each with its own descriptors, as ranks have): the
+    whole pages of a large range go direct (copied through bounce buffers, or from memory congruent with the
+    file), the pages two ranges share through the page cache; the file is every range's bytes, and each
+    writer's hasher saw exactly its range."""
+    from tiered_ckpt.checksum import Crc32Hasher
+
+    files = BlobFiles("t", str(tmp_path), file_mode=0o644, dir_mode=0o755, fsync=True, direct_io=direct)
+    data = torch.randint(0, 256, (7 << 20,), dtype=torch.uint8)
+    cuts = [0, 1000, (1 << 20) + 5000, (3 << 20) + 12345, 4 << 20, (6 << 20) + 7, 7 << 20]  # one 4 KiB-aligned
+    handles = [PositionalFiles(files).open("d/.f.tmp-0123456789abcdef", size=len(data)) for _ in cuts[1:]]
+    assert all((h.direct_fd is not None) == direct for h in handles)
+    for i in reversed(range(len(cuts) - 1)):
+        crc = Crc32Hasher()
+        view = memoryview(data.numpy())[cuts[i]:cuts[i + 1]]
+        PositionalFiles(files).write_range(handles[i], view, cuts[i], crc)
+        assert crc.crc == zlib.crc32(view)
+        PositionalFiles(files).sync(handles[i], data_only=True)
+    for h in handles:
+        PositionalFiles(files).close(h)
+    PositionalFiles(files).rename("d/.f.tmp-0123456789abcdef", "d/f")
+    assert (tmp_path / "d" / "f").read_bytes() == data.numpy().tobytes()

@@ -125,6 +125,11 @@ class Layout:
         store's commit covers the job; return its entry, or None to write ``key`` as usual (the default)."""
         return None
 
+    def checkpoint_files(self, files: list[FileEntry], derived: list[FileEntry]) -> list[FileEntry]:
+        """The checkpoint manifest's files: the ranks' (``files``) and those :meth:`finalize` made (``derived``).
+        Every one names a file of the step, whole. Default: all of them."""
+        return files + derived
+
     def finalize(self, store: Any, step: int, parallel: ParallelLayout, files: list[FileEntry], scope: str
                  ) -> list[FileEntry]:
         """Called by the committing rank once every rank's files of ``step`` are on ``store``, before the

@@ -43,7 +43,8 @@ class MegatronLayout(Layout):
 
     def write_in_place(self, store: Any, step: int, coords: RankCoords, src: Any, key: str) -> FileEntry | None:
         """This rank's ranges of its directory's ``distrib_optim.pt``, written into the file all its DP group
-        writes (None: the tier cannot, or this job's optimizers need the gather)."""
+        writes (None: the tier cannot, or this job's optimizers need the gather; ``key``, its staging file, is
+        then written instead)."""
         writer = store.tier.positional() if src.name == OPTIM_ITEM else None
         if writer is None:
             return None
@@ -58,8 +59,14 @@ class MegatronLayout(Layout):
         from ..manifest import FileEntry
 
         size, checksum = inplace.piece_checksum(facts)
-        return FileEntry(key=key, item=OPTIM_ITEM, rank=coords.rank, codec="torch", size=size, checksum=checksum,
-                         compression=None, raw_size=size, meta={"in_place": facts})
+        # its key: the file it holds ranges of (``meta.in_place.pieces``); kept in the rank manifest only
+        return FileEntry(key=facts["key"], item=OPTIM_ITEM, rank=coords.rank, codec="torch", size=size,
+                         checksum=checksum, compression=None, raw_size=size, meta={"in_place": facts})
+
+    def checkpoint_files(self, files: list[FileEntry], derived: list[FileEntry]) -> list[FileEntry]:
+        """The ranks' ranges of a file written in place are not files: the checkpoint manifest lists the file
+        (its entry: ``written: in_place``), the ranges stay in the rank manifests, where a load finds them."""
+        return [f for f in files if "in_place" not in f.meta] + derived
 
     def finalize(self, store: Any, step: int, parallel: ParallelLayout, files: list[FileEntry], scope: str
                  ) -> list[FileEntry]:

@@ -7,15 +7,19 @@ computes the whole layout on any rank, without the shards' values. So, on a POSI
 the job:
 
 1. each rank (:func:`write_rank_pieces`) opens one temporary file of the directory, named after the plan's
-   digest so every rank of the group finds the same one (never truncated, sparse until filled), writes with
-   ``pwrite`` the bytes of its own shard in each world tensor (per bucket: ``[dp_rank * N_b/DP, min(U_b, ...))``,
-   spec 2.5), fsyncs, and lists in its rank manifest the CRC-32 of each range (``meta.in_place``);
+   digest so every rank of the group finds the same one (never truncated; extended, sparse, to the plan's size),
+   writes the bytes of its own shard in each world tensor (per bucket: ``[dp_rank * N_b/DP, min(U_b, ...))``,
+   spec 2.5) through the tier's positional writer (:mod:`tiered_ckpt.tiers._positional`: whole pages with
+   ``O_DIRECT``, the pages it shares with its neighbours through the page cache), CRC-32s them on the way,
+   calls ``fdatasync``, and lists the ranges in its rank manifest: one entry keyed by the merged file, with each
+   range's CRC-32 (``meta.in_place``);
 2. the committing rank (:func:`finish_files`), once every rank's manifest is there, checks that the ranges tile
    every tensor record, writes the rest (local headers, ``data.pkl`` and the small records, data descriptors with
    the CRC-32s combined from the ranks' pieces, :mod:`.crc_combine`, the serialization id, the central directory
-   and zip64 end records), fsyncs, renames the file into place, and returns its entry; the checkpoint manifest
-   comes after, as always. The file's checksum in the manifest is its CRC-32 (``crc32:``), combined the same way:
-   xxh3 cannot be computed from pieces.
+   and zip64 end records), fsyncs (its own few KiB: the ranks synced theirs), renames the file into place, and
+   returns its entry; the checkpoint manifest comes after, as always, and lists the file, not the ranges (those
+   stay in the rank manifests, where a load of a rank's part finds them: ``step_read.py``). The file's checksum
+   in the manifest is its CRC-32 (``crc32:``), combined the same way: xxh3 cannot be computed from pieces.
 
 The bytes equal the gather path's (:func:`.merge.write_megatron_file`), which stays for what cannot write in
 place: tiers without positional writes (S3, fsspec), node-local commits, compression, chained optimizers whose
@@ -32,6 +36,8 @@ from typing import Any
 
 import torch
 
+from ..checksum import Crc32Hasher
+from ..crashpoints import crash_point
 from ..errors import CorruptionError, LayoutMismatchError
 from ..manifest import FileEntry
 from .crc_combine import crc32_combine, crc32_of_parts
@@ -44,7 +50,6 @@ from .torch_zip import (
     StreamedTensor,
     _Entry,
     central_directory,
-    crc32,
     descriptor,
     local_header,
     pickle_with_streams,
@@ -78,6 +83,7 @@ class FilePlan:
     records: tuple[Record, ...]
     tensors: Mapping[int, tuple[int, int, str]]  # record index -> (sub-optimizer, buffer, state key)
     digest: str  # of the pickle and the record layout
+    total: int  # the file's size: the central directory's length does not depend on the CRC-32s
 
     @property
     def end(self) -> int:
@@ -121,7 +127,8 @@ def plan_file(parts: Sequence[GroupPart | None]) -> FilePlan:
     h = hashlib.sha256(pkl)
     for r in records:
         h.update(f"{r.name}:{r.offset}:{r.size};".encode())
-    return FilePlan(tuple(records), tensors, h.hexdigest()[:32])
+    tail = central_directory([_Entry(f"{ARCHIVE}/{r.name}".encode(), r.offset, r.size, 0) for r in records], offset)
+    return FilePlan(tuple(records), tensors, h.hexdigest()[:32], offset + len(tail))
 
 
 def temp_key(merged_key: str, plan: FilePlan, run_id: str, step: int) -> str:
@@ -177,7 +184,7 @@ def write_rank_pieces(writer: Any, step_dir: str, shard: Any, *, run_id: str, st
     merged = f"{step_dir}/{directory}/{DISTRIB_OPTIM_FILENAME}"
     tmp = temp_key(merged, plan, run_id, step)
     pieces: list[list[int]] = []
-    fd = writer.open(tmp)
+    f = writer.open(tmp, size=plan.total)  # sparse until every rank has written
     try:
         for t, (i, g, key) in plan.tensors.items():
             sub, part = shard.optimizers[i], parts[i]
@@ -193,11 +200,13 @@ def write_rank_pieces(writer: Any, step_dir: str, shard: Any, *, run_id: str, st
                 data = src.to(torch.float32).contiguous() if src.dtype != torch.float32 else src.contiguous()
                 mv = memoryview(data.numpy()).cast("B")
                 pos = 4 * (off + lo)
-                writer.pwrite(fd, mv, base + pos, tmp)
-                pieces.append([t, pos, len(mv), crc32(mv)])
-        writer.sync(fd, tmp)
+                crc = Crc32Hasher()
+                writer.write_range(f, mv, base + pos, crc)  # whole pages direct, the edges (shared) through the cache
+                pieces.append([t, pos, len(mv), crc.crc])
+        writer.sync(f, data_only=True)  # durable before the rank manifest says so: the commit syncs only its own
     finally:
-        writer.close(fd)
+        writer.close(f)
+    crash_point("megatron.pieces_written")
     return {"key": merged, "temp": tmp, "plan": plan.digest, "optimizers": _parts_dicts(parts), "pieces": pieces}
 
 
@@ -256,18 +265,22 @@ def _finish_one(writer: Any, step: int, key: str, entries: list[FileEntry]) -> F
     tail = central_directory(zip_entries, plan.end)
     segments.append((plan.end, tail))
     total = plan.end + len(tail)
-    fd = writer.open(tmp)
+    if total != plan.total:
+        raise LayoutMismatchError(f"{key}: {total} bytes, the plan said {plan.total}")
+    f = writer.open(tmp)
     try:
         for offset, data in segments:
-            writer.pwrite(fd, memoryview(data), offset, tmp)
-        writer.truncate(fd, total, tmp)  # a longer file left by another attempt
-        writer.sync(fd, tmp)
+            writer.pwrite(f, memoryview(data), offset)
+        writer.truncate(f, total)  # a longer file left by another attempt
+        writer.sync(f)
     finally:
-        writer.close(fd)
+        writer.close(f)
+    crash_point("megatron.in_place_complete")
     writer.rename(tmp, key)
+    crash_point("megatron.in_place_renamed")
     return FileEntry(key=key, item=ARCHIVE, rank=owner_rank(parts), codec="torch", size=total,
                      checksum=f"{CRC32}:{_file_crc(plan, zip_entries, tail):08x}", compression=None, raw_size=total,
-                     meta={**parts_meta(parts), "written": "in_place"})
+                     meta={**parts_meta(parts), "written": "in_place", "plan": plan.digest})
 
 
 def _record_crcs(key: str, plan: FilePlan, pieces: list[list[int]]) -> dict[int, int]:

@@ -22,7 +22,8 @@ from typing import Any, Literal
 import torch
 
 from ..errors import PermanentTierError
-from ._files import BlobFiles, FilesHousekeeping, PositionalFiles
+from ._files import BlobFiles, FilesHousekeeping
+from ._positional import PositionalFiles
 from .base import Capabilities, Chunk, Tier, TierContext, check_key
 
 
