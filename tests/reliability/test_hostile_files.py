@@ -17,7 +17,7 @@ Each case runs on the ``local`` kind, on ``fsspec`` with a ``file://`` URL and, 
 from __future__ import annotations
 
 import contextlib
-import io
+import functools
 import json
 import os
 import shutil
@@ -28,16 +28,18 @@ from pathlib import Path
 import pytest
 from crash_worker import scenario_items
 from helpers import assert_same
+from helpers import cli as run_cli
 
 from tiered_ckpt import CheckpointEngine, SaveError
 from tiered_ckpt.cli import EXIT_FAILED
-from tiered_ckpt.cli import main as cli_main
 from tiered_ckpt.errors import CorruptionError, PermanentTierError, TransientTierError
 from tiered_ckpt.tiers import _files
 
 HANG_GUARD_S = 60  # not a performance bound: how long a call may sit on a FIFO before the test unblocks it
 BIG = 256 << 20  # a sparse file: nothing of it is on disk, all of it would be resident if it were read
 STEPS = (1, 2)
+
+cli = functools.partial(run_cli, stderr=True)  # these tests read the CLI's errors too
 
 
 def no_hang(fn, fifo: Path):
@@ -63,12 +65,6 @@ def no_hang(fn, fifo: Path):
         raise out["error"]
     return out.get("value")
 
-
-def cli(*argv: str) -> tuple[int, str]:
-    out = io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
-        code = cli_main(list(argv))
-    return code, out.getvalue()
 
 
 # ----- the tier primitives ---------------------------------------------------------------------------------
