@@ -292,6 +292,20 @@ def test_a_data_file_far_larger_than_its_manifest_says_is_not_read(copy, tier, r
 
 
 @pytest.mark.parametrize("tier", TIERS)
+def test_a_huge_file_where_the_manifest_should_be_is_not_read(copy, tier, recorder, monkeypatch):
+    """A manifest has no manifest to bound it: a file far above any manifest's size is refused before a read."""
+    os.truncate(copy.path(tier, "manifest"), BIG)
+    reads = []
+    real = _files.read_file
+    monkeypatch.setattr(_files, "read_file", lambda fd, size, **kw: reads.append(size) or real(fd, size, **kw))
+    with CheckpointEngine(copy.config(tier, BACKUP[tier])) as engine:
+        assert_fell_back(copy, tier, "manifest", engine.load(), recorder, f"{BIG} bytes where a manifest should be")
+    assert BIG not in reads
+    code, out = cli("verify", "--config", copy.config_file(tier), "--step", "2", "--json")
+    assert code == EXIT_FAILED and "where a manifest should be" in out, out
+
+
+@pytest.mark.parametrize("tier", TIERS)
 def test_a_temp_file_removed_during_the_drain_is_written_again(copy, tier, recorder, monkeypatch):
     removed = []
     real = _files.crash_point
