@@ -3,7 +3,8 @@
 (a) our save -> Megatron's own ``dist_checkpointing.load`` (its FileSystemReader on the file tier), at the same
 layout (tp1 pp1 dp2: every rank's model and full optimizer state bit-exact) and at another (tp2 pp1 dp1: every
 tensor, in checkpoint space, bit-exact); (b) Megatron's own ``dist_checkpointing.save`` -> our ``load_checkpoint``,
-at both layouts; (c) SIGKILL after a memory-only save: every rank resumes from shm and trains on bit-exact;
+at both layouts (Megatron's default save strategy and its FileSystemWriterAsync, unmodified, where psutil is
+installed); (c) SIGKILL after a memory-only save: every rank resumes from shm and trains on bit-exact;
 (d) with a constant structure the second save reuses the first save's plan.
 
 Bit-exact across layouts is checked in checkpoint space: each ShardedTensor a job's (model, optimizer)
@@ -12,11 +13,13 @@ sharded_state_dict holds equals its slice of the global tensor Megatron's ``load
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import shutil
 import signal
 import tempfile
 import uuid
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -166,11 +169,23 @@ def rank_megatron_load(rank: int, world: int, tp: int, pp: int, ckpt: str) -> di
     return {"coords": harness.coords(), "full_state": full_state(job), "space": checkpoint_space(job)}
 
 
+# Megatron's default torch_dist save strategy writes with its FileSystemWriterAsync: each rank forks one writer
+# process per file, and waits in count_queue.join() until every writer has called task_done(). A writer calls
+# _process_memory() (psutil's RSS, for a debug log line) *before* its try block, so without psutil it raises
+# RuntimeError, puts no result, never calls task_done(), and the rank waits forever (the stacks: the rank in
+# JoinableQueue.join, write_preloaded_data_multiproc; its writers dead with "psutil is not installed"). psutil is
+# in every Megatron-LM training environment, but megatron-core 0.16's package metadata does not declare it.
+# Neither the harness's fork server nor the spawn-context Manager that collects the results is involved: with
+# psutil importable, Megatron's unmodified save completes in a harness rank.
+MEGATRON_WRITER_MISSING = None if importlib.util.find_spec("psutil") else (
+    "psutil is not installed: Megatron's FileSystemWriterAsync writer processes raise before reporting, and "
+    "dist_checkpointing.save waits for them forever")
+
+
 def _megatron_sync_strategy() -> Any:
-    """Megatron's TorchDistSaveShardedStrategy, but writing with DCP's FileSystemWriter: its own
-    FileSystemWriterAsync forks writer processes, which hang in a rank started by the harness's fork server
-    (the rank waits for them forever). Everything else is Megatron's: its save entrypoint (common.pt,
-    metadata.json, sharding validation), its key translation and its MCoreSavePlanner."""
+    """Only where psutil is missing (MEGATRON_WRITER_MISSING): Megatron's TorchDistSaveShardedStrategy writing with
+    DCP's FileSystemWriter instead of its FileSystemWriterAsync. Everything else is Megatron's: its save
+    entrypoint (common.pt, metadata.json, sharding validation), its key translation and its MCoreSavePlanner."""
     from megatron.core.dist_checkpointing.strategies.torch import (
         MCoreSavePlanner,
         TorchDistSaveShardedStrategy,
@@ -189,10 +204,13 @@ def _megatron_sync_strategy() -> Any:
     return Strategy("torch_dist", 1)
 
 
-def rank_megatron_save(rank: int, world: int, ckpt: str) -> dict[str, Any]:
-    """Megatron's own dist_checkpointing.save (see _megatron_sync_strategy), and Megatron's tracker file."""
+def rank_megatron_save(rank: int, world: int, ckpt: str, own_writer: bool) -> dict[str, Any]:
+    """Megatron's own dist_checkpointing.save, and Megatron's tracker file. ``own_writer``: with Megatron's
+    default save strategy, untouched (TorchDistSaveShardedStrategy, FileSystemWriterAsync's forked writers);
+    otherwise with _megatron_sync_strategy."""
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.mapping import ShardedObject
+    from megatron.core.dist_checkpointing.serialization import get_default_save_sharded_strategy
 
     job = job_at(*SAVE_LAYOUT)
     train(job, SAVED_AT)
@@ -208,11 +226,12 @@ def rank_megatron_save(rank: int, world: int, ckpt: str) -> dict[str, Any]:
     torch.distributed.barrier()
     from megatron.core.dist_checkpointing.utils import _clean_metadata_for_serialization
 
-    dist_checkpointing.save(state, str(step_dir), sharded_strategy=_megatron_sync_strategy(),
+    strategy = get_default_save_sharded_strategy() if own_writer else _megatron_sync_strategy()
+    dist_checkpointing.save(state, str(step_dir), sharded_strategy=strategy,
                             content_metadata=_clean_metadata_for_serialization(md))
     if rank == 0:
         (Path(ckpt) / "latest_checkpointed_iteration.txt").write_text(str(job.iteration))
-    saved = {"full_state": full_state(job), "space": checkpoint_space(job)}
+    saved = {"full_state": full_state(job), "space": checkpoint_space(job), "strategy": type(strategy).__name__}
     train(job, RESUMED_TO)
     return {**saved, "fingerprint": fingerprint(job)}
 
@@ -283,10 +302,19 @@ def test_our_save_loads_in_megatron_at_same_and_other_layout(tmp_path: Path, shm
 
 
 def test_megatron_saved_checkpoint_loads_through_the_adapter(tmp_path: Path) -> None:
-    """(b): Megatron's dist_checkpointing.save at tp1 pp1 dp2 (no manifest of ours); the adapter loads it from
-    a file tier at tp1 dp2 (resumes bit-exact, RNG included) and at tp2 dp1 (every tensor bit-exact)."""
+    """(b): Megatron's dist_checkpointing.save at tp1 pp1 dp2 (no manifest of ours), with Megatron's default save
+    strategy and writer, unmodified; the adapter loads it from a file tier at tp1 dp2 (resumes bit-exact, RNG
+    included) and at tp2 dp1 (every tensor bit-exact).
+
+    Megatron's writer needs psutil (see MEGATRON_WRITER_MISSING): where it is not installed, the save keeps
+    Megatron's strategy, planner and save entrypoint but writes with DCP's FileSystemWriter, and the test warns."""
     ckpt = tmp_path / "megatron"
-    saved = launch(rank_megatron_save, 2, str(ckpt))
+    own_writer = MEGATRON_WRITER_MISSING is None
+    if not own_writer:
+        warnings.warn(f"Megatron's own writer not used: {MEGATRON_WRITER_MISSING}", stacklevel=1)
+    saved = launch(rank_megatron_save, 2, str(ckpt), own_writer)
+    assert {r["strategy"] for r in saved} == {
+        "TorchDistSaveShardedStrategy" if own_writer else "Strategy"}
     plain = plain_tensors(ckpt / f"iter_{SAVED_AT:07d}")
     cfg = config(f"td-megatron-{uuid.uuid4().hex[:8]}", files=ckpt)
     same = launch(rank_our_load, 2, *SAVE_LAYOUT, cfg, True)
