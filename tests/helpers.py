@@ -1,13 +1,18 @@
-"""Shared helpers for the engine tests: realistic items and bit-exact comparison."""
+"""Shared helpers for the engine tests: realistic items, bit-exact comparison, the CLI in-process, a config."""
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
 import random
+import uuid
+from pathlib import Path
 
 import numpy as np
 import torch
 
+from tiered_ckpt.cli import main as cli_main
 from tiered_ckpt.events import Event
 from tiered_ckpt.hookspecs import hookimpl
 
@@ -69,3 +74,18 @@ class Recorder:
 
     def kinds(self, kind: str, tier: str | None = None) -> list[Event]:
         return [e for e in self.events if e.kind == kind and (tier is None or e.tier == tier)]
+
+
+def cli(*argv: str, stderr: bool = False) -> tuple[int, str]:
+    """``tiered-ckpt argv...`` in this process: its exit code and what it printed (stdout; and stderr if asked)."""
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out), (contextlib.redirect_stderr(out) if stderr else contextlib.nullcontext()):
+        code = cli_main(list(argv))
+    return code, out.getvalue()
+
+
+def shm_local_config(shm_root: str, tmp_path: Path, run_id: str | None = None, *, prefix: str = "run") -> dict:
+    """A thread-drained run on ``shm_root`` (shm) and ``tmp_path/local`` (local, no fsync)."""
+    return {"run_id": run_id or f"{prefix}-{uuid.uuid4().hex[:8]}", "drain": {"mode": "thread"},
+            "tiers": [{"name": "shm", "kind": "shm", "path": shm_root},
+                      {"name": "local", "kind": "local", "path": str(tmp_path / "local"), "fsync": False}]}

@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import os
 import queue
+import signal
 import uuid
 
 import pytest
@@ -257,10 +258,17 @@ def test_slots_prepared_before_cuda_came_up_are_pinned_at_the_next_save(fake_cud
     assert fake_cuda.cudart.registered == {}
 
 
-def test_the_drain_worker_never_pins(fake_cuda, shm_root, tmp_path):
+def test_the_drain_worker_never_pins(fake_cuda, shm_root, tmp_path, monkeypatch):
     """The worker's own entry point, run in this process as a fresh spawned worker would be (CUDA never
     initialised): it maps the snapshot and drains it without a single CUDA call."""
+    from tiered_ckpt import worker
     from tiered_ckpt.worker import worker_main
+
+    # What worker_main does to its own process must not outlive the test in pytest's: it ignores SIGINT (every
+    # later child of pytest would inherit that: a CLI started by a later test ignored Ctrl-C) and starts a thread
+    # that exits the process when its parent changes.
+    monkeypatch.setattr(worker, "watch_parent", lambda *_a, **_k: None)
+    sigint = signal.getsignal(signal.SIGINT)
 
     run_id = f"worker-{uuid.uuid4().hex[:8]}"
     shm = {"name": "host", "kind": "shm", "path": shm_root, "slots": 2}
@@ -283,6 +291,7 @@ def test_the_drain_worker_never_pins(fake_cuda, shm_root, tmp_path):
             worker_main(config, RankCoords(rank=0), ["host", "disk"], 0, [0], requests, results, os.getppid())
         finally:
             torch.set_num_threads(threads)
+            signal.signal(signal.SIGINT, sigint)
         msgs = []
         while not results.empty():
             msgs.append(results.get())

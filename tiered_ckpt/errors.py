@@ -55,18 +55,19 @@ class DecodeError(TieredCkptError, ValueError):
     """A snapshot header or file is malformed."""
 
 
+def _located(message: str, tier: str | None, key: str | None, *, noun: str) -> str:
+    """``message`` after where it happened: "tier 'x', <noun> 'k': message"."""
+    where = ([f"tier {tier!r}"] if tier else []) + ([f"{noun} {key!r}"] if key else [])
+    return (", ".join(where) + ": " if where else "") + message
+
+
 class TierError(TieredCkptError):
     """An operation on a tier failed. ``tier`` names the tier, ``key`` the object involved."""
 
     def __init__(self, message: str, *, tier: str | None = None, key: str | None = None):
         self.tier = tier
         self.key = key
-        where = []
-        if tier:
-            where.append(f"tier {tier!r}")
-        if key:
-            where.append(f"key {key!r}")
-        super().__init__((", ".join(where) + ": " if where else "") + message)
+        super().__init__(_located(message, tier, key, noun="key"))
 
 
 class TransientTierError(TierError):
@@ -94,12 +95,7 @@ class CorruptionError(TieredCkptError):
     def __init__(self, message: str, *, tier: str | None = None, key: str | None = None):
         self.tier = tier
         self.key = key
-        where = []
-        if tier:
-            where.append(f"tier {tier!r}")
-        if key:
-            where.append(f"file {key!r}")
-        super().__init__((", ".join(where) + ": " if where else "") + message)
+        super().__init__(_located(message, tier, key, noun="file"))
 
 
 class NoCheckpointError(TieredCkptError, FileNotFoundError):

@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from . import copy_gate
 from . import events as ev
 from .checksum import ALGORITHM, HashingStream
 from .codecs import flat
@@ -53,18 +54,34 @@ log = logging.getLogger(__name__)
 Emit = Callable[[ev.Event], None]
 
 
-class _Counting:
-    """Counts the bytes of a chunk stream (the raw size before compression)."""
+#: On a node-local tier the write loop hands the tier at most this many bytes at a time (a remote tier gets the
+#: chunks as made: an object store's writer borrows large ones without a copy). Before each piece, and each chunk,
+#: it looks at the copy gate: while a save copies, the drain sleeps (copy_gate.py) instead of competing with it
+#: for memory bandwidth and cores (the stream's hash of a piece runs beside the piece's write).
+WRITE_PIECE = 32 << 20
 
-    def __init__(self, chunks: Iterable[Chunk]):
+
+class _Counting:
+    """Counts the bytes of a chunk stream (the raw size before compression), handing them on in pieces of at
+    most ``piece`` bytes (None: as they come), each after :func:`copy_gate.wait_clear`."""
+
+    def __init__(self, chunks: Iterable[Chunk], piece: int | None = None):
         self._chunks = chunks
+        self._piece = piece
         self.nbytes = 0
 
     def __iter__(self):
         for c in self._chunks:
             mv = as_memoryview(c)
             self.nbytes += len(mv)
-            yield mv
+            piece = self._piece or len(mv)
+            if len(mv) <= piece:
+                copy_gate.wait_clear()
+                yield mv
+                continue
+            for start in range(0, len(mv), piece):
+                copy_gate.wait_clear()
+                yield mv[start:start + piece]
 
 
 def regroup(raw: torch.Tensor, grouped: bool, want: bool) -> Iterable[Chunk]:
@@ -211,7 +228,7 @@ class FileStore(CommittedFiles):
         compression = self.cfg.compression if compress and self.compression_name == "zstd" else None
 
         def attempt() -> tuple[int, str, int]:
-            raw = _Counting(make_chunks())
+            raw = _Counting(make_chunks(), WRITE_PIECE if self.tier.capabilities.node_local else None)
             stored = compress_chunks(raw, compression) if compression else raw
             stream = HashingStream(stored)
             self.tier.write_blob(key, stream)

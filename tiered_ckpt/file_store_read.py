@@ -22,6 +22,10 @@ from .tiers.base import Tier, as_memoryview
 
 log = logging.getLogger("tiered_ckpt.file_store")
 
+# A manifest lists a step's files (a few hundred bytes each), not its tensors: even a 10,000-rank job's stays far
+# below this. A larger file where a manifest should be is not one we wrote, and is never read into memory.
+MAX_MANIFEST_BYTES = 64 << 20
+
 
 class CommittedFiles:
     """Discovering and reading committed steps; :class:`~tiered_ckpt.file_store.FileStore` sets the attributes
@@ -43,7 +47,7 @@ class CommittedFiles:
         if cached and step in self._manifests:
             return self._manifests[step]
         key = self.layout.manifest_key(step)
-        manifest = load_checkpoint(as_memoryview(self.tier.read_blob(key)).tobytes(), key, self.name)
+        manifest = load_checkpoint(self._manifest_bytes(key), key, self.name)
         self._manifests[step] = manifest
         return manifest
 
@@ -85,7 +89,17 @@ class CommittedFiles:
 
     def read_rank_manifest(self, step: int, rank: int) -> RankManifest:
         key = self.layout.rank_manifest_key(step, rank)
-        return load_rank(as_memoryview(self.tier.read_blob(key)).tobytes(), key, self.name)
+        return load_rank(self._manifest_bytes(key), key, self.name)
+
+    def _manifest_bytes(self, key: str) -> bytes:
+        size = self.tier.size(key)
+        if size > MAX_MANIFEST_BYTES:
+            raise CorruptionError(f"{size} bytes where a manifest should be (ours stay below {MAX_MANIFEST_BYTES}): "
+                                  "not a manifest this library wrote (a load falls back to another tier or step; "
+                                  "look at the file and remove it)",
+                                  tier=self.name, key=key)
+        # max_size also bounds a file that grew since size() answered
+        return as_memoryview(self.tier.read_blob_hashed(key, None, max_size=MAX_MANIFEST_BYTES)).tobytes()
 
     def verify(self, entry: FileEntry, blob: torch.Tensor, hexdigest: str | None = None) -> None:
         """Raise CorruptionError unless ``blob`` is the file the manifest describes. ``hexdigest``: the blob's

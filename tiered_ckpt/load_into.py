@@ -4,9 +4,10 @@ A resume copies the checkpoint into tensors that already exist (the model's para
 state), which is what ``load_state_dict`` does after ``load()``. Asking for it directly saves one pass over
 memory: from a memory snapshot whose checksum is piecewise (:func:`~tiered_ckpt.checksum.snapshot_checksum`),
 each 64 MiB piece is copied into the targets 1 MiB at a time and hashed right after, while those source bytes
-are still in the CPU's cache, with the pieces spread over several cores. Verifying first and copying after
-reads the snapshot from memory twice; on the development VM that made a verified restore cost 1.4x a plain
-``copy_``, fused it costs about one.
+are still in the CPU's cache, with the pieces spread over the cores torch uses (:mod:`.memcopy`).
+Verifying first and copying after reads the snapshot from memory twice; on the development VM that made a
+verified restore cost 1.4x a plain ``copy_``, fused it costs about one. :func:`copy_out_verified` does the same
+for ``load(copy=True)``, into fresh memory, hashing the copy itself.
 
 Tensors are paired by their place in the structure (dict keys, list and tuple positions). A saved tensor whose
 counterpart in ``into`` has another shape or dtype is an error naming the item and the path; one without a
@@ -18,6 +19,7 @@ into them, and if no tier can be loaded they must not be used.
 from __future__ import annotations
 
 import bisect
+import ctypes
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -25,7 +27,8 @@ import numpy as np
 import torch
 import xxhash
 
-from .checksum import SNAPSHOT_PIECE, hash_pool, is_piecewise, snapshot_matches
+from . import memcopy
+from .checksum import SNAPSHOT_PIECE, is_piecewise, snapshot_matches
 from .errors import LoadIntoError
 
 _SUB = 1 << 20  # bytes copied, then hashed while still in cache (half of one core's 2 MiB L2 here)
@@ -99,9 +102,8 @@ def _describe(t: torch.Tensor) -> str:
 
 
 def copy_pairs(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-    with torch.no_grad():
-        for src, dst in pairs:
-            dst.copy_(src)
+    """``dst.copy_(src)`` for each pair: host to host on every core (:func:`memcopy.copy_tensors`)."""
+    memcopy.copy_tensors(pairs)
 
 
 def tensors(tree: Any) -> Iterator[torch.Tensor]:
@@ -153,9 +155,43 @@ def copy_verified(data: torch.Tensor, checksum: str, pairs: list[tuple[torch.Ten
             pos = stop
         return h.hexdigest() == expected[k]
 
-    if len(expected) == 1:
-        return piece(0)
-    return all(list(hash_pool().map(piece, range(len(expected)))))
+    return all(memcopy.parallel_map(piece, range(len(expected))))
+
+
+def copy_out(data: torch.Tensor) -> torch.Tensor:
+    """A copy of ``data`` (a 1-D uint8 host tensor) in fresh, populated memory, moved on every core."""
+    out = memcopy.fresh_buffer(data.numel())
+    if data.numel():
+        memcopy.copy_spans([(out.data_ptr(), data.data_ptr(), data.numel())])
+    return out
+
+
+def copy_out_verified(data: torch.Tensor, checksum: str) -> torch.Tensor | None:
+    """:func:`copy_out` checked against ``checksum`` (the item's, from its slot record) while it is made: each
+    sub-block is hashed from the copy right after it is written, still in cache, with the pieces spread over the
+    cores. What is returned is the very bytes verified (a writer changing the slot meanwhile makes a mismatch,
+    never a verified copy of other bytes). None on a mismatch."""
+    if not (is_piecewise(checksum) and data.device.type == "cpu"):
+        out = copy_out(data.cpu())
+        return out if snapshot_matches(out, checksum) else None
+    expected = checksum.partition(":")[2].split(",")
+    n = data.numel()
+    if len(expected) != max(1, -(-n // SNAPSHOT_PIECE)):
+        return None
+    out = memcopy.fresh_buffer(n)
+    src, dst = data.data_ptr(), out.data_ptr()
+    view = memoryview(out.numpy())
+
+    def piece(k: int) -> bool:
+        start, end = k * SNAPSHOT_PIECE, min(n, (k + 1) * SNAPSHOT_PIECE)
+        h = xxhash.xxh3_128()
+        for pos in range(start, end, _SUB):
+            stop = min(end, pos + _SUB)
+            ctypes.memmove(dst + pos, src + pos, stop - pos)  # releases the GIL
+            h.update(view[pos:stop])
+        return h.hexdigest() == expected[k]
+
+    return out if all(memcopy.parallel_map(piece, range(len(expected)))) else None
 
 
 def _fusable(src: torch.Tensor, dst: torch.Tensor) -> bool:

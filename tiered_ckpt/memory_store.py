@@ -28,12 +28,12 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from .checksum import LazyPool, snapshot_checksum, snapshot_matches
+from . import copy_gate, snapshot_hash
+from .checksum import LazyPool, snapshot_checksum
 from .codecs import flat
 from .codecs.file_codecs import ItemSource
 from .crashpoints import crash_point
 from .errors import BlobNotFoundError, CorruptionError, DecodeError, EncodeError, TierError
-from .hostmem import private_copy
 from .parallel import RankCoords
 from .snapshot_record import UNVERIFIED, SlotItem, SlotMeta, snapshot_layout_changes
 from .store import Store, Written
@@ -232,9 +232,10 @@ class MemoryStore:
         self.invalidate(slot)  # the slot's old step is gone from here on (and its old hashing done)
         crash_point("save.invalidated")
         buf = self.buffer(slot, total)
-        for _, plan, offset in placed:
-            flat.copy_into(plan, buf[offset:offset + plan.total_bytes])
-            crash_point("save.item_copied")
+        with copy_gate.copying(total):  # the drain of earlier steps sleeps meanwhile (copy_gate.py)
+            for _, plan, offset in placed:
+                flat.copy_into(plan, buf[offset:offset + plan.total_bytes])
+                crash_point("save.item_copied")
         meta = SlotMeta(step=step, rank=coords.rank, slot=slot, total_bytes=total,
                         items=[SlotItem(name, off, p.total_bytes, flat.encode_header(p).decode())
                                for name, p, off in placed],
@@ -248,8 +249,8 @@ class MemoryStore:
         return meta
 
     def _take_checksums(self, meta: SlotMeta, buf: torch.Tensor) -> SlotMeta:
-        done = replace(meta, checksums="saved", items=[
-            replace(it, checksum=snapshot_checksum(buf[it.offset:it.offset + it.nbytes])) for it in meta.items])
+        done = replace(meta, checksums="saved", items=[  # yielding to a later save's copy (snapshot_hash.py)
+            replace(it, checksum=snapshot_hash.checksum(buf[it.offset:it.offset + it.nbytes])) for it in meta.items])
         # Nothing else writes this slot meanwhile: a new save or a release first waits for this (settle_hash).
         self.publish(done)
         return done
@@ -303,7 +304,7 @@ class MemoryStore:
     def check_sources(self, meta: SlotMeta, sources: list[ItemSource]) -> None:
         """CorruptionError naming the item unless every item's bytes still match the checksums taken at save."""
         for src, it in zip(sources, meta.items, strict=True):
-            if it.checksum and not snapshot_matches(src.data, it.checksum):
+            if it.checksum and not snapshot_hash.matches(src.data, it.checksum):  # yields to a save's copy
                 raise CorruptionError(f"snapshot of step {meta.step}, item {it.name!r} (rank {meta.rank}) no longer "
                                       "matches the checksum taken when it was saved: the memory copy was damaged "
                                       "after save(); it is not written to any tier. Load an older step",
@@ -447,11 +448,12 @@ class MemoryStore:
         """The snapshot's items (those named in ``only``, if given). ``into``: restore the tensors it holds in
         place (see :mod:`.load_into`)."""
         from .checksum import snapshot_matches
+        from .load_into import copy_out, copy_out_verified
 
         out = {}
-        # Views handed to the caller need a mapping of their own (see ``data``); a load into the caller's tensors
-        # with copies of the rest hands out none, and the kept mapping spares populating a new one.
-        cached = into is not None and copy
+        # Views handed to the caller need a mapping of their own (see ``data``); with ``copy`` nothing handed out
+        # points into the mapping, and the kept one spares populating a new one.
+        cached = copy
         for src, it in zip(self.item_sources(meta, cached=cached), meta.items, strict=True):
             if only is not None and it.name not in only:
                 continue
@@ -459,16 +461,19 @@ class MemoryStore:
             if target is not None:
                 out[it.name] = self._load_into(meta, src, it, target, copy=copy, verify=verify)
                 continue
-            if verify and it.checksum:
-                if not snapshot_matches(src.data, it.checksum):
+            data, copy_item = src.data, copy
+            check = verify and bool(it.checksum)
+            if copy and data.device.type == "cpu" and map_location is None:
+                # One populated buffer, copied on every core and verified as it is copied; views into it after.
+                data = copy_out_verified(data, it.checksum) if check else copy_out(data)
+                if data is None:
                     raise self._mismatch(meta, it)
+                copy_item = False
+            elif check and not snapshot_matches(data, it.checksum):
+                raise self._mismatch(meta, it)
             try:
                 info = flat.decode_header(src.header)
-                data = src.data
-                if copy and data.device.type == "cpu" and map_location is None:
-                    # One populated buffer and one memcpy, then views into our own copy.
-                    data, copy = private_copy(data), False
-                out[it.name] = flat.restore(info, data, copy=copy, map_location=map_location)
+                out[it.name] = flat.restore(info, data, copy=copy_item, map_location=map_location)
             except DecodeError as exc:
                 raise CorruptionError(str(exc), tier=self.tier.name, key=self.meta_key(meta.slot)) from None
         return out

@@ -28,6 +28,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import replace
 from typing import Any
 
+from . import copy_gate
 from . import events as ev
 from .config import Config
 from .drain import DrainRuntime
@@ -63,7 +64,7 @@ def open_drain(pipeline: Pipeline, on_tier_done: OnTierDone, on_slot_released: O
 
 
 def worker_main(config: Config, coords: RankCoords, order: list[str], local_rank: int, node_ranks: list[int],
-                requests: Any, results: Any, parent_pid: int) -> None:
+                requests: Any, results: Any, parent_pid: int, gate: Any = None) -> None:
     import signal
 
     # Ctrl-C in a terminal reaches the whole process group: the training process decides (its close() finishes
@@ -73,6 +74,8 @@ def worker_main(config: Config, coords: RankCoords, order: list[str], local_rank
     import torch
 
     torch.set_num_threads(1)  # leave the cores to training
+    if gate is not None:
+        copy_gate.install(gate)  # the training process's saves mark their copies there: the drain sleeps meanwhile
 
     def emit(event: ev.Event) -> None:
         results.put(("event", event))
@@ -229,7 +232,8 @@ class ProcessDrain:
         self._results = ctx.Queue()
         self._proc = ctx.Process(target=worker_main, name=f"tiered_ckpt-drain-{self.coords.rank}",
                                  args=(self.config, self.coords, self.order, self.local_rank, self.node_ranks,
-                                       self._requests, self._results, os.getpid()), daemon=False)
+                                       self._requests, self._results, os.getpid(), copy_gate.shared()),
+                                 daemon=False)
         with _main_module_hidden(), _sigint_ignored():
             self._proc.start()
         self._listener = threading.Thread(target=self._listen, args=(self._proc, self._results),

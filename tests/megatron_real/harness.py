@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import faulthandler
 import hashlib
 import logging
 import multiprocessing as mp
@@ -22,6 +23,7 @@ import pickle
 import random
 import signal
 import sys
+import tempfile
 import time
 import traceback
 from collections.abc import Callable, Iterator
@@ -29,6 +31,7 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from functools import partial
 from multiprocessing.connection import Connection, wait
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -148,7 +151,12 @@ def patch_megatron_for_cpu() -> None:
 # processes
 
 
-def _rank_main(fn: Callable[..., Any], rank: int, world: int, port: int, args: tuple, out: Connection) -> None:
+def _rank_main(fn: Callable[..., Any], rank: int, world: int, port: int, args: tuple, out: Connection,
+               stacks: str, stacks_after: float) -> None:
+    # A rank still running after ``stacks_after`` seconds writes every thread's stack to ``stacks`` (and goes
+    # on): launch() puts it in its timeout report, so a hang says where it waits.
+    stacks_file = open(stacks, "w")  # open for the life of the process: faulthandler writes to it
+    faulthandler.dump_traceback_later(stacks_after, file=stacks_file)
     try:
         patch_megatron_for_cpu()
         store = dist.TCPStore("127.0.0.1", port, world, is_master=False, timeout=timedelta(seconds=60))
@@ -160,6 +168,7 @@ def _rank_main(fn: Callable[..., Any], rank: int, world: int, port: int, args: t
         out.send_bytes(pickle.dumps(("error", traceback.format_exc())))
         raise SystemExit(1) from None
     finally:
+        faulthandler.cancel_dump_traceback_later()
         out.close()
     with contextlib.suppress(Exception):
         dist.destroy_process_group()
@@ -185,10 +194,13 @@ def launch(fn: Callable[..., Any], world: int, *args: Any, timeout: float = 180.
     ctx.set_forkserver_preload(_PRELOAD)
     store = dist.TCPStore("127.0.0.1", 0, world + 1, is_master=True, timeout=timedelta(seconds=60),
                           wait_for_workers=False)
+    stacks_dir = tempfile.TemporaryDirectory(prefix="megatron-real-stacks-")
+    stacks = [os.path.join(stacks_dir.name, f"rank{rank}") for rank in range(world)]
     procs, pipes = [], []
     for rank in range(world):
         recv, send = ctx.Pipe(duplex=False)
-        p = ctx.Process(target=_rank_main, args=(fn, rank, world, store.port, args, send), name=f"rank{rank}")
+        p = ctx.Process(target=_rank_main, args=(fn, rank, world, store.port, args, send, stacks[rank],
+                                                 max(1.0, timeout - 5)), name=f"rank{rank}")
         p.start()
         send.close()
         procs.append(p)
@@ -217,6 +229,8 @@ def launch(fn: Callable[..., Any], world: int, *args: Any, timeout: float = 180.
                 p.join()
         for conn in pipes:
             conn.close()
+        hung = {r: Path(f).read_text() for r, f in enumerate(stacks) if r not in results and os.path.exists(f)}
+        stacks_dir.cleanup()
     codes = [p.exitcode for p in procs]
     if expect_kill:
         survivors = [r for r in range(world) if results.get(r, ("died",))[0] != "died"]
@@ -226,11 +240,12 @@ def launch(fn: Callable[..., Any], world: int, *args: Any, timeout: float = 180.
     if any(kind != "ok" for kind, _ in results.values()):
         raise LaunchError(_report(results, codes, "a rank failed"))
     if len(results) < world:
-        raise LaunchError(_report(results, codes, f"timed out after {timeout:.0f} s"))
+        raise LaunchError(_report(results, codes, f"timed out after {timeout:.0f} s", hung))
     return [results[r][1] for r in range(world)]
 
 
-def _report(results: dict[int, tuple[str, Any]], codes: list[int | None], what: str) -> str:
+def _report(results: dict[int, tuple[str, Any]], codes: list[int | None], what: str,
+            stacks: dict[int, str] | None = None) -> str:
     failed = [r for r, (kind, _) in results.items() if kind != "ok"]  # in the order they failed
     lines = [f"launch of {len(codes)} ranks: {what}" + (f" (rank {failed[0]} first)" if failed else "")]
     for rank, code in enumerate(codes):
@@ -238,6 +253,8 @@ def _report(results: dict[int, tuple[str, Any]], codes: list[int | None], what: 
         lines.append(f"--- rank {rank}: {kind}, exit code {code}")
         if kind == "error":
             lines.append(value)
+        if (stacks or {}).get(rank):
+            lines.append(f"its threads, 5 s before the timeout:\n{stacks[rank]}")
     return "\n".join(lines)
 
 

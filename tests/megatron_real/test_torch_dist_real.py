@@ -1,10 +1,11 @@
 """Megatron's ``torch_dist`` format through the adapter, on genuine megatron-core (CPU/gloo, harness.py).
 
 (a) our save -> Megatron's own ``dist_checkpointing.load`` (its FileSystemReader on the file tier), at the same
-layout (tp1 pp1 dp2: every rank's model and full optimizer state bit-exact) and at another (tp2 pp1 dp1: every
-tensor, in checkpoint space, bit-exact); (b) Megatron's own ``dist_checkpointing.save`` -> our ``load_checkpoint``,
-at both layouts; (c) SIGKILL after a memory-only save: every rank resumes from shm and trains on bit-exact;
-(d) with a constant structure the second save reuses the first save's plan.
+layout (tp1 pp1 dp2: every rank's model and full optimizer state bit-exact) and at others (tp2 pp1 dp1 and
+tp1 pp2 dp1: every tensor, in checkpoint space, bit-exact); (b) Megatron's own ``dist_checkpointing.save`` (its
+default save strategy and FileSystemWriterAsync, unmodified) -> our ``load_checkpoint``, at the same layouts;
+(c) SIGKILL after a memory-only save: every rank resumes from shm and trains on bit-exact; (d) with a constant
+structure the second save reuses the first save's plan.
 
 Bit-exact across layouts is checked in checkpoint space: each ShardedTensor a job's (model, optimizer)
 sharded_state_dict holds equals its slice of the global tensor Megatron's ``load_plain_tensors`` reads back.
@@ -12,6 +13,7 @@ sharded_state_dict holds equals its slice of the global tensor Megatron's ``load
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import shutil
 import signal
@@ -31,7 +33,8 @@ from tiered_ckpt.megatron import adapter  # noqa: E402
 
 SAVED_AT, RESUMED_TO, FLOPS = 3, 5, 4321.0
 DRAIN = os.environ.get("MEGATRON_REAL_DRAIN")
-SAVE_LAYOUT, OTHER_LAYOUT = (1, 1), (2, 1)  # (TP, PP) on 2 ranks: DP 2, then DP 1
+SAVE_LAYOUT = (1, 1)  # (TP, PP) on 2 ranks: DP 2
+OTHER_LAYOUTS = ((2, 1), (1, 2))  # TP 2 DP 1; PP 2 DP 1
 
 
 def config(run_id: str, *, shm: str | None = None, files: Path | None = None) -> dict:
@@ -166,33 +169,24 @@ def rank_megatron_load(rank: int, world: int, tp: int, pp: int, ckpt: str) -> di
     return {"coords": harness.coords(), "full_state": full_state(job), "space": checkpoint_space(job)}
 
 
-def _megatron_sync_strategy() -> Any:
-    """Megatron's TorchDistSaveShardedStrategy, but writing with DCP's FileSystemWriter: its own
-    FileSystemWriterAsync forks writer processes, which hang in a rank started by the harness's fork server
-    (the rank waits for them forever). Everything else is Megatron's: its save entrypoint (common.pt,
-    metadata.json, sharding validation), its key translation and its MCoreSavePlanner."""
-    from megatron.core.dist_checkpointing.strategies.torch import (
-        MCoreSavePlanner,
-        TorchDistSaveShardedStrategy,
-        _replace_state_dict_keys_with_sharded_keys,
-        mcore_to_pyt_state_dict,
-    )
-    from torch.distributed.checkpoint import FileSystemWriter
-    from torch.distributed.checkpoint import save as dcp_save
-
-    class Strategy(TorchDistSaveShardedStrategy):
-        def save(self, sharded_state_dict: Any, checkpoint_dir: Any) -> None:
-            sharded, _, _ = _replace_state_dict_keys_with_sharded_keys(sharded_state_dict, True)
-            dcp_save(mcore_to_pyt_state_dict(sharded, False), storage_writer=FileSystemWriter(checkpoint_dir),
-                     planner=MCoreSavePlanner(dedup_replicated_tensors=False, flatten_state_dict=False))
-
-    return Strategy("torch_dist", 1)
+# Megatron's default torch_dist save strategy writes with its FileSystemWriterAsync: each rank forks one writer
+# process per file, and waits in count_queue.join() until every writer has called task_done(). A writer calls
+# _process_memory() (psutil's RSS, for a debug log line) *before* its try block, so without psutil it raises
+# RuntimeError, puts no result, never calls task_done(), and the rank waits forever (the stacks: the rank in
+# JoinableQueue.join, write_preloaded_data_multiproc; its writers dead with "psutil is not installed"). psutil is
+# in every Megatron-LM training environment, and in our test extra, but megatron-core 0.16's package metadata does
+# not declare it. Neither the harness's fork server nor the spawn-context Manager that collects the results is
+# involved: with psutil importable, Megatron's unmodified save completes in a harness rank.
+NO_PSUTIL = ("psutil is not installed (the test extra has it): Megatron's FileSystemWriterAsync writer processes "
+             "raise before they report, and dist_checkpointing.save would wait for them forever")
 
 
 def rank_megatron_save(rank: int, world: int, ckpt: str) -> dict[str, Any]:
-    """Megatron's own dist_checkpointing.save (see _megatron_sync_strategy), and Megatron's tracker file."""
+    """Megatron's own dist_checkpointing.save with its default save strategy, untouched (TorchDistSaveShardedStrategy,
+    FileSystemWriterAsync's forked writers), and Megatron's tracker file."""
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.mapping import ShardedObject
+    from megatron.core.dist_checkpointing.serialization import get_default_save_sharded_strategy
 
     job = job_at(*SAVE_LAYOUT)
     train(job, SAVED_AT)
@@ -208,11 +202,12 @@ def rank_megatron_save(rank: int, world: int, ckpt: str) -> dict[str, Any]:
     torch.distributed.barrier()
     from megatron.core.dist_checkpointing.utils import _clean_metadata_for_serialization
 
-    dist_checkpointing.save(state, str(step_dir), sharded_strategy=_megatron_sync_strategy(),
+    strategy = get_default_save_sharded_strategy()  # what dist_checkpointing.save takes when given none
+    dist_checkpointing.save(state, str(step_dir), sharded_strategy=strategy,
                             content_metadata=_clean_metadata_for_serialization(md))
     if rank == 0:
         (Path(ckpt) / "latest_checkpointed_iteration.txt").write_text(str(job.iteration))
-    saved = {"full_state": full_state(job), "space": checkpoint_space(job)}
+    saved = {"full_state": full_state(job), "space": checkpoint_space(job), "strategy": type(strategy).__name__}
     train(job, RESUMED_TO)
     return {**saved, "fingerprint": fingerprint(job)}
 
@@ -251,8 +246,8 @@ def shm_dir() -> Iterator[str]:
 
 def test_our_save_loads_in_megatron_at_same_and_other_layout(tmp_path: Path, shm_dir: str) -> None:
     """(a) + (d): saved at tp1 pp1 dp2 through shm and disk (twice, the second save on the cached plan); Megatron's
-    dist_checkpointing.load of the disk's step directory gives every rank its state bit for bit, at tp1 dp2
-    and at tp2 dp1; our own load at the same layout resumes and trains on bit-exact."""
+    dist_checkpointing.load of the disk's step directory gives every rank its state bit for bit, at tp1 dp2,
+    tp2 dp1 and pp2 dp1; our own load at the same layout resumes and trains on bit-exact."""
     files = tmp_path / "disk"
     cfg = config(f"td-ours-{uuid.uuid4().hex[:8]}", shm=shm_dir, files=files)
     saved = launch(rank_save_ours, 2, cfg, 2)
@@ -267,10 +262,11 @@ def test_our_save_loads_in_megatron_at_same_and_other_layout(tmp_path: Path, shm
     same = launch(rank_megatron_load, 2, *SAVE_LAYOUT, str(step_dir))
     for rank, res in enumerate(same):
         assert differences(saved[rank]["full_state"], res["full_state"]) == [], f"Megatron's load, rank {rank}"
-    other = launch(rank_megatron_load, 2, *OTHER_LAYOUT, str(step_dir))
-    for rank, res in enumerate(other):
-        assert res["coords"][0] == rank  # TP rank
-        assert mismatches(res["space"], plain) == [], f"Megatron's load at tp2, rank {rank}"
+    for tp, pp in OTHER_LAYOUTS:
+        other = launch(rank_megatron_load, 2, tp, pp, str(step_dir))
+        for rank, res in enumerate(other):
+            assert res["coords"][:2] == ((rank, 0) if tp == 2 else (0, rank))  # (TP rank, PP rank)
+            assert mismatches(res["space"], plain) == [], f"Megatron's load at tp{tp} pp{pp}, rank {rank}"
 
     ours = launch(rank_our_load, 2, *SAVE_LAYOUT, config(cfg["run_id"], files=files), True)
     for rank, res in enumerate(ours):
@@ -283,10 +279,14 @@ def test_our_save_loads_in_megatron_at_same_and_other_layout(tmp_path: Path, shm
 
 
 def test_megatron_saved_checkpoint_loads_through_the_adapter(tmp_path: Path) -> None:
-    """(b): Megatron's dist_checkpointing.save at tp1 pp1 dp2 (no manifest of ours); the adapter loads it from
-    a file tier at tp1 dp2 (resumes bit-exact, RNG included) and at tp2 dp1 (every tensor bit-exact)."""
+    """(b): Megatron's dist_checkpointing.save at tp1 pp1 dp2 (no manifest of ours), with Megatron's default save
+    strategy and writer, unmodified; the adapter loads it from a file tier at tp1 dp2 (resumes bit-exact, RNG
+    included), at tp2 dp1 and at pp2 dp1 (every tensor bit-exact). Megatron's writer needs psutil (see NO_PSUTIL)."""
+    if importlib.util.find_spec("psutil") is None:
+        pytest.fail(NO_PSUTIL)
     ckpt = tmp_path / "megatron"
     saved = launch(rank_megatron_save, 2, str(ckpt))
+    assert {r["strategy"] for r in saved} == {"TorchDistSaveShardedStrategy"}
     plain = plain_tensors(ckpt / f"iter_{SAVED_AT:07d}")
     cfg = config(f"td-megatron-{uuid.uuid4().hex[:8]}", files=ckpt)
     same = launch(rank_our_load, 2, *SAVE_LAYOUT, cfg, True)
@@ -294,10 +294,12 @@ def test_megatron_saved_checkpoint_loads_through_the_adapter(tmp_path: Path) -> 
         assert res["loaded"] == (SAVED_AT, FLOPS)
         assert differences(saved[rank]["full_state"], res["full_state"]) == [], f"rank {rank}"
         assert differences(saved[rank]["fingerprint"], res["fingerprint"]) == [], f"rank {rank}"
-    other = launch(rank_our_load, 2, *OTHER_LAYOUT, cfg, False)
-    for rank, res in enumerate(other):
-        assert res["loaded"] == (SAVED_AT, FLOPS)
-        assert mismatches(res["space"], plain) == [], f"tp2 rank {rank}"
+    for tp, pp in OTHER_LAYOUTS:
+        other = launch(rank_our_load, 2, tp, pp, cfg, False)
+        for rank, res in enumerate(other):
+            assert res["coords"][:2] == ((rank, 0) if tp == 2 else (0, rank))  # (TP rank, PP rank)
+            assert res["loaded"] == (SAVED_AT, FLOPS)
+            assert mismatches(res["space"], plain) == [], f"tp{tp} pp{pp} rank {rank}"
 
 
 def test_sigkill_after_memory_only_save_resumes_from_shm(shm_dir: str, tmp_path: Path) -> None:

@@ -11,8 +11,6 @@
 
 from __future__ import annotations
 
-import contextlib
-import io
 import json
 import os
 import signal
@@ -25,11 +23,10 @@ from pathlib import Path
 
 import pytest
 from crash_worker import scenario_items
-from helpers import assert_same
+from helpers import assert_same, cli, shm_local_config
 
 from tiered_ckpt import CheckpointEngine
 from tiered_ckpt.cli import EXIT_OK
-from tiered_ckpt.cli import main as cli_main
 from tiered_ckpt.errors import RunLockedError, TieredCkptError
 from tiered_ckpt.locking import RunLock, lock_dir
 from tiered_ckpt.tiers import _files
@@ -39,16 +36,8 @@ WORKER = Path(__file__).with_name("crash_worker.py")
 
 
 def config(shm_root: str, tmp_path: Path, run_id: str | None = None) -> dict:
-    return {"run_id": run_id or f"cc-{uuid.uuid4().hex[:8]}", "drain": {"mode": "thread"},
-            "tiers": [{"name": "shm", "kind": "shm", "path": shm_root},
-                      {"name": "local", "kind": "local", "path": str(tmp_path / "local"), "fsync": False}]}
+    return shm_local_config(shm_root, tmp_path, run_id, prefix="cc")
 
-
-def cli(*argv: str) -> tuple[int, str]:
-    out = io.StringIO()
-    with contextlib.redirect_stdout(out):
-        code = cli_main(list(argv))
-    return code, out.getvalue()
 
 
 def snapshot_files(root: str) -> dict[str, bytes]:

@@ -10,8 +10,6 @@ Kinds of files: on ``shm`` a snapshot's data and its record (``slot_i.data``, ``
 
 from __future__ import annotations
 
-import contextlib
-import io
 import json
 import os
 import shutil
@@ -20,11 +18,10 @@ from pathlib import Path
 
 import pytest
 from crash_worker import scenario_items
-from helpers import assert_same
+from helpers import assert_same, cli
 
 from tiered_ckpt import CheckpointEngine, NoCheckpointError
 from tiered_ckpt.cli import EXIT_FAILED, EXIT_NOT_FOUND
-from tiered_ckpt.cli import main as cli_main
 from tiered_ckpt.memory_store import SlotMeta
 
 STEPS = (1, 2)
@@ -129,12 +126,6 @@ def flip(path: Path, pos: int, bit: int = 2) -> None:
 def copy(pristine, tmp_path, shm_root):
     return Copy(pristine, tmp_path, shm_root)
 
-
-def cli(*argv: str) -> tuple[int, str]:
-    out = io.StringIO()
-    with contextlib.redirect_stdout(out):
-        code = cli_main(list(argv))
-    return code, out.getvalue()
 
 
 @pytest.mark.parametrize("tier,kind,how", CASES, ids=["-".join(c) for c in CASES])

@@ -18,7 +18,6 @@ of the thread-mode scenarios crash again while the restarted job recovers. Then,
 from __future__ import annotations
 
 import contextlib
-import io
 import json
 import os
 import random
@@ -30,11 +29,10 @@ from pathlib import Path
 
 import pytest
 from crash_worker import scenario_items
-from helpers import assert_same
+from helpers import assert_same, cli
 
 from tiered_ckpt import CheckpointEngine, crashpoints
 from tiered_ckpt.cli import EXIT_NOT_FOUND, EXIT_OK
-from tiered_ckpt.cli import main as cli_main
 
 WORKER = Path(__file__).with_name("crash_worker.py")
 
@@ -167,12 +165,6 @@ def zygote():
     yield z
     z.close()
 
-
-def cli(*argv: str) -> tuple[int, str]:
-    out = io.StringIO()
-    with contextlib.redirect_stdout(out):
-        code = cli_main(list(argv))
-    return code, out.getvalue()
 
 
 def events_of(path: Path) -> list[dict]:

@@ -17,7 +17,7 @@ Each case runs on the ``local`` kind, on ``fsspec`` with a ``file://`` URL and, 
 from __future__ import annotations
 
 import contextlib
-import io
+import functools
 import json
 import os
 import shutil
@@ -28,16 +28,18 @@ from pathlib import Path
 import pytest
 from crash_worker import scenario_items
 from helpers import assert_same
+from helpers import cli as run_cli
 
 from tiered_ckpt import CheckpointEngine, SaveError
 from tiered_ckpt.cli import EXIT_FAILED
-from tiered_ckpt.cli import main as cli_main
 from tiered_ckpt.errors import CorruptionError, PermanentTierError, TransientTierError
 from tiered_ckpt.tiers import _files
 
 HANG_GUARD_S = 60  # not a performance bound: how long a call may sit on a FIFO before the test unblocks it
 BIG = 256 << 20  # a sparse file: nothing of it is on disk, all of it would be resident if it were read
 STEPS = (1, 2)
+
+cli = functools.partial(run_cli, stderr=True)  # these tests read the CLI's errors too
 
 
 def no_hang(fn, fifo: Path):
@@ -63,12 +65,6 @@ def no_hang(fn, fifo: Path):
         raise out["error"]
     return out.get("value")
 
-
-def cli(*argv: str) -> tuple[int, str]:
-    out = io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
-        code = cli_main(list(argv))
-    return code, out.getvalue()
 
 
 # ----- the tier primitives ---------------------------------------------------------------------------------
@@ -293,6 +289,20 @@ def test_a_data_file_far_larger_than_its_manifest_says_is_not_read(copy, tier, r
     with CheckpointEngine(copy.config(tier, BACKUP[tier])) as engine:
         assert_fell_back(copy, tier, "data", engine.load(), recorder, f"is {BIG} bytes, more than the")
     assert BIG not in reads
+
+
+@pytest.mark.parametrize("tier", TIERS)
+def test_a_huge_file_where_the_manifest_should_be_is_not_read(copy, tier, recorder, monkeypatch):
+    """A manifest has no manifest to bound it: a file far above any manifest's size is refused before a read."""
+    os.truncate(copy.path(tier, "manifest"), BIG)
+    reads = []
+    real = _files.read_file
+    monkeypatch.setattr(_files, "read_file", lambda fd, size, **kw: reads.append(size) or real(fd, size, **kw))
+    with CheckpointEngine(copy.config(tier, BACKUP[tier])) as engine:
+        assert_fell_back(copy, tier, "manifest", engine.load(), recorder, f"{BIG} bytes where a manifest should be")
+    assert BIG not in reads
+    code, out = cli("verify", "--config", copy.config_file(tier), "--step", "2", "--json")
+    assert code == EXIT_FAILED and "where a manifest should be" in out, out
 
 
 @pytest.mark.parametrize("tier", TIERS)

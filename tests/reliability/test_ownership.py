@@ -11,7 +11,6 @@
 from __future__ import annotations
 
 import contextlib
-import io
 import json
 import os
 import shutil
@@ -25,11 +24,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import assert_same
+from helpers import assert_same, cli, shm_local_config
 
 from tiered_ckpt import CheckpointEngine
 from tiered_ckpt.cli import EXIT_OK
-from tiered_ckpt.cli import main as cli_main
 from tiered_ckpt.errors import RunLockedError
 from tiered_ckpt.tiers import _files
 from tiered_ckpt.tiers.base import _user_name
@@ -47,16 +45,8 @@ HOLDER = textwrap.dedent("""
 
 
 def config(shm_root: str, tmp_path: Path, run_id: str | None = None) -> dict:
-    return {"run_id": run_id or f"own-{uuid.uuid4().hex[:8]}", "drain": {"mode": "thread"},
-            "tiers": [{"name": "shm", "kind": "shm", "path": shm_root},
-                      {"name": "local", "kind": "local", "path": str(tmp_path / "local"), "fsync": False}]}
+    return shm_local_config(shm_root, tmp_path, run_id, prefix="own")
 
-
-def cli(*argv: str) -> tuple[int, str]:
-    out = io.StringIO()
-    with contextlib.redirect_stdout(out):
-        code = cli_main(list(argv))
-    return code, out.getvalue()
 
 
 @pytest.fixture

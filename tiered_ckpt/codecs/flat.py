@@ -2,7 +2,8 @@
 
 This is what the memory tiers (``shm``, ``gpu``) hold and what the engine's blocking ``save()`` copies into,
 so the copy runs at memory speed: :func:`plan_snapshot` walks the structure once (no tensor bytes touched),
-and :func:`copy_into` does one ``Tensor.copy_`` per tensor straight into its slot of the destination buffer.
+and :func:`copy_into` moves each tensor straight into its slot of the destination buffer (host to host on every
+core, :mod:`tiered_ckpt.memcopy`; ``Tensor.copy_`` where CUDA or a non-contiguous source is involved).
 
 Buffer
     Every tensor (and numpy array, and large ``bytes`` blob) gets a slot at an offset that is a multiple of
@@ -43,7 +44,7 @@ from typing import Any
 
 import torch
 
-from tiered_ckpt import cuda_streams
+from tiered_ckpt import cuda_streams, memcopy
 from tiered_ckpt.codecs._flat_common import (
     _DTYPE_NAME,
     ALIGNMENT,
@@ -98,63 +99,96 @@ def _typed_base(buf: torch.Tensor, total: int, dtype: torch.dtype, what: str) ->
         ) from None
 
 
-def _dest_views(plan: SnapshotPlan, dest: torch.Tensor) -> tuple[list, list, list]:
-    """Views of ``dest`` typed and shaped like the sources, their non_blocking flags, CUDA devices to sync."""
+_PLAIN = (torch.Tensor, torch.nn.Parameter)  # a subclass may define what its bytes are: it gets ``copy_``
+
+
+class _Copies:
+    """How one plan's sources go into one destination: byte spans moved on every core (contiguous CPU -> CPU
+    sources whose bytes are their values), and typed views of ``dest`` for the rest (``copy_``)."""
+
+    __slots__ = ("spans", "views", "sources", "non_blocking", "sync")
+
+    def __init__(self) -> None:
+        self.spans: list[tuple[int, int, int]] = []  # (destination address, source address, bytes)
+        self.views: list[torch.Tensor] = []
+        self.sources: list[torch.Tensor] = []
+        self.non_blocking: list[bool] = []
+        self.sync: list[torch.device] = []
+
+
+def _dest_copies(plan: SnapshotPlan, dest: torch.Tensor) -> _Copies:
     key = (dest.data_ptr(), dest.numel(), dest.device)
     cached = plan._views
     if cached is not None and cached[0] == key:
-        return cached[1], cached[2], cached[3]
+        return cached[1]
     with _gc_paused():
-        plan._views = (key, *_build_views(plan, dest))
-    return plan._views[1], plan._views[2], plan._views[3]
+        plan._views = (key, _build_copies(plan, dest))
+    return plan._views[1]
 
 
-def _build_views(plan: SnapshotPlan, dest: torch.Tensor) -> tuple[list, list, list]:
+def _build_copies(plan: SnapshotPlan, dest: torch.Tensor) -> _Copies:
     total = plan.total_bytes
     ddev = dest.device
+    dest_cpu = ddev.type == "cpu"
+    dest_addr = dest.data_ptr()
     bases: dict[torch.dtype, tuple[torch.Tensor, int, int]] = {}
     flags: dict[torch.device, bool] = {}
-    views, non_blocking = [], []
+    out = _Copies()
     for entry, src in zip(plan.tensors, plan.sources, strict=True):
         dtype = src.dtype
         typed = bases.get(dtype)
-        if typed is None:
+        if typed is None:  # also for byte spans: the slot must be aligned for a restore's typed views
             base = _typed_base(dest, total, dtype, "copy_into destination")
             typed = bases[dtype] = (base, base.storage_offset(), dtype.itemsize)
+        contiguous = src.is_contiguous()
+        sdev = src.device
+        if (dest_cpu and contiguous and sdev.type == "cpu" and type(src) in _PLAIN and src.layout == torch.strided
+                and not src.is_conj() and not src.is_neg() and not src.is_quantized):
+            nbytes = src.numel() * src.element_size()
+            if nbytes:
+                out.spans.append((dest_addr + entry.offset, src.data_ptr(), nbytes))
+            continue
         base, start, itemsize = typed
         shape = src.shape
         # A contiguous source's strides differ from the canonical ones only on dims of size <= 1: harmless.
-        strides = src.stride() if src.is_contiguous() else _contiguous_strides(shape)
-        views.append(base.as_strided(shape, strides, start + entry.offset // itemsize))
-        sdev = src.device
+        strides = src.stride() if contiguous else _contiguous_strides(shape)
+        out.views.append(base.as_strided(shape, strides, start + entry.offset // itemsize))
+        out.sources.append(src)
         nb = flags.get(sdev)
         if nb is None:  # CPU -> CPU: plain copy; anything involving CUDA: async on a side stream, one wait at the end
             nb = flags[sdev] = sdev.type == "cuda" or ddev.type == "cuda"
-        non_blocking.append(nb)
-    sync = sorted({d for d in (*flags, ddev) if d.type == "cuda"}, key=str)
-    return views, non_blocking, sync
+        out.non_blocking.append(nb)
+    out.sync = sorted({d for d in (*flags, ddev) if d.type == "cuda"}, key=str)
+    return out
 
 
 def copy_into(plan: SnapshotPlan, dest: torch.Tensor, *, synchronize: bool = True) -> None:
     """Copy every source of ``plan`` into its slot of ``dest`` (a 1-D uint8 tensor of >= ``total_bytes``).
 
-    CPU -> CPU is a plain ``copy_``. Copies involving CUDA are issued with ``non_blocking=True`` on a side stream
-    per CUDA device involved (:mod:`tiered_ckpt.cuda_streams`), after the work already queued on the current
-    stream (the tensors' producers). Unless ``synchronize=False`` this then waits for those copies only (an
-    event, not a device-wide synchronize that would also wait for the training kernels queued since), so the
-    sources may be modified as soon as this returns. With ``synchronize=False`` the current streams are made to
-    wait for the copies instead: later work queued there is ordered after them, but the host must synchronize
-    before it reads ``dest`` or changes a source itself. ``dest`` must start at a storage offset aligned to the
-    largest element size stored (16 bytes covers every dtype).
+    CPU -> CPU: the bytes of contiguous sources are moved on every core torch uses (:mod:`tiered_ckpt.memcopy`:
+    the total split into equal shares, one ``memmove`` thread each); a non-contiguous source (or one with a
+    conjugate or negative bit) is a ``copy_`` into a typed view. Copies involving CUDA are issued with
+    ``non_blocking=True`` on a side stream per CUDA device involved (:mod:`tiered_ckpt.cuda_streams`), after the
+    work already queued on the current stream (the tensors' producers). Unless ``synchronize=False`` this then
+    waits for those copies only (an event, not a device-wide synchronize that would also wait for the training
+    kernels queued since), so the sources may be modified as soon as this returns. With ``synchronize=False``
+    the current streams are made to wait for the copies instead: later work queued there is ordered after them,
+    but the host must synchronize before it reads ``dest`` or changes a source itself. ``dest`` must start at a
+    storage offset aligned to the largest element size stored (16 bytes covers every dtype).
     """
     _check_buffer(dest, plan.total_bytes, "copy_into destination", ValueError)
     if not plan.sources:
         return
-    views, non_blocking, sync = _dest_views(plan, dest)
+    copies = _dest_copies(plan, dest)
+    if copies.spans:
+        memcopy.copy_spans(copies.spans)
+    if not copies.views:
+        return
     # One context per call, none per tensor: the CPU -> CPU path costs what it did before side streams.
+    sync = copies.sync
     streams = cuda_streams.on_side_streams(sync, synchronize=synchronize) if sync else contextlib.nullcontext()
     with torch.no_grad(), streams:
-        for view, src, nb in zip(views, plan.sources, non_blocking, strict=True):
+        for view, src, nb in zip(copies.views, copies.sources, copies.non_blocking, strict=True):
             view.copy_(src, non_blocking=nb)
 
 

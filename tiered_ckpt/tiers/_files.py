@@ -477,8 +477,9 @@ def vanished_temp(tmp: str, final: str, *, tier: str, key: str) -> TransientTier
 
 
 class FilesHousekeeping:
-    """What gc and the CLI ask of a kind (the Tier interface, tiers/base.py), for kinds whose blobs are
-    :class:`BlobFiles` under a directory ``root``: listed before :class:`~tiered_ckpt.tiers.base.Tier` in the bases."""
+    """The parts of the Tier interface (tiers/base.py) that :class:`BlobFiles` answers as it is — reads by range,
+    sizes, listings, and what gc and the CLI ask — for kinds whose blobs are :class:`BlobFiles` under a directory
+    ``root``: listed before :class:`~tiered_ckpt.tiers.base.Tier` in the bases."""
 
     root: str
     files: BlobFiles
@@ -496,3 +497,14 @@ class FilesHousekeeping:
     def modified(self, key: str) -> float | None:
         return self.files.modified(key)
 
+    def read_range(self, key: str, offset: int, length: int) -> bytes:
+        return self.files.read_range(key, offset, length)
+
+    def size(self, key: str) -> int:
+        return self.files.size(key)
+
+    def exists(self, key: str) -> bool:
+        return self.files.exists(key)
+
+    def list(self, prefix: str = "") -> list[str]:
+        return self.files.list(prefix)

@@ -69,18 +69,6 @@ class LocalTier(FilesHousekeeping, Tier):
     def read_blob_hashed(self, key: str, hasher: Any = None, max_size: int | None = None) -> torch.Tensor:
         return self.files.read_into_tensor(key, hasher, max_size)
 
-    def read_range(self, key: str, offset: int, length: int) -> bytes:
-        return self.files.read_range(key, offset, length)
-
-    def size(self, key: str) -> int:
-        return self.files.size(key)
-
-    def exists(self, key: str) -> bool:
-        return self.files.exists(key)
-
-    def list(self, prefix: str = "") -> list[str]:
-        return self.files.list(prefix)
-
     def delete(self, key: str) -> None:
         self.files.delete(key)
 

@@ -252,24 +252,12 @@ class ShmTier(FilesHousekeeping, Tier):
             os.close(fd)
         return torch.frombuffer(mm, dtype=torch.uint8)  # keeps mm alive as long as the tensor
 
-    def read_range(self, key: str, offset: int, length: int) -> bytes:
-        return self.files.read_range(key, offset, length)
-
     def blob_identity(self, key: str) -> tuple | None:
         try:
             st = os.stat(self.files.path(key))
         except OSError:
             return None
         return (st.st_dev, st.st_ino, st.st_size)
-
-    def size(self, key: str) -> int:
-        return self.files.size(key)
-
-    def exists(self, key: str) -> bool:
-        return self.files.exists(key)
-
-    def list(self, prefix: str = "") -> list[str]:
-        return self.files.list(prefix)
 
     def delete(self, key: str) -> None:
         check_key(key)

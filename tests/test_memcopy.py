@@ -1,0 +1,242 @@
+"""All-core host copies (memcopy.py): the save's copy_into, the load's copies, fresh memory; the pool after a fork."""
+
+from __future__ import annotations
+
+import ctypes
+import mmap
+import os
+import uuid
+
+import pytest
+import torch
+
+from tiered_ckpt import CheckpointEngine, memcopy
+from tiered_ckpt import checksum as checksum_mod
+from tiered_ckpt import load_into as load_into_mod
+from tiered_ckpt.checksum import snapshot_checksum
+from tiered_ckpt.codecs.flat import copy_into, decode_header, encode_header, plan_snapshot, restore
+from tiered_ckpt.load_into import copy_out, copy_out_verified, copy_pairs, copy_verified
+
+
+@pytest.fixture(params=[1, 3], ids=["1-thread", "3-threads"])
+def split_small(request, monkeypatch):
+    """Copies split over ``param`` threads even when tiny, so the shares' edges fall inside tensors."""
+    monkeypatch.setattr(memcopy, "SPLIT_MIN", 0)
+    monkeypatch.setattr(memcopy, "threads", lambda: request.param)
+    return request.param
+
+
+def _odd_state() -> dict:
+    g = torch.Generator().manual_seed(7)
+    base = torch.randn(64, 33, generator=g)
+    return {
+        "f32": torch.randn(1001, generator=g),
+        "f64": torch.randn(3, 5, dtype=torch.float64, generator=g),
+        "bf16": torch.randn(77, generator=g).to(torch.bfloat16),
+        "f16": torch.randn(13, generator=g).half(),
+        "i8": torch.randint(-128, 127, (9,), dtype=torch.int8, generator=g),
+        "i64": torch.randint(0, 1 << 50, (11,), generator=g),
+        "bool": torch.rand(17, generator=g) > 0.5,
+        "c64": torch.randn(6, dtype=torch.complex64, generator=g),
+        "empty": torch.empty(0, 4),
+        "scalar": torch.tensor(3.5),
+        "offset_view": base[5:9],  # contiguous, at a storage offset
+        "transposed": base.t(),  # not contiguous: copy_
+        "strided": base[:, ::3],  # not contiguous: copy_
+        "conj": torch.randn(4, dtype=torch.complex64, generator=g).conj(),  # its bytes are not its values
+        "neg": torch.randn(4, dtype=torch.complex64, generator=g).conj().imag,  # a negative view
+        "param": torch.nn.Parameter(torch.randn(5, 7, generator=g)),
+        "tiny": [torch.full((1,), float(i)) for i in range(300)],
+        "bytes": b"\x01\x02" * 3000,
+        "step": 12,
+    }
+
+
+def _assert_tree_equal(a, b, path="state"):
+    if isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor), path
+        assert a.dtype == b.dtype and a.shape == b.shape, path
+        assert torch.equal(a.detach().resolve_conj().resolve_neg(), b.detach().resolve_conj().resolve_neg()), path
+    elif isinstance(a, dict):
+        assert a.keys() == b.keys(), path
+        for k in a:
+            _assert_tree_equal(a[k], b[k], f"{path}[{k!r}]")
+    elif isinstance(a, list | tuple):
+        assert len(a) == len(b), path
+        for i, (x, y) in enumerate(zip(a, b, strict=True)):
+            _assert_tree_equal(x, y, f"{path}[{i}]")
+    else:
+        assert a == b, path
+
+
+@pytest.mark.parametrize("lead", [0, 64, 4096], ids=["at-0", "at-64", "at-4096"])
+def test_copy_into_moves_the_exact_bytes_of_every_kind_of_source(split_small, lead):
+    state = _odd_state()
+    plan = plan_snapshot(state)
+    store = torch.full((lead + plan.total_bytes + 64,), 0xAB, dtype=torch.uint8)
+    dest = store[lead:lead + plan.total_bytes]
+    copy_into(plan, dest)
+    _assert_tree_equal(state, restore(decode_header(encode_header(plan)), dest, copy=True))
+    assert bool((store[:lead] == 0xAB).all()) and bool((store[lead + plan.total_bytes:] == 0xAB).all())
+    # again into the same destination (cached copies), after the sources changed in place
+    state["f32"].add_(1)
+    state["tiny"][7].fill_(-1)
+    copy_into(plan, dest)
+    _assert_tree_equal(state, restore(decode_header(encode_header(plan)), dest, copy=True))
+
+
+def test_copy_into_of_a_large_tensor_on_several_threads_is_exact(monkeypatch):
+    monkeypatch.setattr(memcopy, "threads", lambda: 4)
+    t = torch.randint(0, 255, (memcopy.SPLIT_MIN * 3 + 12345,), dtype=torch.uint8)
+    plan = plan_snapshot({"t": t, "u": t[1:]})  # an odd length at an odd source address
+    dest = torch.zeros(plan.total_bytes, dtype=torch.uint8)
+    copy_into(plan, dest)
+    out = restore(decode_header(encode_header(plan)), dest, copy=True)
+    assert torch.equal(out["t"], t) and torch.equal(out["u"], t[1:])
+
+
+def test_split_cuts_spans_into_equal_contiguous_shares():
+    spans = [(1000, 5000, 7), (2000, 6000, 0), (3000, 7000, 10), (4000, 8000, 3)]
+    shares = memcopy.split(spans, 3)
+    assert [sum(n for _, _, n in s) for s in shares] == [7, 7, 6]
+    flat = [(d + i, s + i) for share in shares for d, s, n in share for i in range(n)]
+    assert flat == [(d + i, s + i) for d, s, n in spans for i in range(n)]
+    assert memcopy.split([(1, 2, 0)], 4) == []
+    assert memcopy.split(spans, 100) and all(share for share in memcopy.split(spans, 100))
+
+
+def test_parallel_map_keeps_the_order_and_raises_the_first_error():
+    assert memcopy.parallel_map(lambda x: x * x, list(range(50)), nthreads=3) == [x * x for x in range(50)]
+
+    def boom(x: int) -> int:
+        if x == 7:
+            raise ValueError("seven")
+        return x
+
+    with pytest.raises(ValueError, match="seven"):
+        memcopy.parallel_map(boom, list(range(20)), nthreads=3)
+
+
+def test_copy_pairs_copies_contiguous_and_other_pairs(split_small):
+    g = torch.Generator().manual_seed(1)
+    srcs = [torch.randn(100, generator=g), torch.randn(8, 9, generator=g).t(), torch.randn(3, generator=g),
+            torch.randn(5, dtype=torch.complex64, generator=g).conj(), torch.empty(0)]
+    dsts = [torch.zeros(100), torch.zeros(9, 8), torch.zeros(3, dtype=torch.float64),
+            torch.zeros(5, dtype=torch.complex64), torch.zeros(0)]
+    copy_pairs(list(zip(srcs, dsts, strict=True)))
+    assert torch.equal(dsts[0], srcs[0]) and torch.equal(dsts[1], srcs[1])
+    assert torch.equal(dsts[2], srcs[2].double())  # another dtype: copy_ converts, as before
+    assert torch.equal(dsts[3], srcs[3].resolve_conj())
+
+
+def test_fresh_buffer_is_zeroed_writable_and_aligned():
+    for n in (0, 1, 4095, memcopy.HUGE + 3):
+        buf = memcopy.fresh_buffer(n)
+        assert buf.dtype == torch.uint8 and buf.numel() == n
+        if n:
+            assert int(buf.max()) == 0
+            buf.fill_(7)
+            assert int(buf.min()) == 7
+    assert memcopy.fresh_buffer(memcopy.HUGE).data_ptr() % memcopy.HUGE == 0
+
+
+def test_fresh_buffer_touches_the_pages_where_the_kernel_refuses_populate(monkeypatch):
+    class NoPopulate:
+        def madvise(self, addr: int, length: int, advice: int) -> int:
+            return -1
+
+    monkeypatch.setattr(memcopy, "_libc", NoPopulate())
+    buf = memcopy.fresh_buffer(3 * mmap.PAGESIZE + 5)
+    assert buf.numel() == 3 * mmap.PAGESIZE + 5 and int(buf.max()) == 0
+
+
+@pytest.fixture
+def small_pieces(monkeypatch):
+    """Snapshot checksums of 1 MiB + 3 byte pieces and 64 KiB sub-blocks: several pieces on small data."""
+    piece = (1 << 20) + 3
+    monkeypatch.setattr(checksum_mod, "SNAPSHOT_PIECE", piece)
+    monkeypatch.setattr(load_into_mod, "SNAPSHOT_PIECE", piece)
+    monkeypatch.setattr(load_into_mod, "_SUB", 64 << 10)
+    return piece
+
+
+@pytest.mark.parametrize("n", [0, 1, (1 << 20) + 3, 3 * ((1 << 20) + 3) + 999])
+def test_copy_out_verified_returns_the_bytes_it_verified(small_pieces, n):
+    data = torch.randint(0, 255, (n,), dtype=torch.uint8)
+    out = copy_out_verified(data, snapshot_checksum(data))
+    assert out is not None and torch.equal(out, data)
+    assert n == 0 or out.data_ptr() != data.data_ptr()
+    assert torch.equal(copy_out(data), data)
+
+
+def test_copy_out_verified_refuses_any_damaged_byte(small_pieces):
+    data = torch.randint(0, 255, (3 * small_pieces + 999,), dtype=torch.uint8)
+    good = snapshot_checksum(data)
+    for at in (0, small_pieces - 1, small_pieces, data.numel() - 1):
+        bad = data.clone()
+        bad[at] ^= 1
+        assert copy_out_verified(bad, good) is None
+    assert copy_out_verified(data[:-1], good) is None  # another number of pieces
+    plain = f"{checksum_mod.ALGORITHM}:{checksum_mod.digest(data)}"  # a whole-buffer checksum
+    assert torch.equal(copy_out_verified(data, plain), data)
+    assert copy_out_verified(data, "md5:00") is None
+
+
+def test_copy_verified_into_targets_across_pieces(small_pieces, split_small):
+    g = torch.Generator().manual_seed(3)
+    state = {"a": torch.randn(small_pieces // 4 + 5, generator=g), "b": torch.randn(7, generator=g),
+             "c": torch.randn(small_pieces // 2, generator=g)}
+    plan = plan_snapshot(state)
+    data = torch.zeros(plan.total_bytes, dtype=torch.uint8)
+    copy_into(plan, data)
+    views = restore(decode_header(encode_header(plan)), data, copy=False)
+    targets = {k: torch.zeros_like(v) for k, v in state.items()}
+    pairs = [(views[k], targets[k]) for k in state]
+    good = snapshot_checksum(data)
+    assert copy_verified(data, good, pairs)
+    for k in state:
+        assert torch.equal(targets[k], state[k])
+    data[data.numel() - 70] ^= 1  # in the last piece
+    assert not copy_verified(data, good, pairs)
+
+
+def test_the_copy_pool_works_in_a_forked_child():
+    src = torch.randint(0, 255, (memcopy.SPLIT_MIN * 2 + 17,), dtype=torch.uint8)
+    dst, out = torch.zeros_like(src), torch.zeros_like(src)
+    memcopy.copy_spans([(dst.data_ptr(), src.data_ptr(), src.numel())], nthreads=2)  # the pool exists now
+    assert torch.equal(dst, src)
+    expected = bytes(src.numpy())
+    pid = os.fork()
+    if pid == 0:  # the child: the parent's pool threads are gone; a copy must still finish, on a new pool
+        # (no torch op here: torch's own OpenMP pool may hang in a forked child, whatever this package does)
+        try:
+            memcopy.copy_spans([(out.data_ptr(), src.data_ptr(), src.numel())], nthreads=2)
+            ok = memcopy.parallel_map(lambda x: x + 1, [1, 2, 3], nthreads=2) == [2, 3, 4]
+            os._exit(0 if ok and ctypes.string_at(out.data_ptr(), out.numel()) == expected else 1)
+        except BaseException:
+            os._exit(2)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+
+
+def test_memmove_releases_the_gil():
+    # What the threads rely on: ctypes' foreign calls run without the GIL (a PyDLL function would not).
+    assert not (ctypes.memmove._flags_ & ctypes._FUNCFLAG_PYTHONAPI)
+
+
+@pytest.mark.parametrize("mode", ["thread"])
+def test_engine_round_trip_of_odd_state_from_shm(shm_root, tmp_path, mode, split_small):
+    state = _odd_state()
+    cfg = {"run_id": f"mc{uuid.uuid4().hex[:8]}", "drain": {"mode": mode},
+           "tiers": [{"name": "shm", "kind": "shm", "path": str(shm_root)}]}
+    with CheckpointEngine(cfg) as engine:
+        engine.save(1, {"state": state}).wait()
+        copied = engine.load(copy=True)
+        assert copied.verified and copied.tier == "shm"
+        _assert_tree_equal(state, copied.items["state"])
+        into = {"state": {k: (torch.zeros_like(v) if isinstance(v, torch.Tensor) and k not in ("conj", "neg")
+                              else v) for k, v in state.items()}}
+        loaded = engine.load(into=into)
+        assert loaded.verified
+        _assert_tree_equal(state, loaded.items["state"])
+        assert loaded.items["state"]["f32"] is into["state"]["f32"]

@@ -1,0 +1,170 @@
+"""Host-memory copies on every core torch uses, and fresh memory that is fast to fill.
+
+A single ``Tensor.copy_`` may or may not spread over torch's intra-op threads; on the 2-core development VM it
+often did not, and a snapshot copy ran at half the machine's bandwidth. :func:`copy_spans` takes the byte
+ranges to move, splits their total into ``torch.get_num_threads()`` equal contiguous shares and moves each
+with ``memmove`` (through ctypes, which releases the GIL) on a thread of a small persistent pool, the calling
+thread taking one share itself. The pool is made on first use and made again in a forked child.
+
+:func:`fresh_buffer`: anonymous memory for a restore's copy, populated before the copy in one call (with
+transparent huge pages where the kernel offers them on request): a copy into untouched 4 KiB pages faults
+each of them in turn, which on the VM cost several times the copy itself.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import mmap
+import os
+import threading
+from collections.abc import Callable, Iterable, Sequence
+from concurrent.futures import Future
+from typing import Any, TypeVar
+
+import torch
+
+from .checksum import LazyPool
+
+Span = tuple[int, int, int]  # (destination address, source address, bytes)
+T = TypeVar("T")
+R = TypeVar("R")
+
+SPLIT_MIN = 4 << 20  # bytes below which a copy stays on the calling thread (a hand-off costs more than it saves)
+HUGE = 2 << 20  # the transparent huge page size fresh buffers are aligned to
+_MADV_HUGEPAGE = 14
+_MADV_POPULATE_WRITE = 23  # Linux 5.14+; older kernels refuse it and the pages are touched instead
+
+_POOL = LazyPool(max(1, (os.cpu_count() or 1) - 1), "tiered_ckpt-copy")
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+_libc.madvise.restype = ctypes.c_int
+
+
+def threads() -> int:
+    """How many threads a copy uses: torch's intra-op thread count (a drain worker sets it to 1)."""
+    return max(1, torch.get_num_threads())
+
+
+def split(spans: Iterable[Span], shares: int) -> list[list[Span]]:
+    """``spans`` cut into at most ``shares`` lists of about equal total bytes, each contiguous in the order given
+    (a span may be cut in two at a share's boundary); empty spans are dropped."""
+    spans = [s for s in spans if s[2] > 0]
+    total = sum(n for _, _, n in spans)
+    if total == 0:
+        return []
+    per = max(1, -(-total // max(1, shares)))
+    out: list[list[Span]] = [[]]
+    used = 0
+    for dst, src, n in spans:
+        while n:
+            if used == per:
+                out.append([])
+                used = 0
+            k = min(n, per - used)
+            out[-1].append((dst, src, k))
+            dst, src, n, used = dst + k, src + k, n - k, used + k
+    return out
+
+
+def _move(share: Sequence[Span]) -> None:
+    for dst, src, n in share:
+        ctypes.memmove(dst, src, n)
+
+
+def run_shares(fn: Callable[[T], object], shares: Sequence[T]) -> list[object]:
+    """``fn`` of each share, the first on the calling thread and the others on the pool; their results in order.
+    Every share has finished when this returns or raises (the first error is raised)."""
+    if len(shares) <= 1:
+        return [fn(s) for s in shares]
+    pool = _POOL.get()
+    futures: list[Future] = [pool.submit(fn, s) for s in shares[1:]]
+    try:
+        first = fn(shares[0])
+    finally:
+        errors = [f.exception() for f in futures]  # waits for each: no share outlives the call
+    for exc in errors:
+        if exc is not None:
+            raise exc
+    return [first, *(f.result() for f in futures)]
+
+
+def parallel_map(fn: Callable[[T], R], items: Sequence[T], nthreads: int | None = None) -> list[R]:
+    """``[fn(x) for x in items]`` on ``nthreads`` threads (default :func:`threads`; the calling thread is one),
+    each taking the next item as it finishes one, so uneven items still spread evenly."""
+    n = min(len(items), threads() if nthreads is None else max(1, nthreads))
+    if n <= 1:
+        return [fn(x) for x in items]
+    results: list[Any] = [None] * len(items)
+    lock = threading.Lock()
+    nxt = iter(range(len(items)))
+
+    def worker(_: int) -> None:
+        while True:
+            with lock:
+                i = next(nxt, None)
+            if i is None:
+                return
+            results[i] = fn(items[i])
+
+    run_shares(worker, range(n))
+    return results
+
+
+def copy_spans(spans: Iterable[Span], nthreads: int | None = None) -> None:
+    """Move every span's bytes (non-overlapping host memory that stays alive for the call) on ``nthreads``
+    threads (default :func:`threads`), in equal shares of the total."""
+    spans = list(spans)
+    total = sum(n for _, _, n in spans)
+    n = threads() if nthreads is None else max(1, nthreads)
+    if total < SPLIT_MIN or n == 1:
+        _move(spans)
+        return
+    run_shares(_move, split(spans, n))
+
+
+def copy_tensors(pairs: Iterable[tuple[torch.Tensor, torch.Tensor]], nthreads: int | None = None) -> None:
+    """``dst.copy_(src)`` for each (src, dst) pair: bytewise on every core where both are contiguous CPU tensors
+    of the same dtype and shape whose bytes are their values (no conjugate or negative bit), ``copy_`` for the
+    rest (after the others)."""
+    spans: list[Span] = []
+    rest: list[tuple[torch.Tensor, torch.Tensor]] = []
+    for src, dst in pairs:
+        if bytewise(src, dst):
+            if src.numel():
+                spans.append((dst.data_ptr(), src.data_ptr(), src.numel() * src.element_size()))
+        else:
+            rest.append((src, dst))
+    copy_spans(spans, nthreads)
+    if rest:
+        with torch.no_grad():
+            for src, dst in rest:
+                dst.copy_(src)
+
+
+def bytewise(src: torch.Tensor, dst: torch.Tensor) -> bool:
+    """Whether ``dst.copy_(src)`` is a plain move of ``src``'s bytes into ``dst``'s."""
+    return (src.device.type == "cpu" and dst.device.type == "cpu" and src.dtype == dst.dtype
+            and src.shape == dst.shape and src.layout == torch.strided and dst.layout == torch.strided
+            and src.is_contiguous() and dst.is_contiguous() and not src.is_conj() and not dst.is_conj()
+            and not src.is_neg() and not dst.is_neg() and not src.is_quantized)
+
+
+def fresh_buffer(nbytes: int) -> torch.Tensor:
+    """A writable 1-D uint8 tensor of ``nbytes`` in fresh private memory whose pages are already present (zeros).
+
+    The mapping is aligned to :data:`HUGE` and asks for transparent huge pages (a no-op where the kernel's policy
+    is ``never``), then is populated in one ``madvise`` (where the kernel lacks ``MADV_POPULATE_WRITE``: every
+    page touched once). The tensor keeps the mapping alive."""
+    if nbytes == 0:
+        return torch.empty(0, dtype=torch.uint8)
+    mm = mmap.mmap(-1, nbytes + HUGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    whole = torch.frombuffer(mm, dtype=torch.uint8)
+    skip = (-whole.data_ptr()) % HUGE
+    out = whole[skip:skip + nbytes]
+    start = out.data_ptr()
+    length = nbytes + (-nbytes) % mmap.PAGESIZE
+    if nbytes >= HUGE:
+        _libc.madvise(start, length - length % HUGE, _MADV_HUGEPAGE)  # advice only: a refusal changes nothing
+    if _libc.madvise(start, length, _MADV_POPULATE_WRITE) != 0:
+        out[::mmap.PAGESIZE].zero_()  # a write per page faults each in
+    return out

@@ -1,0 +1,47 @@
+"""A snapshot's piecewise checksums taken, and checked, off the save's path: yielding to a save's copy.
+
+The same values as :func:`~tiered_ckpt.checksum.snapshot_checksum` and
+:func:`~tiered_ckpt.checksum.snapshot_matches` (xxh3-128 of each 64 MiB piece, the pieces on the hash pool's
+threads), fed to the hasher in sub-pieces of :data:`STEP` bytes with :func:`~tiered_ckpt.copy_gate.wait_clear`
+between them: the checksums taken after a save, and the drain's check of the slot while it writes, sleep while
+a later save copies (docs/architecture.md, "The data path of a save").
+"""
+
+from __future__ import annotations
+
+import xxhash
+
+from . import copy_gate
+from .checksum import _SNAPSHOT_TAG, SNAPSHOT_PIECE, hash_pool, snapshot_matches
+from .tiers.base import Chunk, as_memoryview
+
+STEP = 8 << 20  # bytes hashed between two looks at the gate (a few ms of one core)
+
+
+def _piece_digest(mv: memoryview) -> str:
+    h = xxhash.xxh3_128()
+    for start in range(0, len(mv), STEP):
+        copy_gate.wait_clear()
+        h.update(mv[start:start + STEP])
+    return h.hexdigest()
+
+
+def _digests(data: Chunk) -> list[str]:
+    mv = as_memoryview(data)
+    pieces = [mv[i:i + SNAPSHOT_PIECE] for i in range(0, len(mv), SNAPSHOT_PIECE)] or [mv]
+    if len(pieces) == 1:
+        return [_piece_digest(pieces[0])]
+    return list(hash_pool().map(_piece_digest, pieces))
+
+
+def checksum(data: Chunk) -> str:
+    """:func:`~tiered_ckpt.checksum.snapshot_checksum` of ``data``, yielding to a save's copy."""
+    return f"{_SNAPSHOT_TAG}:" + ",".join(_digests(data))
+
+
+def matches(data: Chunk, expected: str) -> bool:
+    """:func:`~tiered_ckpt.checksum.snapshot_matches`, yielding to a save's copy where ``expected`` is piecewise."""
+    tag, _, value = expected.partition(":")
+    if tag != _SNAPSHOT_TAG:
+        return snapshot_matches(data, expected)
+    return ",".join(_digests(data)) == value
