@@ -136,8 +136,10 @@ def file_steps(store: FileStore) -> list[StepInfo]:
         if step in committed:
             try:
                 m = store.read_manifest(step)
+                # the ranks that committed it: a rank whose part is ranges of another's file lists no file of its own
+                voters = {r for r in m.extra.get("ranks", ()) if isinstance(r, int)}
                 out.append(StepInfo(store.name, step, "committed", m.total_bytes, now - m.created, len(m.files),
-                                    sorted({f.rank for f in m.files})))
+                                    sorted({f.rank for f in m.files} | voters)))
                 continue
             except (CorruptionError, TierError) as exc:
                 out.append(StepInfo(store.name, step, f"corrupt manifest ({exc})", 0, None, 0))

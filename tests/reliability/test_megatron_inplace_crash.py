@@ -113,6 +113,7 @@ def test_crash_in_the_in_place_commit(tmp_path, capsys, victim, point):
         rows = {r["step"]: r for r in json.loads(out)}
         listed = json.loads((root / "iter_0000100/tiered_ckpt/manifest.json").read_text())["files"]
         assert code == 0 and rows[100]["state"] == "committed" and rows[100]["files"] == len(listed), rows
+        assert rows[100]["ranks"] == list(range(WORLD)), rows
         on_disk = _files(root / "iter_0000100")
         assert {f["key"] for f in listed} == {str(p.relative_to(root)) for p in on_disk}
         assert rows[100]["bytes"] == sum(f["size"] for f in listed) == sum(p.stat().st_size for p in on_disk)
