@@ -5,6 +5,8 @@ tensor as the bytes of ``torch.save(tensor)``, one after the other; ``.metadata`
 ``_StorageInfo(relative_path, offset, length)``. ``torch.save``'s length depends only on the tensor's dtype and
 shape, so the offsets are known when the plan is (before the drain writes a byte): :func:`torch_save_length`
 computes them, and the codec checks each one while it writes (a difference is an error, never a wrong file).
+``.metadata``'s allow-list reader (:func:`load_metadata`, re-exported here) and the merge of a save on a cached plan
+live in :mod:`._metadata`, which the ``dcp`` layout imports too.
 """
 
 from __future__ import annotations
