@@ -129,7 +129,9 @@ def test_copy_pairs_copies_contiguous_and_other_pairs(split_small):
     assert torch.equal(dsts[3], srcs[3].resolve_conj())
 
 
-def test_fresh_buffer_is_zeroed_writable_and_aligned():
+@pytest.mark.parametrize("huge", [False, True], ids=["4k-pages", "huge-pages"])
+def test_fresh_buffer_is_zeroed_writable_and_aligned(monkeypatch, huge):
+    monkeypatch.setattr(memcopy, "HUGE_PAGES", huge)
     for n in (0, 1, 4095, memcopy.HUGE + 3):
         buf = memcopy.fresh_buffer(n)
         assert buf.dtype == torch.uint8 and buf.numel() == n
