@@ -129,7 +129,9 @@ def test_copy_pairs_copies_contiguous_and_other_pairs(split_small):
     assert torch.equal(dsts[3], srcs[3].resolve_conj())
 
 
-def test_fresh_buffer_is_zeroed_writable_and_aligned():
+@pytest.mark.parametrize("huge", [False, True], ids=["4k-pages", "huge-pages"])
+def test_fresh_buffer_is_zeroed_writable_and_aligned(monkeypatch, huge):
+    monkeypatch.setattr(memcopy, "HUGE_PAGES", huge)
     for n in (0, 1, 4095, memcopy.HUGE + 3):
         buf = memcopy.fresh_buffer(n)
         assert buf.dtype == torch.uint8 and buf.numel() == n
@@ -240,3 +242,21 @@ def test_engine_round_trip_of_odd_state_from_shm(shm_root, tmp_path, mode, split
         assert loaded.verified
         _assert_tree_equal(state, loaded.items["state"])
         assert loaded.items["state"]["f32"] is into["state"]["f32"]
+
+
+def test_load_copy_gives_every_item_memory_of_its_own(shm_root):
+    """load(copy=True) with several items: each item's tensors keep their values when the slot is saved over
+    (before, every item after the first came back as views of a mapping of the slot)."""
+    cfg = {"run_id": f"mc{uuid.uuid4().hex[:8]}", "drain": {"mode": "thread"},
+           "tiers": [{"name": "shm", "kind": "shm", "path": str(shm_root), "slots": 1}]}
+    items = {"first": {"w": torch.arange(1000.0)}, "second": {"w": torch.arange(1000.0) * 2},
+             "third": {"w": torch.arange(1000.0) * 3}}
+    with CheckpointEngine(cfg) as engine:
+        engine.save(1, items).wait()
+        loaded = engine.load(copy=True)
+        assert loaded.verified
+        for it in items.values():
+            it["w"].fill_(-1)
+        engine.save(2, items).wait()  # the only slot, written over in place
+        for k, mult in (("first", 1), ("second", 2), ("third", 3)):
+            assert torch.equal(loaded.items[k]["w"], torch.arange(1000.0) * mult), k

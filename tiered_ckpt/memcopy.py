@@ -6,9 +6,9 @@ ranges to move, splits their total into ``torch.get_num_threads()`` equal contig
 with ``memmove`` (through ctypes, which releases the GIL) on a thread of a small persistent pool, the calling
 thread taking one share itself. The pool is made on first use and made again in a forked child.
 
-:func:`fresh_buffer`: anonymous memory for a restore's copy, populated before the copy in one call (with
-transparent huge pages where the kernel offers them on request): a copy into untouched 4 KiB pages faults
-each of them in turn, which on the VM cost several times the copy itself.
+:func:`fresh_buffer`: anonymous memory for a restore's copy, populated before the copy in one call (a copy
+into untouched pages faults each of them in turn, slower than populating them at once); huge pages only on
+request (:data:`HUGE_PAGES`).
 """
 
 from __future__ import annotations
@@ -29,6 +29,11 @@ Span = tuple[int, int, int]  # (destination address, source address, bytes)
 T = TypeVar("T")
 R = TypeVar("R")
 
+#: Ask for transparent huge pages in :func:`fresh_buffer`. Off: on the development VM (a Firecracker guest) the
+#: first huge-page allocation of 1 GiB in a process took 2.4-4.8 s against 0.7-0.9 s for 4 KiB pages (later ones
+#: 0.1-0.17 s against 0.7-0.9 s), and a restore is usually a process's first and only one. Worth measuring again
+#: on bare metal.
+HUGE_PAGES = False
 SPLIT_MIN = 4 << 20  # bytes below which a copy stays on the calling thread (a hand-off costs more than it saves)
 HUGE = 2 << 20  # the transparent huge page size fresh buffers are aligned to
 _MADV_HUGEPAGE = 14
@@ -152,9 +157,9 @@ def bytewise(src: torch.Tensor, dst: torch.Tensor) -> bool:
 def fresh_buffer(nbytes: int) -> torch.Tensor:
     """A writable 1-D uint8 tensor of ``nbytes`` in fresh private memory whose pages are already present (zeros).
 
-    The mapping is aligned to :data:`HUGE` and asks for transparent huge pages (a no-op where the kernel's policy
-    is ``never``), then is populated in one ``madvise`` (where the kernel lacks ``MADV_POPULATE_WRITE``: every
-    page touched once). The tensor keeps the mapping alive."""
+    The mapping is aligned to :data:`HUGE` and, with :data:`HUGE_PAGES`, asks for transparent huge pages (a no-op
+    where the kernel's policy is ``never``); it is populated in one ``madvise`` (where the kernel lacks
+    ``MADV_POPULATE_WRITE``: every page touched once). The tensor keeps the mapping alive."""
     if nbytes == 0:
         return torch.empty(0, dtype=torch.uint8)
     mm = mmap.mmap(-1, nbytes + HUGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
@@ -163,7 +168,7 @@ def fresh_buffer(nbytes: int) -> torch.Tensor:
     out = whole[skip:skip + nbytes]
     start = out.data_ptr()
     length = nbytes + (-nbytes) % mmap.PAGESIZE
-    if nbytes >= HUGE:
+    if HUGE_PAGES and nbytes >= HUGE:
         _libc.madvise(start, length - length % HUGE, _MADV_HUGEPAGE)  # advice only: a refusal changes nothing
     if _libc.madvise(start, length, _MADV_POPULATE_WRITE) != 0:
         out[::mmap.PAGESIZE].zero_()  # a write per page faults each in

@@ -5,7 +5,11 @@ layout (tp1 pp1 dp2: every rank's model and full optimizer state bit-exact) and 
 tp1 pp2 dp1: every tensor, in checkpoint space, bit-exact); (b) Megatron's own ``dist_checkpointing.save`` (its
 default save strategy and FileSystemWriterAsync, unmodified) -> our ``load_checkpoint``, at the same layouts;
 (c) SIGKILL after a memory-only save: every rank resumes from shm and trains on bit-exact; (d) with a constant
-structure the second save reuses the first save's plan.
+structure the second save reuses the first save's plan and runs no collective (torch.distributed's collectives
+raise while it runs); (e) the strategy's saves on a cached plan, collective-free, with a ShardedObject whose pickled
+length changes between them: Megatron's load of the files and ours from shm and from the files give every rank
+exactly what it saved, the files equal a planned save's, and a rank that fails its save leaves the step
+uncommitted and the previous one loadable.
 
 Bit-exact across layouts is checked in checkpoint space: each ShardedTensor a job's (model, optimizer)
 sharded_state_dict holds equals its slice of the global tensor Megatron's ``load_plain_tensors`` reads back.
@@ -13,8 +17,10 @@ sharded_state_dict holds equals its slice of the global tensor Megatron's ``load
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
+import pickle
 import shutil
 import signal
 import tempfile
@@ -30,6 +36,7 @@ from harness import build_job, differences, fingerprint, full_state, launch, tra
 
 from tiered_ckpt import CheckpointEngine  # noqa: E402
 from tiered_ckpt.megatron import adapter  # noqa: E402
+from tiered_ckpt.parallel import ParallelLayout  # noqa: E402
 
 SAVED_AT, RESUMED_TO, FLOPS = 3, 5, 4321.0
 DRAIN = os.environ.get("MEGATRON_REAL_DRAIN")
@@ -144,12 +151,153 @@ def rank_save_ours(rank: int, world: int, cfg: dict, saves: int) -> dict[str, An
             if job.iteration < SAVED_AT:
                 save(job, engine)
                 train(job, job.iteration + 1)
-        save(job, engine).wait(timeout=120)
-        saved = {"full_state": full_state(job), "space": checkpoint_space(job)}
+        # (d): the save on the cached plan runs no collective, from Megatron's dist_checkpointing steps
+        # (torch_dist.save) to the drain's commit. Building the state is Megatron's own and gathers (its
+        # distributed optimizer's fully reshardable state goes through DP rank 0): that part is not refused.
+        from tiered_ckpt.megatron import torch_dist
+
+        with refusing_collectives_in(torch_dist, "save") if saves > 1 else contextlib.nullcontext([]) as calls:
+            handle = save(job, engine)
+            with no_collectives() if saves > 1 else contextlib.nullcontext([]) as waiting:
+                handle.wait(timeout=120)
+        saved = {"full_state": full_state(job), "space": checkpoint_space(job), "collectives": calls + waiting}
         strategy = next(iter(adapter_strategies(engine).values()))
         planned = strategy.planned_saves
     train(job, RESUMED_TO)
     return {**saved, "fingerprint": fingerprint(job), "planned": planned}
+
+
+def object_state(step: int, rank: int, world: int, *, loading: bool = False) -> dict[str, Any]:
+    """A sharded state of Megatron's classes: two ShardedTensors split over the ranks, and per rank a ShardedObject
+    whose pickled length changes with the step (its bytes come first in the rank's .distcp: the tensors' offsets
+    move with it)."""
+    from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor
+
+    w = torch.arange(12, dtype=torch.float32).reshape(4, 3) + 100 * rank + step
+    b = torch.full((5,), float(10 * step + rank), dtype=torch.bfloat16)
+    obj = {"note": "x" * (1000 * step + rank), "step": step, "rank": rank}  # torch.save pads: > 64 B
+    if loading:
+        w, b, obj = torch.zeros_like(w), torch.zeros_like(b), None
+    return {"iteration": step,
+            "w": ShardedTensor.from_rank_offsets("w", w, (0, rank, world)),
+            "b": ShardedTensor.from_rank_offsets("b", b, (0, rank, world)),
+            "obj": ShardedObject("obj", obj, (world,), (rank,), replica_id=0)}
+
+
+def plain_values(state: dict[str, Any]) -> dict[str, Any]:
+    from megatron.core.dist_checkpointing.mapping import ShardedBase
+
+    return {k: (v.data if isinstance(v, ShardedBase) else v) for k, v in state.items()}
+
+
+def loaded_values(state: dict[str, Any]) -> dict[str, Any]:
+    return {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in state.items()
+            if k in ("iteration", "w", "b", "obj")}
+
+
+def our_torch_dist_load(engine: CheckpointEngine, rank: int, world: int, step: int | None = None
+                        ) -> dict[str, Any]:
+    from tiered_ckpt.megatron import torch_dist
+
+    reader, common = torch_dist.open_step(engine, step)
+    state = torch_dist.load(reader, common, object_state(0, rank, world, loading=True))
+    return {"step": reader.step, "sources": dict(reader.sources), "verified": reader.verified,
+            "state": loaded_values(state)}
+
+
+def rank_cached_saves(rank: int, world: int, cfg: dict, files_cfg: dict, files: str) -> dict[str, Any]:
+    """(e): the strategy (no adapter): a planned save of step 1, then on its cached plan steps 2 and 3 (another
+    ShardedObject length each) and 4 (rank 1's structure changed: it raises), all with every collective refused;
+    loads from shm (the newest step) and from the files (step 3); a planned save (a fresh strategy) of step 3's
+    state as step 5."""
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+    from tiered_ckpt.errors import TieredCkptError
+    from tiered_ckpt.handles import SaveError
+    from tiered_ckpt.megatron import torch_dist
+
+    out: dict[str, Any] = {}
+    layout = ParallelLayout(dp=world)
+    with CheckpointEngine(cfg, layout, rank=rank) as engine:
+        strategy = torch_dist.TieredSaveShardedStrategy(engine, cache_plan=True)
+        torch_dist.save(engine, 1, object_state(1, rank, world), strategy).wait(timeout=120)
+        with no_collectives() as calls:
+            for step in (2, 3):
+                torch_dist.save(engine, step, object_state(step, rank, world), strategy,
+                                validate_access_integrity=False).wait(timeout=120)
+            state = object_state(4, rank, world)
+            if rank == 1:
+                state["extra"] = ShardedTensor.from_rank_offsets("extra", torch.ones(2), (0, 0, 1))
+            try:
+                torch_dist.save(engine, 4, state, strategy, validate_access_integrity=False).wait(timeout=120)
+            except (TieredCkptError, SaveError) as exc:
+                out["failed_4"] = f"{type(exc).__name__}: {exc}"
+        out.update(collectives=calls, planned=strategy.planned_saves, cached=strategy.cached_saves)
+        out["from_shm"] = our_torch_dist_load(engine, rank, world)
+        fresh = torch_dist.TieredSaveShardedStrategy(engine)  # plans every save
+        torch_dist.save(engine, 5, object_state(3, rank, world), fresh).wait(timeout=120)
+    with CheckpointEngine(files_cfg, layout, rank=rank) as engine:
+        out["from_files"] = our_torch_dist_load(engine, rank, world, 3)  # the cached plan's (5 is newer)
+    for step in (2, 3):
+        got = dist_checkpointing.load(object_state(0, rank, world, loading=True), f"{files}/iter_{step:07d}")
+        out[f"megatron_{step}"] = loaded_values(got)
+    out["expected"] = {step: plain_values(object_state(step, rank, world)) for step in (2, 3)}
+    return out
+
+
+# torch.distributed's collectives and point-to-point calls: none may run in a save on a cached plan
+COLLECTIVES = ("all_gather", "all_gather_object", "all_gather_into_tensor", "all_reduce", "all_to_all",
+               "all_to_all_single", "barrier", "batch_isend_irecv", "broadcast", "broadcast_object_list", "gather",
+               "gather_object", "irecv", "isend", "monitored_barrier", "recv", "reduce", "reduce_scatter",
+               "reduce_scatter_tensor", "scatter", "scatter_object_list", "send")
+
+
+@contextlib.contextmanager
+def no_collectives() -> Iterator[list[str]]:
+    """Every collective of torch.distributed (both its module and distributed_c10d) raises, and is recorded in the
+    list yielded (a call on another thread, whose error someone might swallow, is still seen)."""
+    import torch.distributed.distributed_c10d as c10d
+
+    calls: list[str] = []
+    saved = []
+
+    def refuse(name: str) -> Any:
+        def call(*args: Any, **kwargs: Any) -> None:
+            calls.append(name)
+            raise AssertionError(f"torch.distributed.{name} called during a save on a cached plan")
+        return call
+
+    for module in (torch.distributed, c10d):
+        for name in COLLECTIVES:
+            if hasattr(module, name):
+                saved.append((module, name, getattr(module, name)))
+                setattr(module, name, refuse(name))
+    try:
+        yield calls
+    finally:
+        for module, name, fn in saved:
+            setattr(module, name, fn)
+
+
+@contextlib.contextmanager
+def refusing_collectives_in(module: Any, name: str) -> Iterator[list[str]]:
+    """``module.name`` runs under :func:`no_collectives` while this lasts; yields the collectives it tried."""
+    real = getattr(module, name)
+    calls: list[str] = []
+
+    def guarded(*args: Any, **kwargs: Any) -> Any:
+        with no_collectives() as seen:
+            try:
+                return real(*args, **kwargs)
+            finally:
+                calls.extend(seen)
+
+    setattr(module, name, guarded)
+    try:
+        yield calls
+    finally:
+        setattr(module, name, real)
 
 
 def adapter_strategies(engine: CheckpointEngine) -> dict[bool, Any]:
@@ -252,6 +400,7 @@ def test_our_save_loads_in_megatron_at_same_and_other_layout(tmp_path: Path, shm
     cfg = config(f"td-ours-{uuid.uuid4().hex[:8]}", shm=shm_dir, files=files)
     saved = launch(rank_save_ours, 2, cfg, 2)
     assert [r["planned"] for r in saved] == [1, 1]  # the second save reused the first one's plan
+    assert [r["collectives"] for r in saved] == [[], []]  # ... and ran no collective (they would have raised)
     step_dir = files / f"iter_{SAVED_AT:07d}"
     names = {p.name for p in step_dir.iterdir()}
     assert {"metadata.json", "common.pt", ".metadata", "__0_0.distcp", "__1_0.distcp"} <= names, names
@@ -314,3 +463,53 @@ def test_sigkill_after_memory_only_save_resumes_from_shm(shm_dir: str, tmp_path:
     for rank, res in enumerate(results):
         assert res["loaded"] == (SAVED_AT, FLOPS)
         assert differences(reference[rank]["fingerprint"], res["fingerprint"]) == [], f"rank {rank}"
+
+
+def same(a: Any, b: Any) -> bool:
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
+    return a == b
+
+
+def test_saves_on_a_cached_plan_run_no_collective_and_load_exactly(tmp_path: Path, shm_dir: str) -> None:
+    """(e): see rank_cached_saves. No collective ran in the cached saves; step 4 (rank 1 failed) is not committed
+    and every load takes step 3, each rank exactly its state (the ShardedObject too, whose pickled length changed),
+    from shm (the .metadata merged from the snapshots) and from the files; Megatron's own load of the files of
+    steps 2 and 3 gives each rank its state; step 3's files equal those of a planned save of the same state."""
+    files = tmp_path / "disk"
+    run_id = f"td-cached-{uuid.uuid4().hex[:8]}"
+    cfg = config(run_id, shm=shm_dir, files=files)
+    cfg["drain"] = {**cfg.get("drain", {}), "commit_timeout_s": 5}  # step 4 waits for rank 1's files that long
+    out = launch(rank_cached_saves, 2, cfg, config(run_id, files=files), str(files), timeout=400)
+    for rank, res in enumerate(out):
+        assert res["collectives"] == [], rank
+        assert (res["planned"], res["cached"]) == (1, 3), rank
+        expected = res["expected"]
+        for name, tier in (("from_shm", "shm"), ("from_files", "disk")):
+            got = res[name]
+            assert got["step"] == 3 and set(got["sources"].values()) == {tier} and got["verified"], (rank, name, got)
+            bad = [k for k, v in expected[3].items() if not same(v, got["state"][k])]
+            assert not bad, (rank, name, bad)
+        for step in (2, 3):
+            bad = [k for k, v in expected[step].items() if not same(v, res[f"megatron_{step}"][k])]
+            assert not bad, (rank, step, bad)
+    assert "structure changed" in out[1]["failed_4"]
+    assert "SaveError" in out[0]["failed_4"]  # rank 0's part of step 4 was never committed
+    assert not (files / "iter_0000004" / "tiered_ckpt" / "manifest.json").exists()
+    assert not (files / "iter_0000004" / ".metadata").exists()
+    assert (files / "latest_checkpointed_iteration.txt").read_text().strip() == "5"
+    lengths = set()
+    for rank in range(2):  # the ShardedObject's bytes moved the tensors: the offsets differ between the steps
+        name = f"__{rank}_0.distcp"
+        assert (files / "iter_0000003" / name).read_bytes() == (files / "iter_0000005" / name).read_bytes()
+        lengths.add(tuple((files / f"iter_{s:07d}" / name).stat().st_size for s in (2, 3)))
+    assert all(a != b for a, b in lengths)
+    cached, planned = (pickle.loads((files / f"iter_{s:07d}" / ".metadata").read_bytes()) for s in (3, 5))
+    assert cached.storage_data == planned.storage_data
+    assert list(cached.storage_data) == list(planned.storage_data)  # in the same order
+    assert cached.state_dict_metadata == planned.state_dict_metadata
+    assert (cached.planner_data, cached.version) == (planned.planner_data, planned.version)
+    assert cached.storage_meta.checkpoint_id == "iter_0000003"
+    from tiered_ckpt.cli import main as cli_main
+
+    assert cli_main(["verify", str(files)]) == 0

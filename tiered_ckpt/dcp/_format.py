@@ -5,13 +5,13 @@ tensor as the bytes of ``torch.save(tensor)``, one after the other; ``.metadata`
 ``_StorageInfo(relative_path, offset, length)``. ``torch.save``'s length depends only on the tensor's dtype and
 shape, so the offsets are known when the plan is (before the drain writes a byte): :func:`torch_save_length`
 computes them, and the codec checks each one while it writes (a difference is an error, never a wrong file).
+``.metadata``'s allow-list reader (:func:`load_metadata`, re-exported here) and the merge of a save on a cached plan
+live in :mod:`._metadata`, which the ``dcp`` layout imports too.
 """
 
 from __future__ import annotations
 
 import functools
-import io
-import pickle
 from collections.abc import Iterable, Iterator
 from typing import Any
 
@@ -22,6 +22,7 @@ from ..errors import DecodeError, EncodeError
 from ..layouts.dcp import DATA_ITEM, METADATA_FILE, METADATA_ITEM  # noqa: F401 - the names, in one place
 from ..megatron import torch_zip
 from ..tiers.base import as_memoryview
+from ._metadata import load_metadata  # noqa: F401 - where readers of .metadata take it
 
 ARCHIVE = "archive"  # torch.save's top directory for a buffer
 
@@ -124,36 +125,3 @@ class DistcpCodec(FileCodec):
         raise DecodeError(f"{where}: a DCP file is read through DCP: dcp.load(state_dict, storage_reader="
                           "tiered_ckpt.dcp.TieredStorageReader(engine)), or DCP's FileSystemReader on the step "
                           "directory")
-
-
-# ----- .metadata: a pickle, read with an allow-list --------------------------------------------------------
-
-_ALLOWED_MODULES = ("torch.distributed.checkpoint.", "torch.distributed._shard.", "torch.distributed.tensor.")
-_ALLOWED = {("collections", "OrderedDict"), ("torch", "Size"), ("torch.serialization", "_get_layout"),
-            ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath"), ("pathlib", "WindowsPath"),
-            ("pathlib", "PureWindowsPath"),  # FileSystemWriter's storage_meta.checkpoint_id
-            ("builtins", "set"), ("builtins", "frozenset"), ("builtins", "slice"), ("builtins", "complex")}
-
-
-class _MetadataUnpickler(pickle.Unpickler):
-    """DCP's own reader unpickles ``.metadata`` with pickle's full power; ours allows DCP's metadata classes,
-    torch dtypes and layouts, and nothing that could run code."""
-
-    def find_class(self, module: str, name: str) -> Any:
-        if (module, name) in _ALLOWED or (module == "torch" and isinstance(getattr(torch, name, None),
-                                                                           torch.dtype | torch.layout
-                                                                           | torch.memory_format)):
-            return super().find_class(module, name)
-        if module.startswith(_ALLOWED_MODULES):
-            cls = super().find_class(module, name)
-            if isinstance(cls, type):  # DCP's dataclasses and enums; never a function
-                return cls
-        raise pickle.UnpicklingError(f"{module}.{name} is not a DCP metadata class")
-
-
-def load_metadata(data: bytes | memoryview, where: str) -> Any:
-    try:
-        return _MetadataUnpickler(io.BytesIO(bytes(data))).load()
-    except Exception as exc:  # any failure here is a damaged or foreign file
-        raise DecodeError(f"{where}: not a DCP .metadata file this reader accepts: {type(exc).__name__}: {exc}"
-                          ) from None

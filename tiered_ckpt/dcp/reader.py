@@ -35,10 +35,18 @@ from torch.futures import Future as TorchFuture
 
 from .. import events as ev
 from ..errors import CorruptionError, NoCheckpointError, TieredCkptError, TierError
-from ..layouts.dcp import DATA_ITEM, METADATA_FILE, METADATA_ITEM, RANK_METADATA_ITEM, rank_metadata_file
+from ..layouts.dcp import (
+    DATA_ITEM,
+    METADATA_FILE,
+    METADATA_ITEM,
+    RANK_METADATA_ITEM,
+    RESULTS_ITEM,
+    rank_metadata_file,
+)
 from ..store import SnapshotStore, Store
 from ..tiers.base import as_memoryview, bytes_to_tensor
 from ._format import load_metadata, parse_data_file
+from ._metadata import is_partial, load_rank_results, merge, save_id
 from .writer import check_engine, parse_step
 
 if TYPE_CHECKING:
@@ -78,6 +86,8 @@ class TieredStorageReader(StorageReader):
         self._committed: dict[str, set[int]] = {}  # file tier → committed steps, listed once per load
         self._t0, self._nbytes = 0.0, 0  # this load's start and bytes read (the load event)
         self._metadata_created: float | None = None  # the coordinator's snapshot, when .metadata came from memory
+        # A save on a cached plan, its .metadata merged from memory: each rank's snapshot of that save (created)
+        self._rank_created: dict[int, float] | None = None
 
     # ----- DCP's protocol ----------------------------------------------------------------------------------
     def reset(self, checkpoint_id: Any = None) -> None:
@@ -116,6 +126,7 @@ class TieredStorageReader(StorageReader):
         self.sources, self.verified = {}, True  # this load's
         self._t0, self._nbytes = time.perf_counter(), 0
         self._metadata_created = None
+        self._rank_created = None
         name = METADATA_FILE if rank is None else rank_metadata_file(rank)
         if self.engine is None or self.path is not None:
             where = os.path.join(self.path or "", name)
@@ -202,12 +213,13 @@ class TieredStorageReader(StorageReader):
         return [(name, self.engine.pipeline.stores[name]) for name in self.engine.tiers]
 
     @staticmethod
-    def _snapshot(slots: SnapshotStore, rank: int, step: int, item: str, not_after: float | None = None) -> Any:
+    def _snapshot(slots: SnapshotStore, rank: int, step: int, item: str, not_after: float | None = None,
+                  created: float | None = None) -> Any:
         """The newest snapshot record of ``step`` holding ``item`` in ``rank``'s slots on this node (taken no later
-        than ``not_after``), or None."""
+        than ``not_after``; ``created``: taken exactly then), or None."""
         view = slots.for_rank(rank)
         metas = [m for m in view.metas().values() if m.step == step and any(it.name == item for it in m.items)
-                 and (not_after is None or m.created <= not_after)]
+                 and (not_after is None or m.created <= not_after) and (created is None or m.created == created)]
         return (view, max(metas, key=lambda m: m.created)) if metas else None
 
     def _loadable_here(self) -> set[int]:
@@ -262,8 +274,21 @@ class TieredStorageReader(StorageReader):
                     state = view.load(meta, copy=True, verify=True, only={item})[item]
                     data = bytes(as_memoryview(state["metadata"]))
                     verified = all(it.checksum for it in meta.items if it.name == item)
-                    # The coordinator snapshots last (in finish(), after every rank's write_data): a rank's
-                    # snapshot of this save is no newer than this one. A newer one is a later, failed save.
+                    if rank is None:
+                        where = f"tier {name!r} step {step} {METADATA_FILE}"
+                        metadata = load_metadata(data, where)
+                        if is_partial(metadata):  # a save on a cached plan: every rank's results, same save
+                            merged = self._merge_from_memory(slots, step, metadata, where)
+                            if merged is None:
+                                continue
+                            metadata, verified = merged[0], verified and merged[1]
+                        self.verified = self.verified and verified
+                        self._metadata_tier = name
+                        # The coordinator snapshots last (in finish(), after every rank's write_data): a rank's
+                        # snapshot of this save is no newer than this one. A newer one is a later, failed save.
+                        # (A save on a cached plan: _rank_created names each rank's snapshot instead.)
+                        self._metadata_created = meta.created
+                        return metadata
                     self._metadata_created = meta.created
                 elif (files := store.files()) is not None:
                     key = files.layout.metadata_key(step) if rank is None else \
@@ -285,6 +310,38 @@ class TieredStorageReader(StorageReader):
         error = TieredCkptError if reasons else _NoMetadata
         raise error(f"rank {self.engine.coords.rank}: step {step}: no tier holds a usable DCP {what} "
                     f"({'; '.join(reasons) or 'none holds one'})")
+
+    def _merge_from_memory(self, slots: SnapshotStore, step: int, metadata: Metadata, where: str
+                           ) -> tuple[Metadata, bool] | None:
+        """A save on a cached plan: the coordinator's partial Metadata merged with every rank's write results of
+        the same save (its id), each from that rank's snapshot on this node; None if a rank's is not here (another
+        node's rank: the committed .metadata on a file tier has them all). Records which snapshot of each rank
+        the data files are then read from, so a load never mixes two saves."""
+        sid = save_id(metadata)
+        parts: dict[int, dict[str, Any]] = {}
+        created: dict[int, float] = {}
+        verified = True
+        rank, world = 0, 1
+        while rank < world:
+            view = slots.for_rank(rank)
+            metas = sorted((m for m in view.metas().values() if m.step == step
+                            and any(it.name == RESULTS_ITEM for it in m.items)), key=lambda m: -m.created)
+            for meta in metas:  # newest first: the one of this save
+                state = view.load(meta, copy=True, verify=True, only={RESULTS_ITEM})[RESULTS_ITEM]
+                part = load_rank_results(as_memoryview(state["metadata"]), f"{where}: rank {rank}'s write results")
+                if part["save_id"] == sid:
+                    parts[rank], created[rank] = part, meta.created
+                    verified = verified and all(it.checksum for it in meta.items if it.name == RESULTS_ITEM)
+                    break
+            if rank not in parts:
+                log.info("dcp load: step %d: rank %d's snapshot of save %s is not in this node's memory: the "
+                         ".metadata of a file tier is used", step, rank, sid)
+                return None
+            if rank == 0:
+                world = int(parts[0]["world"])
+            rank += 1
+        self._rank_created = created
+        return merge(metadata, parts, where), verified
 
     def _file_bytes(self, store: FileStore, step: int, key: str) -> tuple[bytes | None, bool]:
         """A whole file of ``step``: verified against the manifest, or unverified from a plain DCP directory."""
@@ -335,7 +392,12 @@ class TieredStorageReader(StorageReader):
         rank = parse_data_file(name)
         if rank is None or not name.endswith("_0.distcp") or self._metadata_created is None:
             return None  # snapshots are used with the coordinator's own: nothing else tells which save they are
-        found = self._snapshot(store, rank, step, DATA_ITEM, not_after=self._metadata_created)
+        if self._rank_created is not None:  # a save on a cached plan: the snapshot its results came from
+            if rank not in self._rank_created:
+                return None
+            found = self._snapshot(store, rank, step, DATA_ITEM, created=self._rank_created[rank])
+        else:
+            found = self._snapshot(store, rank, step, DATA_ITEM, not_after=self._metadata_created)
         if found is None:
             return None
         view, meta = found

@@ -7,7 +7,8 @@ into the engine's pre-faulted slots (shared memory), which is all ``dcp.save`` w
 
 The offsets DCP records in ``.metadata`` are computed from the plan (``torch.save``'s length depends only on dtype
 and shape), so the WriteResults are exact before a byte is written; the coordinator's snapshot, taken in
-:meth:`finish`, carries the pickled Metadata.
+:meth:`finish`, carries the pickled Metadata. A save on a cached plan (:meth:`finish_cached`, no collective) stages
+every rank's own results instead, merged into ``.metadata`` at commit (``dcp/_metadata.py``).
 """
 
 from __future__ import annotations
@@ -32,8 +33,9 @@ from torch.futures import Future
 
 from ..errors import ConfigError, TieredCkptError
 from ..handles import SaveHandle
-from ..layouts.dcp import DATA_ITEM, METADATA_ITEM, RANK_METADATA_ITEM
+from ..layouts.dcp import DATA_ITEM, METADATA_ITEM, RANK_METADATA_ITEM, RESULTS_ITEM
 from ._format import data_file, torch_save_length
+from ._metadata import dump_rank_results
 
 CURRENT_DCP_VERSION = "1.0.0"  # what FileSystemWriter stamps into Metadata.version
 _STEP = re.compile(r"^(?:iter_|step_|step-)?(\d+)$")
@@ -64,6 +66,10 @@ def check_engine(engine: Any) -> None:
                               "set compression: none on it for layout dcp", key_path="tiers")
 
 
+def _raw(data: bytes) -> dict[str, torch.Tensor]:
+    return {"metadata": torch.frombuffer(bytearray(data), dtype=torch.uint8)}
+
+
 class TieredStorageWriter(StorageWriter, BlockingAsyncStager):
     """DCP storage writer: the snapshot into the engine's memory tier is the save; the drain does the rest.
 
@@ -88,6 +94,7 @@ class TieredStorageWriter(StorageWriter, BlockingAsyncStager):
         self._use_collectives = True
         self._rank = engine.coords.rank
         self._save_id = str(uuid.uuid4())
+        self._cached_save = False  # a save on a cached plan: every rank's snapshot waits for finish_cached()
         # Raw files the coordinator's snapshot carries beside DCP's (layouts.dcp.STEP_FILES: Megatron's common.pt
         # and metadata.json), {item: {"metadata": uint8 tensor}}; set before each save by the caller.
         self.step_files: dict[str, dict[str, torch.Tensor]] = {}
@@ -98,6 +105,7 @@ class TieredStorageWriter(StorageWriter, BlockingAsyncStager):
             self.step = parse_step(checkpoint_id)
         self._save_id = str(uuid.uuid4())
         self._pending = None
+        self._cached_save = False
 
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         if self.step is None:
@@ -143,7 +151,7 @@ class TieredStorageWriter(StorageWriter, BlockingAsyncStager):
         entries = [entries[i] for i in order]
         index, results = self._file_layout(plan_items, entries)
         items = {DATA_ITEM: {"entries": entries, "index": index}}
-        if self._is_coordinator or not self._use_collectives:
+        if self._is_coordinator or not self._use_collectives or self._cached_save:
             self._pending = items  # the snapshot waits for the Metadata (finish): the coordinator's, or each rank's
         else:
             self._snapshot(items)
@@ -162,6 +170,32 @@ class TieredStorageWriter(StorageWriter, BlockingAsyncStager):
         if self._is_coordinator:
             items.update(self.step_files)
         self._pending = None
+        self._snapshot(items)
+
+    def start_cached(self, save_id: str) -> None:
+        """The save about to run reuses a cached plan (no collective): ``save_id`` names it on every rank alike
+        (the same on all ranks: nothing else ties their snapshots to one save), and each rank's snapshot waits for
+        :meth:`finish_cached`. Call after ``set_up_storage_writer``."""
+        self._cached_save = True
+        self._save_id = save_id
+
+    def finish_cached(self, results: list[WriteResult], metadata: Metadata | None) -> None:
+        """This rank's snapshot of a save on a cached plan: its data, its own WriteResults, and on the coordinator
+        (``metadata``: the cached plan's Metadata) that Metadata without ``storage_data``: the layout's commit and
+        the reader merge every rank's results of the same ``save_id`` into ``.metadata``."""
+        if not self._cached_save:
+            raise TieredCkptError("finish_cached() without start_cached(): not a save on a cached plan")
+        items = dict(self._pending or {DATA_ITEM: {"entries": [], "index": []}})
+        items[RESULTS_ITEM] = _raw(dump_rank_results(self._rank, self.engine.coords.world_size, self._save_id,
+                                                     results))
+        if metadata is not None:
+            metadata.version = CURRENT_DCP_VERSION
+            metadata.storage_data = None  # the ranks' results, merged at commit and on load
+            metadata.storage_meta = self.storage_meta()
+            items[METADATA_ITEM] = _raw(pickle.dumps(metadata))
+            items.update(self.step_files)
+        self._pending = None
+        self._cached_save = False
         self._snapshot(items)
 
     def storage_meta(self) -> StorageMeta | None:

@@ -10,9 +10,14 @@ directory (``__R_0.distcp``, ``.metadata``, ``common.pt``, ``metadata.json``) to
 fastest tier that holds it, ours or one Megatron wrote.
 
 Planning: with ``cache_plan`` (the adapter sets it from Megatron's ``args.ckpt_assume_constant_structure``) the
-first save plans with DCP's collectives and keeps every rank's final plan and the coordinator's Metadata; later
-saves of the same structure skip planning (no plan exchange), and only gather the write results on the
-coordinator, as Megatron's cached path does. A rank whose structure changed raises instead of saving.
+first save plans with DCP's collectives, keeps every rank's final plan and the coordinator's Metadata, and rank 0
+broadcasts an id for the plan. Later saves of the same structure run no collective at all: each rank checks its own
+plan against the cached one (a rank whose structure changed raises instead of saving), copies its data into shm and
+stages its own write results (where each item sits in its ``.distcp``: a ShardedObject's pickled length may change
+between saves, shifting what follows), the coordinator the cached Metadata, all stamped with the save's id (the
+plan's id and the number of saves on it, alike on every rank). The layout's commit merges them into ``.metadata``
+once every rank's files are on the tier, and a load from shm merges the same snapshots (``dcp/_metadata.py``):
+never results of two saves; a rank that failed leaves the step uncommitted.
 
 Imports megatron.core: used only when a job has it.
 """
@@ -24,6 +29,7 @@ import dataclasses
 import io
 import json
 import logging
+import uuid
 from typing import Any
 
 import torch
@@ -115,7 +121,9 @@ class TieredSaveShardedStrategy(SaveShardedStrategy):
         self.cache_plan = cache_plan
         self.step_files: dict[str, bytes] = {}
         self._cached: tuple[list[tuple], Any, Any] | None = None  # (local signature, final plan, Metadata)
+        self._plan_id = ""  # the cached plan's, the same on every rank (broadcast by rank 0 when planned)
         self.planned_saves = 0  # saves that ran DCP's planning collectives (the rest reused the cached plan)
+        self.cached_saves = 0  # saves on the cached plan (each counted when it starts, on every rank alike)
 
     @property
     def can_handle_sharded_objects(self) -> bool:
@@ -143,18 +151,26 @@ class TieredSaveShardedStrategy(SaveShardedStrategy):
             writer.record = False
         self.planned_saves += 1
         if self.cache_plan:
+            ids = [uuid.uuid4().hex if self.engine.coords.rank == 0 else None]
+            if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+                dist.broadcast_object_list(ids, src=0)  # the planned save's last collective
+            self._plan_id = str(ids[0])
+            self.cached_saves = 0
             self._cached = (_plan_signature(writer.local_plan), writer.final_plan, writer.metadata)
 
     def _save_cached(self, pyt_state_dict: Any, planner: Any) -> None:
-        """The plan of the first save, reused: no plan exchange; the write results are gathered on rank 0."""
+        """The plan of the first save, reused, with no collective: every rank snapshots its own write results, the
+        coordinator the cached Metadata, under one save id (see the module's docstring)."""
         assert self._cached is not None
         signature, final_plan, metadata = self._cached
+        self.cached_saves += 1  # first: a rank that fails below still counts the save, as the others do
         rank = self.engine.coords.rank
         coordinator = rank == 0
         writer = self.writer
         planner.set_up_planner(state_dict=pyt_state_dict, storage_meta=writer.storage_meta(),
                                is_coordinator=coordinator)
         writer.set_up_storage_writer(coordinator, rank=rank, use_collectives=True)
+        writer.start_cached(f"{self._plan_id}-{self.cached_saves}")
         local = planner.create_local_plan()
         mine = _plan_signature(local)
         if mine != signature:
@@ -163,11 +179,7 @@ class TieredSaveShardedStrategy(SaveShardedStrategy):
                                   f"(items {changed}...): args.ckpt_assume_constant_structure promises it does "
                                   "not; unset it to plan every save")
         results = writer.write_data(planner.finish_plan(dataclasses.replace(final_plan)), planner).value()
-        gathered: list[Any] | None = [None] * self.engine.coords.world_size if coordinator else None
-        dist.gather_object(results, gathered, dst=0)
-        if coordinator:
-            assert gathered is not None
-            writer.finish(copy.deepcopy(metadata), gathered)
+        writer.finish_cached(results, copy.deepcopy(metadata) if coordinator else None)
 
 
 class _StepReader(TieredStorageReader):
