@@ -33,6 +33,12 @@ def body(rank: int, world: int, spec: dict, out: dict) -> None:
         if spec["mode"] == "save":
             engine.save(job.iteration, job.rank_items(rank)).wait(timeout=120)
             return
+        if spec["mode"] == "steps":  # the same items saved as each of these steps, in turn
+            out["ok"] = []
+            for step in spec["steps"]:
+                engine.save(step, job.rank_items(rank)).wait(timeout=120)
+                out["ok"].append(step)
+            return
         loaded = engine.load()
         shard = rank_shard.parse(loaded.items["distrib_optim"], where=f"rank {rank}")
         (opt,) = shard.optimizers

@@ -22,11 +22,53 @@ WORKER = Path(__file__).with_name("megatron_worker.py")
 FIXTURES = Path(__file__).parent / "data" / "megatron"
 
 
-def _config(tmp_path: Path, layout: str, shm_root: str) -> dict:
+def _config(tmp_path: Path, layout: str, shm_root: str, kind: str = "fsspec") -> dict:
+    # fsspec: the gather at commit; local (every rank on this node): the ranks write Megatron's file in place
+    tier = ({"name": "shared", "kind": "fsspec", "url": f"file://{tmp_path / 'shared'}"} if kind == "fsspec" else
+            {"name": "shared", "kind": "local", "path": str(tmp_path / "shared")})
     return {"run_id": f"meg{uuid.uuid4().hex[:6]}", "layout": layout,
             "drain": {"mode": "thread", "commit_timeout_s": 30},
-            "tiers": [{"name": "shm", "kind": "shm", "path": shm_root},
-                      {"name": "shared", "kind": "fsspec", "url": f"file://{tmp_path / 'shared'}"}]}
+            "tiers": [{"name": "shm", "kind": "shm", "path": shm_root}, tier]}
+
+
+def test_megatron_layout_in_place_on_a_local_tier(tmp_path, shm_root):
+    """4 gloo ranks, a local tier whose commit covers the job: every rank writes its ranges of Megatron's file
+    in place (no staging files, no gather); the file is Megatron's, and the step resumes at DP 4 (each rank's
+    shards read back from the merged file, verified) and re-splits at DP 2."""
+    from megatron_synthetic import SyntheticJob, write_checkpoint
+
+    cfg = _config(tmp_path, "megatron", shm_root, kind="local")
+    saved = run_ranks(4, {"config": cfg, "mode": "save", "job": {"dp": 4}}, worker=WORKER)
+    assert all("error" not in r for r in saved.values()), saved
+    step_dir = tmp_path / "shared" / "iter_0000100"
+    manifest = json.loads((step_dir / "tiered_ckpt" / "manifest.json").read_text())
+    # the checkpoint manifest lists exactly the step's files, each whole; the ranks' ranges of the merged file
+    # are in their rank manifests, keyed by that file
+    on_disk = {str(p.relative_to(tmp_path / "shared")) for p in step_dir.rglob("*")
+               if p.is_file() and "tiered_ckpt" not in p.parts}
+    assert {f["key"] for f in manifest["files"]} == on_disk
+    optim = [f for f in manifest["files"] if f["item"] == "distrib_optim"]
+    assert [f["key"] for f in optim] == ["iter_0000100/mp_rank_00/distrib_optim.pt"]
+    assert optim[0]["checksum"].startswith("crc32:") and optim[0]["meta"]["written"] == "in_place"
+    assert optim[0]["size"] == (step_dir / "mp_rank_00" / "distrib_optim.pt").stat().st_size
+    for rank in range(4):
+        ranks = json.loads((step_dir / "tiered_ckpt" / f"rank_{rank:05d}.json").read_text())
+        pieces = [f for f in ranks["files"] if "in_place" in f["meta"]]
+        assert [f["key"] for f in pieces] == [optim[0]["key"]]
+        assert pieces[0]["meta"]["in_place"]["plan"] == optim[0]["meta"]["plan"]
+    assert not list(step_dir.glob("rank_*/distrib_optim.pt")) and not list(step_dir.rglob(".*.tmp-*"))
+    reference = tmp_path / "reference"
+    write_checkpoint(SyntheticJob(dp=4), str(reference), layout="megatron", manifest=False)
+    theirs = reference / "iter_0000100" / "mp_rank_00" / "distrib_optim.pt"
+    assert (step_dir / "mp_rank_00" / "distrib_optim.pt").read_bytes() == theirs.read_bytes()
+    disk_only = {**cfg, "tiers": cfg["tiers"][1:]}  # shm still holds the snapshots: read the files
+    for world in (4, 2):
+        again = run_ranks(world, {"config": disk_only, "mode": "load", "job": {"dp": world}}, worker=WORKER)
+        for rank, r in again.items():
+            assert "error" not in r, r
+            assert r["step"] == 100 and r["tier"] == "shared" and r["dp_rank"] == rank
+            assert r["shards"] == r["expected"], f"DP {world}, rank {rank}: shards differ from Megatron's recipe"
+            assert r["model_ok"] is True
 
 
 @pytest.mark.parametrize("layout", ["megatron", "rank_sharded"])

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import os
 import threading
+import zlib
 from collections.abc import Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
 
 import xxhash
 
@@ -19,6 +21,37 @@ ASYNC_MIN = 4 << 20  # smaller pieces are hashed inline: a thread hand-off would
 
 def new_hasher() -> xxhash.xxh3_128:
     return xxhash.xxh3_128()
+
+
+CRC32 = "crc32"  # Megatron's file written in place by the DP ranks: its checksum is combined from theirs
+
+
+try:  # ISA-L's CRC-32 is several times zlib's (the same values)
+    from isal.isal_zlib import crc32 as _crc32
+except ImportError:  # pragma: no cover - platforms without isal wheels
+    _crc32 = zlib.crc32
+
+
+class Crc32Hasher:
+    """``update``/``hexdigest`` over zlib's CRC-32 (eight hex digits)."""
+
+    def __init__(self) -> None:
+        self.crc = 0
+
+    def update(self, data: Chunk) -> None:
+        self.crc = _crc32(as_memoryview(data), self.crc)
+
+    def hexdigest(self) -> str:
+        return f"{self.crc:08x}"
+
+
+def hasher_for(checksum: str) -> Any:
+    """A hasher of the algorithm a manifest's ``checksum`` names (``xxh3_128``, or ``crc32`` for files whose
+    checksum was combined from ranges), or None for an unknown one."""
+    algorithm = checksum.split(":", 1)[0]
+    if algorithm == ALGORITHM:
+        return new_hasher()
+    return Crc32Hasher() if algorithm == CRC32 else None
 
 
 class HashingStream:

@@ -34,6 +34,10 @@ POINTS: dict[str, str] = {
     "store.retain_uncommitted": "file_store.retain: an old step's manifest is deleted, its files not yet",
     "files.deleting": "tiers/_files: deleting a step directory, before each file (hit 2: midway)",
     "files.temp_written": "tiers/_files: a temporary file is written (and fsynced), not yet renamed",
+    "megatron.pieces_written": "megatron/inplace: a rank's ranges of distrib_optim.pt are written and synced, "
+                               "its rank manifest is not",
+    "megatron.in_place_complete": "megatron/inplace: the committing rank completed distrib_optim.pt, not renamed",
+    "megatron.in_place_renamed": "megatron/inplace: distrib_optim.pt is in place, the checkpoint manifest is not",
     "fsspec.temp_written": "tiers/fsspec_tier: a temporary file is written on a renaming store, not yet moved",
 }
 

@@ -179,7 +179,8 @@ class DrainRuntime:
         req, store = job.req, self.stores[tier]
         self.fence()
         written = store.write_step(req.step, self.coords, self.stores[source], slot=job.memory_slots.get(source),
-                                   pinned=lambda step: self.is_pinned(tier, step), hasher=self._hasher)
+                                   pinned=lambda step: self.is_pinned(tier, step), hasher=self._hasher,
+                                   node_ranks=self.node_ranks)
         try:
             if written.slot is not None:
                 job.memory_slots[tier] = written.slot

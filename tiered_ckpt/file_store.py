@@ -46,7 +46,7 @@ from .memory_store import MemoryStore
 from .parallel import ParallelLayout, RankCoords, layout_changes
 from .retry import call_with_retry
 from .snapshot_record import UNVERIFIED
-from .step_read import read_committed_step
+from .step_read import read_committed_step, read_in_place_item
 from .store import Store, Written
 from .tiers.base import Chunk, Tier, as_memoryview
 
@@ -154,7 +154,7 @@ class FileStore(CommittedFiles):
         return [legacy] if legacy is not None else steps
 
     def write_step(self, step: int, coords: RankCoords, source: Store, *, slot: int | None,
-                   pinned: Callable[[int], bool], hasher: Executor) -> Written:
+                   pinned: Callable[[int], bool], hasher: Executor, node_ranks: list[int] | None = None) -> Written:
         """This rank's files and manifest of ``step``, encoded from a snapshot or copied from a file tier."""
         mem = source.slots()
         if mem is None:
@@ -175,7 +175,10 @@ class FileStore(CommittedFiles):
         check = hasher.submit(mem.check_sources, meta, sources) if meta.checksummed else None
         entries: list[FileEntry] = []
         try:
-            entries = [e for e in (self._write_item(step, coords, src) for src in sources) if e is not None]
+            job_scope = not self.tier.capabilities.node_local or (
+                node_ranks is not None and len(set(node_ranks)) == coords.world_size)
+            entries = [e for e in (self._write_item(step, coords, src, job_scope=job_scope) for src in sources)
+                       if e is not None]
             if check is not None:
                 check.result()
             if meta.checksums == UNVERIFIED:  # the files say so, so that loads of them say verified=False
@@ -247,11 +250,17 @@ class FileStore(CommittedFiles):
         entries = [e for e in (self._write_item(step, coords, src) for src in sources) if e is not None]
         return self._publish_rank(step, coords, entries)
 
-    def _write_item(self, step: int, coords: RankCoords, src: ItemSource) -> FileEntry | None:
+    def _write_item(self, step: int, coords: RankCoords, src: ItemSource, *, job_scope: bool = False
+                    ) -> FileEntry | None:
         codec = self.codecs[self.layout.file_codec(src.name, self.cfg)]  # the tier's codec choice (layouts/base.py)
         key = self.layout.item_key(step, src.name, coords, codec.extension)
         if key is None:
             return None
+        if job_scope and self.compression_name is None:
+            # the megatron layout's ranks write their ranges of Megatron's merged file themselves (layouts/megatron.py)
+            entry = self.layout.write_in_place(self, step, coords, src, key)
+            if entry is not None:
+                return entry
         grouping = self.byte_grouping and codec.supports_byte_grouping
         size, checksum, raw = self._write_file(
             key, lambda: codec.encode(src, byte_grouping=grouping), step, coords.rank)
@@ -314,6 +323,11 @@ class FileStore(CommittedFiles):
         rank_manifest = source.read_rank_manifest(step, coords.rank)
         entries = []
         for entry in rank_manifest.files:
+            if "in_place" in entry.meta:  # this rank's ranges of Megatron's merged file: its own file here
+                obj = read_in_place_item(source, step, coords, entry, verify=True)
+                written = self._write_item(step, coords, item_source(entry.item, obj))
+                entries += [written] if written is not None else []
+                continue
             blob = source._retry(lambda e=entry: source.tier.read_blob_hashed(e.key, max_size=e.size), step,
                                  coords.rank, f"read {entry.key}")
             source.verify(entry, blob)
@@ -384,7 +398,7 @@ class FileStore(CommittedFiles):
         for r in ranks:
             files.extend(votes[r].files)
         scope = "job" if len(ranks) == coords.world_size else "node"
-        files += self.layout.finalize(self, step, coords.layout, files, scope)
+        files = self.layout.checkpoint_files(files, self.layout.finalize(self, step, coords.layout, files, scope))
         manifest = CheckpointManifest(step=step, layout=self.layout.name, parallel=coords.layout.to_dict(),
                                       files=tuple(files), run_id=self.run_id, extra={"ranks": ranks, "scope": scope})
         key = self.layout.manifest_key(step)

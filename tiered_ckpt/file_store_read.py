@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from .checksum import ALGORITHM, digest, new_hasher
+from .checksum import ALGORITHM, digest, hasher_for
 from .codecs.file_codecs import FileCodec
 from .compression import decompress_to_tensor
 from .errors import BlobNotFoundError, CorruptionError, DecodeError
@@ -104,8 +104,12 @@ class CommittedFiles:
     def verify(self, entry: FileEntry, blob: torch.Tensor, hexdigest: str | None = None) -> None:
         """Raise CorruptionError unless ``blob`` is the file the manifest describes. ``hexdigest``: the blob's
         digest under this build's algorithm, if already computed while reading it."""
-        if blob.numel() == entry.size and entry.checksum.startswith(f"{ALGORITHM}:") and hexdigest is None:
-            hexdigest = digest(blob)
+        if blob.numel() == entry.size and hexdigest is None:
+            if entry.checksum.startswith(f"{ALGORITHM}:"):
+                hexdigest = digest(blob)
+            elif (crc := hasher_for(entry.checksum)) is not None:
+                crc.update(blob)
+                hexdigest = crc.hexdigest()
         check_entry(entry, blob.numel(), hexdigest or "", tier=self.name)
 
     def read_verified(self, entry: FileEntry, step: int | None, rank: int, *, verify: bool = True) -> torch.Tensor:
@@ -114,10 +118,10 @@ class CommittedFiles:
 
         The checksum is computed while the tier reads (``Tier.read_blob_hashed``: the ``local`` tier hashes its
         parallel pieces as they arrive), not in a second pass over the bytes."""
-        hash_it = verify and entry.checksum.startswith(f"{ALGORITHM}:")
+        hash_it = verify and hasher_for(entry.checksum) is not None
 
         def attempt() -> tuple[torch.Tensor, str | None]:
-            hasher = new_hasher() if hash_it else None
+            hasher = hasher_for(entry.checksum) if hash_it else None
             blob = self.tier.read_blob_hashed(entry.key, hasher, max_size=entry.size)
             return blob, hasher.hexdigest() if hasher is not None else None
 

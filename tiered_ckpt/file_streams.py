@@ -11,7 +11,7 @@ from collections.abc import Callable, Iterable, Iterator
 
 import zstandard
 
-from .checksum import ALGORITHM, new_hasher
+from .checksum import ALGORITHM, CRC32, hasher_for
 from .errors import CorruptionError
 from .manifest import FileEntry
 from .tiers.base import Tier
@@ -21,14 +21,14 @@ PIECE = 16 << 20  # bytes per read_range when streaming a file (a writer may hol
 
 def check_entry(entry: FileEntry, size: int, hexdigest: str, *, tier: str, key: str | None = None) -> None:
     """Raise :class:`CorruptionError` (naming ``tier`` and the file) unless stored bytes of ``size`` bytes with
-    ``hexdigest`` (under this build's algorithm) are the file ``entry`` describes."""
+    ``hexdigest`` (under the algorithm the entry names) are the file ``entry`` describes."""
     key = entry.key if key is None else key
     if size != entry.size:
         raise CorruptionError(f"size is {size} bytes, the manifest says {entry.size}", tier=tier, key=key)
     algorithm = entry.checksum.split(":", 1)[0]
-    if algorithm != ALGORITHM:
+    if algorithm not in (ALGORITHM, CRC32):
         raise CorruptionError(f"unknown checksum algorithm {algorithm!r}", tier=tier, key=key)
-    if f"{ALGORITHM}:{hexdigest}" != entry.checksum:
+    if f"{algorithm}:{hexdigest}" != entry.checksum:
         raise CorruptionError("checksum mismatch: the file's bytes differ from what was written", tier=tier, key=key)
 
 
@@ -44,7 +44,7 @@ def checked_pieces(tier: Tier, key: str, entry: FileEntry | None, *, verify: boo
     """:func:`pieces` of ``key``, hashed on the way and checked against ``entry`` after the last one (when there
     is an entry and ``verify``): a damaged file raises before the stream ends, so nothing built from it is
     used. ``on_read(n)`` counts the bytes read."""
-    hasher = new_hasher() if entry is not None and verify else None
+    hasher = hasher_for(entry.checksum) if entry is not None and verify else None
     n = 0
     for piece in pieces(tier, key, entry.size if entry is not None else None):
         if hasher is not None:

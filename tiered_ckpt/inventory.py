@@ -136,8 +136,10 @@ def file_steps(store: FileStore) -> list[StepInfo]:
         if step in committed:
             try:
                 m = store.read_manifest(step)
+                # the ranks that committed it: a rank whose part is ranges of another's file lists no file of its own
+                voters = {r for r in m.extra.get("ranks", ()) if isinstance(r, int)}
                 out.append(StepInfo(store.name, step, "committed", m.total_bytes, now - m.created, len(m.files),
-                                    sorted({f.rank for f in m.files})))
+                                    sorted({f.rank for f in m.files} | voters)))
                 continue
             except (CorruptionError, TierError) as exc:
                 out.append(StepInfo(store.name, step, f"corrupt manifest ({exc})", 0, None, 0))
@@ -227,14 +229,22 @@ def _verify_file(store: FileStore, entry: Any, report: VerifyReport, algorithm: 
     except (TierError, OSError) as exc:
         report.problems.append(f"{entry.key}: cannot read: {exc}")
         return
-    stream = hashing([blob])
-    for _ in stream:
-        pass
+    if entry.checksum.startswith("crc32:"):  # written in place by the DP ranks (megatron/inplace.py)
+        from .checksum import CRC32, hasher_for
+
+        crc = hasher_for(entry.checksum)
+        crc.update(blob)
+        algorithm, nbytes, hexdigest = CRC32, blob.numel(), crc.hexdigest()
+    else:
+        stream = hashing([blob])
+        for _ in stream:
+            pass
+        nbytes, hexdigest = stream.nbytes, stream.hexdigest
     report.checked += 1
-    report.nbytes += stream.nbytes
-    if stream.nbytes != entry.size:
-        report.problems.append(f"{entry.key}: size {stream.nbytes}, manifest says {entry.size}")
-    elif f"{algorithm}:{stream.hexdigest}" != entry.checksum:
+    report.nbytes += nbytes
+    if nbytes != entry.size:
+        report.problems.append(f"{entry.key}: size {nbytes}, manifest says {entry.size}")
+    elif f"{algorithm}:{hexdigest}" != entry.checksum:
         report.problems.append(f"{entry.key}: checksum mismatch")
     elif is_megatron_file(entry.key):  # intact, but would Megatron-LM load it?
         problem = _megatron_refusal(store, entry.key)

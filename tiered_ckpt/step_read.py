@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from .errors import LayoutMismatchError, NoCheckpointError, TierError
+from .errors import CorruptionError, LayoutMismatchError, NoCheckpointError, TierError
 from .layouts.base import MODEL_ITEM, OPTIM_ITEM
 from .load_into import apply_into, tensors
 from .parallel import RankCoords, layout_changes
@@ -44,10 +44,54 @@ def read_committed_step(store: FileStore, step: int, coords: RankCoords, *, copy
     items = store.load_rank(manifest, coords, verify=verify, copy=copy, map_location=map_location,
                             trust_pickles=trust_pickles)
     mine = store.layout.files_for_rank(manifest.files, manifest.parallel, coords)
+    ranges = _in_place_ranges(store, manifest, coords)
+    if ranges is not None:
+        items[ranges.item] = read_in_place_item(store, step, coords, ranges, verify=verify, trust=trust_pickles)
+        mine.append(ranges)
     # files drained from a snapshot of unverified origin (snapshot_record.UNVERIFIED) match their checksums, but
     # nothing showed those bytes were the ones saved
     origin_ok = not any(f.meta.get("origin") == "unverified" for f in mine)
     return items, verify and origin_ok, sum(f.size for f in mine)
+
+
+def _in_place_ranges(store: FileStore, manifest: Any, coords: RankCoords) -> Any:
+    """This rank's entry for its ranges of a Megatron file written in place (None: it wrote none). The checkpoint
+    manifest lists the file (``written: in_place``, the ranks it holds); the ranges and their CRC-32s are in the
+    rank's own manifest, which must describe that file's plan (else a CorruptionError: the load falls back)."""
+    merged = [f for f in manifest.files if f.meta.get("written") == "in_place"
+              and coords.rank in f.meta.get("merged_from", ())]
+    if not merged:
+        return None
+    key = store.layout.rank_manifest_key(manifest.step, coords.rank)
+    ranks = store._retry(lambda: store.read_rank_manifest(manifest.step, coords.rank), manifest.step, coords.rank,
+                         f"read {key}")
+    for entry in ranks.files:
+        facts = entry.meta.get("in_place")
+        if isinstance(facts, dict) and entry.key == merged[0].key and facts.get("plan") == merged[0].meta.get("plan"):
+            return entry
+    raise CorruptionError(f"rank {coords.rank}'s manifest lists no ranges of {merged[0].key} as committed",
+                          tier=store.name, key=key)
+
+
+def read_in_place_item(store: FileStore, step: int, coords: RankCoords, entry: Any, *, verify: bool,
+                       trust: bool = False) -> Any:
+    """A rank's ``distrib_optim`` item written in place into Megatron's merged file (``entry.meta.in_place``):
+    its ranges checked against the CRC-32s it recorded (``verify``), then split out of the file by range."""
+    from .megatron import inplace, legacy, rank_shard
+    from .megatron.distrib_optim import split_state
+    from .megatron.source import StepSource
+
+    if verify:
+        store._retry(lambda: inplace.read_pieces_ok(store.tier, entry), step, coords.rank, f"read {entry.key}")
+    info = legacy.detect(store.tier, step=step, trust_pickles=trust)
+    target = rank_shard.as_topology(coords.layout)
+    with StepSource(store.tier, info, trust_pickles=trust, verify=False) as src:
+        subs = []
+        for kind, group, dp_rank, state, geo in src.rank_parts(target, coords.rank):
+            shards = split_state(state, geo, dp_rank, dp_size=len(group))
+            subs.append(rank_shard.SubOptimizerShard(geo.with_dp_size(len(group)), dp_rank, tuple(group), shards,
+                                                     kind))
+        return rank_shard.build(rank=coords.rank, topology=target, optimizers=subs)
 
 
 def _refuse(store: FileStore, changed: list[str], step: int, why: str) -> LayoutMismatchError:

@@ -53,7 +53,10 @@ HITS = {
     "files.temp_written": (2, 5, 9),
     "fsspec.temp_written": (1, 3),
 }
-assert set(HITS) == set(crashpoints.POINTS), "every crash point is exercised"
+# The megatron layout's gather-free commit needs several ranks writing one file: its points are exercised on 4 gloo
+# ranks by test_megatron_inplace_crash.py (rank_sharded here never reaches them).
+MULTIRANK_POINTS = {"megatron.pieces_written", "megatron.in_place_complete", "megatron.in_place_renamed"}
+assert set(HITS) | MULTIRANK_POINTS == set(crashpoints.POINTS), "every crash point is exercised"
 
 # Tier configurations: (name, tiers, drain mode). "process" runs the drain in a worker process.
 CONFIGS = {
@@ -284,7 +287,7 @@ def test_crash_point(sc: Scenario, zygote: Zygote, tmp_path: Path, shm_root: str
 def test_scenario_count():
     """Issue #9 asks for at least 50 crash scenarios."""
     assert len(SCENARIOS) >= 50
-    assert len({s.point for s in SCENARIOS}) == len(crashpoints.POINTS)
+    assert len({s.point for s in SCENARIOS}) == len(set(crashpoints.POINTS) - MULTIRANK_POINTS)
 
 
 def test_crash_point_is_inert_unless_armed(monkeypatch):

@@ -120,6 +120,16 @@ class Layout:
         """Files made at commit from other files (not a rank's own item): never loaded as a rank's item."""
         return False
 
+    def write_in_place(self, store: Any, step: int, coords: RankCoords, src: Any, key: str) -> FileEntry | None:
+        """Write item ``src`` (whose own file would be ``key``) into a file the layout derives at commit, when the
+        store's commit covers the job; return its entry, or None to write ``key`` as usual (the default)."""
+        return None
+
+    def checkpoint_files(self, files: list[FileEntry], derived: list[FileEntry]) -> list[FileEntry]:
+        """The checkpoint manifest's files: the ranks' (``files``) and those :meth:`finalize` made (``derived``).
+        Every one names a file of the step, whole. Default: all of them."""
+        return files + derived
+
     def finalize(self, store: Any, step: int, parallel: ParallelLayout, files: list[FileEntry], scope: str
                  ) -> list[FileEntry]:
         """Called by the committing rank once every rank's files of ``step`` are on ``store``, before the

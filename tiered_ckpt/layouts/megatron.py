@@ -1,10 +1,13 @@
 """``megatron``: byte-for-byte Megatron-LM's legacy ``torch`` format.
 
 ``distrib_optim.pt`` sits beside ``model_optim_rng.pt`` and holds the DP-gathered buckets. No rank holds the
-gathered state when it saves, so each rank first writes its own shard where the ``rank_sharded`` layout does
-(:meth:`optimizer_key`, the staging file); at commit, one rank merges a step's staging files into
+gathered state when it saves. On a POSIX file tier whose commit covers the job, each rank writes its own byte
+ranges of Megatron's file in place (:meth:`write_in_place`, :mod:`tiered_ckpt.megatron.inplace`) and the
+committing rank completes it at commit: no gather. Elsewhere (S3 and fsspec tiers, node-local commits,
+compression, chained optimizers with EP > 1) each rank writes its own shard where the ``rank_sharded`` layout
+does (:meth:`optimizer_key`, the staging file); at commit, one rank merges a step's staging files into
 :meth:`merged_optimizer_key` of every model-parallel group (:func:`tiered_ckpt.megatron.merge.merge_step_on_tier`,
-streamed, byte-identical to what Megatron writes).
+streamed). Both give the bytes Megatron writes.
 """
 
 from __future__ import annotations
@@ -38,9 +41,50 @@ class MegatronLayout(Layout):
         parts = entry.key.split("/")
         return entry.item == OPTIM_ITEM and len(parts) == 3 and parts[1].startswith("mp_rank_")
 
+    def write_in_place(self, store: Any, step: int, coords: RankCoords, src: Any, key: str) -> FileEntry | None:
+        """This rank's ranges of its directory's ``distrib_optim.pt``, written into the file all its DP group
+        writes (None: the tier cannot, or this job's optimizers need the gather; ``key``, its staging file, is
+        then written instead)."""
+        writer = store.tier.positional() if src.name == OPTIM_ITEM else None
+        if writer is None:
+            return None
+        from ..megatron import inplace, rank_shard
+
+        shard = rank_shard.parse(src.materialize(), where=f"rank {coords.rank}'s {OPTIM_ITEM}")
+        facts = store._retry(lambda: inplace.write_rank_pieces(writer, self.step_dir(step), shard,
+                                                                run_id=store.run_id, step=step),
+                             step, coords.rank, f"write {OPTIM_ITEM} in place")
+        if facts is None:
+            return None
+        from ..manifest import FileEntry
+
+        size, checksum = inplace.piece_checksum(facts)
+        # its key: the file it holds ranges of (``meta.in_place.pieces``); kept in the rank manifest only
+        return FileEntry(key=facts["key"], item=OPTIM_ITEM, rank=coords.rank, codec="torch", size=size,
+                         checksum=checksum, compression=None, raw_size=size, meta={"in_place": facts})
+
+    def checkpoint_files(self, files: list[FileEntry], derived: list[FileEntry]) -> list[FileEntry]:
+        """The ranks' ranges of a file written in place are not files: the checkpoint manifest lists the file
+        (its entry: ``written: in_place``), the ranges stay in the rank manifests, where a load finds them."""
+        return [f for f in files if "in_place" not in f.meta] + derived
+
     def finalize(self, store: Any, step: int, parallel: ParallelLayout, files: list[FileEntry], scope: str
                  ) -> list[FileEntry]:
-        """Merge the step's per-rank optimizer shards into Megatron's gathered files (streamed, verified)."""
+        """Complete Megatron's files the ranks wrote in place, or merge the step's per-rank optimizer shards into
+        them (streamed, verified)."""
+        pieces = [f for f in files if "in_place" in f.meta]
+        if pieces:
+            from ..errors import LayoutMismatchError
+            from ..megatron.inplace import finish_files
+
+            writer = store.tier.positional()
+            mixed = [f.rank for f in files if f.item == OPTIM_ITEM and "in_place" not in f.meta
+                     and not self.is_derived(f)]
+            if mixed or scope != "job" or writer is None:
+                why = f"ranks {mixed[:8]} did not" if mixed else "this commit cannot finish them"
+                raise LayoutMismatchError(f"step {step}: ranks wrote {OPTIM_ITEM} in place on tier {store.name!r}, "
+                                          f"but {why}")
+            return store._retry(lambda: finish_files(writer, step, pieces), step, 0, f"finish {OPTIM_ITEM} in place")
         staged = [f for f in files if f.item == OPTIM_ITEM and not self.is_derived(f)]
         if not staged or any(self.is_derived(f) for f in files):
             return []  # nothing to merge, or the Megatron files are already there (written by `convert`)

@@ -227,19 +227,8 @@ class _ZipStream:
         """One zip record. ``address``: place the data at a file offset congruent to it modulo a page (the
         padding grows from < 64 bytes to < 4 KiB), so that an O_DIRECT writer can send it without a copy."""
         full = f"{self.archive}/{name}".encode()
-        big_size, big_offset = size >= ZIP64_FROM, self.offset >= ZIP64_FROM
-        zip64 = b""
-        if big_size or big_offset:
-            fields = (struct.pack("<QQ", size, size) if big_size else b"") + (
-                struct.pack("<Q", self.offset) if big_offset else b"")
-            zip64 = struct.pack("<HH", 1, len(fields)) + fields
-        start = self.offset + 30 + len(full) + len(zip64) + 4
-        pad = -start % ALIGNMENT if address is None or address % ALIGNMENT else (address - start) % IO_BLOCK
-        extra = zip64 + b"FB" + struct.pack("<H", pad) + b"Z" * pad
-        # miniz streams data (descriptor after it, flag bit 3) except for empty records
-        flags = 0x0808 if size else 0x0800
-        head = struct.pack("<IHHHHHIIIHH", 0x04034B50, 0, flags, 0, 0, 0, 0, 0, 0, len(full), len(extra))
-        yield head + full + extra
+        head = local_header(full, size, self.offset, address)
+        yield head
         crc, n = 0, 0
         for chunk in chunks:
             mv = as_memoryview(chunk)
@@ -264,31 +253,61 @@ class _ZipStream:
             del chunk, mv, pending  # let the producer free its piece before making the next one
         if n != size:
             raise ValueError(f"record {name}: {n} bytes produced, {size} announced")
-        tail = struct.pack("<IIQQ" if big_size else "<IIII", 0x08074B50, crc, size, size) if size else b""
+        tail = descriptor(crc, size)
         if tail:
             yield tail
         self.entries.append(_Entry(full, self.offset, size, crc))
-        self.offset += len(head) + len(full) + len(extra) + size + len(tail)
+        self.offset += len(head) + size + len(tail)
 
     def finish(self) -> bytes:
-        out = io.BytesIO()
-        for e in self.entries:
-            big_size, big_offset = e.size >= ZIP64_FROM, e.offset >= ZIP64_FROM
-            fields = (struct.pack("<QQ", e.size, e.size) if big_size else b"") + (
-                struct.pack("<Q", e.offset) if big_offset else b"")
-            extra = struct.pack("<HH", 1, len(fields)) + fields if fields else b""
-            size32 = ZIP64_MARKER if big_size else e.size
-            flags = 0x0808 if e.size else 0x0800
-            out.write(struct.pack("<IHHHHHHIIIHHHHHII", 0x02014B50, 0, 0, flags, 0, 0, 0, e.crc, size32, size32,
-                                  len(e.name), len(extra), 0, 0, 0, 0, ZIP64_MARKER if big_offset else e.offset))
-            out.write(e.name + extra)
-        cd_size, cd_offset, n = out.tell(), self.offset, len(self.entries)
-        eocd64 = self.offset + cd_size
-        out.write(struct.pack("<IQHHIIQQQQ", 0x06064B50, 44, 0x031E, 0x2D, 0, 0, n, n, cd_size, cd_offset))
-        out.write(struct.pack("<IIQI", 0x07064B50, 0, eocd64, 1))
-        out.write(struct.pack("<IHHHHIIH", 0x06054B50, 0, 0, min(n, 0xFFFF), min(n, 0xFFFF),
-                              min(cd_size, ZIP64_MARKER), min(cd_offset, ZIP64_MARKER), 0))
-        return out.getvalue()
+        return central_directory(self.entries, self.offset)
+
+
+def local_header(full: bytes, size: int, offset: int, address: int | None = None) -> bytes:
+    """A record's local header (name and padding included) at file offset ``offset``: its data starts right
+    after it, 64-byte aligned (``address``: page-congruent to it, see :func:`iter_torch_save`)."""
+    big_size, big_offset = size >= ZIP64_FROM, offset >= ZIP64_FROM
+    zip64 = b""
+    if big_size or big_offset:
+        fields = (struct.pack("<QQ", size, size) if big_size else b"") + (
+            struct.pack("<Q", offset) if big_offset else b"")
+        zip64 = struct.pack("<HH", 1, len(fields)) + fields
+    start = offset + 30 + len(full) + len(zip64) + 4
+    pad = -start % ALIGNMENT if address is None or address % ALIGNMENT else (address - start) % IO_BLOCK
+    extra = zip64 + b"FB" + struct.pack("<H", pad) + b"Z" * pad
+    # miniz streams data (descriptor after it, flag bit 3) except for empty records
+    flags = 0x0808 if size else 0x0800
+    head = struct.pack("<IHHHHHIIIHH", 0x04034B50, 0, flags, 0, 0, 0, 0, 0, 0, len(full), len(extra))
+    return head + full + extra
+
+
+def descriptor(crc: int, size: int) -> bytes:
+    """The data descriptor after a record's data (none for an empty record)."""
+    if not size:
+        return b""
+    return struct.pack("<IIQQ" if size >= ZIP64_FROM else "<IIII", 0x08074B50, crc, size, size)
+
+
+def central_directory(entries: list[_Entry], offset: int) -> bytes:
+    """The central directory and the zip64 end records, written at ``offset`` (the end of the last record)."""
+    out = io.BytesIO()
+    for e in entries:
+        big_size, big_offset = e.size >= ZIP64_FROM, e.offset >= ZIP64_FROM
+        fields = (struct.pack("<QQ", e.size, e.size) if big_size else b"") + (
+            struct.pack("<Q", e.offset) if big_offset else b"")
+        extra = struct.pack("<HH", 1, len(fields)) + fields if fields else b""
+        size32 = ZIP64_MARKER if big_size else e.size
+        flags = 0x0808 if e.size else 0x0800
+        out.write(struct.pack("<IHHHHHHIIIHHHHHII", 0x02014B50, 0, 0, flags, 0, 0, 0, e.crc, size32, size32,
+                              len(e.name), len(extra), 0, 0, 0, 0, ZIP64_MARKER if big_offset else e.offset))
+        out.write(e.name + extra)
+    cd_size, cd_offset, n = out.tell(), offset, len(entries)
+    eocd64 = offset + cd_size
+    out.write(struct.pack("<IQHHIIQQQQ", 0x06064B50, 44, 0x031E, 0x2D, 0, 0, n, n, cd_size, cd_offset))
+    out.write(struct.pack("<IIQI", 0x07064B50, 0, eocd64, 1))
+    out.write(struct.pack("<IHHHHIIH", 0x06054B50, 0, 0, min(n, 0xFFFF), min(n, 0xFFFF),
+                          min(cd_size, ZIP64_MARKER), min(cd_offset, ZIP64_MARKER), 0))
+    return out.getvalue()
 
 
 def iter_torch_save(obj: Any, *, archive: str = "archive", page_congruent: bool = False,

@@ -40,11 +40,14 @@ def _address(mv: memoryview) -> int:
 
 
 class DirectWriter:
-    """Writes a stream of memoryviews to ``fd`` (opened with ``O_DIRECT``) from offset 0; call :meth:`finish`."""
+    """Writes a stream of memoryviews to ``fd`` (opened with ``O_DIRECT``) from offset ``start`` (0, or a
+    multiple of ``BLOCK``); call :meth:`finish`."""
 
-    def __init__(self, fd: int):
+    def __init__(self, fd: int, start: int = 0):
+        if start % BLOCK:
+            raise ValueError(f"a direct write starts at a multiple of {BLOCK}, not at {start}")
         self.fd = fd
-        self.pos = 0  # file offset of the next block-aligned write
+        self.pos = start  # file offset of the next block-aligned write
         self.direct = True
         self._maps = [mmap.mmap(-1, BOUNCE) for _ in range(2)]
         self._views = [memoryview(m) for m in self._maps]

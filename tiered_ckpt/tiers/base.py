@@ -285,6 +285,13 @@ class Tier(ABC):
         ``ValueError``. Default: refuses every key (the default lists none)."""
         raise ValueError(f"{key!r} is not a temporary file of tier {self.name!r} (kind {self.kind!r} lists none)")
 
+    def positional(self) -> Any:
+        """A writer of one file at known offsets, shared by several processes (``open``, ``write_range``,
+        ``pwrite``, ``truncate``, ``sync``, ``close``, ``rename``: :class:`~._positional.PositionalFiles`), or None
+        when this tier cannot (object stores). The ``megatron`` layout's ranks write Megatron's file in place
+        through it. Default: None."""
+        return None
+
     def describe(self) -> str:
         """One line for logs and ``tiered-ckpt ls``: where this tier keeps its blobs."""
         return f"{self.kind}"

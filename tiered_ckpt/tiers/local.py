@@ -23,6 +23,7 @@ import torch
 
 from ..errors import PermanentTierError
 from ._files import BlobFiles, FilesHousekeeping
+from ._positional import PositionalFiles
 from .base import Capabilities, Chunk, Tier, TierContext, check_key
 
 
@@ -74,6 +75,8 @@ class LocalTier(FilesHousekeeping, Tier):
     def delete_prefix(self, prefix: str) -> None:
         self.files.delete_prefix(prefix)
 
+    def positional(self) -> PositionalFiles:
+        return PositionalFiles(self.files)
 
     def describe(self) -> str:
         return f"local {self.root}" + ("" if self.options.fsync else " (fsync off)") + (
