@@ -31,7 +31,8 @@ from tiered_ckpt import CheckpointEngine, SaveError
 HANG_GUARD_S = 120.0  # only against a hang: every wait below ends long before when the code is right
 
 PARENT = textwrap.dedent("""
-    import json, os, sys, time
+    import faulthandler, json, os, sys, time
+    faulthandler.dump_traceback_later({dump_after!r})  # a hang shows where each thread is (stderr, in the failure)
     sys.path.insert(0, {tests!r})
     from helpers import make_items
     from tiered_ckpt import CheckpointEngine
@@ -79,7 +80,8 @@ def _release(pid: int | None) -> None:
 
 
 def _start_parent(cfg: dict, wait: bool, then: str) -> tuple[subprocess.Popen, int]:
-    script = PARENT.format(tests=str(Path(__file__).parent.parent), cfg=json.dumps(cfg), wait=wait, then=then)
+    script = PARENT.format(tests=str(Path(__file__).parent.parent), cfg=json.dumps(cfg), wait=wait, then=then,
+                           dump_after=HANG_GUARD_S - 20)
     proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     line = proc.stdout.readline()
     if not line.startswith("WORKER"):
@@ -162,7 +164,9 @@ def test_interpreter_exit_is_bounded_with_the_worker_stopped(shm_root, tmp_path)
         try:
             code = parent.wait(timeout=HANG_GUARD_S)
         except subprocess.TimeoutExpired:
-            pytest.fail("the interpreter's exit hangs on the stopped drain worker")
+            parent.kill()
+            pytest.fail("the interpreter's exit hangs on the stopped drain worker; its threads, 20 s before:\n"
+                        + parent.communicate()[1][-6000:])
         assert code == 0, parent.stderr.read()[-3000:]
         assert _wait_gone(worker)
     finally:
