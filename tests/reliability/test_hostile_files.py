@@ -280,24 +280,27 @@ def test_a_save_into_a_linked_step_directory_fails_instead_of_committing_invisib
     assert list(copy.outside.iterdir()) == []
 
 
-@pytest.mark.parametrize("tier", TIERS)
-def test_a_data_file_far_larger_than_its_manifest_says_is_not_read(copy, tier, recorder, monkeypatch):
-    os.truncate(copy.path(tier, "data"), BIG)
-    reads = []
+@pytest.fixture
+def reads(monkeypatch) -> list[int]:
+    """The sizes of every whole-file read the file tiers make from now on."""
+    sizes: list[int] = []
     real = _files.read_file
-    monkeypatch.setattr(_files, "read_file", lambda fd, size, **kw: reads.append(size) or real(fd, size, **kw))
+    monkeypatch.setattr(_files, "read_file", lambda fd, size, **kw: sizes.append(size) or real(fd, size, **kw))
+    return sizes
+
+
+@pytest.mark.parametrize("tier", TIERS)
+def test_a_data_file_far_larger_than_its_manifest_says_is_not_read(copy, tier, recorder, reads):
+    os.truncate(copy.path(tier, "data"), BIG)
     with CheckpointEngine(copy.config(tier, BACKUP[tier])) as engine:
         assert_fell_back(copy, tier, "data", engine.load(), recorder, f"is {BIG} bytes, more than the")
     assert BIG not in reads
 
 
 @pytest.mark.parametrize("tier", TIERS)
-def test_a_huge_file_where_the_manifest_should_be_is_not_read(copy, tier, recorder, monkeypatch):
+def test_a_huge_file_where_the_manifest_should_be_is_not_read(copy, tier, recorder, reads):
     """A manifest has no manifest to bound it: a file far above any manifest's size is refused before a read."""
     os.truncate(copy.path(tier, "manifest"), BIG)
-    reads = []
-    real = _files.read_file
-    monkeypatch.setattr(_files, "read_file", lambda fd, size, **kw: reads.append(size) or real(fd, size, **kw))
     with CheckpointEngine(copy.config(tier, BACKUP[tier])) as engine:
         assert_fell_back(copy, tier, "manifest", engine.load(), recorder, f"{BIG} bytes where a manifest should be")
     assert BIG not in reads
