@@ -11,8 +11,8 @@ import zlib
 
 import pytest
 import torch
+from megatron_synthetic import ModelSpec, SyntheticJob
 
-from tests.megatron_synthetic import ModelSpec, SyntheticJob
 from tiered_ckpt.errors import CorruptionError, LayoutMismatchError
 from tiered_ckpt.megatron import inplace, rank_shard
 from tiered_ckpt.megatron.crc_combine import crc32_combine, crc32_of_parts
