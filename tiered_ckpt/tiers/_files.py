@@ -254,6 +254,16 @@ class BlobFiles:
                 self.direct_io = False
         return os.open(path, flags, self.file_mode), False
 
+    def rename_temp(self, tmp: str, final: str, key: str) -> None:
+        """A written temp file takes ``final``'s place (crash point first); a temp file gone meanwhile is transient."""
+        crash_point(self.temp_written_point)
+        try:
+            os.rename(tmp, final)
+        except FileNotFoundError as exc:
+            raise vanished_temp(tmp, final, tier=self.tier, key=key) from exc
+        except OSError as exc:
+            raise self.error(exc, key, "rename into", final) from exc
+
     def write(self, key: str, chunks: Iterable[Any], check: Callable[[int, int], None] | None = None) -> int:
         """Temp file in the target directory, write, (fsync), rename, (fsync the directory and new dirs)."""
         final = self.path(key)
@@ -280,13 +290,7 @@ class BlobFiles:
                         raise self.error(exc, key, "fsync", tmp) from exc
             finally:
                 os.close(fd)
-            crash_point(self.temp_written_point)
-            try:
-                os.rename(tmp, final)
-            except FileNotFoundError as exc:
-                raise vanished_temp(tmp, final, tier=self.tier, key=key) from exc
-            except OSError as exc:
-                raise self.error(exc, key, "rename into", final) from exc
+            self.rename_temp(tmp, final, key)
         except BaseException:
             try:
                 os.unlink(tmp)

@@ -27,10 +27,9 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-from ..crashpoints import crash_point
 from ..retry import repeat_on
 from ._direct_io import BLOCK, BOUNCE, DIRECT_MIN, DirectWriter
-from ._files import _WRITE_MAX, BlobFiles, fsync_dir, make_dirs, vanished_temp
+from ._files import _WRITE_MAX, BlobFiles, fsync_dir, make_dirs
 from ._nofollow import check_dirs
 
 log = logging.getLogger(__name__)
@@ -159,14 +158,8 @@ class PositionalFiles:
     def rename(self, tmp_key: str, key: str) -> None:
         """``tmp_key`` (written and synced) replaces ``key``; then the directories are fsynced."""
         f = self.files
-        tmp, final = f.path(tmp_key), f.path(key)
-        crash_point(f.temp_written_point)
-        try:
-            os.rename(tmp, final)
-        except FileNotFoundError as exc:
-            raise vanished_temp(tmp, final, tier=f.tier, key=key) from exc
-        except OSError as exc:
-            raise f.error(exc, key, "rename into", final) from exc
+        final = f.path(key)
+        f.rename_temp(f.path(tmp_key), final, key)
         if f.fsync:
             directory = os.path.dirname(final)
             try:
