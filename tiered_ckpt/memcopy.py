@@ -146,12 +146,16 @@ def copy_tensors(pairs: Iterable[tuple[torch.Tensor, torch.Tensor]], nthreads: i
                 dst.copy_(src)
 
 
+def plain_bytes(t: torch.Tensor) -> bool:
+    """Whether ``t``'s values are exactly its bytes in host memory, one run of them (contiguous, strided, CPU,
+    no conjugate or negative bit, not quantized)."""
+    return (t.device.type == "cpu" and t.layout == torch.strided and t.is_contiguous() and not t.is_conj()
+            and not t.is_neg() and not t.is_quantized)
+
+
 def bytewise(src: torch.Tensor, dst: torch.Tensor) -> bool:
     """Whether ``dst.copy_(src)`` is a plain move of ``src``'s bytes into ``dst``'s."""
-    return (src.device.type == "cpu" and dst.device.type == "cpu" and src.dtype == dst.dtype
-            and src.shape == dst.shape and src.layout == torch.strided and dst.layout == torch.strided
-            and src.is_contiguous() and dst.is_contiguous() and not src.is_conj() and not dst.is_conj()
-            and not src.is_neg() and not dst.is_neg() and not src.is_quantized)
+    return src.dtype == dst.dtype and src.shape == dst.shape and plain_bytes(src) and plain_bytes(dst)
 
 
 def fresh_buffer(nbytes: int) -> torch.Tensor:

@@ -142,8 +142,7 @@ def _build_copies(plan: SnapshotPlan, dest: torch.Tensor) -> _Copies:
             typed = bases[dtype] = (base, base.storage_offset(), dtype.itemsize)
         contiguous = src.is_contiguous()
         sdev = src.device
-        if (dest_cpu and contiguous and sdev.type == "cpu" and type(src) in _PLAIN and src.layout == torch.strided
-                and not src.is_conj() and not src.is_neg() and not src.is_quantized):
+        if dest_cpu and type(src) in _PLAIN and memcopy.plain_bytes(src):
             nbytes = src.numel() * src.element_size()
             if nbytes:
                 out.spans.append((dest_addr + entry.offset, src.data_ptr(), nbytes))
