@@ -5,6 +5,7 @@ from __future__ import annotations
 import ctypes
 import mmap
 import os
+import threading
 import uuid
 
 import pytest
@@ -20,8 +21,9 @@ from tiered_ckpt.load_into import copy_out, copy_out_verified, copy_pairs, copy_
 
 @pytest.fixture(params=[1, 3], ids=["1-thread", "3-threads"])
 def split_small(request, monkeypatch):
-    """Copies split over ``param`` threads even when tiny, so the shares' edges fall inside tensors."""
+    """Copies split over ``param`` threads even when tiny, in pieces whose edges fall inside tensors."""
     monkeypatch.setattr(memcopy, "SPLIT_MIN", 0)
+    monkeypatch.setattr(memcopy, "PIECE_MIN", 1)
     monkeypatch.setattr(memcopy, "threads", lambda: request.param)
     return request.param
 
@@ -95,14 +97,32 @@ def test_copy_into_of_a_large_tensor_on_several_threads_is_exact(monkeypatch):
     assert torch.equal(out["t"], t) and torch.equal(out["u"], t[1:])
 
 
-def test_split_cuts_spans_into_equal_contiguous_shares():
+def test_pieces_cut_spans_in_order_and_drop_empty_ones():
     spans = [(1000, 5000, 7), (2000, 6000, 0), (3000, 7000, 10), (4000, 8000, 3)]
-    shares = memcopy.split(spans, 3)
-    assert [sum(n for _, _, n in s) for s in shares] == [7, 7, 6]
-    flat = [(d + i, s + i) for share in shares for d, s, n in share for i in range(n)]
+    cut = memcopy.pieces(spans, 4)
+    assert [n for _, _, n in cut] == [4, 3, 4, 4, 2, 3]
+    flat = [(d + i, s + i) for d, s, n in cut for i in range(n)]
     assert flat == [(d + i, s + i) for d, s, n in spans for i in range(n)]
-    assert memcopy.split([(1, 2, 0)], 4) == []
-    assert memcopy.split(spans, 100) and all(share for share in memcopy.split(spans, 100))
+    assert memcopy.pieces([(1, 2, 0)], 4) == []
+
+
+def test_copy_spans_moves_many_pieces_on_every_thread(monkeypatch):
+    monkeypatch.setattr(memcopy, "PIECE_MIN", 1 << 20)
+    src = torch.randint(0, 255, (memcopy.SPLIT_MIN * 5 + 4321,), dtype=torch.uint8)
+    dst = torch.zeros_like(src)
+    seen: set[str] = set()
+    move = ctypes.memmove
+
+    def recording(*args):
+        seen.add(threading.current_thread().name)
+        return move(*args)
+
+    monkeypatch.setattr(memcopy.ctypes, "memmove", recording)
+    half = src.numel() // 2
+    memcopy.copy_spans([(dst.data_ptr(), src.data_ptr(), half),
+                        (dst.data_ptr() + half, src.data_ptr() + half, src.numel() - half)], nthreads=2)
+    assert torch.equal(dst, src)
+    assert len(seen) == 2  # the calling thread and one of the pool's
 
 
 def test_parallel_map_keeps_the_order_and_raises_the_first_error():

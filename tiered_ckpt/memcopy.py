@@ -2,9 +2,11 @@
 
 A single ``Tensor.copy_`` may or may not spread over torch's intra-op threads; on the 2-core development VM it
 often did not, and a snapshot copy ran at half the machine's bandwidth. :func:`copy_spans` takes the byte
-ranges to move, splits their total into ``torch.get_num_threads()`` equal contiguous shares and moves each
-with ``memmove`` (through ctypes, which releases the GIL) on a thread of a small persistent pool, the calling
-thread taking one share itself. The pool is made on first use and made again in a forked child.
+ranges to move, cuts them into pieces (about eight per thread, at least :data:`PIECE_MIN`) and moves them with
+``memmove`` (through ctypes, which releases the GIL) on ``torch.get_num_threads()`` threads of a small persistent
+pool, the calling thread among them, each taking the next piece as it finishes one: a core that another process
+holds for a while then costs the copy a piece's time, not a whole share's (the save's tail latency on a busy
+machine). The pool is made on first use and made again in a forked child.
 
 :func:`fresh_buffer`: anonymous memory for a restore's copy, populated before the copy in one call (a copy
 into untouched pages faults each of them in turn, slower than populating them at once); huge pages only on
@@ -35,6 +37,8 @@ R = TypeVar("R")
 #: on bare metal.
 HUGE_PAGES = False
 SPLIT_MIN = 4 << 20  # bytes below which a copy stays on the calling thread (a hand-off costs more than it saves)
+PIECE_MIN = 8 << 20  # the smallest piece a thread takes at a time
+PIECES_PER_THREAD = 8
 HUGE = 2 << 20  # the transparent huge page size fresh buffers are aligned to
 _MADV_HUGEPAGE = 14
 _MADV_POPULATE_WRITE = 23  # Linux 5.14+; older kernels refuse it and the pages are touched instead
@@ -48,27 +52,6 @@ _libc.madvise.restype = ctypes.c_int
 def threads() -> int:
     """How many threads a copy uses: torch's intra-op thread count (a drain worker sets it to 1)."""
     return max(1, torch.get_num_threads())
-
-
-def split(spans: Iterable[Span], shares: int) -> list[list[Span]]:
-    """``spans`` cut into at most ``shares`` lists of about equal total bytes, each contiguous in the order given
-    (a span may be cut in two at a share's boundary); empty spans are dropped."""
-    spans = [s for s in spans if s[2] > 0]
-    total = sum(n for _, _, n in spans)
-    if total == 0:
-        return []
-    per = max(1, -(-total // max(1, shares)))
-    out: list[list[Span]] = [[]]
-    used = 0
-    for dst, src, n in spans:
-        while n:
-            if used == per:
-                out.append([])
-                used = 0
-            k = min(n, per - used)
-            out[-1].append((dst, src, k))
-            dst, src, n, used = dst + k, src + k, n - k, used + k
-    return out
 
 
 def _move(share: Sequence[Span]) -> None:
@@ -115,16 +98,26 @@ def parallel_map(fn: Callable[[T], R], items: Sequence[T], nthreads: int | None 
     return results
 
 
+def pieces(spans: Iterable[Span], size: int) -> list[Span]:
+    """``spans`` cut into pieces of at most ``size`` bytes, in order; empty spans are dropped."""
+    out: list[Span] = []
+    for dst, src, n in spans:
+        for off in range(0, n, size):
+            out.append((dst + off, src + off, min(size, n - off)))
+    return out
+
+
 def copy_spans(spans: Iterable[Span], nthreads: int | None = None) -> None:
     """Move every span's bytes (non-overlapping host memory that stays alive for the call) on ``nthreads``
-    threads (default :func:`threads`), in equal shares of the total."""
+    threads (default :func:`threads`), each taking the next piece as it finishes one (module docstring)."""
     spans = list(spans)
     total = sum(n for _, _, n in spans)
     n = threads() if nthreads is None else max(1, nthreads)
     if total < SPLIT_MIN or n == 1:
         _move(spans)
         return
-    run_shares(_move, split(spans, n))
+    size = max(PIECE_MIN, -(-total // (n * PIECES_PER_THREAD)))
+    parallel_map(lambda span: ctypes.memmove(*span), pieces(spans, size), n)
 
 
 def copy_tensors(pairs: Iterable[tuple[torch.Tensor, torch.Tensor]], nthreads: int | None = None) -> None:

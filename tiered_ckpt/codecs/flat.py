@@ -165,7 +165,7 @@ def copy_into(plan: SnapshotPlan, dest: torch.Tensor, *, synchronize: bool = Tru
     """Copy every source of ``plan`` into its slot of ``dest`` (a 1-D uint8 tensor of >= ``total_bytes``).
 
     CPU -> CPU: the bytes of contiguous sources are moved on every core torch uses (:mod:`tiered_ckpt.memcopy`:
-    the total split into equal shares, one ``memmove`` thread each); a non-contiguous source (or one with a
+    pieces that every thread takes in turn, one ``memmove`` each); a non-contiguous source (or one with a
     conjugate or negative bit) is a ``copy_`` into a typed view. Copies involving CUDA are issued with
     ``non_blocking=True`` on a side stream per CUDA device involved (:mod:`tiered_ckpt.cuda_streams`), after the
     work already queued on the current stream (the tensors' producers). Unless ``synchronize=False`` this then
