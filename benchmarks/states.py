@@ -19,6 +19,7 @@ run. Neither compresses in any useful way, like real weights. Only torch is need
 from __future__ import annotations
 
 import math
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,6 +28,9 @@ from typing import Any
 import torch
 
 CACHE = Path(__file__).resolve().parent / ".cache"
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:  # the Megatron state's generator is tests/megatron_synthetic.py
+    sys.path.insert(0, str(REPO))
 
 SEED = 0
 _BLOCK = 1 << 23  # elements of the random block every tensor is filled from (32 MiB of fp32)
