@@ -37,8 +37,12 @@ demo: venv
 	$(BIN)/tiered-ckpt demo
 
 # `make bench BENCH_ARGS="--quick"` (or --sections peers,layouts,s3,scale, --states ...): see benchmarks/README.md
-bench: venv
+bench: venv $(VENV)/.bench-installed
 	$(BIN)/python benchmarks/run_all.py $(BENCH_ARGS)
+
+$(VENV)/.bench-installed: $(STAMP)
+	$(BIN)/pip install --quiet -e ".[bench]"
+	touch $@
 
 lint: venv
 	$(BIN)/ruff check .

@@ -10,7 +10,8 @@ write+fsync of the same bytes (``limits.DirectIO``, with the disk's best request
 Prints one row per case (medians: blocking s, GB/s, ceiling / ours; save() call -> durable s, GB/s,
 O_DIRECT ceiling / ours; how many timed saves waited for a free slot, and for how long in all) and writes the
 JSON; with matplotlib installed it also draws the curves as a PNG
-(``--plot``; matplotlib is not a dependency of the package: without it the table is the result).
+(``--plot``; matplotlib, the ``bench`` extra that ``make bench`` installs, is not a dependency of the package:
+without it the table is the result).
 
     python benchmarks/bench_scale.py [--quick] [--cases 0.25g,1g,4g,small10k] [--warm 5] [--dir DIR]
                                      [--json PATH] [--plot PATH]
@@ -156,7 +157,7 @@ def plot(rows: list[dict[str, Any]], path: str) -> str:
         import matplotlib.pyplot as plt
         import matplotlib.ticker
     except ImportError:
-        return "no plot: matplotlib is not installed (pip install matplotlib; the table above is the result)"
+        return "no plot: matplotlib is not installed (pip install -e '.[bench]'; the table above is the result)"
     curve = [r for r in rows if r["tensors"] < 1000]
     small = [r for r in rows if r["tensors"] >= 1000]
     fig, ax = plt.subplots(1, 2, figsize=(10, 4))
