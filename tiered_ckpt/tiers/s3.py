@@ -66,26 +66,6 @@ from .fsspec_tier import FsspecOptions, FsspecTier
 log = logging.getLogger(__name__)
 
 
-def read_spans(start: int, size: int, part: int, concurrency: int) -> list[tuple[int, int]]:
-    """(offset, length) ranges tiling ``[start, size)``: one per connection, none shorter than ``part``.
-
-    One long range per connection rather than many part-sized ones: each request streams at the
-    connection's speed either way, and fewer requests cost fewer round trips and, on servers that read
-    the whole object to answer a range (moto does), far less of the server's time.
-    """
-    rest = size - start
-    if rest <= 0:
-        return []
-    count = max(1, min(concurrency, rest // part))
-    span, longer = divmod(rest, count)  # the first ``longer`` ranges one byte longer: all at least ``part``
-    spans, off = [], start
-    for i in range(count):
-        n = span + (i < longer)
-        spans.append((off, n))
-        off += n
-    return spans
-
-
 class S3Tier(FsspecTier):
     """The ``fsspec`` kind on S3 (module docstring)."""
 
@@ -282,11 +262,10 @@ class S3Tier(FsspecTier):
 
     async def _aread_all(self, key: str, path: str, bucket: str, obj: str,
                          max_size: int | None = None) -> torch.Tensor:
-        """The object in parallel ranged GETs into one tensor.
+        """The object in ``part_size`` ranges, ``max_concurrency`` at a time, into one tensor.
 
-        The first range (``part_size`` bytes) tells the size (and is the whole blob when it fits: one atomic
-        GET); the rest is read as soon as its headers arrive, ``If-Match`` its ETag, in at most
-        ``max_concurrency`` ranges of at least ``part_size`` bytes each (:func:`read_spans`).
+        The first range's answer tells the size (and is the whole blob when it fits: one atomic GET); the
+        other ranges start as soon as its headers arrive, ``If-Match`` its ETag.
         """
         part = self.options.part_size
 
@@ -319,8 +298,7 @@ class S3Tier(FsspecTier):
                                         lambda: self._get_into(bucket, obj, etag, off, view[off:off + n], True),
                                         nbytes=n, missing_ok=True)
 
-            tasks = [asyncio.ensure_future(one(off, n))
-                     for off, n in read_spans(head_n, size, part, self.options.max_concurrency)]
+            tasks = [asyncio.ensure_future(one(off, min(part, size - off))) for off in range(part, size, part)]
             try:
                 async with gate:
                     try:
