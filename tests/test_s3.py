@@ -277,6 +277,24 @@ def test_stalls_past_the_timeout_are_retried_and_never_hang(remote, shm_root, re
     assert remote.uploads_in_progress() == []
 
 
+def test_a_completion_slower_than_the_read_timeout_is_waited_for_not_sent_again(remote, shm_root, caplog):
+    """A server may assemble a large upload for longer than the read timeout before it answers
+    CompleteMultipartUpload (moto takes 15 s and more for 1 GiB and sends nothing meanwhile): the tier waits, within
+    a ceiling scaled to the object's size, instead of timing out and sending the completion again while the first
+    is still at work (which moto answered with 500 InternalError, and the whole file was uploaded again)."""
+    items = make_state(9)
+    slow = remote.proxy.inject("stall", op="CompleteMultipartUpload", delay_s=2.5)  # answered 2.5 s late
+    with CheckpointEngine(config(shm_root, remote.tier(timeout_s=1))) as engine:  # read timeout: 1 s
+        handle = engine.save(90, items)
+        handle.wait(timeout=60)
+        assert handle.results == {"s3": True}
+    assert slow.hits == 1
+    assert remote.proxy.count("CompleteMultipartUpload") == 1
+    assert remote.proxy.count("UploadPart") == 4  # 16 MiB in 5 MiB parts, each sent once
+    assert "try 1 of" not in caplog.text
+    assert_same(items, load_from_s3(remote).items)
+
+
 # ----- 3. a deadline that runs out: nothing partial visible ------------------------------------------------
 def test_deadline_exceeded_leaves_nothing_visible(remote, shm_root, tmp_path, recorder, capsys, monkeypatch):
     items = make_state(8)

@@ -302,16 +302,18 @@ class Upload:
 
         async def complete() -> Any:
             tries[0] += 1
-            try:
-                return await self.tier.fs._call_s3("complete_multipart_upload", Bucket=self.bucket, Key=self.obj,
-                                                   UploadId=upload_id, MultipartUpload={"Parts": parts})
+            try:  # the server may assemble the object for a long time before it answers: a patient client
+                return await self.tier.patient_fs()._call_s3("complete_multipart_upload", Bucket=self.bucket,
+                                                             Key=self.obj, UploadId=upload_id,
+                                                             MultipartUpload={"Parts": parts})
             except FileNotFoundError:
                 # NoSuchUpload on a second try: the first one completed but its answer was lost?
                 if tries[0] > 1 and await self._completed_as(parts):
                     return None
                 raise
 
-        self.tier.run_sync(self.tier.arequest, "complete the multipart upload of", self.key, self.path, complete)
+        self.tier.run_sync(self.tier.arequest, "complete the multipart upload of", self.key, self.path, complete,
+                           nbytes=self.total)  # its ceiling: the timeouts plus the object's size at 1 MiB/s
 
     async def _completed_as(self, parts: list[dict[str, Any]]) -> bool:
         expected = multipart_etag(parts)

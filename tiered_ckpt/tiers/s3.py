@@ -23,7 +23,10 @@ fails is raised as a :class:`~tiered_ckpt.errors.TransientTierError` or
 ``retry`` events). botocore's and s3fs's own retries are turned off on the tier's client so that these two
 layers are the only ones and stay bounded. ``timeout_s`` sets botocore's connect and read timeouts; each request
 also has an overall ceiling (the timeouts plus its size at 1 MiB/s), so an upload whose server stopped reading
-fails instead of hanging.
+fails instead of hanging. ``CompleteMultipartUpload`` alone goes through a client without a read timeout
+(:meth:`S3Tier.patient_fs`), under a ceiling counted with the object's size: a server may assemble a large object
+for longer than the read timeout before it answers, and a timed-out completion would be sent again while the
+first is still at work.
 
 Endpoint and credentials come from ``options`` (``endpoint_url``, ``key``, ``secret``, ``token``,
 ``client_kwargs``, ``config_kwargs``...) or the usual environment variables (``AWS_ACCESS_KEY_ID``,
@@ -43,6 +46,7 @@ import threading
 from collections.abc import Awaitable, Callable, Iterable
 from typing import Any
 
+import fsspec
 import torch
 
 from ..errors import BlobNotFoundError, CorruptionError, PermanentTierError, TierError, TransientTierError
@@ -65,6 +69,8 @@ from .fsspec_tier import FsspecOptions, FsspecTier
 
 log = logging.getLogger(__name__)
 
+PATIENT_READ_TIMEOUT = 24 * 3600.0  # botocore's read timeout on patient_fs: the request's own ceiling ends it first
+
 
 class S3Tier(FsspecTier):
     """The ``fsspec`` kind on S3 (module docstring)."""
@@ -79,6 +85,21 @@ class S3Tier(FsspecTier):
         connect = config.get("connect_timeout", getattr(self.fs, "connect_timeout", 5))
         read = config.get("read_timeout", getattr(self.fs, "read_timeout", 15))
         self._base_timeout: float | None = (connect or 0) + (read or 0) if connect and read else None
+        self._patient: Any = None  # the client for slow answers (patient_fs)
+
+    def patient_fs(self) -> Any:
+        """A second s3fs instance, with the tier's settings but no read timeout, for requests whose answer may be
+        long in coming: ``CompleteMultipartUpload`` of a large object, which a server may assemble for many
+        seconds before it says anything (real S3 sends blanks meanwhile; moto and others send nothing, and the
+        tier's read timeout would cut it and send the request again while the first one is still at work). Each
+        such request is still bounded by its ceiling, scaled to the object's size (``arequest(nbytes=...)``)."""
+        if self._patient is None:
+            config = {**self._storage["config_kwargs"], "read_timeout": PATIENT_READ_TIMEOUT}
+            fs, _ = fsspec.core.url_to_fs(self.options.url, **{**self._storage, "config_kwargs": config},
+                                          loop=self.fs.loop)  # the same event loop: used from the tier's coroutines
+            fs.retries = 1
+            self._patient = fs
+        return self._patient
 
     def _storage_options(self) -> dict[str, Any]:
         """The storage options for s3fs: the user's, plus the tier's timeouts, pool size and retry policy."""
