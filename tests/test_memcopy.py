@@ -5,7 +5,6 @@ from __future__ import annotations
 import ctypes
 import mmap
 import os
-import threading
 import uuid
 
 import pytest
@@ -97,32 +96,35 @@ def test_copy_into_of_a_large_tensor_on_several_threads_is_exact(monkeypatch):
     assert torch.equal(out["t"], t) and torch.equal(out["u"], t[1:])
 
 
-def test_pieces_cut_spans_in_order_and_drop_empty_ones():
+def test_pieces_gather_spans_in_order_into_equal_pieces():
     spans = [(1000, 5000, 7), (2000, 6000, 0), (3000, 7000, 10), (4000, 8000, 3)]
     cut = memcopy.pieces(spans, 4)
-    assert [n for _, _, n in cut] == [4, 3, 4, 4, 2, 3]
-    flat = [(d + i, s + i) for d, s, n in cut for i in range(n)]
+    assert [sum(n for _, _, n in p) for p in cut] == [4, 4, 4, 4, 4]
+    assert cut[1] == [(1004, 5004, 3), (3000, 7000, 1)]  # a span's end and the next one's start share a piece
+    flat = [(d + i, s + i) for p in cut for d, s, n in p for i in range(n)]
     assert flat == [(d + i, s + i) for d, s, n in spans for i in range(n)]
     assert memcopy.pieces([(1, 2, 0)], 4) == []
+    assert len(memcopy.pieces([(0, 0, 1)] * 1000, 100)) == 10  # many short spans: few hand-offs
 
 
-def test_copy_spans_moves_many_pieces_on_every_thread(monkeypatch):
+def test_copy_spans_hands_pieces_to_every_thread(monkeypatch):
     monkeypatch.setattr(memcopy, "PIECE_MIN", 1 << 20)
     src = torch.randint(0, 255, (memcopy.SPLIT_MIN * 5 + 4321,), dtype=torch.uint8)
     dst = torch.zeros_like(src)
-    seen: set[str] = set()
-    move = ctypes.memmove
+    calls = []
+    real = memcopy.parallel_map
 
-    def recording(*args):
-        seen.add(threading.current_thread().name)
-        return move(*args)
+    def recording(fn, items, nthreads=None):
+        calls.append((len(items), nthreads))
+        return real(fn, items, nthreads)
 
-    monkeypatch.setattr(memcopy.ctypes, "memmove", recording)
+    monkeypatch.setattr(memcopy, "parallel_map", recording)
     half = src.numel() // 2
     memcopy.copy_spans([(dst.data_ptr(), src.data_ptr(), half),
                         (dst.data_ptr() + half, src.data_ptr() + half, src.numel() - half)], nthreads=2)
     assert torch.equal(dst, src)
-    assert len(seen) == 2  # the calling thread and one of the pool's
+    (count, nthreads), = calls
+    assert nthreads == 2 and count == 2 * memcopy.PIECES_PER_THREAD  # taken in turn by both threads
 
 
 def test_parallel_map_keeps_the_order_and_raises_the_first_error():

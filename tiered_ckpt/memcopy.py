@@ -98,13 +98,20 @@ def parallel_map(fn: Callable[[T], R], items: Sequence[T], nthreads: int | None 
     return results
 
 
-def pieces(spans: Iterable[Span], size: int) -> list[Span]:
-    """``spans`` cut into pieces of at most ``size`` bytes, in order; empty spans are dropped."""
-    out: list[Span] = []
+def pieces(spans: Iterable[Span], size: int) -> list[list[Span]]:
+    """``spans`` in order, gathered into pieces of ``size`` bytes (the last one shorter): a span longer than what
+    is left of a piece is cut at its edge, many short ones share one piece (one hand-off for all of them)."""
+    out: list[list[Span]] = [[]]
+    used = 0
     for dst, src, n in spans:
-        for off in range(0, n, size):
-            out.append((dst + off, src + off, min(size, n - off)))
-    return out
+        while n:
+            if used == size:
+                out.append([])
+                used = 0
+            k = min(n, size - used)
+            out[-1].append((dst, src, k))
+            dst, src, n, used = dst + k, src + k, n - k, used + k
+    return [p for p in out if p]
 
 
 def copy_spans(spans: Iterable[Span], nthreads: int | None = None) -> None:
@@ -117,7 +124,7 @@ def copy_spans(spans: Iterable[Span], nthreads: int | None = None) -> None:
         _move(spans)
         return
     size = max(PIECE_MIN, -(-total // (n * PIECES_PER_THREAD)))
-    parallel_map(lambda span: ctypes.memmove(*span), pieces(spans, size), n)
+    parallel_map(_move, pieces(spans, size), n)
 
 
 def copy_tensors(pairs: Iterable[tuple[torch.Tensor, torch.Tensor]], nthreads: int | None = None) -> None:
