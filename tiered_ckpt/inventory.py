@@ -200,7 +200,6 @@ def verify_step(store: FileStore, step: int, progress: bool | TextIO = False) ->
     (its total is the step's size) and ends at 100%, files that failed included."""
     from tqdm import tqdm
 
-    from .checksum import ALGORITHM, HashingStream
     from .megatron.loadable import is_megatron_file
 
     report = VerifyReport(store.name, step)
@@ -214,7 +213,7 @@ def verify_step(store: FileStore, step: int, progress: bool | TextIO = False) ->
               unit_scale=True, unit_divisor=1024, disable=not progress, file=stream_out, leave=True) as bar:
         for entry in manifest.files:
             try:
-                _verify_file(store, entry, report, ALGORITHM, HashingStream, is_megatron_file)
+                _verify_file(store, entry, report, is_megatron_file)
             finally:
                 bar.update(entry.size)
     if manifest.layout == "dcp" and report.ok:  # DCP's .metadata against the files (issue #14)
@@ -222,24 +221,19 @@ def verify_step(store: FileStore, step: int, progress: bool | TextIO = False) ->
     return report
 
 
-def _verify_file(store: FileStore, entry: Any, report: VerifyReport, algorithm: str, hashing: Any,
-                 is_megatron_file: Any) -> None:
+def _verify_file(store: FileStore, entry: Any, report: VerifyReport, is_megatron_file: Any) -> None:
+    from .checksum import hasher_for, new_hasher
+
+    # Hashed while it is read, under the algorithm the entry names (xxh3-128, or crc32 for Megatron's file written
+    # in place by the DP ranks); an unknown one is hashed as xxh3 and so reported as a mismatch.
+    hasher = hasher_for(entry.checksum) or new_hasher()
+    algorithm = entry.checksum.split(":", 1)[0]
     try:
-        blob = store.tier.read_blob_hashed(entry.key, max_size=entry.size)  # a far larger file is never read whole
+        blob = store.tier.read_blob_hashed(entry.key, hasher, max_size=entry.size)  # a far larger file: never whole
     except (TierError, OSError) as exc:
         report.problems.append(f"{entry.key}: cannot read: {exc}")
         return
-    if entry.checksum.startswith("crc32:"):  # written in place by the DP ranks (megatron/inplace.py)
-        from .checksum import CRC32, hasher_for
-
-        crc = hasher_for(entry.checksum)
-        crc.update(blob)
-        algorithm, nbytes, hexdigest = CRC32, blob.numel(), crc.hexdigest()
-    else:
-        stream = hashing([blob])
-        for _ in stream:
-            pass
-        nbytes, hexdigest = stream.nbytes, stream.hexdigest
+    nbytes, hexdigest = blob.numel(), hasher.hexdigest()
     report.checked += 1
     report.nbytes += nbytes
     if nbytes != entry.size:
