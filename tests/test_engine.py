@@ -149,6 +149,27 @@ def test_structure_change_replans_the_slot(tiers, recorder):
         assert_same(make_items(1), engine.load(step=1).items)
 
 
+def test_saves_of_one_structure_follow_every_change_of_its_values(tiers, recorder):
+    """The layout planned once is reused (no replan), and every save still holds its own values: tensors changed
+    in place, tensors replaced by new ones, and values that are not tensors."""
+    w, b = torch.randn(300, 300), torch.zeros(300)
+    items = {"model": {"w": w, "b": b}, "iteration": 1}
+    expected = {}
+    with CheckpointEngine(config(tiers, "shm", "local")) as engine:
+        for step in range(1, 6):
+            if step % 2:
+                w.mul_(-1.5)  # same memory
+            else:
+                items["model"]["b"] = torch.full((300,), float(step))  # a new tensor, elsewhere
+            items["iteration"] = step
+            expected[step] = {"model": {k: v.clone() for k, v in items["model"].items()}, "iteration": step}
+            engine.save(step, items).wait(timeout=60)
+        assert not recorder.kinds("replan")
+        for step in (4, 5):  # the shm slots hold the last two; the local tier every step
+            assert_same(expected[step], engine.load(step=step).items)
+        assert_same(expected[1], engine.load(step=1).items)
+
+
 def test_prepare_preallocates_slots(tiers, shm_root):
     with CheckpointEngine(config(tiers, "shm", "local")) as engine:
         engine.prepare(make_items(0))

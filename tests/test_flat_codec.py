@@ -860,6 +860,95 @@ def test_fingerprint_tracks_the_layout_only():
     assert decode_header(encode_header(plan_snapshot(base))).fingerprint == fp
 
 
+# ------------------------------------------------------------------------------- planning again (PlanMemo)
+
+
+def _planned_bytes(items, previous=None, dest=None):
+    plan = plan_snapshot(items, previous=previous)
+    buf = dest if dest is not None else torch.zeros(plan.total_bytes, dtype=torch.uint8)
+    copy_into(plan, buf[:plan.total_bytes])
+    return plan, encode_header(plan), buf[:plan.total_bytes].clone()
+
+
+@SETTINGS
+@given(structures, structures, st.sampled_from(["other", "same objects", "a deep copy"]))
+def test_a_plan_made_with_another_plans_memo_is_the_plan_made_without(first, other, which):
+    """Whatever the previous structure was (another one, the very same objects, or equal values elsewhere in
+    memory), planning with its memo gives the same entries, header and bytes as planning afresh, into the same
+    destination (so a stale copy list would show)."""
+    import copy
+
+    second = other if which == "other" else first if which == "same objects" else copy.deepcopy(first)
+    fresh, header, data = _planned_bytes({"s": second})
+    earlier = plan_snapshot({"s": first})
+    dest = torch.zeros(max(fresh.total_bytes, earlier.total_bytes), dtype=torch.uint8)
+    copy_into(earlier, dest[:earlier.total_bytes])  # the memo's copy list for this destination
+    dest.zero_()
+    if which == "a deep copy":
+        _scribble(first)  # a copy list still reading the first structure's memory would now copy other bytes
+    again, header2, data2 = _planned_bytes({"s": second}, previous=earlier.memo, dest=dest)
+    assert again.tensors == fresh.tensors and again.fingerprint == fresh.fingerprint
+    assert header2 == header and torch.equal(data2, data)
+
+
+def _scribble(obj):
+    if isinstance(obj, torch.Tensor):
+        if obj.numel():
+            with torch.no_grad():
+                obj.view(-1).view(torch.uint8).fill_(0x5A) if obj.is_contiguous() else obj.zero_()
+    elif isinstance(obj, np.ndarray):
+        if obj.size and obj.flags.writeable:
+            obj.reshape(-1).view(np.uint8).fill(0x5A) if obj.flags.c_contiguous and obj.dtype.itemsize else obj.fill(0)
+    elif isinstance(obj, dict | list | tuple):
+        for v in obj.values() if isinstance(obj, dict) else obj:
+            _scribble(v)
+    elif isinstance(obj, argparse.Namespace):
+        _scribble(vars(obj))
+
+
+def test_the_same_structure_reuses_the_layout_and_follows_new_values():
+    w = torch.randn(64, 64)
+    items = {"m": {"w": w, "b": torch.zeros(64)}, "it": 1}
+    dest = torch.zeros(plan_snapshot(items).total_bytes, dtype=torch.uint8)
+    first = plan_snapshot(items)
+    copy_into(first, dest)
+    w.add_(1)  # same memory, new values: the copy list is reused
+    items["it"] = 2  # a value in the tree
+    items["m"]["b"] = torch.ones(64)  # a new tensor, elsewhere in memory: its copy is planned again
+    second = plan_snapshot(items, previous=first.memo)
+    assert second.tensors is first.tensors and second.memo.tensors_json is first.memo.tensors_json
+    copy_into(second, dest)
+    out = restore(decode_header(encode_header(second)), dest)
+    assert torch.equal(out["m"]["w"], w) and torch.equal(out["m"]["b"], torch.ones(64)) and out["it"] == 2
+    assert encode_header(second) == encode_header(plan_snapshot(items))
+
+
+def test_a_changed_structure_is_planned_again():
+    items = {"a": torch.zeros(8), "b": torch.zeros(8)}
+    memo = plan_snapshot(items).memo
+    for changed in ({"a": torch.zeros(8), "b": torch.zeros(9)}, {"b": torch.zeros(8), "a": torch.zeros(8)},
+                    {"a": torch.zeros(8)}, {"a": torch.zeros(8), "b": torch.zeros(8), "c": torch.zeros(1)},
+                    {"a": torch.zeros(8), "b": torch.zeros(8, dtype=torch.float64)},
+                    {"a": torch.zeros(8), "b": torch.nn.Parameter(torch.zeros(8))}):
+        plan = plan_snapshot(changed, previous=memo)
+        assert plan.tensors == plan_snapshot(changed).tensors
+        assert plan.fingerprint == plan_snapshot(changed).fingerprint
+
+
+def test_a_memo_keeps_no_tensor_alive():
+    import gc
+    import weakref
+
+    t = torch.randn(1024)
+    ref = weakref.ref(t)
+    plan = plan_snapshot({"t": t})
+    copy_into(plan, torch.zeros(plan.total_bytes, dtype=torch.uint8))
+    memo = plan.memo
+    del plan, t
+    gc.collect()
+    assert ref() is None and memo.copies  # the copy list is kept, as addresses only
+
+
 # ---------------------------------------------------------------------------------------------- copy_into
 
 

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from . import events as ev
+from .codecs.flat import PlanMemo
 from .config import Config, TierConfig, load_config
 from .distributed import Coordinator
 from .drain_protocol import Drain, DrainRequest
@@ -71,6 +72,7 @@ class CheckpointEngine:
         self._handles: dict[int, list[SaveHandle]] = {}  # per step, oldest first: a step may be saved twice
         self._failures: dict[int, dict[str, str]] = {}  # since the last engine.wait(): step → tier → why
         self._fingerprints: tuple[str, ...] | None = None
+        self._plan_memos: dict[str, PlanMemo] = {}  # what planning each item at the next save may reuse
         self._cond = threading.Condition()
         self.recovered: list[SaveHandle] = []
         for store in self.pipeline.stores.values():
@@ -154,7 +156,8 @@ class CheckpointEngine:
                              "state dict given as the items, which would store each tensor as an item of its own. "
                              f"Name it: save({step}, {{\"model\": model.state_dict()}})")
         t0 = time.perf_counter()
-        placed, total = plan_items(items)
+        placed, total = plan_items(items, self._plan_memos)
+        self._plan_memos = {name: plan.memo for name, plan, _ in placed if plan.memo is not None}
         fingerprints = tuple(p.fingerprint for _, p, _ in placed)
         if self._fingerprints is not None and fingerprints != self._fingerprints:
             self._emit(ev.Event(ev.REPLAN, step=step, rank=self.coords.rank, tier=self.pipeline.entry, nbytes=total,

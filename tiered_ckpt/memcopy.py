@@ -114,17 +114,29 @@ def pieces(spans: Iterable[Span], size: int) -> list[list[Span]]:
     return [p for p in out if p]
 
 
+def split_spans(spans: Iterable[Span], nthreads: int) -> list[list[Span]]:
+    """The pieces :func:`copy_pieces` hands ``nthreads`` threads for ``spans`` (one piece: stay on the caller).
+    A caller that copies the same spans again keeps them (a snapshot of thousands of tensors, every save)."""
+    spans = list(spans)
+    total = sum(n for _, _, n in spans)
+    if total < SPLIT_MIN or nthreads <= 1:
+        return [spans]
+    return pieces(spans, max(PIECE_MIN, -(-total // (nthreads * PIECES_PER_THREAD))))
+
+
+def copy_pieces(parts: Sequence[Sequence[Span]], nthreads: int | None = None) -> None:
+    """Move the spans of every piece (:func:`split_spans`), each thread taking the next piece as it finishes one."""
+    if len(parts) == 1:
+        _move(parts[0])
+    else:
+        parallel_map(_move, parts, threads() if nthreads is None else max(1, nthreads))
+
+
 def copy_spans(spans: Iterable[Span], nthreads: int | None = None) -> None:
     """Move every span's bytes (non-overlapping host memory that stays alive for the call) on ``nthreads``
     threads (default :func:`threads`), each taking the next piece as it finishes one (module docstring)."""
-    spans = list(spans)
-    total = sum(n for _, _, n in spans)
     n = threads() if nthreads is None else max(1, nthreads)
-    if total < SPLIT_MIN or n == 1:
-        _move(spans)
-        return
-    size = max(PIECE_MIN, -(-total // (n * PIECES_PER_THREAD)))
-    parallel_map(_move, pieces(spans, size), n)
+    copy_pieces(split_spans(spans, n), n)
 
 
 def copy_tensors(pairs: Iterable[tuple[torch.Tensor, torch.Tensor]], nthreads: int | None = None) -> None:

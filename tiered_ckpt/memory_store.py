@@ -52,12 +52,14 @@ ITEM_ALIGN = IO_BLOCK  # where items start in a slot
 _born_pool = LazyPool(1, "tiered_ckpt-snapshot-checksums").get
 
 
-def plan_items(items: dict[str, Any]) -> tuple[list[tuple[str, flat.SnapshotPlan, int]], int]:
-    """Plan each item and place it in the slot: [(name, plan, offset)], total bytes."""
+def plan_items(items: dict[str, Any], memos: dict[str, flat.PlanMemo] | None = None
+               ) -> tuple[list[tuple[str, flat.SnapshotPlan, int]], int]:
+    """Plan each item and place it in the slot: [(name, plan, offset)], total bytes. ``memos``: each item's
+    last plan's ``memo`` (what planning it again may reuse)."""
     placed, end = [], 0
     for name, value in items.items():
         try:
-            plan = flat.plan_snapshot(value)
+            plan = flat.plan_snapshot(value, previous=memos.get(name) if memos else None)
         except EncodeError as exc:
             raise EncodeError(exc.detail, path=exc.path or "", item=name) from None
         # Items start on a page boundary, so a file tier can write each one's bytes with O_DIRECT, no copy.

@@ -101,24 +101,56 @@ class EnumStandIn:
         return self
 
 
+class PlanMemo:
+    """What planning one item learned, kept for planning the same item at the next save.
+
+    A training job saves the same structure at every step: with thousands of tensors, deriving the layout's
+    fingerprint, the header's tensor table and the copy lists again is most of a save's blocking time. The
+    caller (the engine, one memo per item) hands the last plan's memo to :func:`plan_snapshot`; while the walk
+    meets the same entries in the same order, it reuses them, and when every entry matched, the fingerprint
+    and the tensor table too; when every source is also the same memory, the copy lists. The memo holds no
+    tensor: only each entry's facts (``args``) and its source's address, strides and type (``source_keys``),
+    so it never keeps a state's memory alive."""
+
+    __slots__ = ("args", "source_keys", "entries", "total_bytes", "fingerprint", "tensors_json", "copies")
+
+    def __init__(self, args: list[tuple], source_keys: list[Any], entries: list[TensorEntry], total_bytes: int):
+        self.args = args
+        self.source_keys = source_keys
+        self.entries = entries
+        self.total_bytes = total_bytes
+        self.fingerprint: str | None = None
+        self.tensors_json: str | None = None  # the header's "tensors" array, encoded
+        self.copies: dict[Any, Any] = {}  # destination -> its copy lists (flat._Copies), while the sources hold
+
+
 class SnapshotPlan:
-    """The result of :func:`plan_snapshot`: where every tensor goes, and the header tree."""
+    """The result of :func:`plan_snapshot`: where every tensor goes, and the header tree. ``memo``: what the
+    next plan of the same structure may reuse (:class:`PlanMemo`)."""
 
-    __slots__ = ("tensors", "sources", "total_bytes", "tree", "_fingerprint", "_views")
+    __slots__ = ("tensors", "sources", "total_bytes", "tree", "_fingerprint", "_views", "memo")
 
-    def __init__(self, tensors: list[TensorEntry], sources: list[torch.Tensor], total_bytes: int, tree: Any):
+    def __init__(self, tensors: list[TensorEntry], sources: list[torch.Tensor], total_bytes: int, tree: Any,
+                 memo: PlanMemo | None = None):
         self.tensors = tensors
         self.sources = sources
         self.total_bytes = total_bytes
         self.tree = tree
         self._fingerprint: str | None = None
         self._views: tuple[Any, ...] | None = None
+        self.memo = memo
 
     @property
     def fingerprint(self) -> str:
         """Hash of the buffer layout (paths, kinds, dtypes, shapes, offsets). Equal => identical offsets."""
         if self._fingerprint is None:
-            self._fingerprint = _fingerprint(self.tensors, self.total_bytes)
+            memo = self.memo
+            fp = memo.fingerprint if memo is not None else None
+            if fp is None:
+                fp = _fingerprint(self.tensors, self.total_bytes)
+                if memo is not None:
+                    memo.fingerprint = fp
+            self._fingerprint = fp
         return self._fingerprint
 
     def __repr__(self) -> str:

@@ -25,6 +25,7 @@ from tiered_ckpt.codecs._flat_common import (
     ALIGNMENT,
     INLINE_BYTES_MAX,
     EnumStandIn,
+    PlanMemo,
     SnapshotPlan,
     TensorEntry,
     _check_np_dtype,
@@ -88,23 +89,50 @@ def _is_bare(v: Any) -> bool:
 
 
 class _Planner:
-    __slots__ = ("entries", "sources", "seen", "cursor")
+    __slots__ = ("entries", "sources", "seen", "cursor", "args", "source_keys", "previous", "same_sources")
 
-    def __init__(self) -> None:
+    def __init__(self, previous: PlanMemo | None = None) -> None:
         self.entries: list[TensorEntry] = []
         self.sources: list[torch.Tensor] = []
         self.seen: dict[Any, int] = {}
         self.cursor = 0
+        self.args: list[tuple] = []
+        self.source_keys: list[Any] = []
+        self.previous = previous  # None once an entry differs from the previous plan's (PlanMemo)
+        self.same_sources = previous is not None
 
-    def add(self, entry_args: tuple, src: torch.Tensor, nbytes: int) -> int:
+    def add(self, entry_args: tuple, src: torch.Tensor, nbytes: int, source_key: Any = None) -> int:
+        """A slot for ``src``. ``source_key``: where its bytes are (address, strides, type...), None where it
+        cannot be known to be the same memory as last time (then no copy list is reused)."""
+        i = len(self.entries)
         offset = self.cursor
         self.cursor = offset + nbytes + (-nbytes % ALIGNMENT)
-        path, dtype, shape, kind, device, requires_grad, np_dtype = entry_args
-        self.entries.append(
-            TensorEntry(path, offset, nbytes, dtype, shape, kind, device, requires_grad, np_dtype)
-        )
+        prev = self.previous
+        # Every earlier entry matched, so an entry with the same facts has the same offset: reuse it.
+        if prev is not None and i < len(prev.args) and prev.args[i] == entry_args:
+            entry = prev.entries[i]
+            if source_key is None or prev.source_keys[i] != source_key:
+                self.same_sources = False
+        else:
+            self.previous, self.same_sources = None, False
+            path, dtype, shape, kind, device, requires_grad, np_dtype = entry_args
+            entry = TensorEntry(path, offset, nbytes, dtype, shape, kind, device, requires_grad, np_dtype)
+        self.entries.append(entry)
+        self.args.append(entry_args)
+        self.source_keys.append(source_key)
         self.sources.append(src)
-        return len(self.entries) - 1
+        return i
+
+    def memo(self) -> PlanMemo:
+        """What the next plan of this structure may reuse; the previous plan's derived facts where it matched."""
+        prev = self.previous
+        if prev is None or len(prev.entries) != len(self.entries) or prev.total_bytes != self.cursor:
+            return PlanMemo(self.args, self.source_keys, self.entries, self.cursor)
+        memo = PlanMemo(prev.args, self.source_keys, prev.entries, self.cursor)
+        memo.fingerprint, memo.tensors_json = prev.fingerprint, prev.tensors_json
+        if self.same_sources:
+            memo.copies = prev.copies
+        return memo
 
     # -- values
 
@@ -226,7 +254,8 @@ class _Planner:
         if idx is None:
             src = t.view(torch.uint8) if dtype in _RAW_COPY_DTYPES else t
             args = (path, dtype, tuple(shape), kind, _device_str(device), requires_grad, None)
-            idx = self.seen[key] = self.add(args, src, n * dtype.itemsize)
+            source = (key, type(t)) if n else None
+            idx = self.seen[key] = self.add(args, src, n * dtype.itemsize, source)
         return {"$": "tensor", "i": idx}
 
     def enc_ndarray(self, a: np.ndarray, path: str) -> Any:
@@ -245,10 +274,11 @@ class _Planner:
                     src = _from_numpy(a)
                 except (TypeError, ValueError, RuntimeError):  # e.g. longdouble, odd strides
                     src = None
+            source = key if src is not None and a.size else None
             if src is None:  # raw bytes (any byte order); the only case that copies during planning
                 src = _from_numpy(np.ascontiguousarray(a).reshape(-1).view(np.uint8))
             args = (path, torch.uint8, tuple(a.shape), "ndarray", "cpu", False, dt.str)
-            idx = self.seen[key] = self.add(args, src, a.nbytes)
+            idx = self.seen[key] = self.add(args, src, a.nbytes, source)
         return {"$": "ndarray", "i": idx}
 
     def enc_other(self, obj: Any, path: str) -> Any:
@@ -334,17 +364,21 @@ _ENCODERS: dict[type, Any] = {
 }
 
 
-def plan_snapshot(items: Any, *, root: str = "") -> SnapshotPlan:
+def plan_snapshot(items: Any, *, root: str = "", previous: PlanMemo | None = None) -> SnapshotPlan:
     """Walk ``items`` once and assign every tensor a 64-byte-aligned slot; no tensor bytes are copied.
+
+    ``previous``: the ``memo`` of the last plan of the same item (:class:`PlanMemo`); what still holds is reused,
+    and the plan is the same as without it.
 
     ``root`` prefixes the key paths used in :class:`TensorEntry` and error messages; with the default,
     top-level identifier keys are written bare (``state['optimizer'][0]``). Raises :class:`EncodeError` naming
     the key path of the first value that cannot be encoded without pickle.
     """
-    planner = _Planner()
+    planner = _Planner(previous)
     try:
         with _gc_paused():
             tree = planner.enc(items, root)
+            memo = planner.memo()
     except RecursionError:
         raise EncodeError("structure is nested too deeply (or contains a reference cycle)", path=root) from None
-    return SnapshotPlan(planner.entries, planner.sources, planner.cursor, tree)
+    return SnapshotPlan(memo.entries, planner.sources, planner.cursor, tree, memo)

@@ -53,6 +53,7 @@ from tiered_ckpt.codecs._flat_common import (
     INLINE_BYTES_MAX,
     EnumStandIn,
     HeaderInfo,
+    PlanMemo,
     SnapshotPlan,
     TensorEntry,
     _check_buffer,
@@ -68,6 +69,7 @@ __all__ = [
     "INLINE_BYTES_MAX",
     "EnumStandIn",
     "HeaderInfo",
+    "PlanMemo",
     "SnapshotPlan",
     "TensorEntry",
     "copy_into",
@@ -106,10 +108,11 @@ class _Copies:
     """How one plan's sources go into one destination: byte spans moved on every core (contiguous CPU -> CPU
     sources whose bytes are their values), and typed views of ``dest`` for the rest (``copy_``)."""
 
-    __slots__ = ("spans", "views", "sources", "non_blocking", "sync")
+    __slots__ = ("spans", "views", "sources", "non_blocking", "sync", "_pieces")
 
     def __init__(self) -> None:
         self.spans: list[tuple[int, int, int]] = []  # (destination address, source address, bytes)
+        self._pieces: tuple[int, list[list[tuple[int, int, int]]]] | None = None  # (threads, the spans cut)
         self.views: list[torch.Tensor] = []
         self.sources: list[torch.Tensor] = []
         self.non_blocking: list[bool] = []
@@ -121,9 +124,15 @@ def _dest_copies(plan: SnapshotPlan, dest: torch.Tensor) -> _Copies:
     cached = plan._views
     if cached is not None and cached[0] == key:
         return cached[1]
-    with _gc_paused():
-        plan._views = (key, _build_copies(plan, dest))
-    return plan._views[1]
+    memo = plan.memo
+    copies = memo.copies.get(key) if memo is not None else None
+    if copies is None:
+        with _gc_paused():
+            copies = _build_copies(plan, dest)
+        if memo is not None and not copies.views:  # byte spans only: addresses, no tensor kept alive
+            memo.copies[key] = copies
+    plan._views = (key, copies)
+    return copies
 
 
 def _build_copies(plan: SnapshotPlan, dest: torch.Tensor) -> _Copies:
@@ -180,7 +189,10 @@ def copy_into(plan: SnapshotPlan, dest: torch.Tensor, *, synchronize: bool = Tru
         return
     copies = _dest_copies(plan, dest)
     if copies.spans:
-        memcopy.copy_spans(copies.spans)
+        n = memcopy.threads()
+        if copies._pieces is None or copies._pieces[0] != n:
+            copies._pieces = (n, memcopy.split_spans(copies.spans, n))
+        memcopy.copy_pieces(copies._pieces[1], n)
     if not copies.views:
         return
     # One context per call, none per tensor: the CPU -> CPU path costs what it did before side streams.
@@ -210,17 +222,28 @@ def _entry_json(e: TensorEntry) -> dict[str, Any]:
     return out
 
 
+def _dumps(obj: Any) -> str:
+    return json.dumps(obj, ensure_ascii=True, allow_nan=False, separators=(",", ":"))
+
+
 def encode_header(plan: SnapshotPlan) -> bytes:
-    """The snapshot header: compact, pure-ASCII JSON (see the module docstring for the format)."""
-    doc = {
+    """The snapshot header: compact, pure-ASCII JSON (see the module docstring for the format). The tensor
+    table is encoded once per layout (kept in the plan's memo); the tree, which holds the values that change
+    from save to save, every time."""
+    head = {
         "format": FORMAT_NAME,
         "version": FORMAT_VERSION,
         "alignment": ALIGNMENT,
         "total_bytes": plan.total_bytes,
         "fingerprint": plan.fingerprint,
-        "tensors": [_entry_json(e) for e in plan.tensors],
-        "tree": plan.tree,
     }
+    memo = plan.memo
     with _gc_paused():
-        text = json.dumps(doc, ensure_ascii=True, allow_nan=False, separators=(",", ":"))
+        tensors = memo.tensors_json if memo is not None else None
+        if tensors is None:
+            tensors = _dumps([_entry_json(e) for e in plan.tensors])
+            if memo is not None:
+                memo.tensors_json = tensors
+        # The same bytes as one dump of {**head, "tensors": ..., "tree": ...}: keys in that order.
+        text = f'{_dumps(head)[:-1]},"tensors":{tensors},"tree":{_dumps(plan.tree)}}}'
     return text.encode("ascii")
