@@ -123,6 +123,16 @@ class _Planner:
         self.sources.append(src)
         return i
 
+    def reuse(self, i: int, src: torch.Tensor, source_key: Any) -> None:
+        """Entry ``i`` of the previous plan, for the same source (:meth:`add` found to match, without its checks)."""
+        prev = self.previous
+        entry = prev.entries[i]
+        self.cursor = entry.offset + entry.nbytes + (-entry.nbytes % ALIGNMENT)
+        self.entries.append(entry)
+        self.args.append(prev.args[i])
+        self.source_keys.append(source_key)
+        self.sources.append(src)
+
     def memo(self) -> PlanMemo:
         """What the next plan of this structure may reuse; the previous plan's derived facts where it matched."""
         prev = self.previous
@@ -230,6 +240,19 @@ class _Planner:
 
     def enc_tensor(self, t: torch.Tensor, path: str) -> Any:
         kind = "parameter" if type(t) is torch.nn.Parameter else "tensor"
+        prev = self.previous
+        if prev is not None and t.layout is torch.strided:
+            i = len(self.entries)
+            if i < len(prev.source_keys) and prev.args[i][0] == path:
+                was = prev.source_keys[i]
+                key = (t.data_ptr(), t.dtype, t.shape, t.stride(), t.device, kind, t.requires_grad, t.is_conj(),
+                       t.is_neg())
+                # The same memory read the same way as at the last plan, which checked it: only the walk is left.
+                if was is not None and was[1] is type(t) and was[0] == key and key not in self.seen:
+                    self.seen[key] = i
+                    src = t.view(torch.uint8) if key[1] in _RAW_COPY_DTYPES else t
+                    self.reuse(i, src, was)
+                    return {"$": "tensor", "i": i}
         if t.is_nested:
             raise EncodeError("cannot encode a nested tensor in a flat snapshot", path=path)
         if t.layout is not torch.strided:
