@@ -23,7 +23,7 @@ import time
 from typing import Any
 
 from .errors import TieredCkptError
-from .locking import shm_lock_dir, shm_paths
+from .locking import shm_lock_dir, shm_lock_path, shm_paths
 
 log = logging.getLogger(__name__)
 
@@ -33,12 +33,15 @@ ORPHAN_GRACE_S = 5.0
 PARENT_POLL_S = 0.1
 
 
-def worker_lock_path(config: Any, rank: int) -> str | None:
-    """Where the worker of ``rank`` holds its lock; None without an shm tier (then no worker runs)."""
+def worker_lock_path(config: Any, rank: int, *, create: bool = True) -> str | None:
+    """Where the worker of ``rank`` holds its lock; None without an shm tier (then no worker runs).
+    ``create=False`` (the worker's side): the directory is not made; the engine made it before it started the
+    worker, and a worker that starts after its engine is gone must not leave a new one behind."""
     paths = shm_paths(config)
     if not paths:
         return None
-    return os.path.join(shm_lock_dir(paths[0], config.run_id), f"worker_{rank:05d}.lock")
+    directory = shm_lock_dir(paths[0], config.run_id) if create else shm_lock_path(paths[0], config.run_id)
+    return os.path.join(directory, f"worker_{rank:05d}.lock")
 
 
 def _try_lock(path: str) -> int | None:
@@ -77,7 +80,12 @@ def hold_worker_lock(path: str, wait_s: float = ORPHAN_GRACE_S * 4) -> int:
     """The worker's side: take the lock (its owner fenced any previous worker already) and write our pid."""
     deadline = time.monotonic() + wait_s
     while True:
-        fd = _try_lock(path)
+        try:
+            fd = _try_lock(path)
+        except FileNotFoundError:
+            raise TieredCkptError(f"the lock directory {os.path.dirname(path)} of this run is gone: the engine that "
+                                  "started this drain worker has closed or was killed (or `tiered-ckpt gc` removed "
+                                  "the run) before the worker was up; it drains nothing") from None
         if fd is not None:
             os.ftruncate(fd, 0)
             os.pwrite(fd, str(os.getpid()).encode(), 0)

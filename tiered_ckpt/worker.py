@@ -86,7 +86,7 @@ def worker_main(config: Config, coords: RankCoords, order: list[str], local_rank
                                   "fenced, nothing more is written")
 
     lock_fd = None
-    lock_path = worker_lock_path(config, coords.rank)
+    lock_path = worker_lock_path(config, coords.rank, create=False)
     try:
         if lock_path is not None:
             lock_fd = hold_worker_lock(lock_path)

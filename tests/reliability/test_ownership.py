@@ -202,3 +202,31 @@ def test_a_drain_workers_lock_counts_while_held_and_is_no_sign_of_a_crash_once_l
         assert run_state(run_id, shm_root) == "stale"
     finally:
         os.close(fd)
+
+
+def test_a_drain_worker_that_starts_after_its_engine_is_gone_leaves_nothing_behind(tmp_path, monkeypatch):
+    """A worker is a spawned interpreter that takes seconds to start: its engine may have closed (or been
+    killed, and the run's shared memory removed) by then. It must not make the run's lock directories again
+    (they would stay in /dev/shm for good): it reports why it drains nothing and exits."""
+    import queue
+
+    from tiered_ckpt import worker
+    from tiered_ckpt.config import load_config
+    from tiered_ckpt.parallel import RankCoords
+
+    monkeypatch.setattr(worker, "watch_parent", lambda *_a, **_k: None)  # (its thread would outlive the test)
+    sigint = signal.getsignal(signal.SIGINT)
+    shm = tmp_path / "shm"  # the shm path as a finished test or `tiered-ckpt gc` left it: gone
+    config = load_config({"run_id": f"late-{uuid.uuid4().hex[:8]}", "tiers": [
+        {"name": "shm", "kind": "shm", "path": str(shm)}, {"name": "local", "kind": "local",
+                                                             "path": str(tmp_path / "local")}]})
+    requests, results = queue.Queue(), queue.Queue()
+    threads = torch.get_num_threads()
+    try:
+        worker.worker_main(config, RankCoords(rank=0), ["shm", "local"], 0, [0], requests, results, os.getppid())
+    finally:
+        torch.set_num_threads(threads)
+        signal.signal(signal.SIGINT, sigint)
+    kind, message = results.get_nowait()
+    assert kind == "fatal" and "lock directory" in message and "is gone" in message, message
+    assert not shm.exists() and not (tmp_path / "local").exists()
