@@ -935,6 +935,17 @@ def test_a_changed_structure_is_planned_again():
         assert plan.fingerprint == plan_snapshot(changed).fingerprint
 
 
+def test_a_memo_keeps_the_copy_lists_of_a_few_destinations_only():
+    items = {"w": torch.randn(256)}
+    plan = plan_snapshot(items)
+    buffers = [torch.zeros(plan.total_bytes, dtype=torch.uint8) for _ in range(9)]
+    for buf in buffers:
+        plan = plan_snapshot(items, previous=plan.memo)
+        copy_into(plan, buf)
+        assert torch.equal(restore(decode_header(encode_header(plan)), buf)["w"], items["w"])
+    assert 1 <= len(plan.memo.copies) <= 4
+
+
 def test_a_memo_keeps_no_tensor_alive():
     import gc
     import weakref

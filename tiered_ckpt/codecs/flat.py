@@ -101,6 +101,7 @@ def _typed_base(buf: torch.Tensor, total: int, dtype: torch.dtype, what: str) ->
         ) from None
 
 
+_MEMO_DESTINATIONS = 4  # copy lists a plan memo keeps: one per slot the item is copied into (two by default)
 _PLAIN = (torch.Tensor, torch.nn.Parameter)  # a subclass may define what its bytes are: it gets ``copy_``
 
 
@@ -130,6 +131,8 @@ def _dest_copies(plan: SnapshotPlan, dest: torch.Tensor) -> _Copies:
         with _gc_paused():
             copies = _build_copies(plan, dest)
         if memo is not None and not copies.views:  # byte spans only: addresses, no tensor kept alive
+            if len(memo.copies) >= _MEMO_DESTINATIONS:  # a tier that maps its slots anew: keep the newest
+                del memo.copies[next(iter(memo.copies))]
             memo.copies[key] = copies
     plan._views = (key, copies)
     return copies
