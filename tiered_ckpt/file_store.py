@@ -45,7 +45,7 @@ from .manifest import (
 from .memory_store import MemoryStore
 from .parallel import ParallelLayout, RankCoords, layout_changes
 from .retry import call_with_retry
-from .snapshot_record import UNVERIFIED
+from .snapshot_record import UNVERIFIED, SlotMeta
 from .step_read import read_committed_step, read_in_place_item
 from .store import Store, Written
 from .tiers.base import Chunk, Tier, as_memoryview
@@ -167,25 +167,32 @@ class FileStore(CommittedFiles):
         assert isinstance(mem, MemoryStore) and slot is not None
         meta = mem.snapshot(step, slot)
         mem.check_layout(meta, coords)  # never another layout's snapshot under this layout's name
-        meta = mem.await_checksums(meta)  # taken right after the save's copy, by the saving process
         crash_point("drain.before_write")
         sources = mem.item_sources(meta)
-        # The slot is checked against those checksums on another core while this tier is written, and this
-        # rank's manifest is published only if it still matches: damage in memory is never stamped verified here.
-        check = hasher.submit(mem.check_sources, meta, sources) if meta.checksummed else None
+
+        def checked() -> SlotMeta:
+            # On another core while this tier is written: the checksums the saving process takes right after
+            # its copy, then the slot checked against them. This rank's manifest is published only if the slot
+            # still matches, so damage in memory is never stamped verified here. The write need not wait for the
+            # checksums: bytes damaged before they are read are in the file whichever comes first, and damage
+            # after the checksum is taken fails the check.
+            settled = mem.await_checksums(meta)
+            if settled.checksummed:
+                mem.check_sources(settled, sources)
+            return settled
+
+        check = hasher.submit(checked)
         entries: list[FileEntry] = []
         try:
             job_scope = not self.tier.capabilities.node_local or (
                 node_ranks is not None and len(set(node_ranks)) == coords.world_size)
             entries = [e for e in (self._write_item(step, coords, src, job_scope=job_scope) for src in sources)
                        if e is not None]
-            if check is not None:
-                check.result()
+            meta = check.result()
             if meta.checksums == UNVERIFIED:  # the files say so, so that loads of them say verified=False
                 entries = [replace(e, meta={**e.meta, "origin": "unverified"}) for e in entries]
         except BaseException:
-            if check is not None:
-                check.exception()  # nothing may read the slot once the drain lets it go
+            check.exception()  # nothing may read the slot once the drain lets it go
             if not self.tier.exists(self.layout.manifest_key(step)):  # never a committed step's files
                 for e in entries:
                     self.tier.delete(e.key)

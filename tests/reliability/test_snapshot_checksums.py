@@ -119,3 +119,40 @@ def test_a_save_drains_verified_and_loads_verified_from_every_tier(shm_root, tmp
         assert local[1] and torch.equal(local[0]["state"]["w"], items(1)["state"]["w"])
     finally:
         eng.close()
+
+
+def test_the_drain_writes_while_the_checksums_are_taken_and_publishes_only_after_the_check(shm_root, tmp_path,
+                                                                                          monkeypatch):
+    """The save-time checksums take a pass over the snapshot after the copy; the drain does not wait for them
+    before it writes (that pass would be on the way to durable), but its manifest waits for the check of the slot
+    against them: the step drains verified, and a mismatch would still refuse it (the test above)."""
+    import functools
+    import threading
+
+    from tiered_ckpt import snapshot_hash
+    from tiered_ckpt.memory_store import MemoryStore
+    from tiered_ckpt.tiers.local import LocalTier
+
+    writing, checked = threading.Event(), []
+    write_blob, checksum = LocalTier.write_blob, snapshot_hash.checksum
+
+    def watched_write(self, key, chunks, *a, **k):
+        writing.set()
+        return write_blob(self, key, chunks, *a, **k)
+
+    def late_checksum(data):
+        checked.append(writing.wait(15))  # the drain is writing before any checksum is in
+        return checksum(data)
+
+    monkeypatch.setattr(LocalTier, "write_blob", watched_write)
+    monkeypatch.setattr(snapshot_hash, "checksum", late_checksum)
+    # (before: the drain waited for the checksums, which waited for the drain, until this gave up)
+    monkeypatch.setattr(MemoryStore, "await_checksums",
+                        functools.partialmethod(MemoryStore.await_checksums, timeout_s=30.0))
+    run_id = f"ck-{uuid.uuid4().hex[:8]}"
+    with CheckpointEngine(config(shm_root, tmp_path, run_id, with_local=True)) as eng:
+        eng.save(1, items(1)).wait(timeout=60)
+        assert checked and all(checked)
+        local = eng.pipeline.stores["local"].read_step(1, eng.coords, copy=True, map_location=None, verify=True,
+                                                       trust_pickles=False, into=None)
+        assert local[1] and torch.equal(local[0]["state"]["w"], items(1)["state"]["w"])  # drained verified
