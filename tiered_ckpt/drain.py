@@ -35,6 +35,7 @@ class _Job:
     futures: dict[str, Future]
     memory_slots: dict[str, int]  # memory tier -> slot that holds this step there
     released: bool = False
+    tiers_left: int = 0  # due tiers whose thread has not finished with this job (housekeeping included)
 
 
 class DrainRuntime:
@@ -90,7 +91,7 @@ class DrainRuntime:
     def submit(self, req: DrainRequest) -> None:
         if self._closed:
             raise RuntimeError("the drain is closed")
-        job = _Job(req, {t: Future() for t in req.due}, {req.source: req.slot})
+        job = _Job(req, {t: Future() for t in req.due}, {req.source: req.slot}, tiers_left=len(req.due))
         with self._cond:
             for t in (req.source, *req.due):
                 self._pins[(t, req.step)] += 1
@@ -158,9 +159,10 @@ class DrainRuntime:
         req = job.req
         t0 = time.perf_counter()
         ok, error = False, None
+        housekeeping: list[Callable[[], None]] = []
         try:
             source = self._source_for(tier, job)
-            self._deliver(tier, source, job, t0)
+            housekeeping = self._deliver(tier, source, job, t0)
             ok = True
         except Exception as exc:  # a failing tier never stops the others
             error = f"{type(exc).__name__}: {exc}"
@@ -171,11 +173,21 @@ class DrainRuntime:
         self.on_tier_done(req.step, tier, ok, error)
         if ok or all(f.done() for f in job.futures.values()):
             self._release(job)
-        if all(f.done() for f in job.futures.values()):
+        # The save is reported and its slot free: now what its commit left (retention's deletions) may take time.
+        for task in housekeeping:
+            try:
+                task()
+            except Exception as exc:  # noqa: BLE001 - the step is committed; what is left is debris for gc
+                log.warning("tier %r: housekeeping after step %d failed: %s", tier, req.step, exc)
+        with self._cond:
+            job.tiers_left -= 1
+            last = job.tiers_left == 0
+        if last:
             self._finish(job)
 
-    def _deliver(self, tier: str, source: str, job: _Job, t0: float) -> None:
-        """Write the step on ``tier`` from ``source``, then commit it there (the stores decide how)."""
+    def _deliver(self, tier: str, source: str, job: _Job, t0: float) -> list[Callable[[], None]]:
+        """Write the step on ``tier`` from ``source``, then commit it there (the stores decide how); what the
+        commit left for later (``Written.housekeeping``)."""
         req, store = job.req, self.stores[tier]
         self.fence()
         written = store.write_step(req.step, self.coords, self.stores[source], slot=job.memory_slots.get(source),
@@ -197,6 +209,7 @@ class DrainRuntime:
             written.committed()
         finally:
             written.close()  # nothing may read the source slot once this job lets it go
+        return written.housekeeping
 
     def _release(self, job: _Job) -> None:
         # Once one tier below holds the step, nothing will read the source slot again.

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from concurrent.futures import Executor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
@@ -36,6 +36,9 @@ class Written:
     # every case, before the source slot may be reused.
     on_committed: Callable[[], None] | None = None
     settle: Callable[[], None] | None = None
+    # Work the commit leaves for after the step's delivery is reported and its source slot released (retention's
+    # deletions of older steps' files, already un-committed): run by the drain before the job counts as done.
+    housekeeping: list[Callable[[], None]] = field(default_factory=list)
 
     def committed(self) -> None:
         if self.on_committed is not None:
@@ -100,7 +103,8 @@ class Store(Protocol):
     def commit(self, written: Written, coords: RankCoords, *, node_ranks: list[int], wait_s: float,
                pinned: Callable[[], set[int]], on_committed: Callable[[int], None]) -> None:
         """Make ``written`` a step of this tier (if this rank is the one that commits it here), calling
-        ``on_committed(nbytes)`` once it is, then apply retention (never to a step in ``pinned()``). Raises
+        ``on_committed(nbytes)`` once it is, then apply retention (never to a step in ``pinned()``; what can
+        wait, deleting the files of steps it un-committed, goes to ``written.housekeeping``). Raises
         :class:`~tiered_ckpt.errors.TierError` when the step could not be committed."""
         ...
 
