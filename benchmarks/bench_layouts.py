@@ -72,6 +72,7 @@ try:
             dist.barrier()
             h = engine.save(step, items)
             h.wait()
+            engine.wait()  # retention's deletions too (after the handle): the ceiling below runs quiet
             dist.barrier()  # every rank's own files durable, and rank 0 has committed the job
             out["blocking_s"].append(h.blocking_s)
             if rank == 0:

@@ -101,6 +101,7 @@ def run_case(case: str, quick: bool, warm: int, workdir: str, out: str) -> None:
                 c.drop_cache(workdir)
                 h = engine.save(step, items)
                 h.wait()
+                engine.wait()  # retention's deletions too (after the handle): the limits below run quiet
                 blocking.append(h.blocking_s)
                 durable.append(h.blocking_s + commits.seconds[step])
                 baseline.copy_in()

@@ -104,6 +104,7 @@ def main() -> int:
             c.drop_cache(args.workdir)
             h = engine.save(step, items)
             h.wait()
+            engine.wait()  # retention's deletions too (after the handle): the limits below run quiet
             warm.append(h.blocking_s)
             durable.append(events.commit[("local", step)])
             drain.append(events.drain[("local", step)])
@@ -128,6 +129,7 @@ def main() -> int:
             busy_copy.append(baseline.copy_in("in_busy"))
             a.wait()
             b.wait()
+            engine.wait()
             step += 2
         out["warm_busy_s"], out["limit_copy_busy_s"], out["busy_overlapped"] = busy, busy_copy, overlapped
         out["slot_wait_s"] = {str(k): v for k, v in events.slot_wait.items()}
