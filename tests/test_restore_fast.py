@@ -25,7 +25,7 @@ from helpers import assert_same
 from megatron_synthetic import SyntheticJob
 
 from tiered_ckpt import CheckpointEngine, NoCheckpointError, hostmem
-from tiered_ckpt.checksum import digest
+from tiered_ckpt.checksum import digest, hasher_for
 from tiered_ckpt.errors import BlobNotFoundError, CorruptionError, DecodeError, PermanentTierError, UnsafePickleError
 from tiered_ckpt.load_into import tensors
 from tiered_ckpt.megatron import safe_load
@@ -283,13 +283,33 @@ def test_store_reads_local_files_hashed_in_one_pass(saved, monkeypatch):
         hashed.append(hasher is not None)
         return real(fd, size, hasher=hasher, **kw)
 
+    hashers = []
+
+    class Counting:  # how many bytes each hasher the store makes is fed
+        def __init__(self, inner):
+            self.inner, self.nbytes = inner, 0
+            hashers.append(self)
+
+        def update(self, data):
+            self.nbytes += len(memoryview(data).cast("B"))
+            self.inner.update(data)
+
+        def hexdigest(self):
+            return self.inner.hexdigest()
+
+    def counting_hasher_for(checksum):
+        inner = hasher_for(checksum)
+        return None if inner is None else Counting(inner)
+
     monkeypatch.setattr("tiered_ckpt.tiers._files.read_file", spy)
-    monkeypatch.setattr("tiered_ckpt.file_store_read.digest", lambda blob: pytest.fail("hashed a second time"))
+    monkeypatch.setattr("tiered_ckpt.file_store_read.hasher_for", counting_hasher_for)
     monkeypatch.setattr("tiered_ckpt.tiers.base.Tier.read_blob_hashed",
                         lambda *a, **k: pytest.fail("the local tier hashes while it reads"))
     with CheckpointEngine(_config(root, run_id)) as engine:
         res = engine.load(copy=True)
     assert hashed.count(True) == 2 and res.verified  # the two .pt files (manifests are read unhashed)
+    sizes = sorted(p.stat().st_size for p in _files(root).values())
+    assert sorted(h.nbytes for h in hashers if h.nbytes) == sizes  # each file hashed once, while it was read
     assert_same(res.items, items)
 
 

@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from .checksum import ALGORITHM, digest, hasher_for
+from .checksum import hasher_for
 from .codecs.file_codecs import FileCodec
 from .compression import decompress_to_tensor
 from .errors import BlobNotFoundError, CorruptionError, DecodeError
@@ -104,12 +104,9 @@ class CommittedFiles:
     def verify(self, entry: FileEntry, blob: torch.Tensor, hexdigest: str | None = None) -> None:
         """Raise CorruptionError unless ``blob`` is the file the manifest describes. ``hexdigest``: the blob's
         digest under this build's algorithm, if already computed while reading it."""
-        if blob.numel() == entry.size and hexdigest is None:
-            if entry.checksum.startswith(f"{ALGORITHM}:"):
-                hexdigest = digest(blob)
-            elif (crc := hasher_for(entry.checksum)) is not None:
-                crc.update(blob)
-                hexdigest = crc.hexdigest()
+        if blob.numel() == entry.size and hexdigest is None and (hasher := hasher_for(entry.checksum)) is not None:
+            hasher.update(as_memoryview(blob))
+            hexdigest = hasher.hexdigest()
         check_entry(entry, blob.numel(), hexdigest or "", tier=self.name)
 
     def read_verified(self, entry: FileEntry, step: int | None, rank: int, *, verify: bool = True) -> torch.Tensor:
