@@ -31,7 +31,7 @@ POINTS: dict[str, str] = {
     "store.files_written": "file_store: a rank's files are written, its rank manifest is not",
     "store.rank_manifest_written": "file_store: right after a rank manifest was published",
     "store.manifest_written": "file_store: the checkpoint manifest is published, the tracker not yet updated",
-    "store.retain_uncommitted": "file_store.retain: an old step's manifest is deleted, its files not yet",
+    "store.retain_uncommitted": "file_store.uncommit_expired: an old step's manifest is deleted, its files not yet",
     "files.deleting": "tiers/_files: deleting a step directory, before each file (hit 2: midway)",
     "files.temp_written": "tiers/_files: a temporary file is written (and fsynced), not yet renamed",
     "megatron.pieces_written": "megatron/inplace: a rank's ranges of distrib_optim.pt are written and synced, "

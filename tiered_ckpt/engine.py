@@ -157,7 +157,7 @@ class CheckpointEngine:
                              f"Name it: save({step}, {{\"model\": model.state_dict()}})")
         t0 = time.perf_counter()
         placed, total = plan_items(items, self._plan_memos)
-        self._plan_memos = {name: plan.memo for name, plan, _ in placed if plan.memo is not None}
+        self._plan_memos = {name: plan.memo for name, plan, _ in placed}
         fingerprints = tuple(p.fingerprint for _, p, _ in placed)
         if self._fingerprints is not None and fingerprints != self._fingerprints:
             self._emit(ev.Event(ev.REPLAN, step=step, rank=self.coords.rank, tier=self.pipeline.entry, nbytes=total,

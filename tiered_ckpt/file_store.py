@@ -216,7 +216,8 @@ class FileStore(CommittedFiles):
         # The steps retention drops are un-committed now; deleting their files (slow for big files: an unlink of
         # 1 GiB took 0.3 s on the development VM's ext4) waits until this step's save is reported durable.
         doomed = self.uncommit_expired(self.cfg.keep, pinned())
-        written.housekeeping.append(lambda: self.remove_steps(doomed, coords.rank))
+        if doomed:
+            written.housekeeping.append(lambda: self.remove_steps(doomed, coords.rank))
 
     def read_step(self, step: int, coords: RankCoords, *, copy: bool, map_location: Any, verify: bool,
                   trust_pickles: bool, into: dict[str, Any] | None) -> tuple[dict[str, Any], bool, int]:
@@ -443,11 +444,6 @@ class FileStore(CommittedFiles):
                     f"publish {self.layout.tracker}")
 
     # ----- retention ---------------------------------------------------------------------------------------
-    def retain(self, keep: int | None, pinned: set[int], rank: int) -> list[int]:
-        """Delete committed steps beyond the newest ``keep`` (never the newest, never a pinned one), and the
-        debris of uncommitted steps older than the newest committed one."""
-        return self.remove_steps(self.uncommit_expired(keep, pinned), rank)
-
     def uncommit_expired(self, keep: int | None, pinned: set[int]) -> list[int]:
         """Un-commit (delete the manifest of) each committed step beyond the newest ``keep`` (never the newest,
         never a pinned one); return those and the uncommitted steps older than the newest committed one (debris):

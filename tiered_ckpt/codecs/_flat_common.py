@@ -128,30 +128,23 @@ class SnapshotPlan:
     """The result of :func:`plan_snapshot`: where every tensor goes, and the header tree. ``memo``: what the
     next plan of the same structure may reuse (:class:`PlanMemo`)."""
 
-    __slots__ = ("tensors", "sources", "total_bytes", "tree", "_fingerprint", "_views", "memo")
+    __slots__ = ("tensors", "sources", "total_bytes", "tree", "_views", "memo")
 
     def __init__(self, tensors: list[TensorEntry], sources: list[torch.Tensor], total_bytes: int, tree: Any,
-                 memo: PlanMemo | None = None):
+                 memo: PlanMemo):
         self.tensors = tensors
         self.sources = sources
         self.total_bytes = total_bytes
         self.tree = tree
-        self._fingerprint: str | None = None
         self._views: tuple[Any, ...] | None = None
         self.memo = memo
 
     @property
     def fingerprint(self) -> str:
         """Hash of the buffer layout (paths, kinds, dtypes, shapes, offsets). Equal => identical offsets."""
-        if self._fingerprint is None:
-            memo = self.memo
-            fp = memo.fingerprint if memo is not None else None
-            if fp is None:
-                fp = _fingerprint(self.tensors, self.total_bytes)
-                if memo is not None:
-                    memo.fingerprint = fp
-            self._fingerprint = fp
-        return self._fingerprint
+        if self.memo.fingerprint is None:  # computed once per layout: a memo that matched carries it over
+            self.memo.fingerprint = _fingerprint(self.tensors, self.total_bytes)
+        return self.memo.fingerprint
 
     def __repr__(self) -> str:
         return f"SnapshotPlan(tensors={len(self.tensors)}, total_bytes={self.total_bytes})"

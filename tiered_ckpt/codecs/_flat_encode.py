@@ -117,19 +117,18 @@ class _Planner:
             self.previous, self.same_sources = None, False
             path, dtype, shape, kind, device, requires_grad, np_dtype = entry_args
             entry = TensorEntry(path, offset, nbytes, dtype, shape, kind, device, requires_grad, np_dtype)
-        self.entries.append(entry)
-        self.args.append(entry_args)
-        self.source_keys.append(source_key)
-        self.sources.append(src)
+        self._append(entry, entry_args, source_key, src)
         return i
 
     def reuse(self, i: int, src: torch.Tensor, source_key: Any) -> None:
         """Entry ``i`` of the previous plan, for the same source (:meth:`add` found to match, without its checks)."""
-        prev = self.previous
-        entry = prev.entries[i]
+        entry = self.previous.entries[i]
         self.cursor = entry.offset + entry.nbytes + (-entry.nbytes % ALIGNMENT)
+        self._append(entry, self.previous.args[i], source_key, src)
+
+    def _append(self, entry: TensorEntry, entry_args: tuple, source_key: Any, src: torch.Tensor) -> None:
         self.entries.append(entry)
-        self.args.append(prev.args[i])
+        self.args.append(entry_args)
         self.source_keys.append(source_key)
         self.sources.append(src)
 

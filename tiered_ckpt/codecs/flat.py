@@ -126,11 +126,11 @@ def _dest_copies(plan: SnapshotPlan, dest: torch.Tensor) -> _Copies:
     if cached is not None and cached[0] == key:
         return cached[1]
     memo = plan.memo
-    copies = memo.copies.get(key) if memo is not None else None
+    copies = memo.copies.get(key)
     if copies is None:
         with _gc_paused():
             copies = _build_copies(plan, dest)
-        if memo is not None and not copies.views:  # byte spans only: addresses, no tensor kept alive
+        if not copies.views:  # byte spans only: addresses, no tensor kept alive
             if len(memo.copies) >= _MEMO_DESTINATIONS:  # a tier that maps its slots anew: keep the newest
                 del memo.copies[next(iter(memo.copies))]
             memo.copies[key] = copies
@@ -242,11 +242,9 @@ def encode_header(plan: SnapshotPlan) -> bytes:
     }
     memo = plan.memo
     with _gc_paused():
-        tensors = memo.tensors_json if memo is not None else None
+        tensors = memo.tensors_json
         if tensors is None:
-            tensors = _dumps([_entry_json(e) for e in plan.tensors])
-            if memo is not None:
-                memo.tensors_json = tensors
+            tensors = memo.tensors_json = _dumps([_entry_json(e) for e in plan.tensors])
         # The same bytes as one dump of {**head, "tensors": ..., "tree": ...}: keys in that order.
         text = f'{_dumps(head)[:-1]},"tensors":{tensors},"tree":{_dumps(plan.tree)}}}'
     return text.encode("ascii")
