@@ -9,7 +9,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from megatron_synthetic import SyntheticJob  # noqa: E402
+from megatron_synthetic import ModelSpec, SyntheticJob  # noqa: E402
 from rank_main import rank_main  # noqa: E402
 
 from tiered_ckpt import CheckpointEngine, ParallelLayout  # noqa: E402
@@ -28,7 +28,10 @@ def body(rank: int, world: int, spec: dict, out: dict) -> None:
             shard = rank_shard.parse(loaded.items["distrib_optim"], where=f"rank {rank}")
             out.update(step=loaded.step, verified=loaded.verified, shards=digest(shard.optimizers[0].shards))
         return
-    job = SyntheticJob(**spec["job"])
+    job_kw = dict(spec["job"])
+    if "model" in job_kw:  # ModelSpec fields, e.g. {"hidden": 256, "ddp_bucket_size": None}
+        job_kw["spec"] = ModelSpec(**job_kw.pop("model"))
+    job = SyntheticJob(**job_kw)
     with CheckpointEngine(spec["config"], job.parallel) as engine:
         if spec["mode"] == "save":
             engine.save(job.iteration, job.rank_items(rank)).wait(timeout=120)

@@ -3,7 +3,9 @@
 ``distrib_optim.pt`` sits beside ``model_optim_rng.pt`` and holds the DP-gathered buckets. No rank holds the
 gathered state when it saves. On a POSIX file tier whose commit covers the job, each rank writes its own byte
 ranges of Megatron's file in place (:meth:`write_in_place`, :mod:`tiered_ckpt.megatron.inplace`) and the
-committing rank completes it at commit: no gather. Elsewhere (S3 and fsspec tiers, node-local commits,
+committing rank completes it at commit: no gather. On S3 each rank uploads its ranges as parts of one multipart
+upload the committing rank completes (:mod:`tiered_ckpt.megatron.inplace_parts`). Elsewhere (other fsspec
+tiers, node-local commits,
 compression, chained optimizers with EP > 1) each rank writes its own shard where the ``rank_sharded`` layout
 does (:meth:`optimizer_key`, the staging file); at commit, one rank merges a step's staging files into
 :meth:`merged_optimizer_key` of every model-parallel group (:func:`tiered_ckpt.megatron.merge.merge_step_on_tier`,
@@ -45,15 +47,23 @@ class MegatronLayout(Layout):
         """This rank's ranges of its directory's ``distrib_optim.pt``, written into the file all its DP group
         writes (None: the tier cannot, or this job's optimizers need the gather; ``key``, its staging file, is
         then written instead)."""
-        writer = store.tier.positional() if src.name == OPTIM_ITEM else None
-        if writer is None:
+        if src.name != OPTIM_ITEM:
             return None
-        from ..megatron import inplace, rank_shard
+        writer = store.tier.positional()
+        uploads = store.tier.shared_parts() if writer is None else None
+        if writer is None and uploads is None:
+            return None
+        from ..megatron import inplace, inplace_parts, rank_shard
 
         shard = rank_shard.parse(src.materialize(), where=f"rank {coords.rank}'s {OPTIM_ITEM}")
-        facts = store._retry(lambda: inplace.write_rank_pieces(writer, self.step_dir(step), shard,
-                                                                run_id=store.run_id, step=step),
-                             step, coords.rank, f"write {OPTIM_ITEM} in place")
+        if writer is not None:
+            def write() -> dict[str, Any] | None:
+                return inplace.write_rank_pieces(writer, self.step_dir(step), shard, run_id=store.run_id, step=step)
+        else:
+            def write() -> dict[str, Any] | None:
+                return inplace_parts.write_rank_parts(uploads, store.tier, self.step_dir(step), shard,
+                                                      run_id=store.run_id, step=step)
+        facts = store._retry(write, step, coords.rank, f"write {OPTIM_ITEM} in place")
         if facts is None:
             return None
         from ..manifest import FileEntry
@@ -77,13 +87,19 @@ class MegatronLayout(Layout):
             from ..errors import LayoutMismatchError
             from ..megatron.inplace import finish_files
 
-            writer = store.tier.positional()
+            uploads = any("upload" in f.meta["in_place"] for f in pieces)
+            writer = store.tier.shared_parts() if uploads else store.tier.positional()
             mixed = [f.rank for f in files if f.item == OPTIM_ITEM and "in_place" not in f.meta
                      and not self.is_derived(f)]
             if mixed or scope != "job" or writer is None:
                 why = f"ranks {mixed[:8]} did not" if mixed else "this commit cannot finish them"
                 raise LayoutMismatchError(f"step {step}: ranks wrote {OPTIM_ITEM} in place on tier {store.name!r}, "
                                           f"but {why}")
+            if uploads:
+                from ..megatron.inplace_parts import finish_uploads
+
+                return store._retry(lambda: finish_uploads(writer, store.tier, step, pieces), step, 0,
+                                    f"finish {OPTIM_ITEM}'s upload")
             return store._retry(lambda: finish_files(writer, step, pieces), step, 0, f"finish {OPTIM_ITEM} in place")
         staged = [f for f in files if f.item == OPTIM_ITEM and not self.is_derived(f)]
         if not staged or any(self.is_derived(f) for f in files):

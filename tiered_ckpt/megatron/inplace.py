@@ -139,6 +139,44 @@ def temp_key(merged_key: str, plan: FilePlan, run_id: str, step: int) -> str:
     return f"{d}/.{base}.tmp-{tag}"
 
 
+@dataclass(frozen=True)
+class Span:
+    """One DP rank's bytes of one bucket of a tensor record: ``[dp * N_b/DP, min(U_b, (dp + 1) * N_b/DP))`` of
+    the bucket (spec 2.5), at ``pos`` bytes from the record's data."""
+
+    rank: int
+    record: int
+    pos: int
+    length: int
+    optimizer: int  # sub-optimizer index
+    buffer: int
+    bucket: int
+    key: str  # state key (param, exp_avg, ...)
+
+
+def rank_spans(plan: FilePlan, parts: Sequence[GroupPart | None], rank: int | None = None) -> list[Span]:
+    """Every DP rank's spans of the file's tensor records (``rank``: one rank's), in file order."""
+    out = []
+    for t, (i, g, key) in plan.tensors.items():
+        part = parts[i]
+        assert part is not None
+        buf = part.geometry.buffers[g]
+        for b, off in enumerate(buf.world_offsets()):
+            n, unpadded = buf.shard_numel(b), buf.buckets[b].numel_unpadded
+            for dp, owner in enumerate(part.group):
+                lo, hi = dp * n, min((dp + 1) * n, unpadded)
+                if lo < hi and (rank is None or owner == rank):
+                    out.append(Span(owner, t, 4 * (off + lo), 4 * (hi - lo), i, g, b, key))
+    return out
+
+
+def span_bytes(shard: Any, span: Span) -> memoryview:
+    """The bytes of one of this rank's spans, from its shard (fp32, as Megatron's file holds them)."""
+    src = shard.optimizers[span.optimizer].shards[shard_key(span.buffer, span.bucket, span.key)][:span.length // 4]
+    data = src.to(torch.float32).contiguous() if src.dtype != torch.float32 else src.contiguous()
+    return memoryview(data.numpy()).cast("B")
+
+
 # ------------------------------------------------------------------------------------------------------------
 # which ranks write in place
 
@@ -186,23 +224,12 @@ def write_rank_pieces(writer: Any, step_dir: str, shard: Any, *, run_id: str, st
     pieces: list[list[int]] = []
     f = writer.open(tmp, size=plan.total)  # sparse until every rank has written
     try:
-        for t, (i, g, key) in plan.tensors.items():
-            sub, part = shard.optimizers[i], parts[i]
-            dp = part.group.index(shard.rank)
-            buf = part.geometry.buffers[g]
-            base = plan.records[t].data_offset
-            for b, off in enumerate(buf.world_offsets()):
-                n, unpadded = buf.shard_numel(b), buf.buckets[b].numel_unpadded
-                lo, hi = dp * n, min((dp + 1) * n, unpadded)
-                if lo >= hi:
-                    continue
-                src = sub.shards[shard_key(g, b, key)][:hi - lo]
-                data = src.to(torch.float32).contiguous() if src.dtype != torch.float32 else src.contiguous()
-                mv = memoryview(data.numpy()).cast("B")
-                pos = 4 * (off + lo)
-                crc = Crc32Hasher()
-                writer.write_range(f, mv, base + pos, crc)  # whole pages direct, the edges (shared) through the cache
-                pieces.append([t, pos, len(mv), crc.crc])
+        for span in rank_spans(plan, parts, shard.rank):
+            mv = span_bytes(shard, span)
+            crc = Crc32Hasher()
+            # whole pages direct, the edges (shared) through the cache
+            writer.write_range(f, mv, plan.records[span.record].data_offset + span.pos, crc)
+            pieces.append([span.record, span.pos, len(mv), crc.crc])
         writer.sync(f, data_only=True)  # durable before the rank manifest says so: the commit syncs only its own
     finally:
         writer.close(f)
@@ -229,7 +256,11 @@ def finish_files(writer: Any, step: int, entries: Sequence[FileEntry]) -> list[F
     return [_finish_one(writer, step, key, group) for key, group in sorted(by_key.items())]
 
 
-def _finish_one(writer: Any, step: int, key: str, entries: list[FileEntry]) -> FileEntry:
+def checked_group(key: str, entries: Sequence[FileEntry], same: Sequence[str] = ("temp",)
+                  ) -> tuple[list[GroupPart | None], FilePlan, dict[int, int]]:
+    """The parts, plan and tensor records' CRC-32s of the file ``entries`` (every rank's ``in_place`` facts for
+    ``key``) wrote, after checking that exactly the file's ranks wrote, all the same plan (and ``same`` facts),
+    and that their pieces tile every tensor record."""
     first = entries[0].meta["in_place"]
     parts = parts_from_meta(first["optimizers"])
     plan = plan_file(parts)
@@ -239,31 +270,17 @@ def _finish_one(writer: Any, step: int, key: str, entries: list[FileEntry]) -> F
         raise LayoutMismatchError(f"{key}: pieces from ranks {got}, the file needs ranks {members}")
     for e in entries:
         facts = e.meta["in_place"]
-        if facts["plan"] != plan.digest or facts["temp"] != first["temp"] or facts["optimizers"] != first["optimizers"]:
+        if (facts["plan"] != plan.digest or facts["optimizers"] != first["optimizers"]
+                or any(facts.get(k) != first.get(k) for k in same)):
             raise LayoutMismatchError(f"{key}: rank {e.rank} planned another file than rank {entries[0].rank}")
-    crcs = _record_crcs(key, plan, [p for e in entries for p in e.meta["in_place"]["pieces"]])
-    tmp = first["temp"]
-    segments: list[tuple[int, bytes]] = []
-    zip_entries: list[_Entry] = []
-    names, nonempty = [], []
-    for t, r in enumerate(plan.records):
-        if r.name == ".data/serialization_id":
-            data = serialization_id(names, nonempty).encode()
-            assert len(data) == r.size
-        else:
-            data = r.data
-        crc = zlib.crc32(data) if data is not None else crcs[t]
-        zip_entries.append(_Entry(f"{ARCHIVE}/{r.name}".encode(), r.offset, r.size, crc))
-        names.append(r.name)
-        if r.size:
-            nonempty.append(crc)
-        if data is not None:
-            segments.append((r.offset, r.header + data + descriptor(crc, r.size)))
-        else:
-            segments.append((r.offset, r.header))
-            segments.append((r.data_offset + r.size, descriptor(crc, r.size)))
-    tail = central_directory(zip_entries, plan.end)
-    segments.append((plan.end, tail))
+    return parts, plan, record_crcs(key, plan, [p for e in entries for p in e.meta["in_place"]["pieces"]])
+
+
+def _finish_one(writer: Any, step: int, key: str, entries: list[FileEntry]) -> FileEntry:
+    parts, plan, crcs = checked_group(key, entries)
+    tmp = entries[0].meta["in_place"]["temp"]
+    segments, zip_entries, tail = zip_rest(plan, crcs)
+    assert zip_entries is not None and tail is not None
     total = plan.end + len(tail)
     if total != plan.total:
         raise LayoutMismatchError(f"{key}: {total} bytes, the plan said {plan.total}")
@@ -278,12 +295,57 @@ def _finish_one(writer: Any, step: int, key: str, entries: list[FileEntry]) -> F
     crash_point("megatron.in_place_complete")
     writer.rename(tmp, key)
     crash_point("megatron.in_place_renamed")
+    return merged_entry(key, plan, parts, zip_entries, tail)
+
+
+def zip_rest(plan: FilePlan, crcs: Mapping[int, int]) -> tuple[list[tuple[int, bytes]], list[_Entry] | None,
+                                                                bytes | None]:
+    """Every byte of the file but the tensors' data, as ``(offset, bytes)`` segments in file order, given each
+    tensor record's CRC-32 (``crcs``, by record index): then also the zip entries and the central directory (the
+    last segment). Given only some, the segments that do not depend on the others: every local header, the small
+    records, and the descriptors of the tensor records given (entries and directory: None)."""
+    segments: list[tuple[int, bytes]] = []
+    zip_entries: list[_Entry] = []
+    names, nonempty = [], []
+    whole = all(t in crcs for t in plan.tensors)
+    for t, r in enumerate(plan.records):
+        if r.name == ".data/serialization_id":
+            if not whole:
+                segments.append((r.offset, r.header))
+                continue
+            data = serialization_id(names, nonempty).encode()
+            assert len(data) == r.size
+        else:
+            data = r.data
+        crc = zlib.crc32(data) if data is not None else crcs.get(t)
+        if crc is not None:
+            zip_entries.append(_Entry(f"{ARCHIVE}/{r.name}".encode(), r.offset, r.size, crc))
+            names.append(r.name)
+            if r.size:
+                nonempty.append(crc)
+        if data is not None:
+            segments.append((r.offset, r.header + data + descriptor(crc, r.size)))
+        else:
+            segments.append((r.offset, r.header))
+            if crc is not None:
+                segments.append((r.data_offset + r.size, descriptor(crc, r.size)))
+    if not whole:
+        return segments, None, None
+    tail = central_directory(zip_entries, plan.end)
+    segments.append((plan.end, tail))
+    return segments, zip_entries, tail
+
+
+def merged_entry(key: str, plan: FilePlan, parts: Sequence[GroupPart | None], zip_entries: list[_Entry],
+                 tail: bytes) -> FileEntry:
+    """The checkpoint manifest's entry of a merged file the ranks wrote in place (its CRC-32 combined)."""
+    total = plan.end + len(tail)
     return FileEntry(key=key, item=ARCHIVE, rank=owner_rank(parts), codec="torch", size=total,
                      checksum=f"{CRC32}:{_file_crc(plan, zip_entries, tail):08x}", compression=None, raw_size=total,
                      meta={**parts_meta(parts), "written": "in_place", "plan": plan.digest})
 
 
-def _record_crcs(key: str, plan: FilePlan, pieces: list[list[int]]) -> dict[int, int]:
+def record_crcs(key: str, plan: FilePlan, pieces: list[list[int]]) -> dict[int, int]:
     """Each tensor record's CRC-32, combined from the pieces that must tile it exactly."""
     by_record: dict[int, list[list[int]]] = {t: [] for t in plan.tensors}
     for p in pieces:

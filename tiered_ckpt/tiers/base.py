@@ -292,6 +292,13 @@ class Tier(ABC):
         through it. Default: None."""
         return None
 
+    def shared_parts(self) -> Any:
+        """Multipart uploads of one object whose parts several processes send (``create``, ``alive``,
+        ``upload``, ``complete``, ``abort``, and S3's part limits: :class:`~._s3_parts.SharedParts`), or None when
+        this tier has none. The ``megatron`` layout's ranks upload their ranges of Megatron's file through it
+        where the tier has no :meth:`positional` writer. Default: None."""
+        return None
+
     def describe(self) -> str:
         """One line for logs and ``tiered-ckpt ls``: where this tier keeps its blobs."""
         return f"{self.kind}"

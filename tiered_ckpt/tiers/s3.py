@@ -64,6 +64,7 @@ from ._s3 import (
     object_size,
     s3_error_code,
 )
+from ._s3_parts import SharedParts
 from .base import Chunk, TierContext, as_memoryview, check_range
 from .fsspec_tier import FsspecOptions, FsspecTier
 
@@ -232,6 +233,9 @@ class S3Tier(FsspecTier):
         except Replaced:
             raise TransientTierError("the blob was replaced while being read", tier=self.name, key=key) from None
         return bytes(out)
+
+    def shared_parts(self) -> SharedParts:
+        return SharedParts(self)
 
     def size(self, key: str) -> int:
         return content_length(self._head(key, self._path(key)), tier=self.name, key=key)

@@ -1,0 +1,378 @@
+"""The ``megatron`` layout's gather-free commit on an object store: Megatron's ``distrib_optim.pt`` as one
+multipart upload whose parts the DP ranks send themselves.
+
+:mod:`.inplace` writes the file at known offsets on a POSIX tier. An object store has no such write, but S3 builds
+an object from numbered parts that different clients may send (:meth:`~tiered_ckpt.tiers.base.Tier.shared_parts`).
+Every rank of the directory computes the same plan (:func:`plan_parts`): the file cut into parts at its ranks'
+spans, each part at least S3's minimum (spans too short alone are grouped with their neighbours), long spans cut
+at the tier's ``part_size``, and the file's tail (the last descriptor, ``version``, the serialization id and the
+central directory) the last part, which the committing rank sends. A part's *uploader* is the rank holding most of
+its bytes; the bytes around the spans (local headers, small records, data descriptors) go with the part they fall
+in. So, per step and directory:
+
+1. the directory's first rank starts the upload and publishes its id (a small object); every rank writes the
+   CRC-32 of each of its spans (another), and the spans it holds in parts another rank uploads (``loose``: only
+   spans shorter than the minimum part are ever loose) as objects of their own;
+2. each rank uploads its parts: those that need nothing first, then those that hold a record's data descriptor
+   (they wait for every rank's CRC-32s, combined with :mod:`.crc_combine`) or another rank's loose span (checked
+   against that rank's CRC-32 before it is sent); its rank manifest lists its spans (``pieces``, as the POSIX path
+   does), its part entries, and the descriptors' CRC-32s it used;
+3. the committing rank (:func:`finish_uploads`), once every rank's manifest is there, checks that the ranks'
+   parts are exactly the plan's and that the descriptors they sent agree with the ranks' pieces, sends the last
+   part, completes the upload (the object appears whole, under its final key) and removes the side objects.
+
+Nothing goes through the committing rank but the file's tail. The side objects are named as the tier's temporary
+files (``.distrib_optim.pt.<what>.tmp-<16 hex>``): listings skip them and ``gc`` removes those a dead job left.
+An upload a dead job left is not listed: a bucket lifecycle rule (``AbortIncompleteMultipartUpload``) removes it.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import tenacity
+
+from ..checksum import Crc32Hasher
+from ..errors import BlobNotFoundError, CorruptionError, LayoutMismatchError, TransientTierError
+from ..manifest import FileEntry
+from .inplace import (
+    FilePlan,
+    Span,
+    _parts_dicts,
+    checked_group,
+    directory_parts,
+    merged_entry,
+    plan_file,
+    rank_spans,
+    record_crcs,
+    span_bytes,
+    temp_key,
+    zip_rest,
+)
+from .merge import owner_rank
+from .naming import DISTRIB_OPTIM_FILENAME
+
+log = logging.getLogger(__name__)
+
+PEER_WAIT_S = 300.0  # how long a rank waits for another rank's upload id, CRC-32s or loose span
+COMMITTER = -1  # the uploader of the file's tail
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """Bytes ``[lo, hi)`` of span ``span`` (an index into the plan's spans)."""
+
+    span: int
+    lo: int
+    hi: int
+
+    @property
+    def size(self) -> int:
+        return self.hi - self.lo
+
+
+@dataclass(frozen=True)
+class Part:
+    number: int
+    start: int  # file offsets
+    end: int
+    uploader: int  # a rank, or COMMITTER
+    chunks: tuple[Chunk, ...]
+    descriptors: tuple[int, ...]  # tensor records whose data descriptor lies in the part
+
+
+@dataclass(frozen=True)
+class PartPlan:
+    file: FilePlan
+    spans: tuple[Span, ...]
+    parts: tuple[Part, ...]  # the last one: the committing rank's tail
+    part_size: int
+
+    def loose(self) -> list[tuple[Part, Chunk]]:
+        """Spans a rank holds in a part another rank uploads."""
+        return [(p, c) for p in self.parts for c in p.chunks if self.spans[c.span].rank != p.uploader]
+
+
+def plan_parts(plan: FilePlan, spans: Sequence[Span], *, part_size: int, min_part: int, max_part: int,
+               max_parts: int) -> PartPlan | None:
+    """Cut the file into parts (module doc); None where S3's limits cannot be met (the gather then writes it)."""
+    if not spans:
+        return None
+    chunks: list[Chunk] = []
+    for k, s in enumerate(spans):
+        n = max(1, -(-s.length // part_size))
+        bounds = [min(j * part_size, s.length) for j in range(n)] + [s.length]
+        if n > 1 and bounds[-1] - bounds[-2] < min_part:
+            del bounds[-2]  # a short last piece joins the one before it
+        chunks += [Chunk(k, lo, hi) for lo, hi in zip(bounds, bounds[1:], strict=False)]
+    groups: list[list[Chunk]] = []
+    size = 0
+    for c in chunks:
+        if not groups or size >= min_part:
+            groups.append([])
+            size = 0
+        groups[-1].append(c)
+        size += c.size
+    if size < min_part:  # the last group is short: it joins the one before (the tail part takes no data)
+        if len(groups) == 1:
+            return None
+        last = groups.pop()
+        groups[-1] += last
+    if len(groups) + 1 > max_parts:
+        return None
+
+    def offset(c: Chunk) -> int:
+        s = spans[c.span]
+        return plan.records[s.record].data_offset + s.pos + c.lo
+
+    ends = {plan.records[t].data_offset + plan.records[t].size: t for t in plan.tensors}
+    starts = [0] + [offset(g[0]) for g in groups[1:]]
+    tail_start = offset(groups[-1][-1]) + groups[-1][-1].size
+    parts = []
+    for i, g in enumerate(groups):
+        start, end = starts[i], starts[i + 1] if i + 1 < len(groups) else tail_start
+        if end - start > max_part:
+            return None
+        held: dict[int, int] = {}
+        for c in g:
+            rank = spans[c.span].rank
+            held[rank] = held.get(rank, 0) + c.size
+        uploader = min(held, key=lambda r: (-held[r], r))
+        if any(spans[c.span].rank != uploader and (c.lo, c.hi) != (0, spans[c.span].length) for c in g):
+            return None  # a loose chunk is always a whole span (its CRC-32 is the span's); never otherwise
+        descriptors = tuple(t for e, t in ends.items() if start <= e < end)
+        parts.append(Part(i + 1, start, end, uploader, tuple(g), descriptors))
+    parts.append(Part(len(groups) + 1, tail_start, plan.total, COMMITTER, (), (max(plan.tensors),)))
+    return PartPlan(plan, tuple(spans), tuple(parts), part_size)
+
+
+# ------------------------------------------------------------------------------------------------------------
+# names of the side objects
+
+
+def _side_key(merged: str, tag: str, what: str) -> str:
+    d, base = merged.rsplit("/", 1)
+    return f"{d}/.{base}.{what}.tmp-{tag}"
+
+
+@dataclass(frozen=True)
+class SideObjects:
+    merged: str
+    tag: str
+
+    @property
+    def upload(self) -> str:
+        return _side_key(self.merged, self.tag, "upload")
+
+    def crcs(self, rank: int) -> str:
+        return _side_key(self.merged, self.tag, f"crc-{rank:05d}")
+
+    def loose(self, span: Span) -> str:
+        return _side_key(self.merged, self.tag, f"span-{span.record}-{span.pos}")
+
+    def all(self, pp: PartPlan, ranks: Sequence[int]) -> list[str]:
+        return [self.upload, *(self.crcs(r) for r in ranks), *(self.loose(pp.spans[c.span]) for _, c in pp.loose())]
+
+
+def _sides(merged: str, plan: FilePlan, run_id: str, step: int) -> SideObjects:
+    return SideObjects(merged, temp_key(merged, plan, run_id, step).rsplit(".tmp-", 1)[1])
+
+
+def _await_blob(tier: Any, key: str, wait_s: float, what: str) -> bytes:
+    """The bytes of a small object another rank writes, once it is there (up to ``wait_s``)."""
+    retrying = tenacity.Retrying(stop=tenacity.stop_after_delay(wait_s),
+                                 wait=tenacity.wait_exponential(multiplier=0.02, max=1.0),
+                                 retry=tenacity.retry_if_exception_type(BlobNotFoundError), reraise=True)
+    try:
+        return retrying(lambda: tier.read_blob(key).numpy().tobytes())
+    except BlobNotFoundError:
+        raise TransientTierError(f"waited {wait_s:.0f} s for {what} ({key}), which its rank has not written: is "
+                                 f"that rank alive and draining to this tier?", tier=tier.name, key=key) from None
+
+
+# ------------------------------------------------------------------------------------------------------------
+# a rank's parts
+
+
+def write_rank_parts(uploads: Any, tier: Any, step_dir: str, shard: Any, *, run_id: str, step: int,
+                     wait_s: float = PEER_WAIT_S) -> dict[str, Any] | None:
+    """Upload this rank's parts of its directory's ``distrib_optim.pt`` (module doc); return the ``in_place``
+    facts for its manifest entry, or None where the file is left to the gather (this rank cannot plan it alone,
+    or S3's part limits cannot be met: every rank of the directory decides the same)."""
+    found = directory_parts(shard)
+    if found is None:
+        return None
+    directory, parts = found
+    plan = plan_file(parts)
+    pp = plan_parts(plan, rank_spans(plan, parts), part_size=uploads.part_size, min_part=uploads.min_part,
+                    max_part=uploads.max_part, max_parts=uploads.max_parts)
+    if pp is None:
+        return None
+    me = shard.rank
+    merged = f"{step_dir}/{directory}/{DISTRIB_OPTIM_FILENAME}"
+    sides = _sides(merged, plan, run_id, step)
+    upload_id = _open_upload(uploads, tier, merged, sides) if me == owner_rank(parts) else None
+
+    data = {k: span_bytes(shard, s) for k, s in enumerate(pp.spans) if s.rank == me}
+    own_crcs: dict[int, int] = {}
+    for k, mv in data.items():
+        h = Crc32Hasher()
+        h.update(mv)
+        own_crcs[k] = h.crc
+    pieces = [[pp.spans[k].record, pp.spans[k].pos, pp.spans[k].length, own_crcs[k]] for k in sorted(data)]
+    tier.write_blob(sides.crcs(me), [json.dumps(pieces).encode()])
+    for _, c in pp.loose():
+        if pp.spans[c.span].rank == me:
+            tier.write_blob(sides.loose(pp.spans[c.span]), [data[c.span]])
+    if upload_id is None:
+        token = json.loads(_await_blob(tier, sides.upload, wait_s, f"the upload id of rank {owner_rank(parts)}"))
+        upload_id = token["upload"]
+
+    context = _PeerBytes(tier, pp, sides, parts, wait_s)
+    mine = [p for p in pp.parts if p.uploader == me]
+    # parts that wait for nothing first: the others' CRC-32s and loose spans are then most likely there
+    mine.sort(key=lambda p: (bool(p.descriptors) or any(pp.spans[c.span].rank != me for c in p.chunks), p.number))
+    sent: list[dict[str, Any]] = []
+    used: dict[int, int] = {}
+    window = max(1, getattr(tier.options, "max_concurrency", 1))
+    for i in range(0, len(mine), window):  # a window of parts at a time: assembled parts stay bounded in memory
+        batch = mine[i:i + window]
+        bodies = [(p.number, _part_bytes(pp, p, data, context, used)) for p in batch]
+        sent += uploads.upload(merged, upload_id, bodies)
+    return {"key": merged, "upload": upload_id, "part_size": pp.part_size, "sides": sides.tag, "plan": plan.digest,
+            "optimizers": _parts_dicts(parts), "pieces": pieces, "parts": sorted(sent, key=lambda e: e["PartNumber"]),
+            "descriptors": {str(t): crc for t, crc in sorted(used.items())}}
+
+
+def _open_upload(uploads: Any, tier: Any, merged: str, sides: SideObjects) -> str:
+    """The directory's upload: the one its id object names while the store still knows it (an earlier attempt of
+    this rank, whose parts other ranks may have sent already), else a new one."""
+    try:
+        upload_id = json.loads(tier.read_blob(sides.upload).numpy().tobytes())["upload"]
+    except BlobNotFoundError:
+        upload_id = None
+    if upload_id is not None and uploads.alive(merged, upload_id):
+        return str(upload_id)
+    upload_id = uploads.create(merged)
+    tier.write_blob(sides.upload, [json.dumps({"upload": upload_id}).encode()])
+    return str(upload_id)
+
+
+class _PeerBytes:
+    """What a part needs from the other ranks, read once: every rank's CRC-32s, loose spans (verified)."""
+
+    def __init__(self, tier: Any, pp: PartPlan, sides: SideObjects, parts: Sequence[Any], wait_s: float):
+        self.tier, self.pp, self.sides, self.wait_s = tier, pp, sides, wait_s
+        self.members = sorted({r for p in parts if p is not None for r in p.group})
+        self._crcs: dict[int, int] | None = None
+        self._span_crcs: dict[tuple[int, int], int] = {}
+
+    def record_crcs(self) -> dict[int, int]:
+        if self._crcs is None:
+            pieces = []
+            for r in self.members:
+                raw = _await_blob(self.tier, self.sides.crcs(r), self.wait_s, f"the CRC-32s of rank {r}")
+                got = json.loads(raw)
+                pieces += got
+                self._span_crcs.update({(p[0], p[1]): p[3] for p in got})
+            self._crcs = record_crcs(self.sides.merged, self.pp.file, pieces)
+        return self._crcs
+
+    def loose(self, span: Span) -> memoryview:
+        self.record_crcs()
+        key = self.sides.loose(span)
+        name = self.pp.file.records[span.record].name
+        raw = _await_blob(self.tier, key, self.wait_s, f"rank {span.rank}'s span of {name}")
+        h = Crc32Hasher()
+        h.update(raw)
+        if len(raw) != span.length or h.crc != self._span_crcs.get((span.record, span.pos)):
+            raise CorruptionError(f"{key}: rank {span.rank}'s span ({len(raw)} bytes) is not the one its CRC-32s "
+                                  f"list ({span.length} bytes)", key=key)
+        return memoryview(raw)
+
+
+def _part_bytes(pp: PartPlan, part: Part, own: Mapping[int, memoryview], peers: _PeerBytes | None,
+                used: dict[int, int], crcs: Mapping[int, int] | None = None) -> memoryview:
+    """The bytes of one part: its chunks (this rank's own, or loose spans from ``peers``) and the zip records'
+    bytes around them."""
+    pieces: list[tuple[int, memoryview]] = []
+    for c in part.chunks:
+        s = pp.spans[c.span]
+        src = own[c.span] if c.span in own else peers.loose(s)  # type: ignore[union-attr]
+        pieces.append((pp.file.records[s.record].data_offset + s.pos + c.lo, src[c.lo:c.hi]))
+    if len(pieces) == 1 and pieces[0][0] == part.start and len(pieces[0][1]) == part.end - part.start:
+        return pieces[0][1]  # a part of one span's bytes alone: sent from the shard's memory
+    if crcs is None:
+        crcs = peers.record_crcs() if part.descriptors and peers is not None else {}
+    used.update({t: crcs[t] for t in part.descriptors if t in crcs})
+    segments, _, _ = zip_rest(pp.file, crcs)
+    pieces += [(o, memoryview(b)) for o, b in segments]
+    out = bytearray(part.end - part.start)
+    covered = 0
+    for offset, b in pieces:
+        lo, hi = max(offset, part.start), min(offset + len(b), part.end)
+        if lo < hi:
+            out[lo - part.start:hi - part.start] = b[lo - offset:hi - offset]
+            covered += hi - lo
+    if covered != len(out):
+        raise LayoutMismatchError(f"{pp.file.records[0].name}: part {part.number} [{part.start}, {part.end}) has "
+                                  f"{covered} of {len(out)} bytes from its plan")
+    return memoryview(out)
+
+
+# ------------------------------------------------------------------------------------------------------------
+# the committing rank
+
+
+def finish_uploads(uploads: Any, tier: Any, step: int, entries: Sequence[FileEntry]) -> list[FileEntry]:
+    """Send the last part of every upload the ranks' ``in_place`` entries name, complete it, remove the side
+    objects; the merged files' entries."""
+    by_key: dict[str, list[FileEntry]] = {}
+    for e in entries:
+        by_key.setdefault(e.meta["in_place"]["key"], []).append(e)
+    return [_finish_one(uploads, tier, step, key, group) for key, group in sorted(by_key.items())]
+
+
+def _finish_one(uploads: Any, tier: Any, step: int, key: str, entries: list[FileEntry]) -> FileEntry:
+    first = entries[0].meta["in_place"]
+    parts, plan, crcs = checked_group(key, entries, same=("upload", "part_size", "sides"))
+    pp = plan_parts(plan, rank_spans(plan, parts), part_size=first["part_size"], min_part=uploads.min_part,
+                    max_part=uploads.max_part, max_parts=uploads.max_parts)
+    if pp is None:
+        raise LayoutMismatchError(f"{key}: the ranks sent parts of a file this tier cannot cut into parts")
+    upload_id = first["upload"]
+    sent: dict[int, dict[str, Any]] = {}
+    for e in entries:
+        facts = e.meta["in_place"]
+        want = {p.number for p in pp.parts if p.uploader == e.rank}
+        got = [int(p["PartNumber"]) for p in facts["parts"]]
+        if sorted(got) != sorted(want):
+            raise LayoutMismatchError(f"{key}: rank {e.rank} sent parts {sorted(got)[:8]}, the plan gives it "
+                                      f"{sorted(want)[:8]}")
+        for t, crc in facts.get("descriptors", {}).items():
+            if crcs.get(int(t)) != crc:
+                raise CorruptionError(f"{key}: rank {e.rank} sent the data descriptor of "
+                                      f"{plan.records[int(t)].name} with CRC-32 {crc:08x}, the ranks' pieces give "
+                                      f"{crcs.get(int(t), 0):08x} (CRC-32s left by another save of this step?)",
+                                      key=key)
+        sent.update({int(p["PartNumber"]): p for p in facts["parts"]})
+    tail = pp.parts[-1]
+    body = _part_bytes(pp, tail, {}, None, {}, crcs)
+    sent.update({p["PartNumber"]: p for p in uploads.upload(key, upload_id, [(tail.number, body)])})
+    _, zip_entries, directory = zip_rest(plan, crcs)
+    assert zip_entries is not None and directory is not None
+    uploads.complete(key, upload_id, list(sent.values()), nbytes=plan.total)
+    members = sorted({r for p in parts if p is not None for r in p.group})
+    for side in SideObjects(key, first["sides"]).all(pp, members):
+        try:
+            tier.delete(side)
+        except Exception as exc:  # debris only: gc removes it
+            log.warning("tier %r: could not remove %s after completing %s: %s", tier.name, side, key, exc)
+    return merged_entry(key, plan, parts, zip_entries, directory)
+
+
+__all__ = ["PEER_WAIT_S", "PartPlan", "finish_uploads", "plan_parts", "write_rank_parts"]

@@ -1,0 +1,115 @@
+"""One S3 object uploaded in parts by several processes: the S3 tier's :meth:`~.s3.S3Tier.shared_parts`.
+
+The ``megatron`` layout's ranks write their own byte ranges of Megatron's ``distrib_optim.pt`` as parts of one
+multipart upload (:mod:`tiered_ckpt.megatron.inplace_parts`): one process creates the upload, the others learn
+its id from a small object, every process uploads the part numbers the plan gives it, and the committing rank
+completes the upload with every rank's part list. Nothing is visible under the key until then; an upload that is
+not completed is aborted by :meth:`SharedParts.abort`.
+
+Every request goes through the tier's :meth:`~.s3.S3Tier.arequest` (its tries, ceilings and error mapping), as
+the tier's own uploads do (:class:`~._s3.Upload`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+from ..errors import BlobNotFoundError
+from ..memfile import MemoryReader
+from ._s3 import _CHECKSUM_FIELDS, S3_MAX_PART, S3_MAX_PARTS, S3_MIN_PART
+
+if TYPE_CHECKING:
+    from .s3 import S3Tier
+
+
+class SharedParts:
+    """Multipart uploads whose parts several processes send (module doc). ``part_size`` is the tier's: the size
+    a planner cuts long ranges into; ``min_part``/``max_part``/``max_parts`` are S3's limits."""
+
+    min_part = S3_MIN_PART
+    max_part = S3_MAX_PART
+    max_parts = S3_MAX_PARTS
+
+    def __init__(self, tier: S3Tier):
+        self.tier = tier
+        self.part_size = tier.options.part_size
+
+    def _where(self, key: str) -> tuple[str, str, str]:
+        path = self.tier._path(key)
+        bucket, obj, _ = self.tier.fs.split_path(path)
+        return path, bucket, obj
+
+    def create(self, key: str) -> str:
+        """Start a multipart upload of ``key``; its id."""
+        path, bucket, obj = self._where(key)
+
+        def call() -> Any:
+            return self.tier.fs._call_s3("create_multipart_upload", Bucket=bucket, Key=obj)
+
+        resp = self.tier.run_sync(self.tier.arequest, "start the shared multipart upload of", key, path, call)
+        return str(resp["UploadId"])
+
+    def alive(self, key: str, upload_id: str) -> bool:
+        """Whether the store still knows the upload (neither completed nor aborted)."""
+        path, bucket, obj = self._where(key)
+
+        def call() -> Any:
+            return self.tier.fs._call_s3("list_parts", Bucket=bucket, Key=obj, UploadId=upload_id, MaxParts=1)
+
+        try:
+            self.tier.run_sync(self.tier.arequest, "look up the multipart upload of", key, path, call,
+                               missing_ok=True)
+        except BlobNotFoundError:  # NoSuchUpload
+            return False
+        return True
+
+    def upload(self, key: str, upload_id: str, parts: Sequence[tuple[int, memoryview]]) -> list[dict[str, Any]]:
+        """Upload ``(number, bytes)`` parts, ``max_concurrency`` at a time; each one's completion entry
+        (``PartNumber``, ``ETag`` and any checksum the store returned), in the order given."""
+        path, bucket, obj = self._where(key)
+        tier = self.tier
+
+        async def send_all() -> list[dict[str, Any]]:
+            window = asyncio.Semaphore(tier.options.max_concurrency)
+
+            async def send(number: int, view: memoryview) -> dict[str, Any]:
+                async with window:
+                    resp = await tier.arequest(
+                        f"upload part {number} of", key, path,
+                        lambda: tier.fs._call_s3("upload_part", Bucket=bucket, Key=obj, UploadId=upload_id,
+                                                 PartNumber=number, Body=MemoryReader(view)),
+                        nbytes=len(view))
+                entry = {"PartNumber": number, "ETag": resp["ETag"]}
+                entry.update({k: resp[k] for k in _CHECKSUM_FIELDS if resp.get(k)})
+                return entry
+
+            return list(await asyncio.gather(*(send(n, v) for n, v in parts)))
+
+        return tier.run_sync(send_all)
+
+    def complete(self, key: str, upload_id: str, parts: Sequence[dict[str, Any]], nbytes: int) -> None:
+        """Complete the upload from every part's entry (in part-number order)."""
+        path, bucket, obj = self._where(key)
+        tier = self.tier
+        ordered = sorted(parts, key=lambda p: p["PartNumber"])
+
+        def call() -> Any:  # the server may assemble the object for long before it answers: the patient client
+            return tier.patient_fs()._call_s3("complete_multipart_upload", Bucket=bucket, Key=obj,
+                                              UploadId=upload_id, MultipartUpload={"Parts": ordered})
+
+        tier.run_sync(tier.arequest, "complete the shared multipart upload of", key, path, call, nbytes=nbytes)
+
+    def abort(self, key: str, upload_id: str) -> None:
+        """Abort the upload (an unknown one is not an error)."""
+        path, bucket, obj = self._where(key)
+
+        def call() -> Any:
+            return self.tier.fs._call_s3("abort_multipart_upload", Bucket=bucket, Key=obj, UploadId=upload_id)
+
+        try:
+            self.tier.run_sync(self.tier.arequest, "abort the shared multipart upload of", key, path, call,
+                               missing_ok=True)
+        except BlobNotFoundError:  # NoSuchUpload: already gone
+            pass
