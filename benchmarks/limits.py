@@ -381,3 +381,45 @@ def copy_ceiling(tensors: list[torch.Tensor], repeats: int = 5) -> dict[str, obj
         except BufferError:
             pass
         shutil.rmtree(root, ignore_errors=True)
+
+
+class RawPut:
+    """The raw parallel PUT ceiling of one process's bytes on an S3 endpoint: the tensors' bytes (one contiguous
+    copy, made once) put as ``part``-byte objects on ``concurrency`` connections of a plain boto3 client, request
+    checksums off; nothing but the transfer. ``s3``: ``{"bucket", "options" (endpoint_url, key, secret,
+    client_kwargs.region_name), "part", "concurrency"}``."""
+
+    def __init__(self, tensors: list[torch.Tensor], s3: dict, name: str):
+        import boto3
+        from botocore.config import Config
+
+        self.flat = torch.cat([t.detach().reshape(-1).view(torch.uint8) for t in tensors])
+        self.s3, self.name = s3, name
+        o = s3["options"]
+        cfg = Config(max_pool_connections=s3["concurrency"], request_checksum_calculation="when_required",
+                     response_checksum_validation="when_required", retries={"max_attempts": 3})
+        self.client = boto3.client("s3", endpoint_url=o["endpoint_url"], aws_access_key_id=o["key"],
+                                   aws_secret_access_key=o["secret"],
+                                   region_name=o["client_kwargs"]["region_name"], config=cfg)
+
+    def put(self) -> float:
+        """Seconds to put every part (the objects are deleted after, untimed)."""
+        from concurrent.futures import ThreadPoolExecutor
+
+        mv, part = memoryview(self.flat.numpy()), self.s3["part"]
+        keys = [(f"raw/{self.name}/{i:05d}", i) for i in range(0, len(mv), part)]
+
+        def one(key_off: tuple[str, int]) -> None:
+            key, off = key_off
+            self.client.put_object(Bucket=self.s3["bucket"], Key=key, Body=bytes(mv[off:off + part]))
+
+        t0 = time.perf_counter()
+        with ThreadPoolExecutor(self.s3["concurrency"]) as pool:
+            list(pool.map(one, keys))
+        seconds = time.perf_counter() - t0
+        for key, _ in keys:
+            self.client.delete_object(Bucket=self.s3["bucket"], Key=key)
+        return seconds
+
+    def close(self) -> None:
+        self.flat = torch.empty(0, dtype=torch.uint8)
