@@ -14,7 +14,7 @@ import torch
 from megatron_synthetic import ModelSpec, SyntheticJob
 from test_megatron_inplace import _entry, _gathered
 
-from tiered_ckpt.errors import CorruptionError, LayoutMismatchError, TransientTierError
+from tiered_ckpt.errors import CorruptionError, LayoutMismatchError, PermanentTierError, TransientTierError
 from tiered_ckpt.megatron import inplace, inplace_parts, rank_shard
 from tiered_ckpt.megatron.merge import GroupPart
 from tiered_ckpt.tiers._s3 import S3_MIN_PART
@@ -153,3 +153,17 @@ def test_a_retried_rank_reuses_the_upload(s3_url):
     assert again["upload"] == facts[0]["upload"]
     tier, merged = _finish(job, s3_url, {0: again, 1: facts[1]})
     assert tier.read_blob(merged[0].key).numpy().tobytes() == _gathered(job)["mp_rank_00"]
+
+
+def test_a_commit_retried_after_its_completion_finds_the_object(s3_url):
+    """The completion's answer lost, the commit tried again: the object the parts made is recognised (its multipart
+    ETag), not sent again; an upload that is gone without making the object is an error, not a success."""
+    job = SyntheticJob(spec=ModelSpec(hidden=256, ddp_bucket_size=None), dp=2)
+    facts = _ranks(job, s3_url)
+    _, first = _finish(job, s3_url, facts)
+    tier, again = _finish(job, s3_url, facts)
+    assert again == first
+    assert tier.read_blob(first[0].key).numpy().tobytes() == _gathered(job)["mp_rank_00"]
+    tier.delete(first[0].key)
+    with pytest.raises(PermanentTierError, match="neither open nor completed"):
+        _finish(job, s3_url, facts)

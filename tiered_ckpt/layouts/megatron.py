@@ -6,9 +6,9 @@ ranges of Megatron's file in place (:meth:`write_in_place`, :mod:`tiered_ckpt.me
 committing rank completes it at commit: no gather. On S3 each rank uploads its ranges as parts of one multipart
 upload the committing rank completes (:mod:`tiered_ckpt.megatron.inplace_parts`). Elsewhere (other fsspec tiers,
 node-local commits, compression, chained optimizers with EP > 1) each rank writes its own shard where the
-``rank_sharded`` layout does (:meth:`optimizer_key`, the staging file); at commit, one rank merges a step's staging files into
-:meth:`merged_optimizer_key` of every model-parallel group (:func:`tiered_ckpt.megatron.merge.merge_step_on_tier`,
-streamed). Both give the bytes Megatron writes.
+``rank_sharded`` layout does (:meth:`optimizer_key`, the staging file); at commit, one rank merges a step's
+staging files into :meth:`merged_optimizer_key` of every model-parallel group
+(:func:`tiered_ckpt.megatron.merge.merge_step_on_tier`, streamed). All give the bytes Megatron writes.
 """
 
 from __future__ import annotations

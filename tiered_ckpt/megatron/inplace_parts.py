@@ -28,6 +28,7 @@ An upload a dead job left is not listed: a bucket lifecycle rule (``AbortIncompl
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 from collections.abc import Mapping, Sequence
@@ -37,7 +38,7 @@ from typing import Any
 import tenacity
 
 from ..checksum import Crc32Hasher
-from ..errors import BlobNotFoundError, CorruptionError, LayoutMismatchError, TransientTierError
+from ..errors import BlobNotFoundError, CorruptionError, LayoutMismatchError, PermanentTierError, TransientTierError
 from ..manifest import FileEntry
 from .inplace import (
     FilePlan,
@@ -337,6 +338,10 @@ def finish_uploads(uploads: Any, tier: Any, step: int, entries: Sequence[FileEnt
     return [_finish_one(uploads, tier, step, key, group) for key, group in sorted(by_key.items())]
 
 
+def _md5_etag(data: memoryview) -> str:
+    return f'"{hashlib.md5(data, usedforsecurity=False).hexdigest()}"'
+
+
 def _finish_one(uploads: Any, tier: Any, step: int, key: str, entries: list[FileEntry]) -> FileEntry:
     first = entries[0].meta["in_place"]
     parts, plan, crcs = checked_group(key, entries, same=("upload", "part_size", "sides"))
@@ -362,10 +367,16 @@ def _finish_one(uploads: Any, tier: Any, step: int, key: str, entries: list[File
         sent.update({int(p["PartNumber"]): p for p in facts["parts"]})
     tail = pp.parts[-1]
     body = _part_bytes(pp, tail, {}, None, {}, crcs)
-    sent.update({p["PartNumber"]: p for p in uploads.upload(key, upload_id, [(tail.number, body)])})
     _, zip_entries, directory = zip_rest(plan, crcs)
     assert zip_entries is not None and directory is not None
-    uploads.complete(key, upload_id, list(sent.values()), nbytes=plan.total)
+    if uploads.alive(key, upload_id):
+        sent.update({p["PartNumber"]: p for p in uploads.upload(key, upload_id, [(tail.number, body)])})
+        uploads.complete(key, upload_id, list(sent.values()), nbytes=plan.total)
+    elif not uploads.completed_as(key, [*sent.values(), {"PartNumber": tail.number, "ETag": _md5_etag(body)}]):
+        # not a completion of ours whose answer was lost (a retry of this commit): the upload is gone
+        raise PermanentTierError(f"the ranks' upload {upload_id} of this step's file is neither open nor completed "
+                                 f"as this object (aborted, or removed by a lifecycle rule?)", tier=tier.name,
+                                 key=key)
     members = sorted({r for p in parts if p is not None for r in p.group})
     for side in SideObjects(key, first["sides"]).all(pp, members):
         try:

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..errors import BlobNotFoundError
 from ..memfile import MemoryReader
-from ._s3 import _CHECKSUM_FIELDS, S3_MAX_PART, S3_MAX_PARTS, S3_MIN_PART
+from ._s3 import _CHECKSUM_FIELDS, S3_MAX_PART, S3_MAX_PARTS, S3_MIN_PART, multipart_etag
 
 if TYPE_CHECKING:
     from .s3 import S3Tier
@@ -100,6 +100,23 @@ class SharedParts:
                                               UploadId=upload_id, MultipartUpload={"Parts": ordered})
 
         tier.run_sync(tier.arequest, "complete the shared multipart upload of", key, path, call, nbytes=nbytes)
+
+    def completed_as(self, key: str, parts: Sequence[dict[str, Any]]) -> bool:
+        """Whether ``key`` is the object these parts complete (its multipart ETag; False where the store's ETags
+        are not MD5s): an earlier completion whose answer was lost."""
+        expected = multipart_etag(sorted(parts, key=lambda p: p["PartNumber"]))
+        if expected is None:
+            return False
+        path, bucket, obj = self._where(key)
+
+        def call() -> Any:
+            return self.tier.fs._call_s3("head_object", Bucket=bucket, Key=obj)
+
+        try:
+            head = self.tier.run_sync(self.tier.arequest, "look up", key, path, call, missing_ok=True)
+        except BlobNotFoundError:
+            return False
+        return head.get("ETag") == expected
 
     def abort(self, key: str, upload_id: str) -> None:
         """Abort the upload (an unknown one is not an error)."""
