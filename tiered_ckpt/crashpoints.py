@@ -38,6 +38,11 @@ POINTS: dict[str, str] = {
                                "its rank manifest is not",
     "megatron.in_place_complete": "megatron/inplace: the committing rank completed distrib_optim.pt, not renamed",
     "megatron.in_place_renamed": "megatron/inplace: distrib_optim.pt is in place, the checkpoint manifest is not",
+    "megatron.parts_sent": "megatron/inplace_parts: a rank sent its parts of distrib_optim.pt's upload (S3), its "
+                           "rank manifest is not written",
+    "megatron.tail_sent": "megatron/inplace_parts: the committing rank sent the upload's last part, not completed",
+    "megatron.upload_completed": "megatron/inplace_parts: distrib_optim.pt's upload is completed, the checkpoint "
+                                 "manifest is not written",
     "fsspec.temp_written": "tiers/fsspec_tier: a temporary file is written on a renaming store, not yet moved",
 }
 

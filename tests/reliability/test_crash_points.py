@@ -55,7 +55,8 @@ HITS = {
 }
 # The megatron layout's gather-free commit needs several ranks writing one file: its points are exercised on 4 gloo
 # ranks by test_megatron_inplace_crash.py (rank_sharded here never reaches them).
-MULTIRANK_POINTS = {"megatron.pieces_written", "megatron.in_place_complete", "megatron.in_place_renamed"}
+MULTIRANK_POINTS = {"megatron.pieces_written", "megatron.in_place_complete", "megatron.in_place_renamed",
+                    "megatron.parts_sent", "megatron.tail_sent", "megatron.upload_completed"}
 assert set(HITS) | MULTIRANK_POINTS == set(crashpoints.POINTS), "every crash point is exercised"
 
 # Tier configurations: (name, tiers, drain mode). "process" runs the drain in a worker process.

@@ -1,6 +1,7 @@
-"""Crashes in the megatron layout's gather-free commit (tiered_ckpt/megatron/inplace.py), 4 gloo ranks on a local
-tier: a rank killed after writing its ranges of ``distrib_optim.pt`` but before its rank manifest, and the
-committing rank killed before and after the file's rename. Each time the previous committed step stays the
+"""Crashes in the megatron layout's gather-free commit, 4 gloo ranks: on a local tier (tiered_ckpt/megatron/
+inplace.py), and on S3 (moto's server; tiered_ckpt/megatron/inplace_parts.py, further below). On the local tier:
+a rank killed after writing its ranges of ``distrib_optim.pt`` but before its rank manifest, and the committing
+rank killed before and after the file's rename. Each time the previous committed step stays the
 one loaded (verified, Megatron's shards), the half-written file is never taken for a finished one, the next
 save commits, and ``gc`` removes the debris (the in-place temporary file like any other temporary file; ``ls`` and
 ``verify`` never count it)."""
@@ -137,3 +138,78 @@ def test_crash_in_the_in_place_commit(tmp_path, capsys, victim, point):
     finally:
         for d in shms:
             shutil.rmtree(d, ignore_errors=True)
+
+
+# ----- S3: the ranks' parts of one multipart upload -----------------------------------------------------------
+S3_MODEL = {"hidden": 256, "ddp_bucket_size": None}  # 12 MiB per optimizer record: parts of S3's minimum
+
+
+def _open_uploads(tier) -> list[str]:
+    bucket, prefix, _ = tier.fs.split_path(tier.root)
+    return [u["Key"] for u in tier.fs.call_s3("list_multipart_uploads", Bucket=bucket, Prefix=prefix)
+            .get("Uploads", [])]
+
+
+@pytest.mark.parametrize(("victim", "point"), [
+    (2, "megatron.parts_sent"),  # a rank: its parts sent, no rank manifest
+    (0, "megatron.tail_sent"),  # the committing rank: every part sent, the upload not completed
+    (0, "megatron.upload_completed"),  # the committing rank: the object is there, no checkpoint manifest
+])
+def test_crash_in_the_s3_parts_commit(tmp_path, capsys, s3_server, s3_bucket, victim, point):
+    """Each time: the previous step is what loads from S3 (verified, Megatron's shards); the side objects the
+    ranks met through are temporary files to ``gc`` (never listed as files); the next save commits, and its
+    retention removes the crashed step with them, aborting the upload it left open: no part stays behind."""
+    from tiered_ckpt.tiers.fsspec_tier import FsspecOptions, FsspecTier
+
+    url, options = f"s3://{s3_bucket}/ckpt", s3_server.storage_options()
+    s3 = {"name": "s3", "kind": "fsspec", "url": url, "options": options, "part_size": 8 << 20, "timeout_s": 10}
+    shms = [tempfile.mkdtemp(prefix="tc_s3crash_", dir="/dev/shm") for _ in range(3)]
+    tier = FsspecTier("check", FsspecOptions(url=url, options=options))
+    job = {"dp": WORLD, "model": S3_MODEL}
+    try:
+        cfg = {"run_id": f"s3c{uuid.uuid4().hex[:6]}", "layout": "megatron",
+               "drain": {"mode": "thread", "commit_timeout_s": 6},
+               "tiers": [{"name": "shm", "kind": "shm", "path": shms[0]}, s3]}
+        saved = run_ranks(WORLD, {"config": cfg, "mode": "steps", "steps": [100], "job": job}, worker=WORKER)
+        assert all(r.get("ok") == [100] for r in saved.values()), saved
+        _run_with_victim({"config": _with_shm(cfg, shms[1]), "mode": "steps", "steps": [200], "job": job},
+                         victim, point)
+        assert not tier.exists("iter_0000200/tiered_ckpt/manifest.json")
+        assert tier.read_blob("latest_checkpointed_iteration.txt").numpy().tobytes().strip() == b"100"
+        merged = "iter_0000200/mp_rank_00/distrib_optim.pt"
+        assert tier.exists(merged) == (point == "megatron.upload_completed")
+        assert _open_uploads(tier) == ([] if point == "megatron.upload_completed" else [f"ckpt/{merged}"])
+        sides = tier.temp_files()
+        assert sides and all(k.startswith("iter_0000200/mp_rank_00/.distrib_optim.pt.") for k in sides), sides
+        assert not [k for k in tier.list("iter_0000200") if "/." in k]  # listings never show them
+
+        s3_only = {**cfg, "tiers": [s3]}
+        loaded = run_ranks(WORLD, {"config": s3_only, "mode": "load", "job": job}, worker=WORKER)
+        for r in loaded.values():
+            assert "error" not in r, r
+            assert r["step"] == 100 and r["verified"] is True and r["shards"] == r["expected"]
+        code, out = _cli(capsys, "gc", url, "--layout", "megatron", "--json", "--min-age", "0",
+                         *[f"--storage-option={k}={v}" for k, v in _flat(options).items()])
+        found = {(f["what"], f["key"]) for f in json.loads(out)["found"]}
+        assert {("temporary file", k) for k in sides} <= found, found
+
+        again = run_ranks(WORLD, {"config": _with_shm(cfg, shms[2]), "mode": "steps", "steps": [300], "job": job},
+                          worker=WORKER)
+        assert all(r.get("ok") == [300] for r in again.values()), again
+        loaded = run_ranks(WORLD, {"config": s3_only, "mode": "load", "job": job}, worker=WORKER)
+        assert all(r["step"] == 300 and r["shards"] == r["expected"] for r in loaded.values()), loaded
+        assert not tier.exists("iter_0000200/tiered_ckpt/manifest.json") and not tier.list("iter_0000200")
+        assert tier.temp_files() == [] and _open_uploads(tier) == []
+    finally:
+        for d in shms:
+            shutil.rmtree(d, ignore_errors=True)
+
+
+def _flat(options: dict, prefix: str = "") -> dict[str, str]:
+    out = {}
+    for k, v in options.items():
+        if isinstance(v, dict):
+            out.update(_flat(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = str(v)
+    return out

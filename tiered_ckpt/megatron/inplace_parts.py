@@ -38,8 +38,10 @@ from typing import Any
 import tenacity
 
 from ..checksum import Crc32Hasher
+from ..crashpoints import crash_point
 from ..errors import BlobNotFoundError, CorruptionError, LayoutMismatchError, PermanentTierError, TransientTierError
 from ..manifest import FileEntry
+from ..tiers._s3_parts import UPLOAD_TOKEN
 from .inplace import (
     FilePlan,
     Span,
@@ -167,7 +169,7 @@ class SideObjects:
 
     @property
     def upload(self) -> str:
-        return _side_key(self.merged, self.tag, "upload")
+        return _side_key(self.merged, self.tag, UPLOAD_TOKEN)
 
     def crcs(self, rank: int) -> str:
         return _side_key(self.merged, self.tag, f"crc-{rank:05d}")
@@ -216,7 +218,7 @@ def write_rank_parts(uploads: Any, tier: Any, step_dir: str, shard: Any, *, run_
     me = shard.rank
     merged = f"{step_dir}/{directory}/{DISTRIB_OPTIM_FILENAME}"
     sides = _sides(merged, plan, run_id, step)
-    upload_id = _open_upload(uploads, tier, merged, sides) if me == owner_rank(parts) else None
+    upload_id = _open_upload(uploads, merged, sides) if me == owner_rank(parts) else None
 
     data = {k: span_bytes(shard, s) for k, s in enumerate(pp.spans) if s.rank == me}
     own_crcs: dict[int, int] = {}
@@ -230,8 +232,11 @@ def write_rank_parts(uploads: Any, tier: Any, step_dir: str, shard: Any, *, run_
         if pp.spans[c.span].rank == me:
             tier.write_blob(sides.loose(pp.spans[c.span]), [data[c.span]])
     if upload_id is None:
-        token = json.loads(_await_blob(tier, sides.upload, wait_s, f"the upload id of rank {owner_rank(parts)}"))
-        upload_id = token["upload"]
+        _await_blob(tier, sides.upload, wait_s, f"the upload id of rank {owner_rank(parts)}")
+        named = uploads.published(sides.upload)
+        if named is None or named[0] != merged:
+            raise LayoutMismatchError(f"{sides.upload} does not name an upload of {merged}")
+        upload_id = named[1]
 
     context = _PeerBytes(tier, pp, sides, parts, wait_s)
     mine = [p for p in pp.parts if p.uploader == me]
@@ -244,22 +249,20 @@ def write_rank_parts(uploads: Any, tier: Any, step_dir: str, shard: Any, *, run_
         batch = mine[i:i + window]
         bodies = [(p.number, _part_bytes(pp, p, data, context, used)) for p in batch]
         sent += uploads.upload(merged, upload_id, bodies)
+    crash_point("megatron.parts_sent")
     return {"key": merged, "upload": upload_id, "part_size": pp.part_size, "sides": sides.tag, "plan": plan.digest,
             "optimizers": _parts_dicts(parts), "pieces": pieces, "parts": sorted(sent, key=lambda e: e["PartNumber"]),
             "descriptors": {str(t): crc for t, crc in sorted(used.items())}}
 
 
-def _open_upload(uploads: Any, tier: Any, merged: str, sides: SideObjects) -> str:
-    """The directory's upload: the one its id object names while the store still knows it (an earlier attempt of
-    this rank, whose parts other ranks may have sent already), else a new one."""
-    try:
-        upload_id = json.loads(tier.read_blob(sides.upload).numpy().tobytes())["upload"]
-    except BlobNotFoundError:
-        upload_id = None
-    if upload_id is not None and uploads.alive(merged, upload_id):
-        return str(upload_id)
+def _open_upload(uploads: Any, merged: str, sides: SideObjects) -> str:
+    """The directory's upload: the one its token names while the store still knows it (an earlier attempt of this
+    rank, whose parts other ranks may have sent already), else a new one."""
+    named = uploads.published(sides.upload)
+    if named is not None and named[0] == merged and uploads.alive(merged, named[1]):
+        return named[1]
     upload_id = uploads.create(merged)
-    tier.write_blob(sides.upload, [json.dumps({"upload": upload_id}).encode()])
+    uploads.publish(sides.upload, merged, upload_id)
     return str(upload_id)
 
 
@@ -371,7 +374,9 @@ def _finish_one(uploads: Any, tier: Any, step: int, key: str, entries: list[File
     assert zip_entries is not None and directory is not None
     if uploads.alive(key, upload_id):
         sent.update({p["PartNumber"]: p for p in uploads.upload(key, upload_id, [(tail.number, body)])})
+        crash_point("megatron.tail_sent")
         uploads.complete(key, upload_id, list(sent.values()), nbytes=plan.total)
+        crash_point("megatron.upload_completed")
     elif not uploads.completed_as(key, [*sent.values(), {"PartNumber": tail.number, "ETag": _md5_etag(body)}]):
         # not a completion of ours whose answer was lost (a retry of this commit): the upload is gone
         raise PermanentTierError(f"the ranks' upload {upload_id} of this step's file is neither open nor completed "

@@ -8,20 +8,35 @@ not completed is aborted by :meth:`SharedParts.abort`.
 
 Every request goes through the tier's :meth:`~.s3.S3Tier.arequest` (its tries, ceilings and error mapping), as
 the tier's own uploads do (:class:`~._s3.Upload`).
+
+The object that publishes an upload's id (:meth:`SharedParts.publish`) is named as a temporary file whose name
+ends in ``.upload.tmp-<16 hex>`` (:func:`is_upload_token`): ``gc`` lists it among the tier's temporary files, and
+removing it (:meth:`~.s3.S3Tier.remove_temp_file`) aborts the upload it names first, so a job that died mid-upload
+leaves no parts behind once ``gc`` has run.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
+import re
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from ..errors import BlobNotFoundError
+from ..errors import BlobNotFoundError, CorruptionError
 from ..memfile import MemoryReader
 from ._s3 import _CHECKSUM_FIELDS, S3_MAX_PART, S3_MAX_PARTS, S3_MIN_PART, multipart_etag
 
 if TYPE_CHECKING:
     from .s3 import S3Tier
+
+UPLOAD_TOKEN = "upload"  # the ``<what>`` of ``.<name>.<what>.tmp-<16 hex>``: an object naming a shared upload
+_TOKEN_RE = re.compile(r"^\..+\." + UPLOAD_TOKEN + r"\.tmp-[0-9a-f]{16}$")
+
+
+def is_upload_token(key: str) -> bool:
+    """Whether ``key`` names an object :meth:`SharedParts.publish` writes."""
+    return bool(_TOKEN_RE.match(key.rsplit("/", 1)[-1]))
 
 
 class SharedParts:
@@ -117,6 +132,40 @@ class SharedParts:
         except BlobNotFoundError:
             return False
         return head.get("ETag") == expected
+
+    def publish(self, token: str, key: str, upload_id: str) -> None:
+        """Write the object ``token`` (an :func:`is_upload_token` name) saying which upload of ``key`` is shared."""
+        if not is_upload_token(token):
+            raise ValueError(f"{token!r} is not an upload token's name (.<name>.{UPLOAD_TOKEN}.tmp-<16 hex>)")
+        self.tier.write_blob(token, [json.dumps({"key": key, "upload": upload_id}).encode()])
+
+    def published(self, token: str) -> tuple[str, str] | None:
+        """``(key, upload id)`` that ``token`` names; None when there is no such object."""
+        try:
+            raw = self.tier.read_blob(token).numpy().tobytes()
+        except BlobNotFoundError:
+            return None
+        try:
+            facts = json.loads(raw)
+            return str(facts["key"]), str(facts["upload"])
+        except (ValueError, KeyError, TypeError) as exc:
+            raise CorruptionError(f"not an upload token ({exc}): remove it with gc", tier=self.tier.name,
+                                  key=token) from None
+
+    def abort_published(self, token: str) -> None:
+        """Abort the upload ``token`` names (if it is still open) and remove ``token``: what ``gc`` does with the
+        token a dead job left."""
+        try:
+            named = self.published(token)
+        except CorruptionError:
+            named = None  # not ours to abort: the object alone goes
+        if named is not None:
+            self.abort(*named)
+        path, _, _ = self._where(token)
+        try:
+            self.tier._request("delete", token, path, lambda: self.tier.fs.rm_file(path), missing_ok=True)
+        except BlobNotFoundError:
+            pass
 
     def abort(self, key: str, upload_id: str) -> None:
         """Abort the upload (an unknown one is not an error)."""

@@ -51,6 +51,7 @@ import torch
 
 from ..errors import BlobNotFoundError, CorruptionError, PermanentTierError, TierError, TransientTierError
 from ..retry import repeat_on, request_retrying
+from ._files import is_temp_name
 from ._nofollow import check_size
 from ._s3 import (
     MIN_RATE,
@@ -64,8 +65,8 @@ from ._s3 import (
     object_size,
     s3_error_code,
 )
-from ._s3_parts import SharedParts
-from .base import Chunk, TierContext, as_memoryview, check_range
+from ._s3_parts import SharedParts, is_upload_token
+from .base import Chunk, TierContext, as_memoryview, check_prefix, check_range
 from .fsspec_tier import FsspecOptions, FsspecTier
 
 log = logging.getLogger(__name__)
@@ -236,6 +237,26 @@ class S3Tier(FsspecTier):
 
     def shared_parts(self) -> SharedParts:
         return SharedParts(self)
+
+    def temp_files(self, prefix: str = "") -> list[str]:
+        """The side objects of uploads several processes share (:mod:`._s3_parts`), named as temporary files:
+        what a job that died mid-upload leaves (an upload in place leaves nothing else visible). ``prefix``: those
+        under it only."""
+        top = f"{self.root}/{prefix}".rstrip("/")
+        paths = (self.fs._strip_protocol(p) for p in self._request("list", None, top, lambda: self._find(top)))
+        return sorted(p[len(self.root) + 1:] for p in paths if p.startswith(top + "/") and is_temp_name(p))
+
+    def delete_prefix(self, prefix: str) -> None:
+        """Everything under ``prefix``, the side objects of shared uploads too (their uploads aborted first)."""
+        for key in self.temp_files(check_prefix(prefix.rstrip("/") + "/")):
+            self.remove_temp_file(key)
+        super().delete_prefix(prefix)
+
+    def remove_temp_file(self, key: str) -> None:
+        """Remove a side object; an upload token's upload is aborted first (its parts would stay, billed)."""
+        if is_upload_token(key):
+            return SharedParts(self).abort_published(key)
+        return super().remove_temp_file(key)
 
     def size(self, key: str) -> int:
         return content_length(self._head(key, self._path(key)), tier=self.name, key=key)
