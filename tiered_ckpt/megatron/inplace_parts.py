@@ -22,8 +22,8 @@ in. So, per step and directory:
    part, completes the upload (the object appears whole, under its final key) and removes the side objects.
 
 Nothing goes through the committing rank but the file's tail. The side objects are named as the tier's temporary
-files (``.distrib_optim.pt.<what>.tmp-<16 hex>``): listings skip them and ``gc`` removes those a dead job left.
-An upload a dead job left is not listed: a bucket lifecycle rule (``AbortIncompleteMultipartUpload``) removes it.
+files (``.distrib_optim.pt.<what>.tmp-<16 hex>``): listings skip them, and removing those a dead job left (``gc``,
+or retention deleting the step) aborts the upload its token names (:mod:`tiered_ckpt.tiers._s3_parts`).
 """
 
 from __future__ import annotations
