@@ -31,7 +31,8 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-from collections.abc import Mapping, Sequence
+import threading
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -242,13 +243,12 @@ def write_rank_parts(uploads: Any, tier: Any, step_dir: str, shard: Any, *, run_
     mine = [p for p in pp.parts if p.uploader == me]
     # parts that wait for nothing first: the others' CRC-32s and loose spans are then most likely there
     mine.sort(key=lambda p: (bool(p.descriptors) or any(pp.spans[c.span].rank != me for c in p.chunks), p.number))
-    sent: list[dict[str, Any]] = []
     used: dict[int, int] = {}
-    window = max(1, getattr(tier.options, "max_concurrency", 1))
-    for i in range(0, len(mine), window):  # a window of parts at a time: assembled parts stay bounded in memory
-        batch = mine[i:i + window]
-        bodies = [(p.number, _part_bytes(pp, p, data, context, used)) for p in batch]
-        sent += uploads.upload(merged, upload_id, bodies)
+
+    def body(part: Part) -> Callable[[], memoryview]:
+        return lambda: _part_bytes(pp, part, data, context, used)
+
+    sent = uploads.upload(merged, upload_id, [(p.number, body(p)) for p in mine])  # parts made as they go out
     crash_point("megatron.parts_sent")
     return {"key": merged, "upload": upload_id, "part_size": pp.part_size, "sides": sides.tag, "plan": plan.digest,
             "optimizers": _parts_dicts(parts), "pieces": pieces, "parts": sorted(sent, key=lambda e: e["PartNumber"]),
@@ -274,8 +274,13 @@ class _PeerBytes:
         self.members = sorted({r for p in parts if p is not None for r in p.group})
         self._crcs: dict[int, int] | None = None
         self._span_crcs: dict[tuple[int, int], int] = {}
+        self._lock = threading.Lock()
 
     def record_crcs(self) -> dict[int, int]:
+        with self._lock:  # parts are made on several threads: the CRC-32s are read once
+            return self._read_crcs()
+
+    def _read_crcs(self) -> dict[int, int]:
         if self._crcs is None:
             pieces = []
             for r in self.members:

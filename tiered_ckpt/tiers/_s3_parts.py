@@ -20,7 +20,7 @@ from __future__ import annotations
 import asyncio
 import json
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from ..errors import BlobNotFoundError, CorruptionError
@@ -80,17 +80,21 @@ class SharedParts:
             return False
         return True
 
-    def upload(self, key: str, upload_id: str, parts: Sequence[tuple[int, memoryview]]) -> list[dict[str, Any]]:
-        """Upload ``(number, bytes)`` parts, ``max_concurrency`` at a time; each one's completion entry
-        (``PartNumber``, ``ETag`` and any checksum the store returned), in the order given."""
+    def upload(self, key: str, upload_id: str,
+               parts: Sequence[tuple[int, memoryview | Callable[[], memoryview]]]) -> list[dict[str, Any]]:
+        """Upload ``(number, bytes)`` parts, ``max_concurrency`` at a time (a sliding window: a slow part holds
+        one connection, not the others); each one's completion entry (``PartNumber``, ``ETag`` and any checksum
+        the store returned), in the order given. ``bytes`` may be a function that makes them: it is called on a
+        worker thread once the part has a connection, so at most ``max_concurrency`` made parts exist at once."""
         path, bucket, obj = self._where(key)
         tier = self.tier
 
         async def send_all() -> list[dict[str, Any]]:
             window = asyncio.Semaphore(tier.options.max_concurrency)
 
-            async def send(number: int, view: memoryview) -> dict[str, Any]:
+            async def send(number: int, body: memoryview | Callable[[], memoryview]) -> dict[str, Any]:
                 async with window:
+                    view = body if isinstance(body, memoryview) else await asyncio.to_thread(body)
                     resp = await tier.arequest(
                         f"upload part {number} of", key, path,
                         lambda: tier.fs._call_s3("upload_part", Bucket=bucket, Key=obj, UploadId=upload_id,
@@ -100,7 +104,14 @@ class SharedParts:
                 entry.update({k: resp[k] for k in _CHECKSUM_FIELDS if resp.get(k)})
                 return entry
 
-            return list(await asyncio.gather(*(send(n, v) for n, v in parts)))
+            tasks = [asyncio.ensure_future(send(n, b)) for n, b in parts]
+            try:
+                return list(await asyncio.gather(*tasks))
+            except BaseException:
+                for t in tasks:  # the first failure ends the upload: the parts not yet sent are not started
+                    t.cancel()
+                await asyncio.gather(*tasks, return_exceptions=True)
+                raise
 
         return tier.run_sync(send_all)
 
