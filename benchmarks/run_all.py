@@ -16,13 +16,14 @@ shared machine spreads over all of them, each measuring the machine's physical c
 It prints a table per state (rows: measurements; columns: each candidate, the machine's physical ceiling, the
 ratio a target is judged on and MET/MISSED; ``report.py``) with the spread of every median, then the other
 sections, each a script of its own: ``layouts`` (bench_layouts.py: a multi-rank Megatron-shaped job, layouts
-``rank_sharded`` and ``megatron`` side by side, against the O_DIRECT ceiling), ``s3`` (bench_s3_save.py: save and
+``rank_sharded`` and ``megatron`` side by side, against the O_DIRECT ceiling), ``layouts_s3`` (the same script
+with ``--tier s3``: both layouts on moto against every rank's raw parallel PUT), ``s3`` (bench_s3_save.py: save and
 restore through S3 against the raw parallel PUT/GET ceiling, with DCP's fsspec writer and s3torchconnector) and
 ``scale`` (bench_scale.py: 0.25, 1, 4 GiB and 10,000 small tensors). Everything goes to one JSON.
 
     python benchmarks/run_all.py [--quick] [--rounds N] [--states fp32_1g,megatron_2g]
-                                 [--candidates ours,torch_save,dcp,dlrover] [--sections peers,layouts,s3,scale]
-                                 [--dir DIR] [--json PATH]
+                                 [--candidates ours,torch_save,dcp,dlrover]
+                                 [--sections peers,layouts,layouts_s3,s3,scale] [--dir DIR] [--json PATH]
 """
 
 from __future__ import annotations
@@ -130,8 +131,9 @@ def _tail(path: str, n: int = 3) -> str:
 
 
 # ----- the other sections: each a script of its own, run in its own process --------------------------------------
-SECTIONS = ["peers", "layouts", "s3", "scale"]
-SECTION_SCRIPTS = {"layouts": "bench_layouts.py", "s3": "bench_s3_save.py", "scale": "bench_scale.py"}
+SECTIONS = ["peers", "layouts", "layouts_s3", "s3", "scale"]
+SECTION_SCRIPTS = {"layouts": "bench_layouts.py", "layouts_s3": "bench_layouts.py", "s3": "bench_s3_save.py",
+                   "scale": "bench_scale.py"}
 
 
 def run_section(name: str, quick: bool, root: str, disk_dir: str | None, timeout: float) -> dict[str, Any]:
@@ -143,6 +145,8 @@ def run_section(name: str, quick: bool, root: str, disk_dir: str | None, timeout
         cmd += ["--dir", disk_dir]
     if name == "s3" and quick:
         cmd += ["--rounds", "1"]
+    if name == "layouts_s3":  # both layouts on S3 (moto): the megatron one as the ranks' parts of one upload
+        cmd += ["--tier", "s3", *([] if quick else ["--gib", "0.5", "--saves", "3"])]
     if name == "scale":
         cmd += ["--plot", str(BENCH / "results" / f"scale{'-quick' if quick else ''}.png")]
     log(f"section {name}: {' '.join(cmd[3:])}")
@@ -186,7 +190,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--timeout", type=float, default=900.0, help="seconds per measurement process")
     ap.add_argument("--section-timeout", type=float, default=3600.0, help="seconds per section (layouts, s3, scale)")
     ap.add_argument("--sections", default=",".join(SECTIONS),
-                    help="peers (the states' tables), layouts (multi-rank, both layouts), s3, scale")
+                    help="peers (the states' tables), layouts (multi-rank, both layouts), layouts_s3 (the same on "
+                         "S3), s3, scale")
     args = ap.parse_args(argv)
     sections = [x for x in args.sections.split(",") if x]
     for sec in sections:
