@@ -167,3 +167,20 @@ def test_a_commit_retried_after_its_completion_finds_the_object(s3_url):
     tier.delete(first[0].key)
     with pytest.raises(PermanentTierError, match="neither open nor completed"):
         _finish(job, s3_url, facts)
+
+
+def test_a_token_left_by_an_earlier_save_of_the_step_is_not_taken(s3_url):
+    """The same step saved again while the token of its first save's (completed) upload is still there: the
+    first rank publishes a new upload, and the others wait for it instead of sending parts to the old one."""
+    job = SyntheticJob(spec=ModelSpec(hidden=256, ddp_bucket_size=None), dp=2)
+    facts = _ranks(job, s3_url)
+    tier, _ = _finish(job, s3_url, facts)
+    token = inplace_parts.SideObjects(facts[0]["key"], facts[0]["sides"]).upload
+    tier.shared_parts().publish(token, facts[0]["key"], facts[0]["upload"])  # as a crash after completing leaves
+    with pytest.raises(TransientTierError, match="an open upload"):  # rank 1 alone: it never takes the old one
+        _ranks(job, s3_url, ranks=[1], wait_s=1.0)
+    again = _ranks(job, s3_url)
+    assert again[0]["upload"] == again[1]["upload"] != facts[0]["upload"]
+    tier, merged = _finish(job, s3_url, again)
+    assert tier.read_blob(merged[0].key).numpy().tobytes() == _gathered(job)["mp_rank_00"]
+    assert _leftovers(tier) == []

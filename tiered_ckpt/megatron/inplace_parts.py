@@ -34,7 +34,7 @@ import logging
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import tenacity
 
@@ -62,6 +62,7 @@ from .naming import DISTRIB_OPTIM_FILENAME
 
 log = logging.getLogger(__name__)
 
+T = TypeVar("T")
 PEER_WAIT_S = 300.0  # how long a rank waits for another rank's upload id, CRC-32s or loose span
 COMMITTER = -1  # the uploader of the file's tail
 
@@ -186,16 +187,35 @@ def _sides(merged: str, plan: FilePlan, run_id: str, step: int) -> SideObjects:
     return SideObjects(merged, temp_key(merged, plan, run_id, step).rsplit(".tmp-", 1)[1])
 
 
-def _await_blob(tier: Any, key: str, wait_s: float, what: str) -> bytes:
-    """The bytes of a small object another rank writes, once it is there (up to ``wait_s``)."""
+def _await(tier: Any, key: str, wait_s: float, what: str, read: Callable[[], T]) -> T:
+    """``read()`` once it finds what another rank writes at ``key`` (it raises BlobNotFoundError until then), up to
+    ``wait_s``."""
     retrying = tenacity.Retrying(stop=tenacity.stop_after_delay(wait_s),
                                  wait=tenacity.wait_exponential(multiplier=0.02, max=1.0),
                                  retry=tenacity.retry_if_exception_type(BlobNotFoundError), reraise=True)
     try:
-        return retrying(lambda: tier.read_blob(key).numpy().tobytes())
+        return retrying(read)
     except BlobNotFoundError:
         raise TransientTierError(f"waited {wait_s:.0f} s for {what} ({key}), which its rank has not written: is "
                                  f"that rank alive and draining to this tier?", tier=tier.name, key=key) from None
+
+
+def _await_blob(tier: Any, key: str, wait_s: float, what: str) -> bytes:
+    """The bytes of a small object another rank writes, once it is there (up to ``wait_s``)."""
+    return _await(tier, key, wait_s, what, lambda: tier.read_blob(key).numpy().tobytes())
+
+
+def _await_upload(uploads: Any, tier: Any, merged: str, sides: SideObjects, wait_s: float, owner: int) -> str:
+    """The upload the directory's first rank published, once its token names an upload of ``merged`` the store
+    still knows (a token left by an earlier save of this step may name one completed or aborted since: its rank
+    then publishes a new one)."""
+    def read() -> str:
+        named = uploads.published(sides.upload)
+        if named is None or named[0] != merged or not uploads.alive(merged, named[1]):
+            raise BlobNotFoundError("no open upload published yet", tier=tier.name, key=sides.upload)
+        return named[1]
+
+    return _await(tier, sides.upload, wait_s, f"an open upload of {merged} from rank {owner}", read)
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -233,11 +253,7 @@ def write_rank_parts(uploads: Any, tier: Any, step_dir: str, shard: Any, *, run_
         if pp.spans[c.span].rank == me:
             tier.write_blob(sides.loose(pp.spans[c.span]), [data[c.span]])
     if upload_id is None:
-        _await_blob(tier, sides.upload, wait_s, f"the upload id of rank {owner_rank(parts)}")
-        named = uploads.published(sides.upload)
-        if named is None or named[0] != merged:
-            raise LayoutMismatchError(f"{sides.upload} does not name an upload of {merged}")
-        upload_id = named[1]
+        upload_id = _await_upload(uploads, tier, merged, sides, wait_s, owner_rank(parts))
 
     context = _PeerBytes(tier, pp, sides, parts, wait_s)
     mine = [p for p in pp.parts if p.uploader == me]
