@@ -184,3 +184,18 @@ def test_a_token_left_by_an_earlier_save_of_the_step_is_not_taken(s3_url):
     tier, merged = _finish(job, s3_url, again)
     assert tier.read_blob(merged[0].key).numpy().tobytes() == _gathered(job)["mp_rank_00"]
     assert _leftovers(tier) == []
+
+
+def test_tp2_pp2_each_directory_its_own_upload(s3_url):
+    """TP 2 x PP 2 x DP 2: four mp_rank directories, each the upload of its own DP group, all completed by one
+    committing rank."""
+    job = SyntheticJob(spec=ModelSpec(hidden=512, ddp_bucket_size=None), tp=2, pp=2, dp=2)
+    facts = _ranks(job, s3_url)
+    assert all(f is not None for f in facts.values())
+    assert len({f["upload"] for f in facts.values()}) == 4
+    tier, merged = _finish(job, s3_url, facts)
+    want = _gathered(job)
+    assert sorted(e.key.split("/")[1] for e in merged) == sorted(want)
+    for e in merged:
+        assert tier.read_blob(e.key).numpy().tobytes() == want[e.key.split("/")[1]]
+    assert _leftovers(tier) == []
