@@ -199,3 +199,24 @@ def test_tp2_pp2_each_directory_its_own_upload(s3_url):
     for e in merged:
         assert tier.read_blob(e.key).numpy().tobytes() == want[e.key.split("/")[1]]
     assert _leftovers(tier) == []
+
+
+def test_a_save_over_a_crashed_save_of_the_step_never_completes_stale_bytes(s3_url):
+    """A save of the step crashed before its commit (its upload open, its side objects left); the step saved
+    again with other values reuses the open upload. A rank that takes the crashed save's CRC-32s and loose spans
+    (here: it runs before the others rewrite theirs) sends the old bytes: the commit refuses them, and nothing
+    appears under the key. Run in turn, the new save's ranks complete the new values."""
+    spec = ModelSpec(hidden=256, ddp_bucket_size=400_000)
+    old, new = SyntheticJob(spec=spec, dp=4, seed=0), SyntheticJob(spec=spec, dp=4, seed=1)
+    crashed = _ranks(old, s3_url)  # never finished
+    uploader = next(r for r, f in crashed.items() if f["loose"] and f["descriptors"])
+    early = _ranks(new, s3_url, ranks=[uploader])[uploader]
+    assert early["upload"] == crashed[0]["upload"]  # the open upload, reused
+    rest = _ranks(new, s3_url, ranks=[r for r in range(4) if r != uploader])
+    with pytest.raises(CorruptionError, match="another save of this step"):
+        _finish(new, s3_url, {**rest, uploader: early})
+    tier = _tier(s3_url)
+    assert not tier.exists(early["key"])
+    facts = _ranks(new, s3_url)
+    tier, merged = _finish(new, s3_url, facts)
+    assert tier.read_blob(merged[0].key).numpy().tobytes() == _gathered(new)["mp_rank_00"]

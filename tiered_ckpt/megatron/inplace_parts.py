@@ -12,14 +12,17 @@ in. So, per step and directory:
 
 1. the directory's first rank starts the upload and publishes its id (a small object); every rank writes the
    CRC-32 of each of its spans (another), and the spans it holds in parts another rank uploads (``loose``: only
-   spans shorter than the minimum part are ever loose) as objects of their own;
+   short spans, grouped into a part, are ever loose; always whole) as objects of their own, each named after the
+   upload, so that no save reads what a save with another upload left;
 2. each rank uploads its parts: those that need nothing first, then those that hold a record's data descriptor
    (they wait for every rank's CRC-32s, combined with :mod:`.crc_combine`) or another rank's loose span (checked
    against that rank's CRC-32 before it is sent); its rank manifest lists its spans (``pieces``, as the POSIX path
-   does), its part entries, and the descriptors' CRC-32s it used;
+   does), its part entries, and the CRC-32s of the descriptors and loose spans it sent;
 3. the committing rank (:func:`finish_uploads`), once every rank's manifest is there, checks that the ranks'
-   parts are exactly the plan's and that the descriptors they sent agree with the ranks' pieces, sends the last
-   part, completes the upload (the object appears whole, under its final key) and removes the side objects.
+   parts are exactly the plan's and that the descriptors and loose spans they sent agree with the ranks' pieces
+   (a step saved again over a crashed save of it that used the same upload fails here, never silently), sends
+   the last part, completes the upload (the object appears whole, under its final key) and removes the side
+   objects.
 
 Nothing goes through the committing rank but the file's tail. The side objects are named as the tier's temporary
 files (``.distrib_optim.pt.<what>.tmp-<16 hex>``): listings skip them, and removing those a dead job left (``gc``,
@@ -107,10 +110,12 @@ def plan_parts(plan: FilePlan, spans: Sequence[Span], *, part_size: int, min_par
     """Cut the file into parts (module doc); None where S3's limits cannot be met (the gather then writes it)."""
     if not spans:
         return None
+    # a part is at most one cut, a short piece merged into it, short chunks before it and a few KiB of records
+    cut = max(min_part, min(part_size, max_part - 3 * min_part))
     chunks: list[Chunk] = []
     for k, s in enumerate(spans):
-        n = max(1, -(-s.length // part_size))
-        bounds = [min(j * part_size, s.length) for j in range(n)] + [s.length]
+        n = max(1, -(-s.length // cut))
+        bounds = [min(j * cut, s.length) for j in range(n)] + [s.length]
         if n > 1 and bounds[-1] - bounds[-2] < min_part:
             del bounds[-2]  # a short last piece joins the one before it
         chunks += [Chunk(k, lo, hi) for lo, hi in zip(bounds, bounds[1:], strict=False)]
@@ -166,18 +171,30 @@ def _side_key(merged: str, tag: str, what: str) -> str:
 
 @dataclass(frozen=True)
 class SideObjects:
+    """The objects the ranks of one file meet through: the upload's token (per run, step and plan), and per upload
+    (so no save reads what a save that used another upload left) every rank's CRC-32s and the loose spans."""
+
     merged: str
     tag: str
+    upload_id: str = ""
 
     @property
     def upload(self) -> str:
         return _side_key(self.merged, self.tag, UPLOAD_TOKEN)
 
+    def of(self, upload_id: str) -> SideObjects:
+        return SideObjects(self.merged, self.tag, upload_id)
+
+    @property
+    def _u(self) -> str:
+        assert self.upload_id, "the side objects of an upload need its id"
+        return hashlib.sha256(self.upload_id.encode()).hexdigest()[:12]
+
     def crcs(self, rank: int) -> str:
-        return _side_key(self.merged, self.tag, f"crc-{rank:05d}")
+        return _side_key(self.merged, self.tag, f"crc-{rank:05d}-{self._u}")
 
     def loose(self, span: Span) -> str:
-        return _side_key(self.merged, self.tag, f"span-{span.record}-{span.pos}")
+        return _side_key(self.merged, self.tag, f"span-{span.record}-{span.pos}-{self._u}")
 
     def all(self, pp: PartPlan, ranks: Sequence[int]) -> list[str]:
         return [self.upload, *(self.crcs(r) for r in ranks), *(self.loose(pp.spans[c.span]) for _, c in pp.loose())]
@@ -205,15 +222,19 @@ def _await_blob(tier: Any, key: str, wait_s: float, what: str) -> bytes:
     return _await(tier, key, wait_s, what, lambda: tier.read_blob(key).numpy().tobytes())
 
 
-def _await_upload(uploads: Any, tier: Any, merged: str, sides: SideObjects, wait_s: float, owner: int) -> str:
+def _await_upload(uploads: Any, tier: Any, merged: str, sides: SideObjects, wait_s: float, owner: int,
+                  part_size: int) -> str:
     """The upload the directory's first rank published, once its token names an upload of ``merged`` the store
     still knows (a token left by an earlier save of this step may name one completed or aborted since: its rank
-    then publishes a new one)."""
+    then publishes a new one). A rank configured with another ``part_size`` plans other parts: named at once."""
     def read() -> str:
         named = uploads.published(sides.upload)
-        if named is None or named[0] != merged or not uploads.alive(merged, named[1]):
+        if named is None or named["key"] != merged or not uploads.alive(merged, named["upload"]):
             raise BlobNotFoundError("no open upload published yet", tier=tier.name, key=sides.upload)
-        return named[1]
+        if named.get("part_size") != part_size:
+            raise LayoutMismatchError(f"{merged}: rank {owner} cuts the file into parts of {named.get('part_size')} "
+                                      f"bytes, this rank into {part_size}: give every rank the tier's same part_size")
+        return str(named["upload"])
 
     return _await(tier, sides.upload, wait_s, f"an open upload of {merged} from rank {owner}", read)
 
@@ -234,12 +255,18 @@ def write_rank_parts(uploads: Any, tier: Any, step_dir: str, shard: Any, *, run_
     plan = plan_file(parts)
     pp = plan_parts(plan, rank_spans(plan, parts), part_size=uploads.part_size, min_part=uploads.min_part,
                     max_part=uploads.max_part, max_parts=uploads.max_parts)
+    merged = f"{step_dir}/{directory}/{DISTRIB_OPTIM_FILENAME}"
     if pp is None:
+        log.info("%s: no cut into S3 parts of %d to %d bytes (%d at most) fits this file: it is gathered at "
+                 "commit", merged, uploads.min_part, uploads.max_part, uploads.max_parts)
         return None
     me = shard.rank
-    merged = f"{step_dir}/{directory}/{DISTRIB_OPTIM_FILENAME}"
     sides = _sides(merged, plan, run_id, step)
-    upload_id = _open_upload(uploads, merged, sides) if me == owner_rank(parts) else None
+    if me == owner_rank(parts):
+        upload_id = _open_upload(uploads, merged, sides, pp.part_size)
+    else:  # the upload first: what this rank leaves for the others is named after it
+        upload_id = _await_upload(uploads, tier, merged, sides, wait_s, owner_rank(parts), pp.part_size)
+    sides = sides.of(upload_id)
 
     data = {k: span_bytes(shard, s) for k, s in enumerate(pp.spans) if s.rank == me}
     own_crcs: dict[int, int] = {}
@@ -252,9 +279,6 @@ def write_rank_parts(uploads: Any, tier: Any, step_dir: str, shard: Any, *, run_
     for _, c in pp.loose():
         if pp.spans[c.span].rank == me:
             tier.write_blob(sides.loose(pp.spans[c.span]), [data[c.span]])
-    if upload_id is None:
-        upload_id = _await_upload(uploads, tier, merged, sides, wait_s, owner_rank(parts))
-
     context = _PeerBytes(tier, pp, sides, parts, wait_s)
     mine = [p for p in pp.parts if p.uploader == me]
     # parts that wait for nothing first: the others' CRC-32s and loose spans are then most likely there
@@ -268,17 +292,20 @@ def write_rank_parts(uploads: Any, tier: Any, step_dir: str, shard: Any, *, run_
     crash_point("megatron.parts_sent")
     return {"key": merged, "upload": upload_id, "part_size": pp.part_size, "sides": sides.tag, "plan": plan.digest,
             "optimizers": _parts_dicts(parts), "pieces": pieces, "parts": sorted(sent, key=lambda e: e["PartNumber"]),
-            "descriptors": {str(t): crc for t, crc in sorted(used.items())}}
+            "descriptors": {str(t): crc for t, crc in sorted(used.items())},
+            "loose": [[s.record, s.pos, crc] for s, crc in sorted(context.sent_loose.items(),
+                                                                  key=lambda x: (x[0].record, x[0].pos))]}
 
 
-def _open_upload(uploads: Any, merged: str, sides: SideObjects) -> str:
+def _open_upload(uploads: Any, merged: str, sides: SideObjects, part_size: int) -> str:
     """The directory's upload: the one its token names while the store still knows it (an earlier attempt of this
     rank, whose parts other ranks may have sent already), else a new one."""
     named = uploads.published(sides.upload)
-    if named is not None and named[0] == merged and uploads.alive(merged, named[1]):
-        return named[1]
+    if (named is not None and named["key"] == merged and named.get("part_size") == part_size
+            and uploads.alive(merged, named["upload"])):
+        return str(named["upload"])
     upload_id = uploads.create(merged)
-    uploads.publish(sides.upload, merged, upload_id)
+    uploads.publish(sides.upload, merged, upload_id, part_size=part_size)
     return str(upload_id)
 
 
@@ -289,7 +316,7 @@ class _PeerBytes:
         self.tier, self.pp, self.sides, self.wait_s = tier, pp, sides, wait_s
         self.members = sorted({r for p in parts if p is not None for r in p.group})
         self._crcs: dict[int, int] | None = None
-        self._span_crcs: dict[tuple[int, int], int] = {}
+        self.sent_loose: dict[Span, int] = {}  # loose spans used, and their CRC-32s (for the commit's check)
         self._lock = threading.Lock()
 
     def record_crcs(self) -> dict[int, int]:
@@ -301,23 +328,29 @@ class _PeerBytes:
             pieces = []
             for r in self.members:
                 raw = _await_blob(self.tier, self.sides.crcs(r), self.wait_s, f"the CRC-32s of rank {r}")
-                got = json.loads(raw)
-                pieces += got
-                self._span_crcs.update({(p[0], p[1]): p[3] for p in got})
+                pieces += json.loads(raw)
             self._crcs = record_crcs(self.sides.merged, self.pp.file, pieces)
         return self._crcs
 
     def loose(self, span: Span) -> memoryview:
-        self.record_crcs()
+        """A span another rank left for this one, once it agrees with that rank's CRC-32s (read again each time:
+        a rank writes its CRC-32s, then its spans, so a mismatch is one of them still being written)."""
         key = self.sides.loose(span)
         name = self.pp.file.records[span.record].name
-        raw = _await_blob(self.tier, key, self.wait_s, f"rank {span.rank}'s span of {name}")
-        h = Crc32Hasher()
-        h.update(raw)
-        if len(raw) != span.length or h.crc != self._span_crcs.get((span.record, span.pos)):
-            raise CorruptionError(f"{key}: rank {span.rank}'s span ({len(raw)} bytes) is not the one its CRC-32s "
-                                  f"list ({span.length} bytes)", key=key)
-        return memoryview(raw)
+
+        def read() -> bytes:
+            raw = self.tier.read_blob(key).numpy().tobytes()
+            listed = {(p[0], p[1]): p[3] for p in json.loads(self.tier.read_blob(self.sides.crcs(span.rank))
+                                                             .numpy().tobytes())}
+            h = Crc32Hasher()
+            h.update(raw)
+            if len(raw) != span.length or h.crc != listed.get((span.record, span.pos)):
+                raise BlobNotFoundError(f"rank {span.rank}'s span and its CRC-32s disagree ({len(raw)} bytes, "
+                                        f"{span.length} planned)", tier=self.tier.name, key=key)
+            self.sent_loose[span] = h.crc
+            return raw
+
+        return memoryview(_await(self.tier, key, self.wait_s, f"rank {span.rank}'s span of {name}", read))
 
 
 def _part_bytes(pp: PartPlan, part: Part, own: Mapping[int, memoryview], peers: _PeerBytes | None,
@@ -344,8 +377,8 @@ def _part_bytes(pp: PartPlan, part: Part, own: Mapping[int, memoryview], peers: 
             out[lo - part.start:hi - part.start] = b[lo - offset:hi - offset]
             covered += hi - lo
     if covered != len(out):
-        raise LayoutMismatchError(f"{pp.file.records[0].name}: part {part.number} [{part.start}, {part.end}) has "
-                                  f"{covered} of {len(out)} bytes from its plan")
+        raise LayoutMismatchError(f"distrib_optim.pt: part {part.number} [{part.start}, {part.end}) has {covered} "
+                                  f"of {len(out)} bytes from its plan")
     return memoryview(out)
 
 
@@ -374,6 +407,7 @@ def _finish_one(uploads: Any, tier: Any, step: int, key: str, entries: list[File
     if pp is None:
         raise LayoutMismatchError(f"{key}: the ranks sent parts of a file this tier cannot cut into parts")
     upload_id = first["upload"]
+    owned = {(p[0], p[1]): p[3] for e in entries for p in e.meta["in_place"]["pieces"]}
     sent: dict[int, dict[str, Any]] = {}
     for e in entries:
         facts = e.meta["in_place"]
@@ -382,6 +416,11 @@ def _finish_one(uploads: Any, tier: Any, step: int, key: str, entries: list[File
         if sorted(got) != sorted(want):
             raise LayoutMismatchError(f"{key}: rank {e.rank} sent parts {sorted(got)[:8]}, the plan gives it "
                                       f"{sorted(want)[:8]}")
+        for record, pos, crc in facts.get("loose", []):
+            if owned.get((record, pos)) != crc:
+                raise CorruptionError(f"{key}: rank {e.rank} sent a span of {plan.records[record].name} at {pos} "
+                                      f"with CRC-32 {crc:08x}, its rank lists {owned.get((record, pos), 0):08x} "
+                                      f"(a span left by another save of this step?)", key=key)
         for t, crc in facts.get("descriptors", {}).items():
             if crcs.get(int(t)) != crc:
                 raise CorruptionError(f"{key}: rank {e.rank} sent the data descriptor of "
@@ -404,7 +443,7 @@ def _finish_one(uploads: Any, tier: Any, step: int, key: str, entries: list[File
                                  f"as this object (aborted, or removed by a lifecycle rule?)", tier=tier.name,
                                  key=key)
     members = sorted({r for p in parts if p is not None for r in p.group})
-    for side in SideObjects(key, first["sides"]).all(pp, members):
+    for side in SideObjects(key, first["sides"], upload_id).all(pp, members):
         try:
             tier.delete(side)
         except Exception as exc:  # debris only: gc removes it

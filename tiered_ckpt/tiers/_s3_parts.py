@@ -21,6 +21,7 @@ import asyncio
 import json
 import re
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
 from ..errors import BlobNotFoundError, CorruptionError
@@ -89,12 +90,17 @@ class SharedParts:
         path, bucket, obj = self._where(key)
         tier = self.tier
 
+        # Parts are made on threads of their own: making one may wait for another process (seconds), and the
+        # event loop's default executor is shared with the S3 client (address lookups) and other tiers.
+        makers = ThreadPoolExecutor(tier.options.max_concurrency, thread_name_prefix="tiered_ckpt-parts")
+
         async def send_all() -> list[dict[str, Any]]:
             window = asyncio.Semaphore(tier.options.max_concurrency)
+            loop = asyncio.get_running_loop()
 
             async def send(number: int, body: memoryview | Callable[[], memoryview]) -> dict[str, Any]:
                 async with window:
-                    view = body if isinstance(body, memoryview) else await asyncio.to_thread(body)
+                    view = body if isinstance(body, memoryview) else await loop.run_in_executor(makers, body)
                     resp = await tier.arequest(
                         f"upload part {number} of", key, path,
                         lambda: tier.fs._call_s3("upload_part", Bucket=bucket, Key=obj, UploadId=upload_id,
@@ -113,7 +119,10 @@ class SharedParts:
                 await asyncio.gather(*tasks, return_exceptions=True)
                 raise
 
-        return tier.run_sync(send_all)
+        try:
+            return tier.run_sync(send_all)
+        finally:
+            makers.shutdown(wait=True, cancel_futures=True)
 
     def complete(self, key: str, upload_id: str, parts: Sequence[dict[str, Any]], nbytes: int) -> None:
         """Complete the upload from every part's entry (in part-number order)."""
@@ -144,24 +153,27 @@ class SharedParts:
             return False
         return head.get("ETag") == expected
 
-    def publish(self, token: str, key: str, upload_id: str) -> None:
-        """Write the object ``token`` (an :func:`is_upload_token` name) saying which upload of ``key`` is shared."""
+    def publish(self, token: str, key: str, upload_id: str, **facts: Any) -> None:
+        """Write the object ``token`` (an :func:`is_upload_token` name) saying which upload of ``key`` is shared,
+        with ``facts`` the other processes check (JSON values)."""
         if not is_upload_token(token):
             raise ValueError(f"{token!r} is not an upload token's name (.<name>.{UPLOAD_TOKEN}.tmp-<16 hex>)")
-        self.tier.write_blob(token, [json.dumps({"key": key, "upload": upload_id}).encode()])
+        self.tier.write_blob(token, [json.dumps({**facts, "key": key, "upload": upload_id}).encode()])
 
-    def published(self, token: str) -> tuple[str, str] | None:
-        """``(key, upload id)`` that ``token`` names; None when there is no such object."""
+    def published(self, token: str) -> dict[str, Any] | None:
+        """What ``token`` says (``key``, ``upload`` and the publisher's facts); None when there is no such
+        object."""
         try:
             raw = self.tier.read_blob(token).numpy().tobytes()
         except BlobNotFoundError:
             return None
         try:
             facts = json.loads(raw)
-            return str(facts["key"]), str(facts["upload"])
+            str(facts["key"]), str(facts["upload"])
         except (ValueError, KeyError, TypeError) as exc:
             raise CorruptionError(f"not an upload token ({exc}): remove it with gc", tier=self.tier.name,
                                   key=token) from None
+        return dict(facts)
 
     def abort_published(self, token: str) -> None:
         """Abort the upload ``token`` names (if it is still open) and remove ``token``: what ``gc`` does with the
@@ -171,7 +183,7 @@ class SharedParts:
         except CorruptionError:
             named = None  # not ours to abort: the object alone goes
         if named is not None:
-            self.abort(*named)
+            self.abort(named["key"], named["upload"])
         path, _, _ = self._where(token)
         try:
             self.tier._request("delete", token, path, lambda: self.tier.fs.rm_file(path), missing_ok=True)
