@@ -220,3 +220,19 @@ def test_a_save_over_a_crashed_save_of_the_step_never_completes_stale_bytes(s3_u
     facts = _ranks(new, s3_url)
     tier, merged = _finish(new, s3_url, facts)
     assert tier.read_blob(merged[0].key).numpy().tobytes() == _gathered(new)["mp_rank_00"]
+
+
+def test_a_damaged_range_of_the_object_is_named(s3_url):
+    """A byte of one rank's range changed in the completed object: checking that rank's pieces (what a load of its
+    shards does first) names the file and the record; the other rank's pieces still check."""
+    job = SyntheticJob(spec=ModelSpec(hidden=256, ddp_bucket_size=None), dp=2)
+    facts = _ranks(job, s3_url)
+    tier, merged = _finish(job, s3_url, facts)
+    data = bytearray(tier.read_blob(merged[0].key).numpy().tobytes())
+    plan = inplace.plan_file(inplace.parts_from_meta(facts[1]["optimizers"]))
+    t, pos, length, _ = facts[1]["pieces"][-1]
+    data[plan.records[t].data_offset + pos + length // 2] ^= 0xFF
+    tier.write_blob(merged[0].key, [memoryview(data)])
+    inplace.read_pieces_ok(tier, _entry(0, 0, "", facts[0]))
+    with pytest.raises(CorruptionError, match=f"rank 1's bytes at {pos} of {plan.records[t].name}"):
+        inplace.read_pieces_ok(tier, _entry(1, 0, "", facts[1]))
