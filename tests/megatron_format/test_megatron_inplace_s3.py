@@ -236,3 +236,19 @@ def test_a_damaged_range_of_the_object_is_named(s3_url):
     inplace.read_pieces_ok(tier, _entry(0, 0, "", facts[0]))
     with pytest.raises(CorruptionError, match=f"rank 1's bytes at {pos} of {plan.records[t].name}"):
         inplace.read_pieces_ok(tier, _entry(1, 0, "", facts[1]))
+
+
+def test_an_open_upload_is_looked_up_without_reading_its_parts(s3_server, s3_bucket, s3_fault_proxy):
+    """The ranks poll whether the directory's upload is open while its parts are being sent: they ask the store's
+    uploads in progress, never the upload's parts (moto computes a listed part's ETag from its bytes without a
+    lock; listing part 1 while it was being stored left it with a wrong ETag, and the completion failed)."""
+    tier = FsspecTier("s3", FsspecOptions(url=f"s3://{s3_bucket}/run", options=s3_fault_proxy.storage_options()))
+    parts = tier.shared_parts()
+    upload = parts.create("d/f.pt")
+    other = parts.create("d/f.pt.other")  # a key that shares the prefix
+    s3_fault_proxy.reset_log()
+    assert parts.alive("d/f.pt", upload) and not parts.alive("d/f.pt", other)
+    parts.abort("d/f.pt", upload)
+    assert not parts.alive("d/f.pt", upload)
+    assert s3_fault_proxy.count("ListParts") == 0 and s3_fault_proxy.count("ListMultipartUploads") == 3
+    parts.abort("d/f.pt.other", other)

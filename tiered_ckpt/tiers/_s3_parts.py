@@ -68,18 +68,24 @@ class SharedParts:
         return str(resp["UploadId"])
 
     def alive(self, key: str, upload_id: str) -> bool:
-        """Whether the store still knows the upload (neither completed nor aborted)."""
+        """Whether the store still knows the upload (neither completed nor aborted). Asked of the uploads in
+        progress under the key, not of the upload's parts: a part being uploaded is never read (moto computes a
+        listed part's ETag from its stored bytes without a lock, racing the upload that writes them)."""
         path, bucket, obj = self._where(key)
 
-        def call() -> Any:
-            return self.tier.fs._call_s3("list_parts", Bucket=bucket, Key=obj, UploadId=upload_id, MaxParts=1)
+        def call(marker: dict[str, str]) -> Callable[[], Any]:
+            return lambda: self.tier.fs._call_s3("list_multipart_uploads", Bucket=bucket, Prefix=obj, **marker)
 
-        try:
-            self.tier.run_sync(self.tier.arequest, "look up the multipart upload of", key, path, call,
-                               missing_ok=True)
-        except BlobNotFoundError:  # NoSuchUpload
-            return False
-        return True
+        marker: dict[str, str] = {}
+        while True:
+            resp = self.tier.run_sync(self.tier.arequest, "look up the multipart uploads of", key, path,
+                                      call(marker))
+            if any(u.get("Key") == obj and u.get("UploadId") == upload_id for u in resp.get("Uploads", [])):
+                return True
+            if not resp.get("IsTruncated"):
+                return False
+            marker = {"KeyMarker": resp.get("NextKeyMarker", ""),
+                      "UploadIdMarker": resp.get("NextUploadIdMarker", "")}
 
     def upload(self, key: str, upload_id: str,
                parts: Sequence[tuple[int, memoryview | Callable[[], memoryview]]]) -> list[dict[str, Any]]:
