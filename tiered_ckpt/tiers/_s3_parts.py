@@ -71,6 +71,10 @@ class SharedParts:
         """Whether the store still knows the upload (neither completed nor aborted). Asked of the uploads in
         progress under the key, not of the upload's parts: a part being uploaded is never read (moto computes a
         listed part's ETag from its stored bytes without a lock, racing the upload that writes them)."""
+        return self._in_progress(key, upload_id) is not None
+
+    def _in_progress(self, key: str, upload_id: str) -> dict[str, Any] | None:
+        """The store's entry of the upload among those in progress under ``key`` (None: not there)."""
         path, bucket, obj = self._where(key)
 
         def call(marker: dict[str, str]) -> Callable[[], Any]:
@@ -80,10 +84,11 @@ class SharedParts:
         while True:
             resp = self.tier.run_sync(self.tier.arequest, "look up the multipart uploads of", key, path,
                                       call(marker))
-            if any(u.get("Key") == obj and u.get("UploadId") == upload_id for u in resp.get("Uploads", [])):
-                return True
+            for u in resp.get("Uploads", []):
+                if u.get("Key") == obj and u.get("UploadId") == upload_id:
+                    return dict(u)
             if not resp.get("IsTruncated"):
-                return False
+                return None
             marker = {"KeyMarker": resp.get("NextKeyMarker", ""),
                       "UploadIdMarker": resp.get("NextUploadIdMarker", "")}
 
@@ -131,10 +136,14 @@ class SharedParts:
             makers.shutdown(wait=True, cancel_futures=True)
 
     def complete(self, key: str, upload_id: str, parts: Sequence[dict[str, Any]], nbytes: int) -> None:
-        """Complete the upload from every part's entry (in part-number order)."""
+        """Complete the upload from every part's entry (in part-number order). The parts' checksums go with
+        them only where the upload was created with a checksum algorithm (S3 refuses them otherwise), which the
+        process that created it may not be."""
         path, bucket, obj = self._where(key)
         tier = self.tier
-        ordered = sorted(parts, key=lambda p: p["PartNumber"])
+        entry = self._in_progress(key, upload_id) or {}
+        keep = ("PartNumber", "ETag", *(_CHECKSUM_FIELDS if entry.get("ChecksumAlgorithm") else ()))
+        ordered = [{k: p[k] for k in keep if k in p} for p in sorted(parts, key=lambda p: p["PartNumber"])]
 
         def call() -> Any:  # the server may assemble the object for long before it answers: the patient client
             return tier.patient_fs()._call_s3("complete_multipart_upload", Bucket=bucket, Key=obj,
