@@ -46,7 +46,7 @@ def read_committed_step(store: FileStore, step: int, coords: RankCoords, *, copy
     mine = store.layout.files_for_rank(manifest.files, manifest.parallel, coords)
     ranges = _in_place_ranges(store, manifest, coords)
     if ranges is not None:
-        items[ranges.item] = read_in_place_item(store, step, coords, ranges, verify=verify, trust=trust_pickles)
+        items[ranges.item] = read_in_place_item(store, step, coords, ranges, verify=verify)
         mine.append(ranges)
     # files drained from a snapshot of unverified origin (snapshot_record.UNVERIFIED) match their checksums, but
     # nothing showed those bytes were the ones saved
@@ -73,25 +73,13 @@ def _in_place_ranges(store: FileStore, manifest: Any, coords: RankCoords) -> Any
                           tier=store.name, key=key)
 
 
-def read_in_place_item(store: FileStore, step: int, coords: RankCoords, entry: Any, *, verify: bool,
-                       trust: bool = False) -> Any:
-    """A rank's ``distrib_optim`` item written in place into Megatron's merged file (``entry.meta.in_place``):
-    its ranges checked against the CRC-32s it recorded (``verify``), then split out of the file by range."""
-    from .megatron import inplace, legacy, rank_shard
-    from .megatron.distrib_optim import split_state
-    from .megatron.source import StepSource
+def read_in_place_item(store: FileStore, step: int, coords: RankCoords, entry: Any, *, verify: bool) -> Any:
+    """A rank's ``distrib_optim`` item written in place into Megatron's merged file (``entry.meta.in_place``): its
+    ranges read once, checked against the CRC-32s it recorded (``verify``) and placed in its shards."""
+    from .megatron import inplace
 
-    if verify:
-        store._retry(lambda: inplace.read_pieces_ok(store.tier, entry), step, coords.rank, f"read {entry.key}")
-    info = legacy.detect(store.tier, step=step, trust_pickles=trust)
-    target = rank_shard.as_topology(coords.layout)
-    with StepSource(store.tier, info, trust_pickles=trust, verify=False) as src:
-        subs = []
-        for kind, group, dp_rank, state, geo in src.rank_parts(target, coords.rank):
-            shards = split_state(state, geo, dp_rank, dp_size=len(group))
-            subs.append(rank_shard.SubOptimizerShard(geo.with_dp_size(len(group)), dp_rank, tuple(group), shards,
-                                                     kind))
-        return rank_shard.build(rank=coords.rank, topology=target, optimizers=subs)
+    return store._retry(lambda: inplace.read_rank_shard(store.tier, entry, coords.rank, coords.layout, verify=verify),
+                        step, coords.rank, f"read {entry.key}")
 
 
 def _refuse(store: FileStore, changed: list[str], step: int, why: str) -> LayoutMismatchError:

@@ -4,6 +4,7 @@ path's byte for byte."""
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import os
 import random
@@ -39,7 +40,8 @@ def _gathered(job: SyntheticJob) -> dict[str, bytes]:
     return out
 
 
-def _in_place(job: SyntheticJob, tmp_path, order=None) -> tuple[dict[str, bytes], list]:
+def _in_place(job: SyntheticJob, tmp_path, order=None, entries_out: list | None = None
+              ) -> tuple[dict[str, bytes], list]:
     writer = _files(tmp_path)
     entries = []
     ranks = list(range(job.world_size)) if order is None else order
@@ -50,6 +52,8 @@ def _in_place(job: SyntheticJob, tmp_path, order=None) -> tuple[dict[str, bytes]
         size, checksum = inplace.piece_checksum(facts)
         entries.append(_entry(r, size, checksum, facts))
     merged = inplace.finish_files(writer, 1, entries)
+    if entries_out is not None:
+        entries_out += entries
     out = {e.key.split("/")[1]: (tmp_path / e.key).read_bytes() for e in merged}
     for e in merged:
         data = out[e.key.split("/")[1]]
@@ -116,6 +120,73 @@ def test_stale_longer_temp_file_is_cut_and_missing_ranks_refused(tmp_path):
         f.write(b"x" * 1000)
     inplace.finish_files(writer, 1, [_entry(0, 0, "", facts), _entry(1, 0, "", facts1)])
     assert (tmp_path / "iter_0000001/mp_rank_00/distrib_optim.pt").read_bytes() == _gathered(job)["mp_rank_00"]
+
+
+def _split_item(data: bytes, facts: dict, rank: int, topology) -> dict:
+    """The reference for a rank's item read back: Megatron's whole object loaded and split for the rank (what a
+    load through the file's pickle gives)."""
+    from tiered_ckpt.megatron.distrib_optim import split_state, sub_optimizer_states
+
+    states = sub_optimizer_states(torch.load(io.BytesIO(data), weights_only=True))
+    subs = []
+    for part in inplace.parts_from_meta(facts["optimizers"]):
+        dp_rank = part.group.index(rank)
+        shards = split_state(states[part.index], part.geometry, dp_rank, dp_size=len(part.group))
+        subs.append(rank_shard.SubOptimizerShard(part.geometry, dp_rank, part.group, shards, part.kind))
+    return rank_shard.build(rank=rank, topology=topology, optimizers=subs)
+
+
+@pytest.mark.parametrize(("tp", "pp", "dp", "bucket"), [(1, 1, 2, None), (1, 1, 4, 777), (2, 2, 2, 6000)])
+def test_a_rank_reads_its_shards_from_its_ranges_once(tmp_path, tp, pp, dp, bucket):
+    """Every rank's item read back from the merged file equals Megatron's object split for it (777: shards end
+    inside the padding, which the file does not hold), and only the rank's ranges are read, each once."""
+    from helpers import assert_same
+
+    from tiered_ckpt.tiers.local import LocalOptions, LocalTier
+
+    job = SyntheticJob(spec=ModelSpec(ddp_bucket_size=bucket), tp=tp, pp=pp, dp=dp)
+    entries: list = []
+    files, merged = _in_place(job, tmp_path, entries_out=entries)
+    tier = LocalTier("t", LocalOptions(path=str(tmp_path)))
+    reads: list[int] = []
+    read_range = tier.read_range
+    tier.read_range = lambda key, offset, length: reads.append(length) or read_range(key, offset, length)
+    for e in entries:
+        facts = e.meta["in_place"]
+        reads.clear()
+        got = inplace.read_rank_shard(tier, e, e.rank, job.topology, verify=True)
+        assert sorted(reads) == sorted(p[2] for p in facts["pieces"])
+        want = _split_item(files[facts["key"].split("/")[1]], facts, e.rank, job.topology)
+        assert_same(want, got)
+    # a job whose DP groups are not the ones that wrote the file is refused, not given another rank's bytes
+    other = SyntheticJob(spec=ModelSpec(ddp_bucket_size=bucket), tp=1, pp=1, dp=tp * pp * dp)
+    if other.topology.world_size == job.topology.world_size and (tp, pp) != (1, 1):
+        with pytest.raises(LayoutMismatchError, match="DP group"):
+            inplace.read_rank_shard(tier, entries[1], entries[1].rank, other.topology, verify=True)
+
+
+def test_a_damaged_range_is_named_and_a_manifest_of_other_ranges_refused(tmp_path):
+    from tiered_ckpt.tiers.local import LocalOptions, LocalTier
+
+    job = SyntheticJob(dp=2)
+    entries: list = []
+    _, merged = _in_place(job, tmp_path, entries_out=entries)
+    tier = LocalTier("t", LocalOptions(path=str(tmp_path)))
+    facts = entries[1].meta["in_place"]
+    plan = inplace.plan_file(inplace.parts_from_meta(facts["optimizers"]))
+    t, pos, length, _ = facts["pieces"][0]
+    with open(tmp_path / merged[0].key, "r+b") as f:
+        f.seek(plan.records[t].data_offset + pos + length // 2)
+        byte = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    inplace.read_rank_shard(tier, entries[0], 0, job.topology, verify=True)  # rank 0's ranges are intact
+    with pytest.raises(CorruptionError, match=f"rank 1's bytes at {pos} of {plan.records[t].name}"):
+        inplace.read_rank_shard(tier, entries[1], 1, job.topology, verify=True)
+    inplace.read_rank_shard(tier, entries[1], 1, job.topology, verify=False)  # verify=False reads it as is
+    torn = dataclasses.replace(entries[1], meta={"in_place": {**facts, "pieces": facts["pieces"][1:]}})
+    with pytest.raises(CorruptionError, match="other ranges than the file's plan"):
+        inplace.read_rank_shard(tier, torn, 1, job.topology, verify=True)
 
 
 def test_pieces_name_ranges_of_the_file(tmp_path):

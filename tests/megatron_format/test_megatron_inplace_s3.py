@@ -78,9 +78,9 @@ def test_uploaded_parts_equal_the_gather(s3_url, dp, spec):
     assert _leftovers(tier) == []  # no upload in progress, no side object
     sent = sorted(p["PartNumber"] for f in facts.values() for p in f["parts"])
     assert sent == list(range(1, len(sent) + 1))  # the committer sent only the tail
-    # each rank's pieces are its ranges of the object (what a load of the rank's shards reads back)
-    for f in facts.values():
-        inplace.read_pieces_ok(tier, _entry(0, 0, "", f))
+    # each rank's pieces are its ranges of the object: a load of its shards reads them back, checked
+    for r, f in facts.items():
+        inplace.read_rank_shard(tier, _entry(r, 0, "", f), r, job.topology, verify=True)
 
 
 def test_plan_parts_tiles_the_file_within_s3_limits():
@@ -233,9 +233,9 @@ def test_a_damaged_range_of_the_object_is_named(s3_url):
     t, pos, length, _ = facts[1]["pieces"][-1]
     data[plan.records[t].data_offset + pos + length // 2] ^= 0xFF
     tier.write_blob(merged[0].key, [memoryview(data)])
-    inplace.read_pieces_ok(tier, _entry(0, 0, "", facts[0]))
+    inplace.read_rank_shard(tier, _entry(0, 0, "", facts[0]), 0, job.topology, verify=True)
     with pytest.raises(CorruptionError, match=f"rank 1's bytes at {pos} of {plan.records[t].name}"):
-        inplace.read_pieces_ok(tier, _entry(1, 0, "", facts[1]))
+        inplace.read_rank_shard(tier, _entry(1, 0, "", facts[1]), 1, job.topology, verify=True)
 
 
 def test_an_open_upload_is_looked_up_without_reading_its_parts(s3_server, s3_bucket, s3_fault_proxy):

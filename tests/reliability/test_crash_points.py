@@ -135,7 +135,7 @@ def _config(name: str, root: Path, shm_root: str, run_id: str, mode: str | None 
              "shm": {"name": "shm", "kind": "shm", "path": shm_root},
              "local": {"name": "local", "kind": "local", "path": str(root / "local"), "keep": 2},
              "shared": {"name": "shared", "kind": "fsspec", "url": f"file://{root / 'shared'}", "keep": 2}}
-    return {"run_id": run_id, "drain": {"mode": mode or default_mode, "commit_timeout_s": 5},
+    return {"run_id": run_id, "drain": {"mode": mode or default_mode, "commit_timeout_s": 30},
             "tiers": [every[t] for t in tiers]}
 
 

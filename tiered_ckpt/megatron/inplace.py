@@ -22,8 +22,11 @@ the job:
    in the manifest is its CRC-32 (``crc32:``), combined the same way: xxh3 cannot be computed from pieces.
 
 The bytes equal the gather path's (:func:`.merge.write_megatron_file`), which stays for what cannot write in
-place: tiers without positional writes (S3, fsspec), node-local commits, compression, chained optimizers whose
-sub-optimizers are sharded over different groups (EP > 1).
+place: fsspec tiers without positional writes (S3 has its own way, :mod:`.inplace_parts`), node-local commits,
+compression, chained optimizers whose sub-optimizers are sharded over different groups (EP > 1).
+
+A rank resumed at the same DP size reads its ranges back (:func:`read_rank_shard`), each once, checked as it
+arrives.
 """
 
 from __future__ import annotations
@@ -379,21 +382,52 @@ def _file_crc(plan: FilePlan, entries: list[_Entry], tail: bytes) -> int:
     return crc32_combine(crc, zlib.crc32(tail), len(tail))
 
 
-def read_pieces_ok(tier: Any, entry: FileEntry) -> None:
-    """Check a rank's ranges in its merged file against the CRC-32s its manifest entry lists (CorruptionError).
-    The ranges are read a few at a time: on an object store each is a request of its own."""
+def read_rank_shard(tier: Any, entry: FileEntry, rank: int, topology: Any, *, verify: bool) -> dict[str, Any]:
+    """Rank ``rank``'s optimizer shard (the item :func:`.rank_shard.build` makes) read back from the merged file
+    its manifest ``entry`` describes (``meta.in_place``), at the DP size that wrote it: only the rank's ranges
+    are read, each once, a few at a time (on an object store each is a request of its own), and checked against
+    the CRC-32s the rank recorded while writing them (``verify``; a CorruptionError names the file, rank, offset
+    and record). The padding Megatron's file does not hold is zeros, as a load through Megatron's object gives.
+    LayoutMismatchError when ``topology`` puts the rank in other DP groups than the ones that wrote the file."""
+    from .rank_shard import SubOptimizerShard, as_topology, build, dp_group
+
     facts = entry.meta["in_place"]
+    key = facts["key"]
     parts = parts_from_meta(facts["optimizers"])
     plan = plan_file(parts)
+    topo = as_topology(topology)
+    subs: dict[int, SubOptimizerShard] = {}  # by sub-optimizer index
+    for part in parts:
+        if part is None:
+            continue
+        if rank not in part.group or tuple(dp_group(topo, rank, part.kind)) != part.group:
+            raise LayoutMismatchError(f"{key}: rank {rank}'s {part.kind} DP group in this job is not the group "
+                                      f"{list(part.group)} that wrote the file")
+        geo = part.geometry
+        shards = {shard_key(g, b, k): torch.zeros(buf.shard_numel(b), dtype=torch.float32)
+                  for g, buf in enumerate(geo.buffers) for b in range(len(buf.buckets)) for k in geo.state_keys}
+        subs[part.index] = SubOptimizerShard(geo, part.group.index(rank), part.group, shards, part.kind)
+    spans = rank_spans(plan, parts, rank)
+    pieces = facts["pieces"]
+    if [(s.record, s.pos, s.length) for s in spans] != [tuple(p[:3]) for p in pieces]:
+        raise CorruptionError(f"{key}: rank {rank}'s manifest lists other ranges than the file's plan gives it",
+                              key=key)
 
-    def check(piece: Sequence[int]) -> None:
-        t, pos, length, crc = piece
-        hasher = Crc32Hasher()
-        hasher.update(tier.read_range(facts["key"], plan.records[t].data_offset + pos, length))
-        if hasher.crc != crc:
-            raise CorruptionError(f"{facts['key']}: rank {entry.rank}'s bytes at {pos} of "
-                                  f"{plan.records[t].name} differ from what it wrote", key=facts["key"])
+    def fill(span_piece: tuple[Span, Sequence[int]]) -> None:
+        span, (t, pos, length, crc) = span_piece
+        data = tier.read_range(key, plan.records[t].data_offset + pos, length)
+        if len(data) != length:
+            raise CorruptionError(f"{key}: rank {rank}'s bytes at {pos} of {plan.records[t].name}: read "
+                                  f"{len(data)} of {length} bytes (the file is cut short)", key=key)
+        if verify:
+            hasher = Crc32Hasher()
+            hasher.update(data)
+            if hasher.crc != crc:
+                raise CorruptionError(f"{key}: rank {rank}'s bytes at {pos} of {plan.records[t].name} differ "
+                                      "from what it wrote", key=key)
+        out = subs[span.optimizer].shards[shard_key(span.buffer, span.bucket, span.key)]
+        memoryview(out.view(torch.uint8).numpy())[:length] = data
 
-    with ThreadPoolExecutor(max(1, min(READ_AHEAD, len(facts["pieces"]))),
-                            thread_name_prefix="tiered_ckpt-pieces") as pool:
-        list(pool.map(check, facts["pieces"]))
+    with ThreadPoolExecutor(max(1, min(READ_AHEAD, len(spans))), thread_name_prefix="tiered_ckpt-pieces") as pool:
+        list(pool.map(fill, zip(spans, pieces, strict=True)))
+    return build(rank=rank, topology=topo, optimizers=list(subs.values()))
