@@ -129,6 +129,7 @@ def test_local_disk_full_fails_that_tier_only(tmp_path, shm_root, recorder, wher
         FaultyTier.controls["local"].clear()
         monkeypatch.undo()
         engine.save(4, items(4)).wait(timeout=60)
+        engine.wait(60)  # the handle resolves before retention's deletions (housekeeping) run
         assert engine.pipeline.stores["local"].committed_steps()[-1] == 4
         assert (local / "latest_checkpointed_iteration.txt").read_text() == "4"
         if where != "tracker":  # regression: a failed first write left its empty step directory behind
