@@ -22,6 +22,7 @@ from helpers import assert_same
 from tiered_ckpt_faults import FaultyTier, write_control_file
 
 from tiered_ckpt import CheckpointEngine, SaveError
+from tiered_ckpt.handles import SavesFailedError
 from tiered_ckpt.inventory import verify_step
 from tiered_ckpt.tiers import _files
 from tiered_ckpt.tiers._files import is_temp_name
@@ -129,7 +130,11 @@ def test_local_disk_full_fails_that_tier_only(tmp_path, shm_root, recorder, wher
         FaultyTier.controls["local"].clear()
         monkeypatch.undo()
         engine.save(4, items(4)).wait(timeout=60)
-        engine.wait(60)  # the handle resolves before retention's deletions (housekeeping) run
+        # The handle resolves before retention's deletions (housekeeping) run: wait for them. engine.wait()
+        # reports every failure since the last one, so step 3's again, and only it.
+        with pytest.raises(SavesFailedError) as waited:
+            engine.wait(60)
+        assert list(waited.value.steps) == [3] and list(waited.value.steps[3]) == ["local"]
         assert engine.pipeline.stores["local"].committed_steps()[-1] == 4
         assert (local / "latest_checkpointed_iteration.txt").read_text() == "4"
         if where != "tracker":  # regression: a failed first write left its empty step directory behind
