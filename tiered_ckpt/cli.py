@@ -66,8 +66,9 @@ def build_parser() -> argparse.ArgumentParser:
             p.add_argument("target", nargs="?", help="a checkpoint directory or fsspec URL")
             p.add_argument("--config", "-c", help="a tiers.yaml: use its tiers")
             p.add_argument("--tier", help="only this tier of the configuration")
-            p.add_argument("--layout", default="rank_sharded", choices=["rank_sharded", "megatron"],
-                           help="layout of a bare directory (default: rank_sharded)")
+            # any registered layout (plugins' too): the configuration check names the known ones on a typo
+            p.add_argument("--layout", default="rank_sharded",
+                           help="layout of a bare directory: rank_sharded (default), megatron, dcp or a plugin's")
             add_storage_flags(p)
         return p
 

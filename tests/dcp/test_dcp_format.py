@@ -193,6 +193,10 @@ def test_cli_lists_inspects_verifies_and_keeps_dcp_checkpoints(tmp_path, capsys)
     assert code == EXIT_OK and "step 3" in out and "step 4" in out
     code, out = run_cli(capsys, "gc", str(root))
     assert code == EXIT_OK and "iter_0000001" not in out  # DCP's own directory is not debris
+    code, out = run_cli(capsys, "ls", str(root), "--layout", "dcp", "--json")  # any registered layout is taken
+    assert code == EXIT_OK and {r["step"]: r["state"] for r in json.loads(out)} == rows
+    code, err = main(["ls", str(root), "--layout", "dpc"]), capsys.readouterr().err
+    assert code == 2 and 'unknown layout "dpc"' in err and "dcp, megatron, rank_sharded" in err, err
     with open(root / "iter_0000004" / "__0_0.distcp", "r+b") as f:
         f.seek(100)
         byte = f.read(1)
