@@ -243,6 +243,14 @@ def test_ls_tells_live_closed_and_stale_snapshots_apart_and_prints_no_step_minus
     assert states[(cfg["run_id"], 7)] == ("snapshot (stale: its process ended without close(); not on 'disk': the "
                                          f"next engine of run {cfg['run_id']!r} drains it)")
     assert states[(other, 5)] == f"run {other!r}: stale: its process ended without close(); gc --stale removes it"
+    # gc --stale keeps the snapshot that is the only copy of step 7, and says so; the other run's goes
+    code, out, _ = run(capsys, "gc", "--config", str(path), "--stale", "--delete")
+    assert code == EXIT_OK and f"kept  shared memory of run {cfg['run_id']!r} (stale, steps 2, 7)" in out, out
+    assert "step 7 is not on 'disk' yet: the next engine" in out and "--force removes it anyway" in out
+    assert f"removed  shared memory of run {other!r}" in out
+    code, out, _ = run(capsys, "ls", "--config", str(path), "--json")
+    states = {(r["run_id"], r["step"]): r["state"] for r in json.loads(out) if r["tier"] == "shm"}
+    assert "not on 'disk'" in states[(cfg["run_id"], 7)] and (other, 5) not in states
     with CheckpointEngine(cfg) as engine:  # a live engine (it drains step 7 as it starts)
         engine.wait(timeout=60)
         code, out, _ = run(capsys, "ls", "--config", str(path))
@@ -252,6 +260,16 @@ def test_ls_tells_live_closed_and_stale_snapshots_apart_and_prints_no_step_minus
     states = {(r.get("run_id"), r["step"]): r["state"] for r in json.loads(out)}
     assert states[(None, 7)] == "committed"
     assert "stale" not in states.get((cfg["run_id"], 7), "")
+    # --force removes a snapshot no file tier has, when asked to
+    _crashed_run(shm_root, cfg["run_id"], 9)
+    code, out, _ = run(capsys, "gc", "--config", str(path), "--stale", "--json")
+    mine = {f["run_id"]: f for f in json.loads(out)["found"]}[cfg["run_id"]]
+    assert mine["kept"] is True and mine["undrained"] == {"steps": [9], "tiers": ["disk"]}, mine
+    code, out, _ = run(capsys, "gc", "--config", str(path), "--stale", "--delete", "--force")
+    assert code == EXIT_OK and f"removed  shared memory of run {cfg['run_id']!r}" in out
+    assert "removed anyway (--force)" in out
+    code, out, _ = run(capsys, "ls", "--config", str(path), "--json")
+    assert not [r for r in json.loads(out) if r["tier"] == "shm" and r.get("run_id") == cfg["run_id"]]
 
 
 # ----- 6. storage options ---------------------------------------------------------------------------------

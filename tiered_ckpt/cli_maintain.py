@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import os
+from typing import TYPE_CHECKING
 
 from .cli_common import (
     DEFAULT_SHM_PATH,
@@ -21,6 +22,9 @@ from .cli_common import (
 )
 from .errors import ConfigError, TierError
 
+if TYPE_CHECKING:
+    from .housekeeping import StaleRun
+
 
 def cmd_gc(args: argparse.Namespace) -> int:
     from .housekeeping import find_debris, find_stale_runs, remove_debris, remove_stale_run, run_state
@@ -33,8 +37,15 @@ def cmd_gc(args: argparse.Namespace) -> int:
     if args.stale:
         for shm_path in _shm_paths(args, opened):
             for run in find_stale_runs(shm_path):
-                found.append({"what": "stale run", **run.to_dict()})
-                if args.delete:
+                entry = {"what": "stale run", **run.to_dict()}
+                undrained = _undrained(opened, run) if opened is not None and args.config else {}
+                if undrained:
+                    # Those snapshots are the only copy of their steps: the next engine of the run drains them.
+                    entry["undrained"] = {"steps": sorted({s for v in undrained.values() for s in v}),
+                                          "tiers": sorted(undrained)}
+                    entry["kept"] = not args.force
+                found.append(entry)
+                if args.delete and not entry.get("kept"):
                     remove_stale_run(run, shm_path)
     if opened is not None:
         live = bool(args.config) and run_state(opened.config.run_id, shm_paths(opened.config)) == "live"
@@ -55,16 +66,50 @@ def cmd_gc(args: argparse.Namespace) -> int:
         for f in found:
             if f["what"] == "stale run":
                 steps = f", steps {', '.join(map(str, f['steps']))}" if f["steps"] else ""
-                print(f"{verb}  shared memory of run {f['run_id']!r} ({f['state']}{steps})  {f['path']}  "
-                      f"({human_bytes(f['bytes'])})")
+                un = f.get("undrained")
+                print(f"{'kept' if f.get('kept') else verb}  shared memory of run {f['run_id']!r} ({f['state']}"
+                      f"{steps})  {f['path']}  ({human_bytes(f['bytes'])})")
+                if un:
+                    one = len(un["steps"]) == 1
+                    which = f"step {un['steps'][0]} is" if one else f"steps {', '.join(map(str, un['steps']))} are"
+                    them = "it" if one else "them"
+                    lost = f"removing the run's memory loses {them}; --force removes it anyway" if f.get("kept") \
+                        else "removed anyway (--force)"
+                    print(f"      {which} not on {', '.join(map(repr, un['tiers']))} yet: the next engine of run "
+                          f"{f['run_id']!r} drains {them}; {lost}")
             else:
                 print(f"{verb}  {f['what']}  tier {f['tier']!r}: {f['key']}  ({human_bytes(f['bytes'])})")
         if not found:
-            print("nothing to remove")
+            if problem is None:  # a tier that could not be read, or is not there, was not found empty
+                print("nothing to remove")
         elif not args.delete:
             print("dry run: nothing was removed; add --delete to remove these")
 
     return _emit(args, {"deleted": args.delete, "found": found}, problem, text, bool(found))
+
+
+def _undrained(opened: Opened, run: StaleRun) -> dict[str, list[int]]:
+    """Per file tier of the configuration: the steps of ``run`` (this configuration's own run) newer than
+    everything the tier has committed, i.e. held only in shared memory (as ``ls`` marks them). A tier that cannot
+    be read counts as lacking them: a failure must not look like a safe delete."""
+    if run.run_id != opened.config.run_id:
+        return {}
+    out: dict[str, list[int]] = {}
+    for name, store in opened.file_stores().items():
+        try:
+            keys = store.tier.list("")
+        except (TierError, OSError):
+            newest = None
+        else:
+            committed = [s for s in map(store.layout.parse_manifest_key, keys) if s is not None]
+            newest = max(committed, default=-1)
+        missing = [s for s in run.steps if newest is None or s > newest]
+        if missing:
+            out[name] = missing
+    for name in [*opened.absent, *opened.unreadable]:  # nothing there yet, or could not be read
+        if run.steps:
+            out[name] = list(run.steps)
+    return out
 
 
 def _shm_paths(args: argparse.Namespace, opened: Opened | None) -> list[str]:
