@@ -360,3 +360,14 @@ def test_ctrl_c_prints_one_line_and_exits_130(tmp_path):
     assert proc.returncode == EXIT_INTERRUPTED
     lines = err.decode().splitlines()
     assert lines.count("tiered-ckpt ls: interrupted") == 1 and not any("Traceback" in ln for ln in lines), lines
+
+
+def test_verify_with_a_configuration_says_it_skips_memory_snapshots(tmp_path, shm_root, capsys):
+    cfg = saved(tmp_path / "ckpt", shm_root)
+    path = tmp_path / "tiers.json"
+    path.write_text(json.dumps(cfg))
+    code, out, err = run(capsys, "verify", "--config", str(path), "--all")
+    assert code == EXIT_OK and "OK  tier 'disk' step 2" in out
+    assert "tier 'shm' holds memory snapshots, which this command does not verify" in err, err
+    code, out, err = run(capsys, "verify", "--config", str(path), "--tier", "disk")
+    assert code == EXIT_OK and "memory snapshots" not in err
