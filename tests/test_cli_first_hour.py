@@ -371,3 +371,11 @@ def test_verify_with_a_configuration_says_it_skips_memory_snapshots(tmp_path, sh
     assert "tier 'shm' holds memory snapshots, which this command does not verify" in err, err
     code, out, err = run(capsys, "verify", "--config", str(path), "--tier", "disk")
     assert code == EXIT_OK and "memory snapshots" not in err
+
+
+def test_a_refused_convert_creates_no_destination(tmp_path, shm_root, capsys):
+    saved(tmp_path / "ckpt", shm_root)  # our flat items: not a Megatron torch-format checkpoint
+    dst = tmp_path / "converted"
+    code, out, err = run(capsys, "convert", str(tmp_path / "ckpt"), str(dst), "--to", "megatron")
+    assert code != EXIT_OK and "mp_rank_" in err, err
+    assert not dst.exists()

@@ -112,23 +112,24 @@ def convert(
         if not os.path.isdir(os.fspath(src).removeprefix("file://")):
             raise NoCheckpointError(f"{os.fspath(src)}: no such directory")
     src_tier = open_store(src, "rank_sharded", "source").tier
-    store = open_store(dst, to, "destination")
-    dst_tier = store.tier
+    # Everything that can refuse the source is checked before the destination is opened (which creates it).
     info = legacy.detect(src_tier, step=step, trust_pickles=trust_pickles)
     if info.iteration == RELEASE:
         raise ConfigError(f"{info.where}: a release checkpoint has no iteration number; our manifests need one "
                           "(Megatron itself loads it without optimizer state)")
     step_no = int(info.iteration)
     target = _target_topology(info.topology, dp)
-    if dst_tier.list(info.step_dir + "/"):
-        raise ConfigError(f"{tier_io.where(dst_tier, info.step_dir)} already exists; convert into an empty place")
-    if not info.has_manifest:
-        legacy.warn_unverified(info)
     if info.layout == "dlrover":
         raise LayoutMismatchError(
             f"{info.where}: DLRover's rank_*/distrib_optim.pt hold per-param fragments without bucket geometry: "
             "they cannot be merged or re-split without the model (load them with tiered_ckpt.megatron.adapter at "
             "the same DP and save again)")
+    store = open_store(dst, to, "destination")
+    dst_tier = store.tier
+    if dst_tier.list(info.step_dir + "/"):
+        raise ConfigError(f"{tier_io.where(dst_tier, info.step_dir)} already exists; convert into an empty place")
+    if not info.has_manifest:
+        legacy.warn_unverified(info)
     report = ConvertReport(
         src=_describe(src, src_tier), dst=_describe(dst, dst_tier), to=to, step=step_no, source_layout=info.layout,
         source_writer=info.writer, source_verified=info.has_manifest and verify,

@@ -147,7 +147,8 @@ class S3Tier(FsspecTier):
         return err
 
     def _log_retry(self, attempt: int, err: BaseException, delay: float) -> None:
-        log.warning("%s (try %d of %d; again in %.2f s)", self._redact(str(err)), attempt,
+        # the request layer (request_attempts), under the engine's per-tier `retry` policy: say which
+        log.warning("%s (request try %d of %d, request_attempts; again in %.2f s)", self._redact(str(err)), attempt,
                     self.options.request_attempts, delay)
 
     def _request(self, op: str, key: str | None, path: str, fn: Callable[[], Any], missing_ok: bool = False) -> Any:
