@@ -193,3 +193,35 @@ def _sha(t: torch.Tensor) -> str:
     import hashlib
 
     return hashlib.sha256(t.contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()
+
+
+def test_saving_into_the_directory_megatron_wrote_keeps_its_checkpoint(tmp_path, capsys):
+    """A job that switches to tiered_ckpt keeps its --save directory: Megatron-LM's own iter_0000010 (no manifest
+    of ours) is not debris to retention or gc however many steps are committed after it, and ls says who wrote
+    it. A partial step of ours (a rank manifest, no checkpoint manifest) older than the newest commit still goes."""
+    import shutil
+
+    from tiered_ckpt import CheckpointEngine
+    from tiered_ckpt.cli import main
+
+    ckpt = tmp_path / "megatron-ckpt"
+    shutil.copytree(FIXTURES / "dp4_tp1_pp1" / "iter_0000010", ckpt / "iter_0000010")
+    shutil.copy(FIXTURES / "dp4_tp1_pp1" / "latest_checkpointed_iteration.txt", ckpt)
+    theirs = sorted(p.relative_to(ckpt) for p in (ckpt / "iter_0000010").rglob("*"))
+    ours_partial = ckpt / "iter_0000015" / "tiered_ckpt" / "rank_00000.json"
+    ours_partial.parent.mkdir(parents=True)
+    ours_partial.write_text("{}")
+    cfg = {"run_id": f"mix{uuid.uuid4().hex[:6]}", "drain": {"mode": "thread"},
+           "tiers": [{"name": "disk", "kind": "local", "path": str(ckpt), "keep": 1}]}
+    with CheckpointEngine(cfg) as engine:
+        for step in (20, 30, 40):
+            engine.save(step, {"state": {"w": torch.full((8,), float(step))}}).wait(timeout=60)
+        engine.wait(60)
+    assert sorted(p.relative_to(ckpt) for p in (ckpt / "iter_0000010").rglob("*")) == theirs
+    assert not (ckpt / "iter_0000015").exists() and not (ckpt / "iter_0000020").exists()
+    assert main(["ls", str(ckpt), "--json"]) == 0
+    rows = {r["step"]: r["state"] for r in json.loads(capsys.readouterr().out)}
+    assert rows == {10: "megatron, no manifest (written by Megatron-LM or DLRover: nothing to verify)",
+                    40: "committed"}, rows
+    assert main(["gc", str(ckpt), "--json", "--min-age", "0"]) == 0
+    assert json.loads(capsys.readouterr().out)["found"] == []

@@ -35,6 +35,7 @@ from .errors import BlobNotFoundError, CorruptionError, TierError
 from .file_store_read import CommittedFiles
 from .file_streams import raw_pieces
 from .layouts.base import Layout
+from .layouts.foreign import foreign_step_dirs
 from .manifest import (
     CheckpointManifest,
     FileEntry,
@@ -458,8 +459,8 @@ class FileStore(CommittedFiles):
         if keep is not None:
             doomed = [s for s in committed[:-keep] if s != newest and s not in pinned]
         present = {self.layout.parse_step_dir(k.split("/", 1)[0]) for k in keys}
-        # a step directory with DCP's .metadata is a DCP checkpoint, never debris (issue #14)
-        present -= {self.layout.parse_step_dir(k.split("/", 1)[0]) for k in keys if k.endswith("/.metadata")}
+        # a step directory that Megatron-LM, DLRover or DCP wrote is their checkpoint, never debris
+        present -= {self.layout.parse_step_dir(d) for d in foreign_step_dirs(keys)}
         debris = sorted(s for s in present if s is not None and s < newest and s not in committed and s not in pinned)
         uncommitted = []
         for step in doomed:

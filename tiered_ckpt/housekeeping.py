@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from .errors import RunLockedError, TieredCkptError, TierError
+from .layouts.foreign import foreign_step_dirs
 from .locking import LOCKS_DIR, RUN_LOCK, shm_lock_path, tmp_lock_base
 from .tiers._files import remove_empty_dirs
 from .tiers.base import _user_name
@@ -64,10 +65,10 @@ def find_debris(store: FileStore, *, live: bool = False, min_age_s: float = TEMP
         # Each tier takes a run's steps in order: nothing older than its newest commit is being written.
         newest = max(committed)
         sizes: dict[int, int] = {}
-        dcp_dirs = {k.split("/", 1)[0] for k in keys if k.endswith("/.metadata")}  # DCP checkpoints (issue #14)
+        foreign = foreign_step_dirs(keys)  # checkpoints Megatron-LM, DLRover or DCP wrote: never debris
         for key in keys:
             step = store.layout.parse_step_dir(key.split("/", 1)[0])
-            if step is not None and step < newest and step not in committed and key.split("/", 1)[0] not in dcp_dirs:
+            if step is not None and step < newest and step not in committed and key.split("/", 1)[0] not in foreign:
                 sizes[step] = sizes.get(step, 0) + store.tier.size(key)
         out += [Debris(store.name, "partial step", store.layout.step_dir(s), n) for s, n in sorted(sizes.items())]
     now = time.time() if now is None else now

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TextIO
 
 from .errors import BlobNotFoundError, ConfigError, CorruptionError, TieredCkptError, TierError
+from .layouts.foreign import foreign_step_dirs
 
 if TYPE_CHECKING:
     from .config import TierConfig
@@ -125,9 +126,10 @@ class StepInfo:
 
 
 def file_steps(store: FileStore) -> list[StepInfo]:
-    from .dcp.inventory import PLAIN_STATE, plain_state, plain_step_dirs
+    from .dcp.inventory import PLAIN_STATE, plain_step_dirs
 
     keys = store.tier.list("")
+    foreign = foreign_step_dirs(keys)
     committed = {s for s in map(store.layout.parse_manifest_key, keys) if s is not None}
     present = {store.layout.parse_step_dir(k.split("/", 1)[0]) for k in keys} - {None}
     now = time.time()
@@ -152,7 +154,7 @@ def file_steps(store: FileStore) -> list[StepInfo]:
                 size += store.tier.size(k)
             except BlobNotFoundError:
                 pass
-        state = plain_state(keys, store.layout.step_dir(step)) or "partial"  # DCP's own directories (issue #14)
+        state = foreign.get(store.layout.step_dir(step), "partial")  # Megatron-LM's, DLRover's or DCP's own
         out.append(StepInfo(store.name, step, state, size, None, len(files),
                             sorted(store.rank_manifests(step))))
     if "" in plain_step_dirs(keys):  # the directory given is a DCP checkpoint itself (issue #14)

@@ -14,19 +14,15 @@ from __future__ import annotations
 from typing import Any
 
 from ..layouts.dcp import METADATA_FILE, METADATA_NAME
+from ..layouts.foreign import DCP_STATE
 
-PLAIN_STATE = "dcp, no manifest (written by DCP: nothing to verify)"
+PLAIN_STATE = DCP_STATE
 
 
 def plain_step_dirs(keys: list[str]) -> set[str]:
     """The directories (``""`` for the root) that hold DCP's ``.metadata`` (or a rank's ``__{rank}.metadata``):
     with or without our manifest."""
     return {k.rpartition("/")[0] for k in keys if METADATA_NAME.match(k.rpartition("/")[2])}
-
-
-def plain_state(keys: list[str], step_dir: str) -> str | None:
-    """The ``ls`` state of a step directory without our manifest that holds DCP's ``.metadata``, else None."""
-    return PLAIN_STATE if step_dir in plain_step_dirs([k for k in keys if k.startswith(step_dir + "/")]) else None
 
 
 def _metadata(data: bytes, where: str) -> Any:
