@@ -208,6 +208,9 @@ def test_saving_into_the_directory_megatron_wrote_keeps_its_checkpoint(tmp_path,
     shutil.copytree(FIXTURES / "dp4_tp1_pp1" / "iter_0000010", ckpt / "iter_0000010")
     shutil.copy(FIXTURES / "dp4_tp1_pp1" / "latest_checkpointed_iteration.txt", ckpt)
     theirs = sorted(p.relative_to(ckpt) for p in (ckpt / "iter_0000010").rglob("*"))
+    assert main(["verify", str(ckpt)]) == 3  # nothing of ours to verify: say what is there instead
+    err = capsys.readouterr().err
+    assert "no committed checkpoint of tiered_ckpt, only step(s) 10 written by Megatron-LM or DLRover" in err, err
     ours_partial = ckpt / "iter_0000015" / "tiered_ckpt" / "rank_00000.json"
     ours_partial.parent.mkdir(parents=True)
     ours_partial.write_text("{}")

@@ -318,10 +318,34 @@ def _ranks(ranks: list[int]) -> str:
     return ",".join(map(str, ranks))
 
 
+def no_commit_message(store: FileStore, label: str) -> str:
+    """Why ``label`` has nothing to verify or inspect: no committed checkpoint, and which steps there another
+    program wrote (they exist, but carry no checksums of ours)."""
+    from .layouts.foreign import MEGATRON_STATE, foreign_step_dirs
+
+    try:
+        foreign = foreign_step_dirs(store.tier.list(""))
+    except (TierError, OSError):
+        foreign = {}
+    steps = sorted((n, state) for d, state in foreign.items() if (n := store.layout.parse_step_dir(d)) is not None)
+    if not steps:
+        return f"{label} holds no committed checkpoint"
+    megatron = [n for n, state in steps if state == MEGATRON_STATE]
+    others = [n for n, state in steps if state != MEGATRON_STATE]
+    parts = []
+    if megatron:
+        parts.append(f"step(s) {', '.join(map(str, megatron))} written by Megatron-LM or DLRover")
+    if others:
+        parts.append(f"step(s) {', '.join(map(str, others))} written by DCP")
+    return (f"{label} holds no committed checkpoint of tiered_ckpt, only {' and '.join(parts)}: without our manifest "
+            "there are no checksums to verify them against (engine.load() and convert read them, unverified; "
+            "`ls` lists them)")
+
+
 def _pick_step(store: FileStore, step: int | None, label: str) -> int:
     steps = store.committed_steps()
     if not steps:
-        raise NoCheckpointError(f"{label} holds no committed checkpoint")
+        raise NoCheckpointError(no_commit_message(store, label))
     if step is None:
         return steps[-1]
     if step not in steps:

@@ -24,6 +24,7 @@ from .cli_common import (
     _ranks,
     _text,
     human_bytes,
+    no_commit_message,
 )
 from .errors import NoCheckpointError, TierError
 
@@ -207,7 +208,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
             opened.unreadable[name] = _text(exc)
             continue
         if not steps:
-            empty.append(f"{opened.label(name)} holds no committed checkpoint")
+            empty.append(no_commit_message(store, opened.label(name)))
             continue
         progress = sys.stderr.isatty() and not args.json
         results.extend(verify_step(store, s, progress=progress) for s in steps)
