@@ -228,3 +228,29 @@ def test_saving_into_the_directory_megatron_wrote_keeps_its_checkpoint(tmp_path,
                     40: "committed"}, rows
     assert main(["gc", str(ckpt), "--json", "--min-age", "0"]) == 0
     assert json.loads(capsys.readouterr().out)["found"] == []
+
+
+def test_a_failed_save_of_ours_under_megatron_names_is_still_debris(tmp_path):
+    """Our layouts use Megatron's file names: a step directory without any manifest is ours (debris) when its
+    rank file has our rank-shard format or an unfinished write of ours is there, Megatron's or DLRover's when not."""
+    from tiered_ckpt.layouts.foreign import MEGATRON_STATE, foreign_step_dirs
+    from tiered_ckpt.megatron import rank_shard
+    from tiered_ckpt.tiers._files import temp_name
+    from tiered_ckpt.tiers.fsspec_tier import FsspecOptions, FsspecTier
+
+    def put(rel: str, obj: object) -> None:
+        path = tmp_path / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        torch.save(obj, path)
+
+    put("iter_0000010/mp_rank_00/model_optim_rng.pt", {"iteration": 10})  # ours: rank file in our format
+    put("iter_0000010/rank_00000/distrib_optim.pt", {"format": rank_shard.FORMAT})
+    put("iter_0000020/mp_rank_00/model_optim_rng.pt", {"iteration": 20})  # DLRover's: another rank format
+    put("iter_0000020/rank_00000/distrib_optim.pt", {"optimizer": {"state": {}}})
+    put("iter_0000030/mp_rank_00/model_optim_rng.pt", {"iteration": 30})  # ours: an unfinished write beside it
+    (tmp_path / "iter_0000030" / "mp_rank_00" / temp_name("distrib_optim.pt")).write_bytes(b"x")
+    put("iter_0000040/mp_rank_00/model_optim_rng.pt", {"iteration": 40})  # Megatron-LM's
+    tier = FsspecTier("t", FsspecOptions(url=str(tmp_path)))
+    keys = tier.list("")
+    assert foreign_step_dirs(keys, tier) == {"iter_0000020": MEGATRON_STATE, "iter_0000040": MEGATRON_STATE}
+    assert set(foreign_step_dirs(keys)) == {"iter_0000010", "iter_0000020", "iter_0000030", "iter_0000040"}

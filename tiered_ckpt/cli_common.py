@@ -324,7 +324,7 @@ def no_commit_message(store: FileStore, label: str) -> str:
     from .layouts.foreign import MEGATRON_STATE, foreign_step_dirs
 
     try:
-        foreign = foreign_step_dirs(store.tier.list(""))
+        foreign = foreign_step_dirs(store.tier.list(""), store.tier)
     except (TierError, OSError):
         foreign = {}
     steps = sorted((n, state) for d, state in foreign.items() if (n := store.layout.parse_step_dir(d)) is not None)

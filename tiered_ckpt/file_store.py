@@ -460,7 +460,7 @@ class FileStore(CommittedFiles):
             doomed = [s for s in committed[:-keep] if s != newest and s not in pinned]
         present = {self.layout.parse_step_dir(k.split("/", 1)[0]) for k in keys}
         # a step directory that Megatron-LM, DLRover or DCP wrote is their checkpoint, never debris
-        present -= {self.layout.parse_step_dir(d) for d in foreign_step_dirs(keys)}
+        present -= {self.layout.parse_step_dir(d) for d in foreign_step_dirs(keys, self.tier)}
         debris = sorted(s for s in present if s is not None and s < newest and s not in committed and s not in pinned)
         uncommitted = []
         for step in doomed:

@@ -65,7 +65,7 @@ def find_debris(store: FileStore, *, live: bool = False, min_age_s: float = TEMP
         # Each tier takes a run's steps in order: nothing older than its newest commit is being written.
         newest = max(committed)
         sizes: dict[int, int] = {}
-        foreign = foreign_step_dirs(keys)  # checkpoints Megatron-LM, DLRover or DCP wrote: never debris
+        foreign = foreign_step_dirs(keys, store.tier)  # checkpoints Megatron-LM, DLRover or DCP wrote: never debris
         for key in keys:
             step = store.layout.parse_step_dir(key.split("/", 1)[0])
             if step is not None and step < newest and step not in committed and key.split("/", 1)[0] not in foreign:

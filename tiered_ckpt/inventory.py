@@ -129,7 +129,7 @@ def file_steps(store: FileStore) -> list[StepInfo]:
     from .dcp.inventory import PLAIN_STATE, plain_step_dirs
 
     keys = store.tier.list("")
-    foreign = foreign_step_dirs(keys)
+    foreign = foreign_step_dirs(keys, store.tier)
     committed = {s for s in map(store.layout.parse_manifest_key, keys) if s is not None}
     present = {store.layout.parse_step_dir(k.split("/", 1)[0]) for k in keys} - {None}
     now = time.time()

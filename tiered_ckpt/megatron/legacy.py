@@ -118,7 +118,7 @@ def detect(tier: Tier, *, step: Iteration | None = None, trust_pickles: bool = F
         topo = _topology(mp_dirs, rank_files, args, where)
         layout, writer = "megatron", "megatron"
         if rank_files:
-            layout = writer = _rank_file_kind(tier, f"{step_dir}/rank_{rank_files[0]:05d}/{DISTRIB_OPTIM_FILENAME}")
+            layout = writer = rank_file_kind(tier, f"{step_dir}/rank_{rank_files[0]:05d}/{DISTRIB_OPTIM_FILENAME}")
             if layout == "rank_sharded":
                 writer = "tiered_ckpt"
                 notes.append("tiered_ckpt rank files without a checkpoint manifest: an incomplete save?")
@@ -160,7 +160,7 @@ def _topology(mp_dirs: Sequence[str], rank_files: Sequence[int], args: Any, wher
     return MegatronTopology(tp=scan.tp_size, pp=scan.pp_size, dp=dp, ep=scan.ep_size, cp=cp)
 
 
-def _rank_file_kind(tier: Tier, key: str) -> str:
+def rank_file_kind(tier: Tier, key: str) -> str:
     """``rank_sharded`` for our rank files, ``dlrover`` for anything else under that name."""
     try:
         obj = open_lazy(tier, key, where=tier_io.where(tier, key)).obj
