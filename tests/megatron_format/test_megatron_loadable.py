@@ -183,6 +183,9 @@ def test_convert_refuses_a_file_megatron_would_refuse(tmp_path: Path) -> None:
     src = _bad_checkpoint(tmp_path)
     with pytest.raises(UnsafePickleError, match="builtins.print"):
         convert(src, tmp_path / "out", to="megatron", progress=False)
+    assert not list((tmp_path / "out").glob("iter_*"))  # nothing half-written stays behind to block a retry
     assert cli_main(["convert", str(src), str(tmp_path / "out2"), "--to", "megatron"]) == 1
+    report = convert(src, tmp_path / "out", to="megatron", progress=False, trust_pickles=True)  # the retry
+    assert report.files
     report = convert(src, tmp_path / "out3", to="megatron", progress=False, trust_pickles=True)
     assert any("builtins.print" in n for n in report.notes)

@@ -30,7 +30,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from ..config import load_config
-from ..errors import ConfigError, DecodeError, LayoutMismatchError, NoCheckpointError, UnsafePickleError
+from ..errors import ConfigError, DecodeError, LayoutMismatchError, NoCheckpointError, TierError, UnsafePickleError
 from ..file_store import FileStore
 from ..manifest import FileEntry
 from ..parallel import ParallelLayout
@@ -112,7 +112,8 @@ def convert(
         if not os.path.isdir(os.fspath(src).removeprefix("file://")):
             raise NoCheckpointError(f"{os.fspath(src)}: no such directory")
     src_tier = open_store(src, "rank_sharded", "source").tier
-    # Everything that can refuse the source is checked before the destination is opened (which creates it).
+    # The checks that need no writing run before the destination is opened (which creates it); a refusal met
+    # while writing (a model file Megatron-LM would refuse) removes what was written, below.
     info = legacy.detect(src_tier, step=step, trust_pickles=trust_pickles)
     if info.iteration == RELEASE:
         raise ConfigError(f"{info.where}: a release checkpoint has no iteration number; our manifests need one "
@@ -135,14 +136,25 @@ def convert(
         source_writer=info.writer, source_verified=info.has_manifest and verify,
         source_topology=rank_shard.topology_dict(info.topology), topology=rank_shard.topology_dict(target),
         notes=list(info.notes))
-    with StepSource(src_tier, info, trust_pickles=trust_pickles, verify=verify) as source, \
-            _progress_bar(progress, _estimate(src_tier, info)) as bar:
-        entries = _write(source, store, to, target, report, bar)
-        if not isinstance(bar, _NoBar):  # the total was an estimate: a finished bar says 100%, never 97% or "?"
-            bar.total = bar.n
-            bar.refresh()
-        report.bytes_read += source.bytes_read
-        store.commit_files(step_no, target, entries)
+    try:
+        with StepSource(src_tier, info, trust_pickles=trust_pickles, verify=verify) as source, \
+                _progress_bar(progress, _estimate(src_tier, info)) as bar:
+            entries = _write(source, store, to, target, report, bar)
+            if not isinstance(bar, _NoBar):  # the total was an estimate: a finished bar says 100%, never 97%
+                bar.total = bar.n
+                bar.refresh()
+            report.bytes_read += source.bytes_read
+            store.commit_files(step_no, target, entries)
+    except BaseException:
+        # The step was not there before (checked above): what this convert wrote goes, so that the same command
+        # can run again (e.g. with --trust-pickles) instead of finding "already exists".
+        if not dst_tier.exists(store.layout.manifest_key(step_no)):
+            try:
+                dst_tier.delete_prefix(info.step_dir)
+            except (TierError, OSError) as exc:
+                log.warning("%s: could not remove what the failed convert wrote: %s",
+                            tier_io.where(dst_tier, info.step_dir), exc)
+        raise
     report.files = [{"key": e.key, "item": e.item, "rank": e.rank, "size": e.size, "checksum": e.checksum}
                     for e in entries]
     report.bytes_written = sum(e.size for e in entries)
