@@ -209,14 +209,14 @@ def test_gc_stale_with_a_configuration_looks_in_its_shm_path(tmp_path, shm_root,
     assert f"would remove  shared memory of run {dead!r} (closed, steps 4)" in out
 
 
-def _crashed_run(shm: str, run_id: str, step: int) -> None:
+def _crashed_run(shm: str, run_id: str, step: int, persistent: bool = True) -> None:
     """A process that put ``step`` into shared memory and died without close() (os._exit: no clean-up)."""
     script = textwrap.dedent(f"""
         import os, torch
         from tiered_ckpt import CheckpointEngine
         engine = CheckpointEngine({{"run_id": {run_id!r}, "drain": {{"mode": "thread"}},
                                    "tiers": [{{"name": "shm", "kind": "shm", "path": {shm!r}}}]}})
-        engine.save({step}, {{"state": {{"w": torch.ones(10)}}}}).wait(timeout=60)
+        engine.save({step}, {{"state": {{"w": torch.ones(10)}}}}, persistent={persistent}).wait(timeout=60)
         os._exit(0)
     """)
     subprocess.run([sys.executable, "-c", script], check=True, timeout=120, cwd=ROOT)
@@ -248,6 +248,8 @@ def test_ls_tells_live_closed_and_stale_snapshots_apart_and_prints_no_step_minus
     assert code == EXIT_OK and f"kept  shared memory of run {cfg['run_id']!r} (stale, steps 2, 7)" in out, out
     assert "step 7 is not on 'disk' yet: the next engine" in out and "--force removes it anyway" in out
     assert f"removed  shared memory of run {other!r}" in out
+    code, out, _ = run(capsys, "gc", "--config", str(path), "--stale", "--tier", "shm", "--delete")  # all file tiers
+    assert code == EXIT_OK and f"kept  shared memory of run {cfg['run_id']!r}" in out, out
     code, out, _ = run(capsys, "ls", "--config", str(path), "--json")
     states = {(r["run_id"], r["step"]): r["state"] for r in json.loads(out) if r["tier"] == "shm"}
     assert "not on 'disk'" in states[(cfg["run_id"], 7)] and (other, 5) not in states
@@ -260,6 +262,11 @@ def test_ls_tells_live_closed_and_stale_snapshots_apart_and_prints_no_step_minus
     states = {(r.get("run_id"), r["step"]): r["state"] for r in json.loads(out)}
     assert states[(None, 7)] == "committed"
     assert "stale" not in states.get((cfg["run_id"], 7), "")
+    # a non-persistent snapshot is memory only: no file tier will ever take it, so it does not keep the run
+    _crashed_run(shm_root, cfg["run_id"], 8, persistent=False)
+    code, out, _ = run(capsys, "gc", "--config", str(path), "--stale", "--json")
+    mine = {f["run_id"]: f for f in json.loads(out)["found"]}[cfg["run_id"]]
+    assert mine["kept"] is False and mine["undrained"] is None and 8 in mine["steps"], mine
     # --force removes a snapshot no file tier has, when asked to
     _crashed_run(shm_root, cfg["run_id"], 9)
     code, out, _ = run(capsys, "gc", "--config", str(path), "--stale", "--json")

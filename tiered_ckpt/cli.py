@@ -67,7 +67,7 @@ def build_parser() -> argparse.ArgumentParser:
             p.add_argument("--config", "-c", help="a tiers.yaml: use its tiers")
             p.add_argument("--tier", help="only this tier of the configuration")
             # any registered layout (plugins' too): the configuration check names the known ones on a typo
-            p.add_argument("--layout", default="rank_sharded",
+            p.add_argument("--layout",
                            help="layout of a bare directory: rank_sharded (default), megatron, dcp or a plugin's")
             add_storage_flags(p)
         return p

@@ -155,13 +155,16 @@ def _config(args: argparse.Namespace) -> Config:
 
     options = storage_options(getattr(args, "storage_option", None), getattr(args, "endpoint_url", None))
     if args.config:
+        if getattr(args, "layout", None):
+            raise ConfigError(f"--layout {args.layout} is for a bare directory or URL; with --config the "
+                              "configuration's `layout` is used")
         if getattr(args, "target", None):
             raise ConfigError(f"give a checkpoint directory or URL, or --config, not both ({args.target!r} and "
                               f"--config {args.config})")
         config = load_config(args.config, registries=get_plugin_manager().registries)
         return _with_storage_options(config, options) if options else config
     if getattr(args, "target", None):
-        return _config_for_target(args.target, args.layout, options)
+        return _config_for_target(args.target, getattr(args, "layout", None) or "rank_sharded", options)
     raise ConfigError("give a checkpoint directory or URL, or --config tiers.yaml")
 
 

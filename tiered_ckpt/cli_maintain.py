@@ -35,10 +35,14 @@ def cmd_gc(args: argparse.Namespace) -> int:
     if opened is None and not args.stale:
         raise ConfigError("give a checkpoint directory or URL, --config tiers.yaml, or --stale")
     if args.stale:
+        every_tier = None  # the configuration's file tiers, all of them, for what only shared memory holds
+        if opened is not None and args.config:
+            every_tier = _open(argparse.Namespace(**{**vars(args), "tier": None}), memory=False) if args.tier \
+                else opened
         for shm_path in _shm_paths(args, opened):
             for run in find_stale_runs(shm_path):
-                entry = {"what": "stale run", **run.to_dict()}
-                undrained = _undrained(opened, run) if opened is not None and args.config else {}
+                entry = {"what": "stale run", **run.to_dict(), "undrained": None, "kept": False}
+                undrained = _undrained(every_tier, run) if every_tier is not None else {}
                 if undrained:
                     # Those snapshots are the only copy of their steps: the next engine of the run drains them.
                     entry["undrained"] = {"steps": sorted({s for v in undrained.values() for s in v}),
@@ -82,15 +86,16 @@ def cmd_gc(args: argparse.Namespace) -> int:
         if not found:
             if problem is None:  # a tier that could not be read, or is not there, was not found empty
                 print("nothing to remove")
-        elif not args.delete:
+        elif not args.delete and not all(f.get("kept") for f in found):
             print("dry run: nothing was removed; add --delete to remove these")
 
     return _emit(args, {"deleted": args.delete, "found": found}, problem, text, bool(found))
 
 
 def _undrained(opened: Opened, run: StaleRun) -> dict[str, list[int]]:
-    """Per file tier of the configuration: the steps of ``run`` (this configuration's own run) newer than
-    everything the tier has committed, i.e. held only in shared memory (as ``ls`` marks them). A tier that cannot
+    """Per file tier of the configuration (all of them, whatever ``--tier`` chose): the steps of ``run`` (this
+    configuration's own run) newer than everything the tier has committed, i.e. held only in shared memory (as
+    ``ls`` marks them); non-persistent snapshots, which no file tier takes, are not counted. A tier that cannot
     be read counts as lacking them: a failure must not look like a safe delete."""
     if run.run_id != opened.config.run_id:
         return {}
@@ -103,12 +108,12 @@ def _undrained(opened: Opened, run: StaleRun) -> dict[str, list[int]]:
         else:
             committed = [s for s in map(store.layout.parse_manifest_key, keys) if s is not None]
             newest = max(committed, default=-1)
-        missing = [s for s in run.steps if newest is None or s > newest]
+        missing = [s for s in run.persistent_steps if newest is None or s > newest]
         if missing:
             out[name] = missing
     for name in [*opened.absent, *opened.unreadable]:  # nothing there yet, or could not be read
-        if run.steps:
-            out[name] = list(run.steps)
+        if run.persistent_steps:
+            out[name] = list(run.persistent_steps)
     return out
 
 

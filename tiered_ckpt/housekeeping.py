@@ -32,6 +32,7 @@ from .tiers.base import _user_name
 
 if TYPE_CHECKING:
     from .file_store import FileStore
+    from .snapshot_record import SlotMeta
 
 #: A temporary file modified less than this long ago may belong to a write in flight: gc leaves it.
 TEMP_GRACE_S = 3600.0
@@ -128,6 +129,7 @@ class StaleRun:
     nbytes: int = 0
     age_s: float = 0.0
     steps: list[int] = field(default_factory=list)
+    persistent_steps: list[int] = field(default_factory=list)  # those of snapshots meant for file tiers too
     snapshots: int = 0
     state: str = "closed"  # run_state(): "live", "closed" (close() ran) or "stale" (ended without close())
 
@@ -211,7 +213,7 @@ def list_runs(shm_path: str) -> list[StaleRun]:
             continue
         run = StaleRun(run_id, path, state=run_state(run_id, shm_path))
         newest = 0.0
-        steps = set()
+        steps, persistent = set(), set()
         for dirpath, _, files in os.walk(path):
             head = os.path.relpath(dirpath, path).split("/", 1)[0]
             if head.startswith("rank_") and head[5:].isdigit() and int(head[5:]) not in run.ranks:
@@ -224,24 +226,27 @@ def list_runs(shm_path: str) -> list[StaleRun]:
                     continue
                 run.nbytes += st.st_size
                 newest = max(newest, st.st_mtime)
-                step = _snapshot_step(full) if f.startswith("slot_") and f.endswith(".json") else None
-                if step is not None:
-                    steps.add(step)
+                meta = _snapshot_meta(full) if f.startswith("slot_") and f.endswith(".json") else None
+                if meta is not None:
+                    steps.add(meta.step)
+                    if meta.persistent:
+                        persistent.add(meta.step)
                     run.snapshots += 1
         run.ranks.sort()
         run.steps = sorted(steps)
+        run.persistent_steps = sorted(persistent)
         run.age_s = now - newest if newest else 0.0
         out.append(run)
     return out
 
 
-def _snapshot_step(path: str) -> int | None:
-    """The step of a slot record (``rank_RRRRR/slot_i.json``), None if it is unreadable or malformed."""
+def _snapshot_meta(path: str) -> SlotMeta | None:
+    """A slot record (``rank_RRRRR/slot_i.json``), None if it is unreadable or malformed."""
     from .snapshot_record import SlotMeta
 
     try:
         with open(path, "rb") as f:
-            return SlotMeta.from_json(f.read(), path, "shm").step
+            return SlotMeta.from_json(f.read(), path, "shm")
     except (OSError, TieredCkptError):
         return None
 
