@@ -250,7 +250,11 @@ def test_a_failed_save_of_ours_under_megatron_names_is_still_debris(tmp_path):
     put("iter_0000030/mp_rank_00/model_optim_rng.pt", {"iteration": 30})  # ours: an unfinished write beside it
     (tmp_path / "iter_0000030" / "mp_rank_00" / temp_name("distrib_optim.pt")).write_bytes(b"x")
     put("iter_0000040/mp_rank_00/model_optim_rng.pt", {"iteration": 40})  # Megatron-LM's
+    put("iter_0000050/rank_00000/distrib_optim.pt", {"optimizer": {"state": {}}})  # damaged: cannot tell, kept
+    damaged = tmp_path / "iter_0000050" / "rank_00000" / "distrib_optim.pt"
+    damaged.write_bytes(damaged.read_bytes()[:-30])
     tier = FsspecTier("t", FsspecOptions(url=str(tmp_path)))
     keys = tier.list("")
-    assert foreign_step_dirs(keys, tier) == {"iter_0000020": MEGATRON_STATE, "iter_0000040": MEGATRON_STATE}
-    assert set(foreign_step_dirs(keys)) == {"iter_0000010", "iter_0000020", "iter_0000030", "iter_0000040"}
+    kept = ("iter_0000020", "iter_0000040", "iter_0000050")
+    assert foreign_step_dirs(keys, tier) == dict.fromkeys(kept, MEGATRON_STATE)
+    assert set(foreign_step_dirs(keys)) == {f"iter_00000{n}0" for n in range(1, 6)}

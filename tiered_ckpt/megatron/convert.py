@@ -148,12 +148,12 @@ def convert(
     except BaseException:
         # The step was not there before (checked above): what this convert wrote goes, so that the same command
         # can run again (e.g. with --trust-pickles) instead of finding "already exists".
-        if not dst_tier.exists(store.layout.manifest_key(step_no)):
-            try:
+        try:
+            if not dst_tier.exists(store.layout.manifest_key(step_no)):
                 dst_tier.delete_prefix(info.step_dir)
-            except (TierError, OSError) as exc:
-                log.warning("%s: could not remove what the failed convert wrote: %s",
-                            tier_io.where(dst_tier, info.step_dir), exc)
+        except (TierError, OSError) as exc:  # the original error is the one to raise
+            log.warning("%s: could not remove what the failed convert wrote: %s",
+                        tier_io.where(dst_tier, info.step_dir), exc)
         raise
     report.files = [{"key": e.key, "item": e.item, "rank": e.rank, "size": e.size, "checksum": e.checksum}
                     for e in entries]
