@@ -179,6 +179,7 @@ class Opened:
     stores: dict[str, Store] = field(default_factory=dict)
     absent: dict[str, str] = field(default_factory=dict)  # file tiers with nothing there: why
     unreadable: dict[str, str] = field(default_factory=dict)  # tiers that could not be read: why
+    memory_skipped: list[str] = field(default_factory=list)  # selected shm-like tiers left closed (memory=False)
 
     def label(self, name: str) -> str:
         return self.target if self.target is not None else f"tier {name!r}"
@@ -230,8 +231,11 @@ def _open(args: argparse.Namespace, *, memory: bool) -> Opened:
         cls = pm.registries.tiers.get(cfg.kind)
         caps = cls.capabilities_for(cfg.options)
         is_memory = caps.memory
-        if (is_memory and not caps.survives_process) or (is_memory and not memory):
+        if is_memory and not caps.survives_process:
             continue  # a process's own memory (gpu, or a plugin's like it): nothing to see from here
+        if is_memory and not memory:
+            opened.memory_skipped.append(cfg.name)  # snapshots that outlive a process, not asked for here
+            continue
         opened.cfgs[cfg.name] = cfg
         try:
             why = absent_before_open(cfg, config.run_id, user)

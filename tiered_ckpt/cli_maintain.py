@@ -102,12 +102,9 @@ def _undrained(opened: Opened, run: StaleRun) -> dict[str, list[int]]:
     out: dict[str, list[int]] = {}
     for name, store in opened.file_stores().items():
         try:
-            keys = store.tier.list("")
+            newest = max(store.committed_steps(), default=-1)
         except (TierError, OSError):
             newest = None
-        else:
-            committed = [s for s in map(store.layout.parse_manifest_key, keys) if s is not None]
-            newest = max(committed, default=-1)
         missing = [s for s in run.persistent_steps if newest is None or s > newest]
         if missing:
             out[name] = missing

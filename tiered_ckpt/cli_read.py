@@ -171,30 +171,13 @@ def _inspect_dcp(store: FileStore, args: argparse.Namespace) -> int | None:
     return EXIT_OK
 
 
-def _memory_tiers(args: argparse.Namespace, opened: Opened) -> list[str]:
-    """The configuration's selected tiers whose snapshots outlive a process (shm): what ``verify`` skips."""
-    from .plugins import get_plugin_manager
-
-    if not args.config:
-        return []
-    tiers = get_plugin_manager().registries.tiers
-    out = []
-    for cfg in opened.config.tiers:
-        if cfg.enabled is False or (getattr(args, "tier", None) and cfg.name != args.tier):
-            continue
-        caps = tiers.get(cfg.kind).capabilities_for(cfg.options)
-        if caps.memory and caps.survives_process:
-            out.append(cfg.name)
-    return out
-
-
 def cmd_verify(args: argparse.Namespace) -> int:
     from .inventory import verify_step
 
     opened = _open(args, memory=False)
     stores = _file_tiers(opened)
     opened.notes(args)
-    for name in _memory_tiers(args, opened):  # said, so that a skipped tier never looks verified
+    for name in opened.memory_skipped:  # said, so that a skipped tier never looks verified
         _note(args, f"tier {name!r} holds memory snapshots, which this command does not verify: load() checks "
                     "each one against its checksums before using it, and falls back to the next tier if it fails")
     results, empty = [], []

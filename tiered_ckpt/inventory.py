@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TextIO
 
 from .errors import BlobNotFoundError, ConfigError, CorruptionError, TieredCkptError, TierError
-from .layouts.foreign import foreign_step_dirs
+from .layouts.foreign import DCP_STATE, foreign_step_dirs
 
 if TYPE_CHECKING:
     from .config import TierConfig
@@ -126,7 +126,7 @@ class StepInfo:
 
 
 def file_steps(store: FileStore) -> list[StepInfo]:
-    from .dcp.inventory import PLAIN_STATE, plain_step_dirs
+    from .dcp.inventory import plain_step_dirs
 
     keys = store.tier.list("")
     foreign = foreign_step_dirs(keys, store.tier)
@@ -158,7 +158,7 @@ def file_steps(store: FileStore) -> list[StepInfo]:
         out.append(StepInfo(store.name, step, state, size, None, len(files),
                             sorted(store.rank_manifests(step))))
     if "" in plain_step_dirs(keys):  # the directory given is a DCP checkpoint itself (issue #14)
-        out.append(StepInfo(store.name, None, PLAIN_STATE, sum(store.tier.size(k) for k in keys), None, len(keys)))
+        out.append(StepInfo(store.name, None, DCP_STATE, sum(store.tier.size(k) for k in keys), None, len(keys)))
     return out
 
 

@@ -14,9 +14,6 @@ from __future__ import annotations
 from typing import Any
 
 from ..layouts.dcp import METADATA_FILE, METADATA_NAME
-from ..layouts.foreign import DCP_STATE
-
-PLAIN_STATE = DCP_STATE
 
 
 def plain_step_dirs(keys: list[str]) -> set[str]:
