@@ -230,6 +230,39 @@ def test_saving_into_the_directory_megatron_wrote_keeps_its_checkpoint(tmp_path,
     assert json.loads(capsys.readouterr().out)["found"] == []
 
 
+def test_a_save_that_failed_before_its_rank_manifest_is_debris(tmp_path, monkeypatch):
+    """A save that failed once its Megatron-named model file was in place, before any manifest, left a directory
+    that passed for Megatron-LM's and was kept for ever. Each rank's marker under tiered_ckpt/, written before its
+    first file, makes it ours: the next commit's retention removes it."""
+    from tiered_ckpt import CheckpointEngine
+    from tiered_ckpt.file_store import FileStore
+    from tiered_ckpt.layouts.foreign import foreign_step_dirs
+    from tiered_ckpt.tiers.fsspec_tier import FsspecOptions, FsspecTier
+
+    publish_rank = FileStore._publish_rank
+
+    def fail_step_20(self, step, coords, entries):
+        if step == 20:
+            raise OSError("the disk went away after the model file")
+        return publish_rank(self, step, coords, entries)
+
+    monkeypatch.setattr(FileStore, "_publish_rank", fail_step_20)
+    cfg = {"run_id": f"fail{uuid.uuid4().hex[:6]}", "drain": {"mode": "thread"},
+           "tiers": [{"name": "disk", "kind": "local", "path": str(tmp_path), "keep": 1}]}
+    with CheckpointEngine(cfg) as engine:
+        with pytest.raises(Exception, match="the disk went away"):
+            engine.save(20, {"model_optim_rng": {"w": torch.ones(8)}}).wait(timeout=60)
+        failed = tmp_path / "iter_0000020"
+        assert (failed / "mp_rank_00" / "model_optim_rng.pt").is_file()
+        assert (failed / "tiered_ckpt" / "rank_00000.started").is_file()
+        assert not foreign_step_dirs(FsspecTier("t", FsspecOptions(url=str(tmp_path))).list(""))
+        engine.save(30, {"model_optim_rng": {"w": torch.zeros(8)}}).wait(timeout=60)
+        with pytest.raises(Exception, match="step 20 on tier 'disk'"):  # reported again, never lost
+            engine.wait(60)
+    assert not failed.exists()
+    assert (tmp_path / "iter_0000030" / "tiered_ckpt" / "manifest.json").is_file()
+
+
 def test_a_failed_save_of_ours_under_megatron_names_is_still_debris(tmp_path):
     """Our layouts use Megatron's file names: a step directory without any manifest is ours (debris) when its
     rank file has our rank-shard format or an unfinished write of ours is there, Megatron's or DLRover's when not."""

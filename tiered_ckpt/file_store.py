@@ -12,6 +12,7 @@ and reading their files verified is :mod:`tiered_ckpt.file_store_read`'s part of
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 from collections.abc import Callable, Iterable
@@ -116,6 +117,7 @@ class FileStore(CommittedFiles):
         self.emit = emit
         self.run_id = run_id
         self._manifests: dict[int, CheckpointManifest] = {}  # committed manifests are immutable: cache them
+        self._started: set[tuple[int, int]] = set()  # (step, rank) whose marker this process wrote
 
     @property
     def name(self) -> str:
@@ -234,9 +236,23 @@ class FileStore(CommittedFiles):
         return call_with_retry(fn, self.cfg.retry, on_retry)
 
     # ----- writing -----------------------------------------------------------------------------------------
+    def _mark_started(self, step: int, rank: int) -> None:
+        """Before a rank's first file of ``step``: a marker under the step's ``tiered_ckpt/``, so that a save
+        failing before its rank manifest never leaves a directory that passes for Megatron-LM's (layouts use
+        Megatron's file names, and retention keeps Megatron-LM's directories: layouts/foreign.py)."""
+        if (step, rank) in self._started:
+            return
+        key = self.layout.started_key(step, rank)
+        self._retry(lambda: self.tier.publish(key, f'{{"run_id": {json.dumps(self.run_id)}}}\n'.encode()),
+                    step, rank, f"publish {key}")
+        if len(self._started) > 64:  # a long-lived convert or drain: only recent steps are written again
+            self._started.clear()
+        self._started.add((step, rank))
+
     def _write_file(self, key: str, make_chunks: Callable[[], Iterable[Chunk]], step: int, rank: int,
                     compress: bool = True) -> tuple[int, str, int]:
         """Write one file with retries; returns (stored size, checksum, raw size)."""
+        self._mark_started(step, rank)
         compression = self.cfg.compression if compress and self.compression_name == "zstd" else None
 
         def attempt() -> tuple[int, str, int]:
@@ -269,6 +285,7 @@ class FileStore(CommittedFiles):
         if key is None:
             return None
         if job_scope and self.compression_name is None:
+            self._mark_started(step, coords.rank)
             # the megatron layout's ranks write their ranges of Megatron's merged file themselves (layouts/megatron.py)
             entry = self.layout.write_in_place(self, step, coords, src, key)
             if entry is not None:

@@ -52,6 +52,11 @@ class Layout:
     def rank_manifest_key(self, step: int, rank: int) -> str:
         return f"{self.step_dir(step)}/{META_DIR}/rank_{rank:05d}.json"
 
+    def started_key(self, step: int, rank: int) -> str:
+        """The marker a rank writes before its first file of ``step``: the step directory is ours from then on,
+        even if the save fails before any manifest (layouts/foreign.py tells Megatron-LM's directories by it)."""
+        return f"{self.step_dir(step)}/{META_DIR}/rank_{rank:05d}.started"
+
     def rank_manifest_prefix(self, step: int) -> str:
         return f"{self.step_dir(step)}/{META_DIR}/"
 

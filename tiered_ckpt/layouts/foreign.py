@@ -4,12 +4,12 @@ Such a directory holds no manifest of ours, so nothing in it can be verified, bu
 may need (a job that switches to tiered_ckpt keeps saving into the directory Megatron-LM wrote): retention and
 ``gc`` never remove it as debris, and ``ls`` says who wrote it (docs/operations.md, "What `gc` may touch").
 
-Our own layouts use Megatron's file names too, so a failed save of ours must not pass for Megatron's. A step
-directory is ours (a partial one is debris, as always) when it holds anything only we write: a manifest
-(``tiered_ckpt/``), a flat file, a temporary file of an unfinished write (the in-place ``distrib_optim.pt``
-among them), or a ``rank_RRRRR/distrib_optim.pt`` in our rank-shard format (DLRover's has another). What is left
-looking foreign is a save of ours that failed after renaming only Megatron-named model files into place and
-before any rank manifest: it is kept (a leak to remove by hand), never a lost checkpoint.
+Our own layouts use Megatron's file names too, so a failed save of ours must not pass for Megatron's. Each rank
+writes a marker under the step's ``tiered_ckpt/`` before its first file (``FileStore._mark_started``), so a
+directory with anything under ``tiered_ckpt/`` is ours, and a partial one is debris, as always. Directories that
+an older tiered_ckpt wrote without the marker are told by what else only we write: a flat file, a temporary file
+of an unfinished write (the in-place ``distrib_optim.pt`` among them), or a ``rank_RRRRR/distrib_optim.pt`` in
+our rank-shard format (DLRover's has another).
 """
 
 from __future__ import annotations

@@ -102,9 +102,9 @@ def detect(tier: Tier, *, step: Iteration | None = None, trust_pickles: bool = F
     has_manifest = f"{META_DIR}/manifest.json" in names
     if not mp_dirs:
         raise DecodeError(f"{where}: no mp_rank_* directories: not a Megatron torch-format checkpoint")
-    if not has_manifest and any(n.startswith(f"{META_DIR}/rank_") for n in names):
-        raise NoCheckpointError(f"{where}: step {iteration} was saved by tiered_ckpt but never committed (rank "
-                                "manifests, no checkpoint manifest): it is incomplete")
+    if not has_manifest and any(n.startswith(f"{META_DIR}/") for n in names):
+        raise NoCheckpointError(f"{where}: step {iteration} was saved by tiered_ckpt but never committed (files "
+                                f"under {META_DIR}/, no checkpoint manifest): it is incomplete")
     args = None
     if has_manifest:
         from ..manifest import load_checkpoint
