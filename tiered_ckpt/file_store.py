@@ -462,11 +462,29 @@ class FileStore(CommittedFiles):
                     f"publish {self.layout.tracker}")
 
     # ----- retention ---------------------------------------------------------------------------------------
+    def partial_steps(self, keys: list[str]) -> dict[int, list[str]]:
+        """The uncommitted steps older than the newest committed one in the tier's listing ``keys``, each with
+        its keys: debris, since a tier takes a run's steps in order, so nothing older than its newest commit is
+        still being written. A step directory that Megatron-LM, DLRover or DCP wrote is their checkpoint, never
+        one of them (layouts/foreign.py)."""
+        committed = {s for s in map(self.layout.parse_manifest_key, keys) if s is not None}
+        if not committed:
+            return {}
+        newest = max(committed)
+        foreign = foreign_step_dirs(keys, self.tier)
+        found: dict[int, list[str]] = {}
+        for key in keys:
+            top = key.split("/", 1)[0]
+            step = self.layout.parse_step_dir(top)
+            if step is not None and step < newest and step not in committed and top not in foreign:
+                found.setdefault(step, []).append(key)
+        return found
+
     def uncommit_expired(self, keep: int | None, pinned: set[int]) -> list[int]:
         """Un-commit (delete the manifest of) each committed step beyond the newest ``keep`` (never the newest,
-        never a pinned one); return those and the uncommitted steps older than the newest committed one (debris):
-        the steps whose files :meth:`remove_steps` deletes. A crash in between leaves debris, never a committed
-        step with missing files."""
+        never a pinned one); return those and the unpinned :meth:`partial_steps` (debris): the steps whose files
+        :meth:`remove_steps` deletes. A crash in between leaves debris, never a committed step with missing
+        files."""
         keys = self.tier.list("")
         committed = sorted({s for s in map(self.layout.parse_manifest_key, keys) if s is not None})
         if not committed:
@@ -475,10 +493,7 @@ class FileStore(CommittedFiles):
         doomed = []
         if keep is not None:
             doomed = [s for s in committed[:-keep] if s != newest and s not in pinned]
-        present = {self.layout.parse_step_dir(k.split("/", 1)[0]) for k in keys}
-        # a step directory that Megatron-LM, DLRover or DCP wrote is their checkpoint, never debris
-        present -= {self.layout.parse_step_dir(d) for d in foreign_step_dirs(keys, self.tier)}
-        debris = sorted(s for s in present if s is not None and s < newest and s not in committed and s not in pinned)
+        debris = sorted(s for s in self.partial_steps(keys) if s not in pinned)
         uncommitted = []
         for step in doomed:
             try:

@@ -25,7 +25,6 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from .errors import RunLockedError, TieredCkptError, TierError
-from .layouts.foreign import foreign_step_dirs
 from .locking import LOCKS_DIR, RUN_LOCK, shm_lock_path, tmp_lock_base
 from .tiers._files import remove_empty_dirs
 from .tiers.base import _user_name
@@ -59,19 +58,8 @@ def find_debris(store: FileStore, *, live: bool = False, min_age_s: float = TEMP
     ago, or whose age cannot be told, are left too: a write in flight elsewhere keeps touching its file."""
     if live:
         return []
-    keys = store.tier.list("")
-    committed = {s for s in map(store.layout.parse_manifest_key, keys) if s is not None}
-    out = []
-    if committed:
-        # Each tier takes a run's steps in order: nothing older than its newest commit is being written.
-        newest = max(committed)
-        sizes: dict[int, int] = {}
-        foreign = foreign_step_dirs(keys, store.tier)  # checkpoints Megatron-LM, DLRover or DCP wrote: never debris
-        for key in keys:
-            step = store.layout.parse_step_dir(key.split("/", 1)[0])
-            if step is not None and step < newest and step not in committed and key.split("/", 1)[0] not in foreign:
-                sizes[step] = sizes.get(step, 0) + store.tier.size(key)
-        out += [Debris(store.name, "partial step", store.layout.step_dir(s), n) for s, n in sorted(sizes.items())]
+    out = [Debris(store.name, "partial step", store.layout.step_dir(step), sum(store.tier.size(k) for k in keys))
+           for step, keys in sorted(store.partial_steps(store.tier.list("")).items())]
     now = time.time() if now is None else now
     for rel in store.tier.temp_files():  # the Tier interface (tiers/base.py): every kind answers, plugins too
         if not _old_enough(store, rel, min_age_s, now):
