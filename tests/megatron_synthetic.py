@@ -387,6 +387,7 @@ def write_checkpoint(job: SyntheticJob, dst: Any, *, layout: str = "rank_sharded
         raise ValueError(f"layout: expected megatron or rank_sharded, got {layout!r}")
     if manifest:
         store.commit_files(job.iteration, job.topology, entries)
-    else:
+    else:  # Megatron-LM writes nothing of ours: not the markers our writes leave before any manifest either
+        tier.delete_prefix(f"{step_dir}/tiered_ckpt/")
         tier.publish(TRACKER_FILENAME, str(job.iteration).encode())
     return entries

@@ -386,3 +386,61 @@ def test_a_refused_convert_creates_no_destination(tmp_path, shm_root, capsys):
     code, out, err = run(capsys, "convert", str(tmp_path / "ckpt"), str(dst), "--to", "megatron")
     assert code != EXIT_OK and "mp_rank_" in err, err
     assert not dst.exists()
+
+
+def _in_terminal(argv: list[str], size: tuple[int, int] | None) -> tuple[int, str]:
+    """Run the command line in a real pseudo-terminal (``size``: columns, rows; None leaves it 0x0, as
+    ``script`` does without one) and return its exit code and everything it printed."""
+    import fcntl
+    import pty
+    import struct
+    import termios
+
+    master, slave = pty.openpty()
+    if size is not None:
+        fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", size[1], size[0], 0, 0))
+    proc = subprocess.Popen([*CLI, *argv], stdin=slave, stdout=slave, stderr=slave, close_fds=True)
+    os.close(slave)
+    out = b""
+    while True:
+        try:
+            chunk = os.read(master, 65536)
+        except OSError:  # EIO: the other side closed
+            break
+        if not chunk:
+            break
+        out += chunk
+    os.close(master)
+    return proc.wait(timeout=120), out.decode(errors="replace")
+
+
+@pytest.mark.parametrize("size", [None, (100, 30)], ids=["no size", "100x30"])
+def test_verify_draws_its_progress_bar_in_a_terminal(tmp_path, size):
+    """In a terminal, verify shows each step's bar, finished at 100%; a terminal of no known size (``script``)
+    printed an empty line in its place."""
+    cfg = {"run_id": f"pty{uuid.uuid4().hex[:6]}", "drain": {"mode": "thread"},
+           "tiers": [{"name": "disk", "kind": "local", "path": str(tmp_path)}]}
+    with CheckpointEngine(cfg) as engine:
+        for step in (1, 2):
+            engine.save(step, {"m": {"w": torch.ones(4096)}}).wait(timeout=60)
+    code, out = _in_terminal(["verify", str(tmp_path), "--all"], size)
+    assert code == 0, out
+    lines = [line.rsplit("\r", 1)[-1] for line in out.replace("\r\n", "\n").split("\n") if line.strip()]
+    bars = [line for line in lines if line.startswith("verify ")]
+    assert len(bars) == 2 and all("100%" in b for b in bars), out
+    assert sum(line.startswith("OK ") for line in lines) == 2, out
+    assert not [line for line in out.strip().replace("\r\n", "\n").split("\n") if not line.strip("\r ")], out
+
+
+def test_the_demo_names_a_command_line_that_runs(monkeypatch):
+    """``make demo`` runs .venv/bin/tiered-ckpt, which need not be on PATH: its "explore:" hint names a command
+    that the shell finds."""
+    from tiered_ckpt.demo.run import _cli_command
+
+    bindir = str(Path(sys.executable).parent)
+    monkeypatch.setenv("PATH", "/usr/bin:/bin")
+    outside = _cli_command()
+    assert subprocess.run([*outside.split(), "--help"], capture_output=True).returncode == 0
+    monkeypatch.setenv("PATH", f"{bindir}:/usr/bin:/bin")
+    if (Path(bindir) / "tiered-ckpt").exists():
+        assert _cli_command() == "tiered-ckpt"

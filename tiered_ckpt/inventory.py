@@ -200,9 +200,8 @@ def verify_step(store: FileStore, step: int, progress: bool | TextIO = False) ->
 
     ``progress``: True for a progress bar on stderr, or a stream to draw it on. It counts the manifest's bytes
     (its total is the step's size) and ends at 100%, files that failed included."""
-    from tqdm import tqdm
-
     from .megatron.loadable import is_megatron_file
+    from .progress import progress_bar
 
     report = VerifyReport(store.name, step)
     try:
@@ -211,8 +210,8 @@ def verify_step(store: FileStore, step: int, progress: bool | TextIO = False) ->
         report.problems.append(str(exc))
         return report
     stream_out: Any = None if isinstance(progress, bool) else progress
-    with tqdm(total=sum(e.size for e in manifest.files), desc=f"verify {store.name} step {step}", unit="B",
-              unit_scale=True, unit_divisor=1024, disable=not progress, file=stream_out, leave=True) as bar:
+    with progress_bar(total=sum(e.size for e in manifest.files), desc=f"verify {store.name} step {step}",
+                      disable=not progress, file=stream_out, leave=True) as bar:
         for entry in manifest.files:
             try:
                 _verify_file(store, entry, report, is_megatron_file)

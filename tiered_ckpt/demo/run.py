@@ -164,9 +164,20 @@ def run_demo(workdir: str, *, world: int = 4, steps: int = 30, save_every: int =
     if not keep_files:
         shutil.rmtree(work, ignore_errors=True)
     else:
-        print(f"  explore: tiered-ckpt ls {work / 'local'}   tiered-ckpt verify {work / 'local'}")
+        cli = _cli_command()
+        print(f"  explore: {cli} ls {work / 'local'}   {cli} verify {work / 'local'}")
     if matched:
         print(f"OK: the resumed run matched the uninterrupted one exactly (from step {next(iter(step0))} to {steps}).")
         return 0
     print("FAILED: the resumed run did not match the uninterrupted one.")
     return 1
+
+
+def _cli_command() -> str:
+    """How to run this installation's command line: ``tiered-ckpt`` when that is what the shell finds (``make
+    demo`` runs it from .venv/bin, which need not be on PATH), else the script's path beside this Python."""
+    beside = Path(sys.executable).parent / "tiered-ckpt"
+    found = shutil.which("tiered-ckpt")
+    if found and (not beside.exists() or Path(found).resolve() == beside.resolve()):
+        return "tiered-ckpt"
+    return str(beside) if beside.exists() else f"{sys.executable} -m tiered_ckpt.cli"

@@ -283,9 +283,9 @@ class _NoBar:
 def _progress_bar(enabled: bool, total: int | None) -> Any:
     if not enabled or not sys.stderr.isatty():
         return _NoBar()
-    from tqdm import tqdm
+    from ..progress import progress_bar
 
-    return tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc="convert", file=sys.stderr)
+    return progress_bar(total=total, desc="convert", file=sys.stderr)
 
 
 def _describe(target: Any, tier: Tier) -> str:
