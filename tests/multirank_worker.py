@@ -6,6 +6,7 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(__file__))
+import torch  # noqa: E402
 from helpers import assert_same, make_items  # noqa: E402
 from rank_main import rank_main  # noqa: E402
 
@@ -34,6 +35,24 @@ def body(rank: int, world: int, spec: dict, out: dict) -> None:
                 handle.wait(timeout=60)
             except TieredCkptError as exc:
                 out.setdefault("save_errors", {})[step] = str(exc)
+        if "bad_into_rank" in spec:  # one rank asks load() for what the checkpoint cannot go into
+            into = items_for(0, rank)
+            if rank == spec["bad_into_rank"]:
+                into["state"]["model"]["embedding.weight"] = torch.zeros(3)
+            try:
+                engine.load(into=into)
+                out["first_load"] = "loaded"
+            except TieredCkptError as exc:
+                out["first_load"] = f"{type(exc).__name__}: {exc}"
+        if "collective" in spec:  # the ranks at different exchanges
+            try:
+                if rank == 0:
+                    engine.coordinator.agree_on_step({1})
+                else:
+                    engine.coordinator.all_succeeded(True)
+                out["collective"] = "passed"
+            except TieredCkptError as exc:
+                out["collective"] = f"{type(exc).__name__}: {exc}"
         if spec.get("load"):
             loaded = engine.load()
             assert_same(items_for(loaded.step, rank), loaded.items)

@@ -117,6 +117,29 @@ def test_two_nodes_node_local_commit_and_restore_from_shared(tmp_path):
     assert [second[r]["tier"] for r in range(4)] == ["shm", "shm", "shared", "shared"]
 
 
+def test_a_rank_failing_in_load_stops_every_rank_at_once(tmp_path, shm_root):
+    """One rank's load() fails on its own (a wrong into=): the others raised nothing and waited in the next
+    exchange until the group's timeout (600 s), and a rank retrying alone had its exchanges read as another's.
+    Now every rank stops at once, the others with PeerFailedError naming the failed rank and its error, and a
+    load() that every rank calls again works."""
+    cfg = job_config(tiers(Path(shm_root), tmp_path / "local", tmp_path / "shared"), f"a{uuid.uuid4().hex[:8]}")
+    run_ranks(3, {"config": cfg, "save": [1, 2]})
+    out = run_ranks(3, {"config": cfg, "bad_into_rank": 1, "load": True}, timeout=100)
+    assert out[1]["first_load"].startswith("LoadIntoError"), out[1]
+    for r in (0, 2):
+        assert out[r]["first_load"].startswith("PeerFailedError"), out[r]
+        assert "rank 1: LoadIntoError" in out[r]["first_load"], out[r]
+    assert all(out[r]["step"] == 2 and "error" not in out[r] for r in range(3)), out
+
+
+def test_ranks_at_different_exchanges_all_raise(tmp_path, shm_root):
+    cfg = job_config(tiers(Path(shm_root), tmp_path / "local", tmp_path / "shared"), f"x{uuid.uuid4().hex[:8]}")
+    out = run_ranks(2, {"config": cfg, "collective": True}, timeout=100)
+    for r in (0, 1):
+        assert out[r]["collective"].startswith("PeerFailedError"), out[r]
+        assert "rank 0 at 'agree_on_step', rank 1 at 'all_succeeded'" in out[r]["collective"], out[r]
+
+
 def test_tp_change_is_refused_naming_tp(tmp_path, shm_root):
     cfg = job_config(tiers(Path(shm_root), tmp_path / "local", tmp_path / "shared"), f"t{uuid.uuid4().hex[:8]}")
     run_ranks(4, {"config": cfg, "save": [1], "parallel": {"tp": 2, "dp": 2}})

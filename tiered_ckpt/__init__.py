@@ -19,6 +19,7 @@ _EXPORTS = {
     "ConfigError": "errors",
     "CorruptionError": "errors",
     "NoCheckpointError": "errors",
+    "PeerFailedError": "errors",
     "TieredCkptError": "errors",
     "TierError": "errors",
     "TierUnavailableError": "errors",
@@ -33,9 +34,8 @@ _EXPORTS = {
 
 __all__ = [
     "CheckpointEngine", "Config", "ConfigError", "CorruptionError", "Event", "LoadResult", "NoCheckpointError",
-    "ParallelLayout", "RankCoords", "SaveError", "SaveHandle", "TierError", "TierUnavailableError", "TieredCkptError",
-    "hookimpl",
-    "load_config", "__version__",
+    "ParallelLayout", "PeerFailedError", "RankCoords", "SaveError", "SaveHandle", "TierError",
+    "TierUnavailableError", "TieredCkptError", "hookimpl", "load_config", "__version__",
 ]
 
 if TYPE_CHECKING:
@@ -45,6 +45,7 @@ if TYPE_CHECKING:
         ConfigError,
         CorruptionError,
         NoCheckpointError,
+        PeerFailedError,
         TieredCkptError,
         TierError,
         TierUnavailableError,

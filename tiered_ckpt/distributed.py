@@ -3,6 +3,11 @@
 Collectives run only at start-up (which ranks share a node) and on load (agreeing on one step): never on the
 save path, where a slow or dead rank must not stall the others. Without ``torch.distributed`` initialised, a
 single-process :class:`Coordinator` answers locally.
+
+Every exchange is tagged with what it is for. A rank that fails between two exchanges sends :meth:`abort` in
+place of its next one, so that the others raise :class:`PeerFailedError` there instead of waiting for it until the
+group's timeout; ranks found at different exchanges (one retried a failed ``load()`` while the others went on)
+all raise too, instead of reading one exchange's values as another's.
 """
 
 from __future__ import annotations
@@ -10,14 +15,18 @@ from __future__ import annotations
 import logging
 import os
 import socket
+from collections.abc import Callable
 from datetime import timedelta
-from typing import Any
+from typing import Any, TypeVar
 
+from .errors import PeerFailedError
 from .parallel import RankCoords
 
 log = logging.getLogger(__name__)
 
 NODE_ENV = "TIERED_CKPT_NODE"  # overrides the host name as node identity (several "nodes" on one machine)
+_ABORT = "abort"
+_T = TypeVar("_T")
 
 
 def node_id() -> str:
@@ -52,22 +61,54 @@ class Coordinator:
         mine = names[coords.rank]
         return cls(coords, group, [r for r, n in enumerate(names) if n == mine])
 
-    def all_gather(self, value: Any) -> list[Any]:
+    def all_gather(self, value: Any, what: str = "all_gather") -> list[Any]:
+        """Every rank's ``value`` of the exchange ``what``, in rank order. Raises :class:`PeerFailedError` on every
+        rank when some rank sent :meth:`abort`, or was at another exchange."""
         if self.group is None:
             return [value]
         import torch.distributed as dist
 
         out: list[Any] = [None] * self.coords.world_size
-        dist.all_gather_object(out, value, group=self.group)
-        return out
+        dist.all_gather_object(out, (what, value), group=self.group)
+        failed = {r: str(v) for r, (w, v) in enumerate(out) if w == _ABORT}
+        if failed:
+            told = "; ".join(f"rank {r}: {why}" for r, why in sorted(failed.items()))
+            raise PeerFailedError(f"rank {self.coords.rank} stopped at {what!r}: another rank failed ({told}). Every "
+                                  "rank stops here; the failing rank's own error says what to fix", failed)
+        if any(w != what for w, _ in out):
+            where = ", ".join(f"rank {r} at {w!r}" for r, (w, _) in enumerate(out[:8]))
+            raise PeerFailedError(f"the ranks are at different collective steps ({where}): every rank must call "
+                                  "load() the same way, and none may retry it alone after an error")
+        return [v for _, v in out]
+
+    def alone(self, fn: Callable[..., _T], *args: Any) -> _T:
+        """``fn(*args)``: this rank's own work between two exchanges. If it raises, the other ranks are told
+        (:meth:`abort`: they raise PeerFailedError at the exchange they wait in), then the error goes on."""
+        try:
+            return fn(*args)
+        except Exception as exc:
+            self.abort(f"{type(exc).__name__}: {exc}")
+            raise
+
+    def abort(self, why: str) -> None:
+        """Tell the other ranks, at the exchange they wait in, that this rank failed (``why``) and leaves."""
+        if self.group is None:
+            return
+        import torch.distributed as dist
+
+        out: list[Any] = [None] * self.coords.world_size
+        try:
+            dist.all_gather_object(out, (_ABORT, why), group=self.group)
+        except Exception as exc:  # noqa: BLE001 - the original error is the one to raise
+            log.warning("rank %d could not tell the other ranks that it failed: %s", self.coords.rank, exc)
 
     def agree_on_step(self, mine: set[int], requested: int | None = None) -> int | None:
         """The newest step every rank can read (or ``requested`` if every rank can); None if there is none."""
-        everyone = self.all_gather(sorted(mine))
+        everyone = self.all_gather(sorted(mine), "agree_on_step")
         common = set(everyone[0]).intersection(*map(set, everyone[1:]))
         if requested is not None:
             return requested if requested in common else None
         return max(common) if common else None
 
-    def all_succeeded(self, ok: bool) -> bool:
-        return all(self.all_gather(bool(ok)))
+    def all_succeeded(self, ok: bool, what: str = "all_succeeded") -> bool:
+        return all(self.all_gather(bool(ok), what))

@@ -279,11 +279,9 @@ class CheckpointEngine:
         receive the checkpoint's values in place, and the result's items hold them (see :mod:`.load_into`). If
         ``load`` raises, those tensors may hold partial data."""
         copy = self.config.load.copy if copy is None else copy
-        if into is not None and (not isinstance(into, dict) or not all(isinstance(k, str) for k in into)):
-            raise ValueError("into must be a dict of item name (str) → state, like the items given to save()")
-        available, unreachable = self._list_tiers()
-        for name, why in unreachable.items():
-            self._emit(ev.Event(ev.TIER_UNREACHABLE, step=step, rank=self.coords.rank, tier=name, message=why))
+        # What each rank does alone between the collectives goes through alone(): a rank that fails there tells
+        # the others (PeerFailedError on every rank) instead of leaving them waiting in the next one.
+        available, unreachable = self.coordinator.alone(self._checked_lists, into, step)
         mine = {s for steps in available.values() for s in steps}
         rejected: set[int] = set()
         fallbacks: list[str] = []
@@ -294,9 +292,9 @@ class CheckpointEngine:
                 # The steps listed may have gone since (retention after a newer commit, in another process):
                 # only a listing that shows no step not tried yet may say "no checkpoint". Collective: every rank
                 # lists again when any rank sees a new step.
-                fresh, fresh_unreachable = self._list_tiers()
+                fresh, fresh_unreachable = self.coordinator.alone(self._list_tiers)
                 new = {s for steps in fresh.values() for s in steps} - rejected
-                if not self.coordinator.all_succeeded(not new):
+                if not self.coordinator.all_succeeded(not new, "relist"):
                     relists += 1
                     available, unreachable, mine = fresh, fresh_unreachable, new | rejected
                     continue
@@ -305,8 +303,8 @@ class CheckpointEngine:
                 detail = f" ({'; '.join(fallbacks)})" if fallbacks else ""
                 self._nothing_loadable(unreachable, f"no step that every rank can load: rank {self.coords.rank} "
                                                     f"found no loadable copy of {what} on any tier{detail}")
-            result = self._load_step(chosen, available, copy, map_location, fallbacks, into)
-            if self.coordinator.all_succeeded(result is not None):
+            result = self.coordinator.alone(self._load_step, chosen, available, copy, map_location, fallbacks, into)
+            if self.coordinator.all_succeeded(result is not None, "loaded"):
                 assert result is not None
                 result.unreachable = dict(unreachable)
                 if unreachable:
@@ -318,6 +316,15 @@ class CheckpointEngine:
             if step is not None:
                 self._nothing_loadable(unreachable, f"step {step} cannot be loaded by every rank "
                                                     f"({'; '.join(fallbacks)})")
+
+    def _checked_lists(self, into: dict[str, Any] | None, step: int | None
+                       ) -> tuple[dict[str, list[int]], dict[str, str]]:
+        if into is not None and (not isinstance(into, dict) or not all(isinstance(k, str) for k in into)):
+            raise ValueError("into must be a dict of item name (str) → state, like the items given to save()")
+        available, unreachable = self._list_tiers()
+        for name, why in unreachable.items():
+            self._emit(ev.Event(ev.TIER_UNREACHABLE, step=step, rank=self.coords.rank, tier=name, message=why))
+        return available, unreachable
 
     def _nothing_loadable(self, unreachable: dict[str, str], message: str) -> None:
         """Raise NoCheckpointError when every rank listed every tier, else TierUnavailableError (collective: every

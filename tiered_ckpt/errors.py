@@ -119,6 +119,16 @@ class LoadIntoError(TieredCkptError, ValueError):
     tensor of another shape or dtype. The message names the item, the key path and both shapes."""
 
 
+class PeerFailedError(TieredCkptError):
+    """A collective operation (``load()``) stopped on every rank because another rank failed in it, or because
+    the ranks were at different points of it. The failing rank raised its own error: that one says what to fix.
+    ``ranks`` maps each failed rank to its error's text."""
+
+    def __init__(self, message: str, ranks: dict[int, str] | None = None):
+        self.ranks = dict(ranks or {})
+        super().__init__(message)
+
+
 class UnsafePickleError(TieredCkptError):
     """A checkpoint file would execute code when unpickled; refused unless ``trust_pickles`` is set."""
 

@@ -250,7 +250,7 @@ class TieredStorageReader(StorageReader):
         return out
 
     def _choose_step(self) -> int:
-        mine = self._loadable_here()
+        mine = self.engine.coordinator.alone(self._loadable_here)  # a failure here stops every rank
         chosen = self.engine.coordinator.agree_on_step(mine, self.requested)  # collective with several ranks
         if chosen is None:
             what = f"step {self.requested}" if self.requested is not None else "a DCP checkpoint"

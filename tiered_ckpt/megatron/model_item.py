@@ -51,18 +51,19 @@ def resolve(engine: Any, loaded: Any) -> tuple[dict[str, Any], str]:
             return found, f"shm of rank {holder}"
         return _from_files(engine, loaded.step), "file tier"
     # Round 1: who holds the item, and (for snapshots) with which checksum.
-    offers = coordinator.all_gather(_offer(engine, loaded) if mine is not None else None)
+    offer_mine = coordinator.alone(_offer, engine, loaded) if mine is not None else None
+    offers = coordinator.all_gather(offer_mine, "model_item offers")
     result: tuple[dict[str, Any], str] | None = (mine, loaded.tier) if mine is not None else None
     need = False
     if result is None:
         offer = offers[holder]
         if offer is not None and offer["snapshot"] is not None and holder in coordinator.node_ranks:
-            found = _from_node_snapshot(engine, holder, loaded.step, offer["snapshot"])
+            found = coordinator.alone(_from_node_snapshot, engine, holder, loaded.step, offer["snapshot"])
             if found is not None:
                 result = (found, f"shm of rank {holder}")
         need = result is None and offer is not None
     # Round 2: who needs it sent, then the sends (holder -> each receiver; no cycles, so no deadlock).
-    needs = coordinator.all_gather(holder if need else None)
+    needs = coordinator.all_gather(holder if need else None, "model_item needs")
     receivers = [r for r, h in enumerate(needs) if h == engine.coords.rank]
     if receivers:
         _send(mine, receivers, coordinator.group)
