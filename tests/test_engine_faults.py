@@ -157,3 +157,23 @@ def test_transient_errors_while_listing_steps_are_retried(shm_root, tmp_path, re
         assert engine.available_steps()["flaky"] == [1]
         assert len(recorder.kinds("retry", "flaky")) == 2
         assert_same(make_items(1), engine.load().items)
+
+
+@pytest.mark.parametrize("mode", ["thread", "process"])
+def test_a_slow_tier_below_holds_steps_above_only_until_it_has_them(shm_root, tmp_path, mode, recorder):
+    """A tier below slower than the saves: the local tier (keep: 1) keeps each step until the slow tier has
+    copied it from there, and no longer. Its retention ran only at its own commits, so once the slow tier caught
+    up every step it had needed stayed on the local disk for good (29 of 30 in a user's run)."""
+    slow = _faulty("remote", tmp_path / "remote", latency_s=0.2, ops=["write_blob"])
+    cfg = _config(shm_root, tmp_path, slow)
+    cfg["drain"]["mode"] = mode
+    cfg["tiers"][1]["keep"] = 1
+    with CheckpointEngine(cfg) as engine:
+        for step in range(1, 7):
+            engine.save(step, make_items(step))
+        engine.wait(timeout=120)
+        assert engine.available_steps()["local"] == [6]
+        assert engine.available_steps()["remote"] == [1, 2, 3, 4, 5, 6]
+    assert sorted(p.name for p in (tmp_path / "local").iterdir() if p.name.startswith("iter_")) == ["iter_0000006"]
+    behind = recorder.kinds("tier_behind")  # the user is told that saves outpace the tier
+    assert behind and {e.tier for e in behind} == {"remote"} and behind[0].detail["steps"] == 4, behind

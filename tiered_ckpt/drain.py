@@ -27,6 +27,8 @@ from .store import Store
 
 log = logging.getLogger(__name__)
 __all__ = ["DrainRequest", "DrainRuntime"]
+_RETAIN = object()  # in a tier's queue: apply retention again (DrainRuntime._retain)
+BEHIND_WARN = 4  # a tier with this many steps still to take is warned about (then at twice as many, ...)
 
 
 @dataclass
@@ -62,6 +64,9 @@ class DrainRuntime:
         self._cond = threading.Condition()
         self._pins: Counter[tuple[str, int]] = Counter()
         self._pending = 0
+        self._retaining: set[str] = set()  # tiers with a retention pass queued
+        self._backlog: Counter[str] = Counter()  # tier -> steps submitted to it and not finished there
+        self._warned_at: dict[str, int] = {}  # tier -> the backlog it was last warned about
         self._queues: dict[str, queue.Queue] = {}
         self._threads: dict[str, threading.Thread] = {}
         self._closed = False
@@ -101,6 +106,25 @@ class DrainRuntime:
             return
         for t in req.due:
             self._queue(t).put(job)
+            self._note_backlog(t, +1, req.step)
+
+    def _note_backlog(self, tier: str, change: int, step: int) -> None:
+        """Count the steps a tier still has to take; warn at 4, 8, 16, ... of them (saves outpace it)."""
+        with self._cond:
+            self._backlog[tier] += change
+            behind = self._backlog[tier]
+            warned = self._warned_at.get(tier, BEHIND_WARN // 2)
+            if behind < warned // 2:
+                self._warned_at[tier] = max(BEHIND_WARN // 2, warned // 2)  # caught up: warn again if it falls back
+            if change < 0 or behind < 2 * warned:
+                return
+            self._warned_at[tier] = behind
+        message = (f"tier {tier!r} has {behind} steps still to take: saves come faster than it takes them. The tiers "
+                   "above keep those steps (beyond their keep) until it has them; save to it less often (every:) "
+                   "or make it faster")
+        log.warning(message)
+        self.emit(ev.Event(ev.TIER_BEHIND, step=step, rank=self.coords.rank, tier=tier, message=message,
+                           detail={"steps": behind}))
 
     def _queue(self, tier: str) -> queue.Queue:
         q = self._queues.get(tier)
@@ -143,7 +167,25 @@ class DrainRuntime:
             job = q.get()
             if job is None:
                 return
-            self._run(tier, job)
+            if job is _RETAIN:
+                self._retain(tier)
+            else:
+                self._run(tier, job)
+
+    def _retain(self, tier: str) -> None:
+        """Retention again on ``tier``, in its own thread (never beside one of its commits): the steps its last
+        commit kept only because a tier below still needed them may have been let go since."""
+        try:
+            for task in self.stores[tier].retain(self.coords, node_ranks=self.node_ranks,
+                                                 pinned=self.pinned_steps(tier)):
+                task()
+        except Exception as exc:  # noqa: BLE001 - what is left is retried at the next commit, or debris for gc
+            log.warning("tier %r: retention failed: %s", tier, exc)
+        finally:
+            with self._cond:
+                self._retaining.discard(tier)
+                self._pending -= 1
+                self._cond.notify_all()
 
     def _source_for(self, tier: str, job: _Job) -> str:
         idx = self.order.index(tier)
@@ -179,6 +221,7 @@ class DrainRuntime:
                 task()
             except Exception as exc:  # noqa: BLE001 - the step is committed; what is left is debris for gc
                 log.warning("tier %r: housekeeping after step %d failed: %s", tier, req.step, exc)
+        self._note_backlog(tier, -1, req.step)
         with self._cond:
             job.tiers_left -= 1
             last = job.tiers_left == 0
@@ -229,5 +272,12 @@ class DrainRuntime:
                 self._pins[(t, job.req.step)] -= 1
                 if self._pins[(t, job.req.step)] <= 0:
                     del self._pins[(t, job.req.step)]
+            # Every durable tier of the job may have kept steps for it (beyond its ``keep``): ask again. Counted
+            # as pending, so that wait() returns once they are gone.
+            for t in (job.req.source, *job.req.due):
+                if t not in self._retaining and self.stores[t].durable and not self._closed:
+                    self._retaining.add(t)
+                    self._pending += 1
+                    self._queue(t).put(_RETAIN)
             self._pending -= 1
             self._cond.notify_all()

@@ -118,6 +118,7 @@ class FileStore(CommittedFiles):
         self.run_id = run_id
         self._manifests: dict[int, CheckpointManifest] = {}  # committed manifests are immutable: cache them
         self._started: set[tuple[int, int]] = set()  # (step, rank) whose marker this process wrote
+        self._held_back = False  # the last retention kept steps only because they were pinned
 
     @property
     def name(self) -> str:
@@ -206,21 +207,31 @@ class FileStore(CommittedFiles):
 
     def commit(self, written: Written, coords: RankCoords, *, node_ranks: list[int], wait_s: float,
                pinned: Callable[[], set[int]], on_committed: Callable[[int], None]) -> None:
-        # A shared tier is committed by global rank 0 for the job; a node-local one by each node's first rank.
-        ranks = sorted(node_ranks) if self.tier.capabilities.node_local else list(range(coords.world_size))
-        if coords.rank != ranks[0]:
+        if not self._commits_here(coords, node_ranks):
             return
         crash_point("drain.before_commit")
-        committed = self.try_commit(written.step, coords, ranks, wait_s=wait_s)
+        committed = self.try_commit(written.step, coords, self._voters(coords, node_ranks), wait_s=wait_s)
         if committed is None:
             raise TierError(f"step {written.step} not committed: not every rank's files arrived within "
                             f"{wait_s:.0f} s", tier=self.name)
         on_committed(committed.total_bytes)
         # The steps retention drops are un-committed now; deleting their files (slow for big files: an unlink of
         # 1 GiB took 0.3 s on the development VM's ext4) waits until this step's save is reported durable.
-        doomed = self.uncommit_expired(self.cfg.keep, pinned())
-        if doomed:
-            written.housekeeping.append(lambda: self.remove_steps(doomed, coords.rank))
+        written.housekeeping += self.retain(coords, node_ranks=node_ranks, pinned=pinned(), after_commit=True)
+
+    def retain(self, coords: RankCoords, *, node_ranks: list[int], pinned: set[int],
+               after_commit: bool = False) -> list[Callable[[], None]]:
+        if not self._commits_here(coords, node_ranks) or not (after_commit or self._held_back):
+            return []
+        doomed = self.uncommit_expired(self.cfg.keep, pinned)
+        return [lambda: self.remove_steps(doomed, coords.rank)] if doomed else []
+
+    def _voters(self, coords: RankCoords, node_ranks: list[int]) -> list[int]:
+        # A shared tier is committed by global rank 0 for the job; a node-local one by each node's first rank.
+        return sorted(node_ranks) if self.tier.capabilities.node_local else list(range(coords.world_size))
+
+    def _commits_here(self, coords: RankCoords, node_ranks: list[int]) -> bool:
+        return coords.rank == self._voters(coords, node_ranks)[0]
 
     def read_step(self, step: int, coords: RankCoords, *, copy: bool, map_location: Any, verify: bool,
                   trust_pickles: bool, into: dict[str, Any] | None) -> tuple[dict[str, Any], bool, int]:
@@ -487,13 +498,16 @@ class FileStore(CommittedFiles):
         files."""
         keys = self.tier.list("")
         committed = sorted({s for s in map(self.layout.parse_manifest_key, keys) if s is not None})
+        self._held_back = False
         if not committed:
             return []
         newest = committed[-1]
-        doomed = []
-        if keep is not None:
-            doomed = [s for s in committed[:-keep] if s != newest and s not in pinned]
-        debris = sorted(s for s in self.partial_steps(keys) if s not in pinned)
+        expired = committed[:-keep] if keep is not None else []
+        doomed = [s for s in expired if s != newest and s not in pinned]
+        partial = self.partial_steps(keys)
+        debris = sorted(s for s in partial if s not in pinned)
+        # kept only for a tier below that has not taken them yet: retain() is asked again once it has
+        self._held_back = len(doomed) + len(debris) < len([s for s in expired if s != newest]) + len(partial)
         uncommitted = []
         for step in doomed:
             try:

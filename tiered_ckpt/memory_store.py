@@ -186,6 +186,9 @@ class MemoryStore:
                pinned: Callable[[], set[int]], on_committed: Callable[[int], None]) -> None:
         on_committed(written.nbytes)  # the published slot record is the commit; old slots are reused, not evicted
 
+    def retain(self, coords: RankCoords, *, node_ranks: list[int], pinned: set[int]) -> list[Callable[[], None]]:
+        return []  # slots are reused, never evicted
+
     # ----- slot allocation ---------------------------------------------------------------------------------
     def acquire_slot(self, step: int, *, wait: bool, pinned: Callable[[int], bool] | None = None,
                      on_wait: Callable[[], None] | None = None) -> int | None:
