@@ -8,7 +8,10 @@ warning if not: a disk-backed "shm" turns a memory-speed snapshot into a disk wr
 * **Capacity.** Before anything is allocated (``write_blob``, ``allocate_slot``) the free space of the
   filesystem (``statvfs``), less ``min_free``, is checked, and :class:`~tiered_ckpt.errors.CapacityError`
   names the tier, the key, the bytes needed and the bytes free. Slots are then reserved with
-  ``posix_fallocate``, which fails with ENOSPC instead of letting a later page fault raise SIGBUS.
+  ``posix_fallocate``, which fails with ENOSPC instead of letting a later page fault raise SIGBUS. In a
+  container, tmpfs pages count against its memory limit, which the filesystem's free space does not show: an
+  allocation of 16 MiB or more is also checked against what the memory cgroup leaves (``cgroup_memory.py``),
+  keeping 1/16 of the limit for the process, so that the job gets an error instead of the OOM killer.
 * **Slots** (``allocate_slot``) are files mapped ``MAP_SHARED`` and pre-faulted (``posix_fallocate`` allocates
   the tmpfs pages, ``MADV_POPULATE_WRITE`` or one write per page maps them), so the blocking copy of a save
   runs at memory speed instead of paying a page fault per 4 KiB (measured here: 0.7-2.8 GB/s into fresh pages,
@@ -55,6 +58,7 @@ from ..validate import Size
 from ._files import BlobFiles, FilesHousekeeping, make_dirs
 from ._nofollow import check_dirs, check_size, refused_entry
 from .base import Capabilities, Chunk, Tier, TierContext, as_memoryview, check_key, check_prefix
+from .cgroup_memory import memory_headroom
 
 log = logging.getLogger(__name__)
 
@@ -62,6 +66,7 @@ MEMORY_FILESYSTEMS = ("tmpfs", "ramfs")
 _PIN_WITHOUT_CUDA = ("pin is true but CUDA is not available in this process (no GPU, driver or CUDA build of "
                      "torch), so slots cannot be page-locked. Set pin: auto to pin only where the process uses "
                      "CUDA, or pin: false")
+_CGROUP_CHECK_FROM = 16 << 20  # allocations this large are checked against the container's memory limit too
 _MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)  # Linux >= 5.14; Python < 3.13 lacks the name
 _MADV_POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22)
 _POPULATE_READ_MIN = 1 << 20  # below this, faulting pages in on first touch costs nothing worth a syscall
@@ -208,6 +213,16 @@ class ShmTier(FilesHousekeeping, Tier):
             raise CapacityError(
                 f"needs {_fmt(needed)} but only {_fmt(max(free, 0))} are free on {self.root} "
                 f"({self.filesystem_type}{headroom}); enlarge the tmpfs, free space, or hold fewer slots",
+                tier=self.name, key=key)
+        if needed < _CGROUP_CHECK_FROM:
+            return  # records and small blobs: not worth reading the cgroup's files on the save path
+        limit = memory_headroom()
+        if limit is not None and needed > limit.available - limit.limit // 16:
+            raise CapacityError(
+                f"needs {_fmt(needed)} of shared memory, which counts against this container's memory limit: "
+                f"{_fmt(limit.limit)} ({limit.where}), of which {_fmt(limit.used)} are in use (page cache not "
+                f"counted) and 1/16 is left for the process itself. Allocating it would get the job killed "
+                "for running out of memory. Raise the memory limit, or hold fewer or smaller slots",
                 tier=self.name, key=key)
 
     # ----- blob primitives ---------------------------------------------------------------------------------
