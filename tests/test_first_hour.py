@@ -3,6 +3,7 @@ leaves nothing behind, configuration and API mistakes point at the fix, plugin o
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 import subprocess
@@ -448,3 +449,17 @@ def test_drain_progress_is_visible(tmp_path, shm_root, capsys):
         engine.wait(timeout=120, progress=True)
         assert engine.pending() == {}
     assert "rank 0 drain" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("keeps, warned", [((1,), True), ((1, 1), True), ((2,), False), ((1, None), False)])
+def test_keeping_only_the_newest_step_everywhere_is_warned_about(tmp_path, caplog, keeps, warned):
+    """With keep: 1 on every file tier a damaged newest step leaves load() nothing to fall back to (sparse
+    retention plus a corrupt latest step cost a user thousands of steps): the engine says so when it starts."""
+    tiers = [{"name": f"t{i}", "kind": "local", "path": str(tmp_path / f"t{i}"), "keep": k}
+             for i, k in enumerate(keeps)]
+    with caplog.at_level(logging.WARNING, logger="tiered_ckpt"):
+        with CheckpointEngine({"run_id": f"k{uuid.uuid4().hex[:6]}", "drain": {"mode": "thread"},
+                               "tiers": tiers}):
+            pass
+    said = [r.getMessage() for r in caplog.records if "keeps only its newest step" in r.getMessage()]
+    assert bool(said) == warned, said

@@ -147,6 +147,12 @@ def build_pipeline(config: Config, pm: PluginManager, coords: RankCoords, local_
             if cfg.compression is not None and cfg.compression.codec != "none":
                 log.warning("tier %r compresses its files: Megatron-LM cannot read them (layout megatron); "
                             "tiered_ckpt can, and `tiered-ckpt convert` writes plain ones", cfg.name)
+    file_tiers = [c for c in cfgs.values() if not pm.registries.tiers.get(c.kind).capabilities_for(c.options).memory]
+    if file_tiers and all(c.keep == 1 for c in file_tiers) and coords.rank == 0:
+        # One damaged newest step then leaves load() nothing older to fall back to (a known way to lose work).
+        log.warning("every file tier keeps only its newest step (keep: 1 on %s): if that step is ever damaged, "
+                    "load() has no older step to fall back to; keep 2 or more on one of them",
+                    ", ".join(repr(c.name) for c in file_tiers))
     order = list(cfgs)
     first = cfgs[order[0]]
     if not pm.registries.tiers.get(first.kind).capabilities_for(first.options).memory:
