@@ -291,3 +291,29 @@ def test_a_failed_save_of_ours_under_megatron_names_is_still_debris(tmp_path):
     kept = ("iter_0000020", "iter_0000040", "iter_0000050")
     assert foreign_step_dirs(keys, tier) == dict.fromkeys(kept, MEGATRON_STATE)
     assert set(foreign_step_dirs(keys)) == {f"iter_00000{n}0" for n in range(1, 6)}
+
+
+@pytest.mark.parametrize("dp", [1, 4])
+def test_per_rank_items_are_refused_on_a_dp_change_never_dropped(tmp_path, dp):
+    """A dataloader's state saved per rank has no meaning at another DP size (users lost it silently on a DP
+    shrink elsewhere): the load is refused, naming the item and the change, on every rank."""
+    from tiered_ckpt import CheckpointEngine, ParallelLayout
+    from tiered_ckpt.errors import LayoutMismatchError
+
+    def cfg() -> dict:
+        return {"run_id": f"dp{uuid.uuid4().hex[:6]}", "drain": {"mode": "thread", "commit_timeout_s": 20},
+                "tiers": [{"name": "disk", "kind": "local", "path": str(tmp_path), "fsync": False}]}
+
+    saving = cfg()
+    engines = [CheckpointEngine(saving, ParallelLayout(dp=2), rank=r) for r in range(2)]
+    handles = [e.save(5, {"dataloader": {"consumed": torch.tensor(100 + r)}}) for r, e in enumerate(engines)]
+    for h in handles:
+        h.wait(timeout=60)
+    for e in engines:
+        e.close()
+    for rank in sorted({0, dp - 1}):
+        with CheckpointEngine(cfg(), ParallelLayout(dp=dp), rank=rank) as engine:
+            with pytest.raises(LayoutMismatchError) as info:
+                engine.load()
+            msg = str(info.value)
+            assert f"DP 2 → {dp}" in msg and "items ['dataloader'] were saved per rank" in msg, msg
