@@ -318,7 +318,8 @@ def test_deadline_exceeded_leaves_nothing_visible(remote, shm_root, tmp_path, re
     assert remote.uploads_in_progress() == []
     keys = remote.keys()
     assert "iter_0000080/rank_00000/meta.flat" in keys  # the file that did land...
-    assert not any(k.startswith("iter_0000080/tiered_ckpt/") for k in keys)  # ...but no manifest, no vote
+    assert not any(k.startswith("iter_0000080/tiered_ckpt/") and k.endswith(".json") for k in keys)  # no manifest,
+    assert "iter_0000080/tiered_ckpt/rank_00000.started" in keys  # no vote; the marker makes it debris of ours
     assert "latest_checkpointed_iteration.txt" not in keys
     with pytest.raises(NoCheckpointError):
         load_from_s3(remote)
@@ -359,6 +360,7 @@ def test_plain_boto3_sees_ordinary_objects_matching_the_manifest(remote, shm_roo
         assert len(body) == entry["size"] and f"{ALGORITHM}:{digest(body)}" == entry["checksum"]
     assert remote.keys() == sorted(["latest_checkpointed_iteration.txt", "iter_0000090/tiered_ckpt/manifest.json",
                                     "iter_0000090/tiered_ckpt/rank_00000.json",
+                                    "iter_0000090/tiered_ckpt/rank_00000.started",  # written before its files
                                     *(f["key"] for f in files)])
 
 
