@@ -27,7 +27,6 @@ from .store import Store
 
 log = logging.getLogger(__name__)
 __all__ = ["DrainRequest", "DrainRuntime"]
-_RETAIN = object()  # in a tier's queue: apply retention again (DrainRuntime._retain)
 BEHIND_WARN = 4  # a tier with this many steps still to take is warned about (then at twice as many, ...)
 
 
@@ -64,7 +63,6 @@ class DrainRuntime:
         self._cond = threading.Condition()
         self._pins: Counter[tuple[str, int]] = Counter()
         self._pending = 0
-        self._retaining: set[str] = set()  # tiers with a retention pass queued
         self._backlog: Counter[str] = Counter()  # tier -> steps submitted to it and not finished there
         self._warned_at: dict[str, int] = {}  # tier -> the backlog it was last warned about
         self._queues: dict[str, queue.Queue] = {}
@@ -167,25 +165,7 @@ class DrainRuntime:
             job = q.get()
             if job is None:
                 return
-            if job is _RETAIN:
-                self._retain(tier)
-            else:
-                self._run(tier, job)
-
-    def _retain(self, tier: str) -> None:
-        """Retention again on ``tier``, in its own thread (never beside one of its commits): the steps its last
-        commit kept only because a tier below still needed them may have been let go since."""
-        try:
-            for task in self.stores[tier].retain(self.coords, node_ranks=self.node_ranks,
-                                                 pinned=self.pinned_steps(tier)):
-                task()
-        except Exception as exc:  # noqa: BLE001 - what is left is retried at the next commit, or debris for gc
-            log.warning("tier %r: retention failed: %s", tier, exc)
-        finally:
-            with self._cond:
-                self._retaining.discard(tier)
-                self._pending -= 1
-                self._cond.notify_all()
+            self._run(tier, job)
 
     def _source_for(self, tier: str, job: _Job) -> str:
         idx = self.order.index(tier)
@@ -265,19 +245,25 @@ class DrainRuntime:
     def _finish(self, job: _Job) -> None:
         self._release(job)
         results = {t: f.result() for t, f in job.futures.items()}
-        if self.on_job_done is not None:
-            self.on_job_done(job.req, results, dict(job.memory_slots))
         with self._cond:
             for t in (job.req.source, *job.req.due):
                 self._pins[(t, job.req.step)] -= 1
                 if self._pins[(t, job.req.step)] <= 0:
                     del self._pins[(t, job.req.step)]
-            # Every durable tier of the job may have kept steps for it (beyond its ``keep``): ask again. Counted
-            # as pending, so that wait() returns once they are gone.
-            for t in (job.req.source, *job.req.due):
-                if t not in self._retaining and self.stores[t].durable and not self._closed:
-                    self._retaining.add(t)
-                    self._pending += 1
-                    self._queue(t).put(_RETAIN)
+        # The job's tiers may have kept steps beyond their ``keep`` for it (a tier below still had to copy them
+        # from there): retention again, before the job counts as done, so that wait() returns once they are gone.
+        for t in (job.req.source, *job.req.due):
+            self._retain(t)
+        if self.on_job_done is not None:
+            self.on_job_done(job.req, results, dict(job.memory_slots))
+        with self._cond:
             self._pending -= 1
             self._cond.notify_all()
+
+    def _retain(self, tier: str) -> None:
+        try:
+            for task in self.stores[tier].retain(self.coords, node_ranks=self.node_ranks,
+                                                 pinned=self.pinned_steps(tier)):
+                task()
+        except Exception as exc:  # noqa: BLE001 - what is left goes at the next commit, or is debris for gc
+            log.warning("tier %r: retention failed: %s", tier, exc)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import logging
+import threading
 import time
 from collections.abc import Callable, Iterable
 from concurrent.futures import Executor
@@ -119,6 +120,7 @@ class FileStore(CommittedFiles):
         self._manifests: dict[int, CheckpointManifest] = {}  # committed manifests are immutable: cache them
         self._started: set[tuple[int, int]] = set()  # (step, rank) whose marker this process wrote
         self._held_back = False  # the last retention kept steps only because they were pinned
+        self._retention = threading.Lock()  # retain() runs in whichever drain thread finishes a job
 
     @property
     def name(self) -> str:
@@ -221,9 +223,12 @@ class FileStore(CommittedFiles):
 
     def retain(self, coords: RankCoords, *, node_ranks: list[int], pinned: set[int],
                after_commit: bool = False) -> list[Callable[[], None]]:
-        if not self._commits_here(coords, node_ranks) or not (after_commit or self._held_back):
+        if not self._commits_here(coords, node_ranks):
             return []
-        doomed = self.uncommit_expired(self.cfg.keep, pinned)
+        with self._retention:
+            if not (after_commit or self._held_back):
+                return []
+            doomed = self.uncommit_expired(self.cfg.keep, pinned)
         return [lambda: self.remove_steps(doomed, coords.rank)] if doomed else []
 
     def _voters(self, coords: RankCoords, node_ranks: list[int]) -> list[int]:
