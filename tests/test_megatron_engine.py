@@ -71,6 +71,29 @@ def test_megatron_layout_in_place_on_a_local_tier(tmp_path, shm_root):
             assert r["model_ok"] is True
 
 
+@pytest.mark.parametrize("world", [2, 4])
+def test_megatron_layout_copies_down_from_a_tier_written_in_place(tmp_path, shm_root, world):
+    """shm -> local -> a shared tier, layout megatron (the stack the docs recommend): each rank copies its part
+    to the shared tier from the local one, where its ranges are in Megatron's merged file, which is in place only
+    once the local tier's committing rank renamed it. The other ranks read it before that and every step failed
+    on the shared tier ("no such blob"); the first rank's local commit came first by chance."""
+    cfg = _config(tmp_path, "megatron", shm_root)
+    cfg["tiers"].insert(1, {"name": "local", "kind": "local", "path": str(tmp_path / "local")})
+    saved = run_ranks(world, {"config": cfg, "mode": "steps", "steps": [100, 200], "job": {"dp": world}},
+                      worker=WORKER)
+    assert all(r.get("ok") == [100, 200] and "error" not in r for r in saved.values()), saved
+    for tier in ("local", "shared"):
+        for step in (100, 200):
+            assert (tmp_path / tier / f"iter_{step:07d}" / "tiered_ckpt" / "manifest.json").is_file(), (tier, step)
+    shared = (tmp_path / "shared" / "iter_0000200" / "mp_rank_00" / "distrib_optim.pt").read_bytes()
+    assert shared == (tmp_path / "local" / "iter_0000200" / "mp_rank_00" / "distrib_optim.pt").read_bytes()
+    shared_only = {**cfg, "tiers": [cfg["tiers"][2]]}
+    again = run_ranks(world, {"config": shared_only, "mode": "load", "job": {"dp": world}}, worker=WORKER)
+    for r in again.values():
+        assert "error" not in r and r["step"] == 200 and r["tier"] == "shared", r
+        assert r["shards"] == r["expected"] and r["model_ok"] is True, r
+
+
 def test_megatron_layout_uploads_its_parts_on_s3(tmp_path, shm_root, s3_server, s3_bucket):
     """4 gloo ranks, an S3 tier (moto's server): every rank uploads its parts of one multipart upload of
     Megatron's file, the committing rank completes it (no staging files, no gather); the object is Megatron's

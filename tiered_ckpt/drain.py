@@ -215,7 +215,7 @@ class DrainRuntime:
         self.fence()
         written = store.write_step(req.step, self.coords, self.stores[source], slot=job.memory_slots.get(source),
                                    pinned=lambda step: self.is_pinned(tier, step), hasher=self._hasher,
-                                   node_ranks=self.node_ranks)
+                                   node_ranks=self.node_ranks, wait_s=self.commit_wait_s)
         try:
             if written.slot is not None:
                 job.memory_slots[tier] = written.slot

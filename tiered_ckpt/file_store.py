@@ -160,14 +160,15 @@ class FileStore(CommittedFiles):
         return [legacy] if legacy is not None else steps
 
     def write_step(self, step: int, coords: RankCoords, source: Store, *, slot: int | None,
-                   pinned: Callable[[int], bool], hasher: Executor, node_ranks: list[int] | None = None) -> Written:
+                   pinned: Callable[[int], bool], hasher: Executor, node_ranks: list[int] | None = None,
+                   wait_s: float = 0.0) -> Written:
         """This rank's files and manifest of ``step``, encoded from a snapshot or copied from a file tier."""
         mem = source.slots()
         if mem is None:
             crash_point("drain.before_write")
             upper = source.files()
             assert upper is not None
-            manifest = self.copy_rank_from(upper, step, coords)
+            manifest = self.copy_rank_from(upper, step, coords, wait_s=wait_s)
             crash_point("drain.after_write")
             return Written(step, sum(f.size for f in manifest.files), manifest=manifest)
         assert isinstance(mem, MemoryStore) and slot is not None
@@ -359,13 +360,18 @@ class FileStore(CommittedFiles):
         crash_point("store.rank_manifest_written")
         return manifest
 
-    def copy_rank_from(self, source: FileStore, step: int, coords: RankCoords) -> RankManifest:
+    def copy_rank_from(self, source: FileStore, step: int, coords: RankCoords, *, wait_s: float = 0.0
+                       ) -> RankManifest:
         """Copy this rank's files of ``step`` from another file tier, verifying each against its manifest.
 
         Identical storage (same compression and byte grouping) is copied byte for byte and must hash the same;
-        otherwise the file is transcoded through its raw bytes.
+        otherwise the file is transcoded through its raw bytes. This rank's ranges of Megatron's merged file
+        (written in place) are readable once ``source`` committed the step, which its committing rank does when
+        every rank's ranges are there: waited for, up to ``wait_s``.
         """
         rank_manifest = source.read_rank_manifest(step, coords.rank)
+        if any("in_place" in e.meta for e in rank_manifest.files):
+            source.wait_committed(step, coords.rank, wait_s)
         entries = []
         for entry in rank_manifest.files:
             if "in_place" in entry.meta:  # this rank's ranges of Megatron's merged file: its own file here
@@ -401,6 +407,16 @@ class FileStore(CommittedFiles):
         return self._publish_rank(step, coords, entries)
 
     # ----- committing --------------------------------------------------------------------------------------
+    def wait_committed(self, step: int, rank: int, wait_s: float, poll_s: float = 0.05) -> None:
+        """Return once ``step`` is committed here; :class:`TierError` after ``wait_s`` without."""
+        deadline = time.monotonic() + wait_s
+        key = self.layout.manifest_key(step)
+        while not self._retry(lambda: self.tier.exists(key), step, rank, f"look for {key}"):
+            if time.monotonic() >= deadline:
+                raise TierError(f"step {step} is not committed here after {wait_s:.0f} s: Megatron's merged file, "
+                                "which this rank's part is in, is not complete", tier=self.name, key=key)
+            time.sleep(poll_s)
+
     def rank_manifests(self, step: int) -> dict[int, str]:
         found = {}
         for key in self.tier.list(self.layout.rank_manifest_prefix(step)):

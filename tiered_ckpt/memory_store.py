@@ -152,7 +152,8 @@ class MemoryStore:
         return items, verify and meta.verified_origin, meta.total_bytes
 
     def write_step(self, step: int, coords: RankCoords, source: Store, *, slot: int | None,
-                   pinned: Callable[[int], bool], hasher: Executor, node_ranks: list[int] | None = None) -> Written:
+                   pinned: Callable[[int], bool], hasher: Executor, node_ranks: list[int] | None = None,
+                   wait_s: float = 0.0) -> Written:
         """Copy a snapshot from the memory tier above (e.g. gpu → shm) into a slot here."""
         src = source.slots()
         if src is None or slot is None:

@@ -93,11 +93,13 @@ class Store(Protocol):
         ...
 
     def write_step(self, step: int, coords: RankCoords, source: Store, *, slot: int | None,
-                   pinned: Callable[[int], bool], hasher: Executor, node_ranks: list[int] | None = None) -> Written:
+                   pinned: Callable[[int], bool], hasher: Executor, node_ranks: list[int] | None = None,
+                   wait_s: float = 0.0) -> Written:
         """Write this rank's part of ``step``, read from ``source`` (``slot``: where a memory source holds it).
         ``pinned(step)``: whether a step held here must not be overwritten. ``hasher``: where work that can run
         beside the write goes. ``node_ranks``: the ranks on this node (as :meth:`commit` gets them), so a file
-        store knows whether its commit will cover the job (None: unknown)."""
+        store knows whether its commit will cover the job (None: unknown). ``wait_s``: how long to wait for
+        what another rank's commit of ``source`` makes (Megatron's merged file, written in place)."""
         ...
 
     def commit(self, written: Written, coords: RankCoords, *, node_ranks: list[int], wait_s: float,
