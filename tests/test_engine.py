@@ -264,3 +264,23 @@ def test_process_mode_with_gpu_entry_hops_through_shm(tiers):
         assert h.results == {"shm": True, "local": True}
         assert_same(make_items(9), engine._load_from("local", 9, True, None)[0])
         assert_same(make_items(9), engine._load_from("shm", 9, True, None)[0])
+
+
+def test_snapshots_of_another_layout_are_named_in_one_warning(shm_root, tmp_path, caplog):
+    """An elastic restart (DP 2 -> 1) finds this rank's old snapshots in shm: they are not recovered as this
+    job's, and one warning names them all (it was one long line per slot, per rank)."""
+    import logging
+
+    from tiered_ckpt import ParallelLayout
+
+    cfg = {"run_id": f"el{uuid.uuid4().hex[:6]}", "drain": {"mode": "thread", "commit_timeout_s": 5},
+           "tiers": [{"name": "shm", "kind": "shm", "path": str(shm_root), "slots": 2}]}
+    with CheckpointEngine(cfg, ParallelLayout(dp=2), rank=0) as engine:
+        for step in (1, 2):
+            engine.save(step, make_items(step)).wait(timeout=60)
+    with caplog.at_level(logging.WARNING, logger="tiered_ckpt"):
+        with CheckpointEngine(cfg, ParallelLayout(dp=1), rank=0) as engine:
+            assert engine.recovered == []
+    said = [r.getMessage() for r in caplog.records if "not recovered" in r.getMessage()]
+    assert len(said) == 1 and "2 snapshot(s)" in said[0] and "step 1" in said[0] and "step 2" in said[0], said
+    assert "DP 2 → 1" in said[0], said

@@ -197,6 +197,7 @@ class CheckpointEngine:
             return
         durable = self.pipeline.durable_stores()
         committed = {name: set(store.durable_steps()) for name, store in durable.items()}
+        other_layout: list[str] = []
         for meta in metas:
             if not meta.persistent:
                 continue  # saved for memory tiers only (a non-persistent step): no file tier ever takes it
@@ -204,12 +205,7 @@ class CheckpointEngine:
             if changed:
                 # An elastic restart: this slot holds a rank of the old layout, a part of another job's state.
                 # It is never committed as this layout's (the drain refuses it too); it stays, overwritten in time.
-                log.warning("tier %r: the snapshot of step %d in slot %d (rank %d of %s) is not recovered: it was "
-                            "saved with another parallel layout (%s) than this job's (rank %d of %s). It stays in "
-                            "memory, is never loaded as this job's state, and its slot is reused by later saves; "
-                            "to keep it, restart with its layout", self.pipeline.entry, meta.step, meta.slot,
-                            meta.rank, meta.parallel or "an unrecorded layout", ", ".join(changed),
-                            self.coords.rank, self.coords.layout.to_dict())
+                other_layout.append(f"step {meta.step} (slot {meta.slot}: {', '.join(changed)})")
                 continue
             if not meta.checksummed or meta.checksums == "pending":
                 # The process died before the checksums taken after the copy were in: nothing shows these bytes
@@ -234,6 +230,12 @@ class CheckpointEngine:
                                 message="a snapshot left in memory by an earlier process is drained"))
             self._drain.submit(DrainRequest(step=meta.step, source=self.pipeline.entry, slot=meta.slot, due=due,
                                             created=meta.created, recover=True))
+        if other_layout:  # one line for all of them (an elastic restart finds one per slot)
+            log.warning("tier %r: %d snapshot(s) of this rank (%s) are not recovered: saved with another parallel "
+                        "layout than this job's (rank %d of %s). They stay in memory, are never loaded as this "
+                        "job's state, and their slots are reused by later saves; to keep them, restart with their "
+                        "layout", self.pipeline.entry, len(other_layout), "; ".join(other_layout), self.coords.rank,
+                        self.coords.layout.to_dict())
 
     # ----- loading -----------------------------------------------------------------------------------------
     @property
