@@ -86,8 +86,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--shm-path", help=f"the shm tier's path (default: the configuration's shm tiers, else "
                                       f"{DEFAULT_SHM_PATH})")
     p.add_argument("--delete", action="store_true", help="remove what is found (default: only list it)")
-    p.add_argument("--force", action="store_true", help="with --stale --config: also remove a stale run's shared "
-                   "memory holding steps that no file tier of the configuration has yet (their only copy)")
+    p.add_argument("--force", action="store_true", help="with --stale --config: also remove stale runs whose shared "
+                   "memory holds steps that no file tier of the configuration has yet (their only copy); this "
+                   "applies to every stale run under the shm path, not only the configuration's run_id")
     p.add_argument("--min-age", type=float, default=3600.0, metavar="SECONDS", help="leave temporary files "
                    "modified less than this long ago: writes in flight (default: %(default)s)")
     p = add("demo", cmd_demo, "train a small GPT on 4 ranks, checkpoint through shm, local and remote tiers, kill a "
