@@ -16,6 +16,27 @@ import pytest
 from tiered_ckpt.tiers.cgroup_memory import memory_headroom
 
 MiB = 1 << 20
+NO_SWAP = "/nonexistent/meminfo"  # no swap known: limits count
+
+
+def test_a_cgroup_that_may_swap_does_not_count(tmp_path):
+    """tmpfs pages can be swapped out where swap is allowed: the memory limit is not where the OOM killer
+    strikes, so it does not refuse slots (Docker's --memory without --memory-swap allows as much swap again)."""
+    _files(tmp_path, {"proc": "0::/ctr\n", "meminfo": "MemTotal: 100 kB\nSwapTotal:     2097148 kB\n",
+                      "nomem": "SwapTotal: 0 kB\n",
+                      "fs/ctr/memory.max": f"{1024 * MiB}\n", "fs/ctr/memory.current": f"{900 * MiB}\n",
+                      "fs/ctr/memory.swap.max": "max\n",
+                      "v1proc": "4:memory:/c\n", "fs/memory/c/memory.limit_in_bytes": f"{512 * MiB}\n",
+                      "fs/memory/c/memory.usage_in_bytes": f"{100 * MiB}\n",
+                      "fs/memory/c/memory.memsw.limit_in_bytes": f"{1024 * MiB}\n"})
+    fs, meminfo = str(tmp_path / "fs"), str(tmp_path / "meminfo")
+    assert memory_headroom(str(tmp_path / "proc"), fs, meminfo) is None
+    assert memory_headroom(str(tmp_path / "v1proc"), fs, meminfo) is None
+    assert memory_headroom(str(tmp_path / "proc"), fs, str(tmp_path / "nomem")).available == 124 * MiB
+    (tmp_path / "fs/ctr/memory.swap.max").write_text("0\n")  # swap off for this cgroup: its limit counts
+    assert memory_headroom(str(tmp_path / "proc"), fs, meminfo).available == 124 * MiB
+    (tmp_path / "fs/memory/c/memory.memsw.limit_in_bytes").write_text(f"{512 * MiB}\n")
+    assert memory_headroom(str(tmp_path / "v1proc"), fs, meminfo).available == 412 * MiB
 
 
 def _files(root: Path, files: dict[str, str]) -> None:
@@ -32,7 +53,7 @@ def test_v2_limit_usage_and_page_cache(tmp_path):
                       "fs/kubepods/pod1/memory.max": f"{1024 * MiB}\n",
                       "fs/kubepods/pod1/memory.current": f"{1000 * MiB}\n",
                       "fs/kubepods/pod1/memory.stat": f"anon {300 * MiB}\nfile {600 * MiB}\nshmem {200 * MiB}\n"})
-    h = memory_headroom(str(tmp_path / "proc"), str(tmp_path / "fs"))
+    h = memory_headroom(str(tmp_path / "proc"), str(tmp_path / "fs"), NO_SWAP)
     assert h is not None and h.where.endswith("kubepods/pod1")
     assert h.limit == 1024 * MiB and h.used == 600 * MiB  # 400 MiB of file cache can be dropped; shmem cannot
     assert h.available == 424 * MiB
@@ -48,16 +69,16 @@ def test_v1_tightest_ancestor_and_unlimited(tmp_path):
                       "fs/memory/a/memory.stat": f"cache {150 * MiB}\ntotal_cache {150 * MiB}\n"
                                                  f"total_shmem {50 * MiB}\n",
                       "fs/memory/memory.limit_in_bytes": unlimited, "fs/memory/memory.usage_in_bytes": "1\n"})
-    h = memory_headroom(str(tmp_path / "proc"), str(tmp_path / "fs"))
+    h = memory_headroom(str(tmp_path / "proc"), str(tmp_path / "fs"), NO_SWAP)
     assert h is not None and h.where.endswith("memory/a") and h.available == 512 * MiB - 300 * MiB
 
 
 def test_no_limit_or_nothing_readable_is_none(tmp_path):
     _files(tmp_path, {"proc": "0::/\n", "fs/memory.max": "max\n", "fs/memory.current": "5\n"})
-    assert memory_headroom(str(tmp_path / "proc"), str(tmp_path / "fs")) is None
-    assert memory_headroom(str(tmp_path / "missing"), str(tmp_path / "fs")) is None
+    assert memory_headroom(str(tmp_path / "proc"), str(tmp_path / "fs"), NO_SWAP) is None
+    assert memory_headroom(str(tmp_path / "missing"), str(tmp_path / "fs"), NO_SWAP) is None
     _files(tmp_path, {"proc2": "0::/gone\n"})
-    assert memory_headroom(str(tmp_path / "proc2"), str(tmp_path / "nowhere")) is None
+    assert memory_headroom(str(tmp_path / "proc2"), str(tmp_path / "nowhere"), NO_SWAP) is None
 
 
 def _make_cgroup(limit: int) -> Path:

@@ -140,6 +140,29 @@ def test_ranks_at_different_exchanges_all_raise(tmp_path, shm_root):
         assert "rank 0 at 'agree_on_step', rank 1 at 'all_succeeded'" in out[r]["collective"], out[r]
 
 
+def test_node_local_retention_waits_for_the_node_s_slower_ranks(tmp_path):
+    """Two nodes; each node's local tier (keep: 1) is committed and trimmed by its first rank, the shared tier by
+    global rank 0. On node B, rank 1 finished its own part of a step on the shared tier and deleted the step
+    from node B's local tier while rank 2, slower, was still copying its part from there: that step never
+    reached the shared tier (rank 2: "no such blob"). Every step must reach it."""
+    node_of = {0: "A", 1: "B", 2: "B"}
+    latency = {0: 0.05, 1: 0.05, 2: 0.4}
+    shared, run_id = tmp_path / "shared", f"n{uuid.uuid4().hex[:6]}"
+    configs = {}
+    for r, node in node_of.items():
+        configs[str(r)] = {"run_id": run_id, "drain": {"mode": "thread", "commit_timeout_s": 20},
+                           "tiers": [{"name": "shm", "kind": "shm", "path": str(tmp_path / node / "shm"), "slots": 8},
+                                     {"name": "local", "kind": "local", "path": str(tmp_path / node / "local"),
+                                      "keep": 1},
+                                     {"name": "shared", "kind": "faulty", "latency_s": latency[r],
+                                      "ops": ["write_blob"], "inner": {"kind": "fsspec", "url": f"file://{shared}"}}]}
+    out = run_ranks(3, {"configs": configs, "nowait": [1, 2, 3, 4, 5, 6]}, node_of, timeout=200)
+    assert all("wait_error" not in r and "error" not in r for r in out.values()), out
+    assert committed(shared) == [1, 2, 3, 4, 5, 6]
+    for node in ("A", "B"):  # and the local tiers are trimmed to keep: 1 beyond what was still in use
+        assert 6 in committed(tmp_path / node / "local")
+
+
 def test_tp_change_is_refused_naming_tp(tmp_path, shm_root):
     cfg = job_config(tiers(Path(shm_root), tmp_path / "local", tmp_path / "shared"), f"t{uuid.uuid4().hex[:8]}")
     run_ranks(4, {"config": cfg, "save": [1], "parallel": {"tp": 2, "dp": 2}})

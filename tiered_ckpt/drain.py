@@ -86,6 +86,49 @@ class DrainRuntime:
         with self._cond:
             return {s for (t, s) in self._pins if t == tier}
 
+    def _kept_for(self, tier: str) -> set[int]:
+        """The steps retention must leave on ``tier``: this rank's pins, and what other ranks of this node may
+        still copy from it (:meth:`_needed_below`)."""
+        return self.pinned_steps(tier) | self._needed_below(tier)
+
+    def _needed_below(self, tier: str) -> set[int]:
+        """Steps of a node-local tier that ranks of this node may still be copying to a shared tier below it.
+
+        This rank's pins cover only its own copies. Global rank 0's do cover everyone's (it commits the shared
+        tiers, and a commit waits for every rank's part), but on another node the node-local tier's committing
+        rank finishes its own part of the shared tier and lets the step go while its neighbours still read
+        theirs from the node-local tier. So such a rank keeps every step newer than the shared tier's newest
+        commit (each rank's tier thread takes steps in order: a newer commit there means every rank is done
+        with the older ones), for at most twice the commit timeout, so that a shared tier that stays down does
+        not stop retention for good."""
+        files = self.stores[tier].files()
+        if (files is None or self.coords.rank == 0 or not files.tier.capabilities.node_local
+                or len(self.node_ranks) == self.coords.world_size):
+            return set()
+        below = [self.stores[t].files() for t in self.order[self.order.index(tier) + 1:]]
+        shared = [f for f in below if f is not None and not f.tier.capabilities.node_local]
+        if not shared:
+            return set()
+        try:
+            mine = files.committed_steps()
+        except Exception:  # noqa: BLE001 - retention's own listing fails the same way and says so
+            return set()
+        try:
+            newest = min(max(f.committed_steps(), default=-1) for f in shared)
+        except Exception as exc:  # noqa: BLE001 - cannot tell: keep what is young enough to be in use
+            log.warning("tier %r: cannot tell which steps the tiers below still copy from it: %s", tier, exc)
+            newest = -1
+        deadline = time.time() - 2 * self.commit_wait_s
+        held = set()
+        for step in (s for s in mine if s > newest):
+            try:
+                made = files.tier.modified(files.layout.manifest_key(step))
+            except Exception:  # noqa: BLE001 - gone meanwhile, or no answer: an age that cannot be told
+                made = None
+            if made is not None and made > deadline:  # an unknown age never stops retention for good
+                held.add(step)
+        return held
+
     def is_pinned(self, tier: str, step: int) -> bool:
         with self._cond:
             return (tier, step) in self._pins
@@ -228,7 +271,7 @@ class DrainRuntime:
 
             self.fence()
             store.commit(written, self.coords, node_ranks=self.node_ranks, wait_s=self.commit_wait_s,
-                         pinned=lambda: self.pinned_steps(tier) - {req.step}, on_committed=committed)
+                         pinned=lambda: self._kept_for(tier) - {req.step}, on_committed=committed)
             written.committed()
         finally:
             written.close()  # nothing may read the source slot once this job lets it go
@@ -263,7 +306,7 @@ class DrainRuntime:
     def _retain(self, tier: str) -> None:
         try:
             for task in self.stores[tier].retain(self.coords, node_ranks=self.node_ranks,
-                                                 pinned=self.pinned_steps(tier)):
+                                                 pinned=lambda: self._kept_for(tier)):
                 task()
         except Exception as exc:  # noqa: BLE001 - what is left goes at the next commit, or is debris for gc
             log.warning("tier %r: retention failed: %s", tier, exc)

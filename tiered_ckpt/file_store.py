@@ -220,16 +220,16 @@ class FileStore(CommittedFiles):
         on_committed(committed.total_bytes)
         # The steps retention drops are un-committed now; deleting their files (slow for big files: an unlink of
         # 1 GiB took 0.3 s on the development VM's ext4) waits until this step's save is reported durable.
-        written.housekeeping += self.retain(coords, node_ranks=node_ranks, pinned=pinned(), after_commit=True)
+        written.housekeeping += self.retain(coords, node_ranks=node_ranks, pinned=pinned, after_commit=True)
 
-    def retain(self, coords: RankCoords, *, node_ranks: list[int], pinned: set[int],
+    def retain(self, coords: RankCoords, *, node_ranks: list[int], pinned: Callable[[], set[int]],
                after_commit: bool = False) -> list[Callable[[], None]]:
         if not self._commits_here(coords, node_ranks):
             return []
         with self._retention:
             if not (after_commit or self._held_back):
                 return []
-            doomed = self.uncommit_expired(self.cfg.keep, pinned)
+            doomed = self.uncommit_expired(self.cfg.keep, pinned())
         return [lambda: self.remove_steps(doomed, coords.rank)] if doomed else []
 
     def _voters(self, coords: RankCoords, node_ranks: list[int]) -> list[int]:
@@ -551,5 +551,7 @@ class FileStore(CommittedFiles):
                 log.warning("retention on tier %r could not remove step %d: %s", self.name, step, exc)
                 continue
             removed.append(step)
+            # written again (a job rolled back re-saves it): its marker must be written again too
+            self._started = {k for k in self._started if k[0] != step}
             self.emit(ev.Event(ev.EVICT, step=step, rank=rank, tier=self.name, seconds=time.perf_counter() - t0))
         return removed

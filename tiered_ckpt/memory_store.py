@@ -187,7 +187,8 @@ class MemoryStore:
                pinned: Callable[[], set[int]], on_committed: Callable[[int], None]) -> None:
         on_committed(written.nbytes)  # the published slot record is the commit; old slots are reused, not evicted
 
-    def retain(self, coords: RankCoords, *, node_ranks: list[int], pinned: set[int]) -> list[Callable[[], None]]:
+    def retain(self, coords: RankCoords, *, node_ranks: list[int], pinned: Callable[[], set[int]]
+               ) -> list[Callable[[], None]]:
         return []  # slots are reused, never evicted
 
     # ----- slot allocation ---------------------------------------------------------------------------------

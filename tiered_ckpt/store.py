@@ -110,8 +110,9 @@ class Store(Protocol):
         :class:`~tiered_ckpt.errors.TierError` when the step could not be committed."""
         ...
 
-    def retain(self, coords: RankCoords, *, node_ranks: list[int], pinned: set[int]) -> list[Callable[[], None]]:
-        """Apply retention again, now that steps it had to keep at its last commit (``pinned``: held for a tier
+    def retain(self, coords: RankCoords, *, node_ranks: list[int], pinned: Callable[[], set[int]]
+               ) -> list[Callable[[], None]]:
+        """Apply retention again, now that steps it had to keep at its last commit (``pinned()``: held for a tier
         below that had not taken them yet) may have been let go; the deletions to make. Nothing to do where the
         last commit's retention kept nothing back, or on a tier whose commit applies none."""
         ...
