@@ -146,8 +146,8 @@ class DrainRuntime:
             self._finish(job)
             return
         for t in req.due:
+            self._note_backlog(t, +1, req.step)  # before the put: the tier's thread may finish it at once
             self._queue(t).put(job)
-            self._note_backlog(t, +1, req.step)
 
     def _note_backlog(self, tier: str, change: int, step: int) -> None:
         """Count the steps a tier still has to take; warn at 4, 8, 16, ... of them (saves outpace it)."""
