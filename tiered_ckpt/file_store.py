@@ -220,14 +220,18 @@ class FileStore(CommittedFiles):
         on_committed(committed.total_bytes)
         # The steps retention drops are un-committed now; deleting their files (slow for big files: an unlink of
         # 1 GiB took 0.3 s on the development VM's ext4) waits until this step's save is reported durable.
-        written.housekeeping += self.retain(coords, node_ranks=node_ranks, pinned=pinned, after_commit=True)
+        written.housekeeping += self._apply_retention(coords, pinned, always=True)
 
-    def retain(self, coords: RankCoords, *, node_ranks: list[int], pinned: Callable[[], set[int]],
-               after_commit: bool = False) -> list[Callable[[], None]]:
-        if not self._commits_here(coords, node_ranks):
-            return []
+    def retain(self, coords: RankCoords, *, node_ranks: list[int], pinned: Callable[[], set[int]]
+               ) -> list[Callable[[], None]]:
+        return self._apply_retention(coords, pinned, always=False) if self._commits_here(coords, node_ranks) else []
+
+    def _apply_retention(self, coords: RankCoords, pinned: Callable[[], set[int]], *, always: bool
+                         ) -> list[Callable[[], None]]:
+        """Un-commit what ``keep`` lets go (after a commit; otherwise only where the last pass held steps back);
+        the deletions of their files, to run later."""
         with self._retention:
-            if not (after_commit or self._held_back):
+            if not (always or self._held_back):
                 return []
             doomed = self.uncommit_expired(self.cfg.keep, pinned())
         return [lambda: self.remove_steps(doomed, coords.rank)] if doomed else []
