@@ -527,12 +527,12 @@ class FileStore(CommittedFiles):
         if not committed:
             return []
         newest = committed[-1]
-        expired = committed[:-keep] if keep is not None else []
-        doomed = [s for s in expired if s != newest and s not in pinned]
+        expired = [s for s in committed[:-keep] if s != newest] if keep is not None else []
         partial = self.partial_steps(keys)
+        doomed = [s for s in expired if s not in pinned]
         debris = sorted(s for s in partial if s not in pinned)
         # kept only for a tier below that has not taken them yet: retain() is asked again once it has
-        self._held_back = len(doomed) + len(debris) < len([s for s in expired if s != newest]) + len(partial)
+        self._held_back = not pinned.isdisjoint([*expired, *partial])
         uncommitted = []
         for step in doomed:
             try:
