@@ -17,17 +17,19 @@ tensors) is moved by:
   concurrency), drain in its own process: save = from ``save()`` until the S3 tier's commit (manifest last);
   restore = a new engine with the S3 tier alone, ``load()`` (every file's checksum verified) + ``copy_`` into the
   model's tensors;
+* ``ours_split``: the same with the tier's ``split_blobs: true`` (the state's file stored as part-sized objects,
+  the way the ceiling's ``objects`` moves them, instead of one multipart object);
 * ``dcp``: ``torch.distributed.checkpoint.save`` / ``load`` with ``FsspecWriter`` / ``FsspecReader`` on the same
   bucket (``thread_count`` = the concurrency, so it writes that many files at once);
 * ``s3tc``: ``s3torchconnector``'s DCP ``S3StorageWriter`` / ``S3StorageReader`` (its own CRT client), run by
   ``peers/s3tc.py`` in the peers environment (``benchmarks/.peers-venv``, installed from the package index on
   first use). Skipped with the reason when it cannot be installed or cannot talk to the local server.
 
-Targets: ours' save and restore throughput >= 0.8x the raw PUT / GET ceiling. Prints a table (seconds, MB/s,
-ratio to the ceiling) and, with ``--json PATH``, writes every sample.
+Targets: ours' save and restore throughput >= 0.8x the raw PUT / GET ceiling, for both configurations. Prints a
+table (seconds, MB/s, ratio to the ceiling) and, with ``--json PATH``, writes every sample.
 
     python benchmarks/bench_s3_save.py [--state fp32_1g] [--quick] [--mib N] [--rounds 3] [--concurrency 8]
-                                       [--part-mib 16] [--clients raw,ours,dcp,s3tc] [--json PATH]
+                                       [--part-mib 16] [--clients raw,ours,ours_split,dcp,s3tc] [--json PATH]
 """
 
 from __future__ import annotations
@@ -58,8 +60,10 @@ from tiered_ckpt.plugins import get_plugin_manager  # noqa: E402
 from tiered_ckpt.testing.s3 import S3Server, start_s3_server  # noqa: E402
 
 MiB = 1 << 20
-CLIENTS = ("raw", "ours", "dcp", "s3tc")
+CLIENTS = ("raw", "ours", "ours_split", "dcp", "s3tc")
+OURS = ("ours", "ours_split")
 LABELS = {"raw": "ceiling: raw parallel PUT / GET (boto3)", "ours": "tiered_ckpt (shm + fsspec s3)",
+          "ours_split": "tiered_ckpt, split_blobs: true",
           "dcp": "DCP FsspecWriter / FsspecReader", "s3tc": "s3torchconnector DCP writer / reader"}
 S3TC_SPEC = ["s3torchconnector==1.5.0"]
 TARGET = 0.8
@@ -181,12 +185,14 @@ class _Commits:
             self.failed.append(f"{event.tier} step {event.step}: {event.message}")
 
 
-def ours_round(server: S3Server, bucket: str, items: dict[str, Any], part: int, concurrency: int, saves: int
-               ) -> tuple[list[float], list[float], list[float]]:
+def ours_round(server: S3Server, bucket: str, items: dict[str, Any], part: int, concurrency: int, saves: int,
+               split: bool = False) -> tuple[list[float], list[float], list[float]]:
     """(save() call -> committed on S3 s, of which save() blocking s, restore s) of ``saves`` warm saves (a
-    first one, which also waits for the drain worker to start, is not counted) and one restore per save."""
-    s3 = {"name": "s3", "kind": "fsspec", "url": f"s3://{bucket}/ours", "options": server.storage_options(),
-          "part_size": part, "max_concurrency": concurrency, "keep": 1}
+    first one, which also waits for the drain worker to start, is not counted) and one restore per save.
+    ``split``: the tier's ``split_blobs`` (the state's files as part-sized objects, no multipart upload)."""
+    s3 = {"name": "s3", "kind": "fsspec", "url": f"s3://{bucket}/ours{'-split' if split else ''}",
+          "options": server.storage_options(), "part_size": part, "max_concurrency": concurrency, "keep": 1,
+          "split_blobs": split}
     run_id = f"s3bench-{uuid.uuid4().hex[:8]}"
     shm = tempfile.mkdtemp(prefix="bench_s3_", dir="/dev/shm")
     commits, pm = _Commits(), get_plugin_manager()
@@ -316,11 +322,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                                 up, down = raw_round(server, bucket, flat, part, args.concurrency, way)
                                 raw_ways[way]["save"].append(up)
                                 raw_ways[way]["restore"].append(down)
-                    elif name == "ours":
-                        tot, blk, rest = ours_round(server, bucket, items, part, args.concurrency, args.saves)
+                    elif name in OURS:
+                        tot, blk, rest = ours_round(server, bucket, items, part, args.concurrency, args.saves,
+                                                    split=name == "ours_split")
                         samples[name]["save"] += tot
                         samples[name]["restore"] += rest
-                        blocking += blk
+                        blocking += blk if name == "ours" else []
                     elif name == "dcp":
                         sv, ld = dcp_round(server, bucket, items, args.concurrency, args.saves)
                         samples[name]["save"] += sv
@@ -354,14 +361,14 @@ def targets(res: dict[str, Any]) -> list[dict[str, Any]]:
     out = []
     for direction, what in (("save", "PUT"), ("restore", "GET")):
         raw = med.get("raw", {}).get(direction)
-        for name in ("ours", "dcp", "s3tc"):
+        for name in (*OURS, "dcp", "s3tc"):
             mine = med.get(name, {}).get(direction)
             if raw and mine:
                 ratio = raw / mine  # throughput ratio = ceiling seconds / client seconds
                 out.append({"client": name, "direction": direction, "ratio": ratio,
-                            "met": (ratio >= TARGET) if name == "ours" else None,
+                            "met": (ratio >= TARGET) if name in OURS else None,
                             "target": f"{name} {direction} throughput >= {TARGET}x the raw parallel {what}"
-                            if name == "ours" else f"({name} {direction} on the same measure, for information)"})
+                            if name in OURS else f"({name} {direction} on the same measure, for information)"})
     return out
 
 
@@ -397,7 +404,7 @@ def table(res: dict[str, Any], tg: list[dict[str, Any]]) -> str:
     for t in tg:
         verdict = "info  " if t["met"] is None else ("MET   " if t["met"] else "MISSED")
         lines.append(f"  {verdict} {t['target']} ratio {t['ratio']:.2f}")
-    if not any(t["client"] == "ours" for t in tg):
+    if not any(t["client"] in OURS for t in tg):
         lines.append("  n/a    ours save/restore >= 0.8x the raw parallel PUT/GET: raw or ours did not run")
     return "\n".join(lines)
 

@@ -22,7 +22,7 @@ from tiered_ckpt.errors import (
     TransientTierError,
 )
 from tiered_ckpt.testing.contract import TierContract, host_bytes, raw_files
-from tiered_ckpt.tiers import _files, gpu, shm
+from tiered_ckpt.tiers import _files, _s3_split, gpu, shm
 from tiered_ckpt.tiers.base import TierContext, as_memoryview
 from tiered_ckpt.tiers.fsspec_tier import FsspecOptions, FsspecTier
 from tiered_ckpt.tiers.gpu import GpuOptions, GpuTier, resolve_enabled
@@ -528,6 +528,29 @@ class TestFsspecS3Contract(TierContract):
         yield tier
         uploads = s3_server.client().list_multipart_uploads(Bucket=s3_bucket).get("Uploads", [])
         assert uploads == [], "an aborted upload was left behind"
+
+
+class TestFsspecS3SplitContract(TierContract):
+    """The same contract with ``split_blobs``, every blob written the way the engine writes its own files
+    (``write_private_blob``): pieces and the key's object in place of a multipart upload."""
+
+    large_blob_bytes = 12 * MiB
+    publish_rounds = 10
+
+    @pytest.fixture
+    def tier(self, make_tier, s3_server, s3_bucket):
+        prefix = uuid.uuid4().hex
+        tier = make_tier("fsspec", url=f"s3://{s3_bucket}/{prefix}", options=s3_server.storage_options(),
+                         part_size="5MiB", max_concurrency=2, split_blobs=True)
+        tier.write_blob = tier.write_private_blob  # the contract writes with write_blob
+        yield tier
+        client = s3_server.client()
+        assert client.list_multipart_uploads(Bucket=s3_bucket).get("Uploads", []) == []
+        keys = [o["Key"] for o in client.list_objects_v2(Bucket=s3_bucket, Prefix=prefix).get("Contents", [])]
+        listed = {f"{prefix}/{k}" for k in tier.list()}
+        assert [k for k in keys if k not in listed and not _s3_split.is_piece_name(k)] == []
+        orphans = [k for k in keys if _s3_split.is_piece_name(k) and k.split(_s3_split.PIECE_MARK)[0] not in listed]
+        assert orphans == [], "pieces left behind without their blob"
 
 
 # ----- shared helpers -------------------------------------------------------------------------------------

@@ -271,16 +271,18 @@ class FileStore(CommittedFiles):
         self._started.add((step, rank))
 
     def _write_file(self, key: str, make_chunks: Callable[[], Iterable[Chunk]], step: int, rank: int,
-                    compress: bool = True) -> tuple[int, str, int]:
-        """Write one file with retries; returns (stored size, checksum, raw size)."""
+                    compress: bool = True, private: bool = False) -> tuple[int, str, int]:
+        """Write one file with retries; returns (stored size, checksum, raw size). ``private``: a file of a codec
+        only tiered_ckpt reads (the tier may store it split: ``Tier.write_private_blob``)."""
         self._mark_started(step, rank)
         compression = self.cfg.compression if compress and self.compression_name == "zstd" else None
+        write = self.tier.write_private_blob if private else self.tier.write_blob
 
         def attempt() -> tuple[int, str, int]:
             raw = _Counting(make_chunks(), WRITE_PIECE if self.tier.capabilities.node_local else None)
             stored = compress_chunks(raw, compression) if compression else raw
             stream = HashingStream(stored)
-            self.tier.write_blob(key, stream)
+            write(key, stream)
             return stream.nbytes, f"{ALGORITHM}:{stream.hexdigest}", raw.nbytes
 
         return self._retry(attempt, step, rank, f"write {key}")
@@ -313,7 +315,7 @@ class FileStore(CommittedFiles):
                 return entry
         grouping = self.byte_grouping and codec.supports_byte_grouping
         size, checksum, raw = self._write_file(
-            key, lambda: codec.encode(src, byte_grouping=grouping), step, coords.rank)
+            key, lambda: codec.encode(src, byte_grouping=grouping), step, coords.rank, private=codec.private)
         return FileEntry(key=key, item=src.name, rank=coords.rank, codec=codec.name, size=size, checksum=checksum,
                          compression=self.compression_name, raw_size=raw,
                          meta={"byte_grouping": True} if grouping else {})
@@ -391,9 +393,11 @@ class FileStore(CommittedFiles):
                 entries += [written] if written is not None else []
                 continue
             grouped = bool(entry.meta.get("byte_grouping"))
-            want_grouped = self.byte_grouping and self.codecs[entry.codec].supports_byte_grouping
+            codec = self.codecs[entry.codec]
+            want_grouped = self.byte_grouping and codec.supports_byte_grouping
             if entry.compression == self.compression_name and grouped == want_grouped:
-                size, checksum, _ = self._write_file(entry.key, lambda b=blob: [b], step, coords.rank, compress=False)
+                size, checksum, _ = self._write_file(entry.key, lambda b=blob: [b], step, coords.rank, compress=False,
+                                                     private=codec.private)
                 if checksum != entry.checksum:
                     self.tier.delete(entry.key)
                     raise CorruptionError("bytes changed while copying between tiers", tier=self.name,
@@ -402,7 +406,7 @@ class FileStore(CommittedFiles):
             else:
                 plain = source.decode_stored(entry, blob)
                 make = lambda p=plain, g=grouped, w=want_grouped: regroup(p, g, w)  # noqa: E731
-                size, checksum, raw = self._write_file(entry.key, make, step, coords.rank)
+                size, checksum, raw = self._write_file(entry.key, make, step, coords.rank, private=codec.private)
             meta = {**entry.meta, "byte_grouping": True} if want_grouped else {
                 k: v for k, v in entry.meta.items() if k != "byte_grouping"}
             entries.append(FileEntry(key=entry.key, item=entry.item, rank=entry.rank, codec=entry.codec,

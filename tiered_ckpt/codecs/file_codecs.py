@@ -43,6 +43,9 @@ class ItemSource:
 class FileCodec:
     name = "abstract"
     extension = "bin"
+    # Only tiered_ckpt reads this format back: a tier may store its files in a form no other program reads as one
+    # file (Tier.write_private_blob). False for formats users open with other tools (torch.load).
+    private = False
 
     supports_byte_grouping = False
 
@@ -57,6 +60,7 @@ class FileCodec:
 class FlatFileCodec(FileCodec):
     name = "flat"
     extension = "flat"
+    private = True
     supports_byte_grouping = True
 
     def encode(self, src: ItemSource, *, byte_grouping: bool = False) -> Iterable[Chunk]:

@@ -148,7 +148,7 @@ class Upload:
         self._flush_ready()
         pos = self._gather(mv, 0) if self.buf is not None else 0
         borrowed = []
-        whole = (n - pos) // self.part_size
+        whole = self._whole_parts(n - pos)
         if whole >= self.window:  # a full window of parts straight from the caller's buffer
             self._flush_ready()
             for _ in range(whole):
@@ -160,6 +160,10 @@ class Upload:
         for fut in borrowed:  # the producer may reuse this chunk once we ask for the next one
             while fut in self.inflight:
                 self._reap(block=True)
+
+    def _whole_parts(self, available: int) -> int:
+        """How many whole parts of ``available`` bytes may be sent straight from the caller's buffer."""
+        return available // self.part_size
 
     def finish(self) -> int:
         if self.upload_id is None:
@@ -289,9 +293,12 @@ class Upload:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
 
-    def _put(self, data: memoryview) -> None:
+    def _put(self, data: memoryview, metadata: dict[str, str] | None = None) -> None:
+        extra = {"Metadata": metadata} if metadata else {}
+
         def call() -> Awaitable[Any]:
-            return self.tier.fs._call_s3("put_object", Bucket=self.bucket, Key=self.obj, Body=MemoryReader(data))
+            return self.tier.fs._call_s3("put_object", Bucket=self.bucket, Key=self.obj, Body=MemoryReader(data),
+                                         **extra)
 
         self.tier.run_sync(self.tier.arequest, "upload", self.key, self.path, call, nbytes=len(data))
 

@@ -169,6 +169,12 @@ class Tier(ABC):
     @abstractmethod
     def write_blob(self, key: str, chunks: Iterable[Chunk]) -> int: ...
 
+    def write_private_blob(self, key: str, chunks: Iterable[Chunk]) -> int:
+        """``write_blob`` for a blob only tiered_ckpt reads back (files of the ``flat`` codec): the tier may store
+        it in a form other programs would not read as one file, if that is faster (S3 with ``split_blobs``). Every
+        other primitive still sees one blob under ``key``. Default: ``write_blob``."""
+        return self.write_blob(key, chunks)
+
     @abstractmethod
     def read_blob(self, key: str) -> torch.Tensor: ...
 

@@ -89,6 +89,7 @@ class FsspecOptions:
     max_concurrency: PositiveInt = 8  # S3: parts uploaded / ranges read in parallel per blob
     timeout_s: Seconds | None = None  # S3: connect and read timeout of each request (None: s3fs's 5 s / 15 s)
     request_attempts: PositiveInt = 3  # S3: tries of one request before the failure goes to the retry policy
+    split_blobs: bool = False  # S3: store tiered_ckpt's own files as part-sized objects, not multipart (s3.py)
 
     def __post_init__(self) -> None:
         if not self.url:
@@ -98,12 +99,15 @@ class FsspecOptions:
                              f"{self.part_size} bytes")
         if self.timeout_s is not None and self.timeout_s <= 0:
             raise ValueError(f"timeout_s: expected a positive duration, got {self.timeout_s}")
+        if self.split_blobs and not is_s3_url(self.url):
+            raise ValueError(f"split_blobs: only plain S3 URLs (s3://, s3a://, not chained) store blobs split, not "
+                             f"{redact(self.url)}: remove split_blobs")
 
     def __repr__(self) -> str:
         return (f"FsspecOptions(url={redact(self.url)!r}, options={redacted_options(self.options)!r}, "
                 f"block_size={self.block_size!r}, part_size={self.part_size!r}, "
                 f"max_concurrency={self.max_concurrency!r}, timeout_s={self.timeout_s!r}, "
-                f"request_attempts={self.request_attempts!r})")
+                f"request_attempts={self.request_attempts!r}, split_blobs={self.split_blobs!r})")
 
 
 def protocol_of(url: str) -> str:
@@ -420,6 +424,15 @@ class FsspecTier(Tier):
     def list(self, prefix: str = "") -> list[str]:
         if self.files is not None:
             return self.files.list(prefix)
+        return [k for k in self._keys(prefix) if self._listed(k)]
+
+    def _listed(self, key: str) -> bool:
+        """Whether ``list()`` shows ``key`` (the S3 tier hides the pieces of split blobs)."""
+        return True
+
+    def _keys(self, prefix: str) -> list[str]:
+        """Every object under ``prefix`` but temporary files, hidden ones included (``delete_prefix`` removes
+        them too)."""
         check_prefix(prefix)
         rel_dir = prefix.rsplit("/", 1)[0] if "/" in prefix else ""
         top = f"{self.root}/{rel_dir}" if rel_dir else self.root
@@ -458,7 +471,7 @@ class FsspecTier(Tier):
         if self.files is not None:
             return self.files.delete_prefix(prefix)
         prefix = check_prefix(prefix.rstrip("/") + "/")
-        keys = self.list(prefix)
+        keys = self._keys(prefix)
         if not keys:
             return
 
