@@ -177,6 +177,58 @@ def test_a_description_from_a_newer_version_is_refused_clearly(tier, s3_server, 
         tier.size("k")
 
 
+def test_a_capitalised_metadata_name_is_read_too():
+    """Some servers send header names capitalised, and botocore keeps the case it was sent."""
+    split = Split("c" * 12, 10, 3, 25)
+    (name, value), = split.encode().items()
+    assert Split.from_metadata({name.title(): value}) == split
+    assert Split.from_metadata({"other": "x"}) is None
+
+
+def test_a_last_request_whose_answer_was_lost_leaves_the_blob_whole(tier, s3_server, where, monkeypatch):
+    """The key's own object landed but its PUT reported a failure: the pieces it names must stay."""
+    bucket, prefix = where
+    data = blob(2 * PART + 9, 11)
+    real = _s3_split.SplitUpload._put
+
+    def landed_but_failed(self, view, metadata=None):
+        real(self, view, metadata)
+        raise TransientTierError("the answer was lost", tier=tier.name, key=self.key)
+
+    monkeypatch.setattr(_s3_split.SplitUpload, "_put", landed_but_failed)
+    with pytest.raises(TransientTierError, match="the answer was lost"):
+        tier.write_private_blob("k", [data])
+    monkeypatch.undo()
+    assert torch.equal(tier.read_blob("k"), data)
+    assert len(objects(s3_server, bucket, prefix)) == 3
+
+
+def test_a_piece_of_the_wrong_size_is_a_corruption_error(tier, s3_server, where):
+    bucket, prefix = where
+    tier.write_private_blob("k", [blob(2 * PART + 1, 12)])
+    piece = sorted(k for k in objects(s3_server, bucket, prefix) if is_piece_name(k))[0]
+    s3_server.client().put_object(Bucket=bucket, Key=f"{prefix}/{piece}", Body=b"short")
+    with pytest.raises(CorruptionError, match=rf"piece 1 of 3 of the split blob is not {PART} bytes"):
+        tier.read_blob("k")
+
+
+def test_a_range_read_never_mixes_two_writes(tier, s3_server, where, monkeypatch):
+    """The key is written again (as a plain object) between read_range's look at it and its reads: the read fails
+    as transient, it does not return bytes of two different blobs."""
+    bucket, prefix = where
+    tier.write_private_blob("k", [blob(2 * PART + 1, 13)])
+    real = type(tier)._head
+
+    def head_then_rewritten(self, key, path):
+        resp = real(self, key, path)
+        s3_server.client().put_object(Bucket=bucket, Key=f"{prefix}/k", Body=b"z" * 100)
+        return resp
+
+    monkeypatch.setattr(type(tier), "_head", head_then_rewritten)
+    with pytest.raises(TransientTierError, match="replaced while being read"):
+        tier.read_range("k", 2 * PART - 4, 5)  # the last bytes of piece 2, the first of the key's own object
+
+
 def test_split_blobs_is_only_for_plain_s3_urls():
     with pytest.raises(ValueError, match="split_blobs: only plain S3 URLs"):
         FsspecOptions(url="gs://bucket/run", split_blobs=True)

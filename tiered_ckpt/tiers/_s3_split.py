@@ -11,16 +11,16 @@ objects cost neither. A blob larger than ``part_size`` is stored as:
 The key's object appears last, so the blob is visible whole or not at all, as with a multipart completion. A
 new write of the key draws a new token, so pieces are never overwritten; the pieces of earlier writes are
 removed after the new key object is in place, and a reader that finds a piece gone reads the blob again (the
-key was replaced). Pieces are hidden from ``list()`` and go with their key in ``delete()`` and
-``delete_prefix()``. Other programs would see only the last part under the key: the tier splits only blobs the
-engine writes with :meth:`~tiered_ckpt.tiers.base.Tier.write_private_blob` (files of the ``flat`` codec), never
-Megatron's or DCP's files. docs/tiers.md has the trade-off (more objects to list, no assembly).
+key was replaced; ``read_range`` says so as a transient error instead). Pieces are hidden from ``list()`` and go
+with their key in ``delete()`` (with the option on) and ``delete_prefix()``. Other programs would see only the
+last part under the key: the tier splits only blobs the engine writes with
+:meth:`~tiered_ckpt.tiers.base.Tier.write_private_blob` (files of the ``flat`` codec), never Megatron's or DCP's
+files. docs/object-stores.md has the trade-off (more objects to list, no assembly).
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import re
 import time
@@ -29,6 +29,7 @@ from collections.abc import Awaitable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from ..errors import TransientTierError
 from ..memfile import MemoryReader
 from ._s3 import Upload
 
@@ -39,7 +40,7 @@ log = logging.getLogger(__package__ + ".s3")
 
 METADATA_KEY = "tiered-ckpt-split"  # S3 user metadata (x-amz-meta-tiered-ckpt-split) on the key's object
 PIECE_MARK = ".tcsplit-"
-ABORT_PAUSES_S = (0.2, 0.5, 1.0)  # after each removal of an aborted write's pieces that found some
+ABORT_PAUSES_S = (0.2, 0.5, 1.0)  # between looks for an aborted write's pieces (at least two looks)
 _PIECE = re.compile(re.escape(PIECE_MARK) + r"[0-9a-f]{12}-\d{5,}$")
 
 
@@ -78,7 +79,8 @@ class Split:
     def from_metadata(cls, metadata: dict[str, Any] | None) -> Split | None:
         """The split an object's metadata describes; None for a whole object. A description this version cannot
         read raises ValueError (the caller names the tier and key)."""
-        text = (metadata or {}).get(METADATA_KEY)
+        # some servers send header names capitalised, and botocore keeps the case it was sent
+        text = next((v for k, v in (metadata or {}).items() if str(k).lower() == METADATA_KEY), None)
         if text is None:
             return None
         fields = str(text).split()
@@ -115,6 +117,7 @@ class SplitUpload(Upload):
     def __init__(self, tier: S3Tier, key: str, path: str):
         super().__init__(tier, key, path)
         self.token = uuid.uuid4().hex[:12]
+        self.publishing = False  # the key's own object was sent (its answer may have been lost)
 
     def _whole_parts(self, available: int) -> int:
         # the blob's last part must be held back for the key's object: never lend the final byte
@@ -143,18 +146,34 @@ class SplitUpload(Upload):
         while self.inflight:
             self._reap(block=True)
         split = Split(self.token, self.part_size, self.next_part, self.total)
+        self.publishing = True
         self._put(last, metadata=split.encode())
         self.upload_id = None  # published: nothing left to abort
         self._drop_pieces(keep=self.token)
         return self.total
 
     def _abort(self, upload_id: str) -> None:
-        """Remove this write's pieces (the key's object was never written). A piece whose request was cancelled
-        may still land after the first removal: looked for again after a pause, a few times."""
-        for pause in ABORT_PAUSES_S:
-            if not self._drop_pieces(only=upload_id):
+        """Remove this write's pieces, unless the key's object naming them landed after all (its PUT's answer was
+        lost): the blob is then whole and stays. A piece whose request was cancelled may land after the first
+        removal: looked for again after a pause, until a look finds none."""
+        if self.publishing and self._published_as(upload_id):
+            log.warning("tier %r: %s was stored whole although its last request failed; it stays",
+                        self.tier.name, self.tier.redacted(self.path))
+            return
+        for look, pause in enumerate(ABORT_PAUSES_S):
+            if not self._drop_pieces(only=upload_id) and look:
                 return
             time.sleep(pause)
+
+    def _published_as(self, token: str) -> bool:
+        try:
+            head = self.tier.run_sync(self.tier.arequest, "look at", self.key, self.path,
+                                      lambda: self.tier.fs._call_s3("head_object", Bucket=self.bucket, Key=self.obj),
+                                      missing_ok=True)
+            split = Split.from_metadata(head.get("Metadata"))
+        except Exception:  # noqa: BLE001 - gone, unreadable, or no answer: not ours
+            return False
+        return split is not None and split.token == token
 
     def _drop_pieces(self, keep: str | None = None, only: str | None = None) -> int:
         """Delete the key's pieces: all but those of token ``keep``, or only those of token ``only``; how many
@@ -192,7 +211,11 @@ async def drop_pieces(tier: S3Tier, bucket: str, obj: str, keep: str | None = No
             doomed.append(name)
     for i in range(0, len(doomed), 1000):  # DeleteObjects takes at most 1000 keys
         batch = {"Objects": [{"Key": k} for k in doomed[i:i + 1000]], "Quiet": True}
-        with contextlib.suppress(FileNotFoundError):
-            await tier.arequest("delete the pieces of", None, f"{bucket}/{obj}",
-                                lambda b=batch: tier.fs._call_s3("delete_objects", Bucket=bucket, Delete=b))
+        resp = await tier.arequest("delete the pieces of", None, f"{bucket}/{obj}",
+                                   lambda b=batch: tier.fs._call_s3("delete_objects", Bucket=bucket, Delete=b))
+        failed = [e for e in (resp or {}).get("Errors", []) if e.get("Code") != "NoSuchKey"]
+        if failed:
+            raise TransientTierError(f"could not delete {len(failed)} piece(s) of {obj}, e.g. {failed[0].get('Key')}: "
+                                     f"{failed[0].get('Code')} {failed[0].get('Message', '')}".rstrip(),
+                                     tier=tier.name, key=None)
     return len(doomed)

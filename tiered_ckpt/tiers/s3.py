@@ -75,6 +75,16 @@ log = logging.getLogger(__name__)
 PATIENT_READ_TIMEOUT = 24 * 3600.0  # botocore's read timeout on patient_fs: the request's own ceiling ends it first
 
 
+def _aiohttp_content(body: Any) -> Any:
+    """The aiohttp stream under an aiobotocore body, or None (another HTTP backend, such as httpx)."""
+    try:
+        import aiohttp
+    except ImportError:
+        return None
+    raw = getattr(body, "raw_stream", None)
+    return raw.content if isinstance(raw, aiohttp.ClientResponse) else None
+
+
 class S3Tier(FsspecTier):
     """The ``fsspec`` kind on S3 (module docstring)."""
 
@@ -248,16 +258,19 @@ class S3Tier(FsspecTier):
         out = bytearray(length)
         view = memoryview(out)
         spans = split.spans(offset, length) if split else [(0, offset, length, 0)]
+        # a split blob's own object must still be the one described (pieces never change: their token pins them)
+        etag = head.get("ETag") if split is not None else None
         for number, at, n, pos in spans:
-            name = obj if split is None or number == split.parts else piece_name(obj, split.token, number)
+            own = split is None or number == split.parts
+            name, tag = (obj, etag) if own else (piece_name(obj, split.token, number), None)
             try:
                 self.run_sync(self.arequest, "read", key, path,
-                              lambda o=name, a=at, v=view[pos:pos + n]: self._get_into(bucket, o, None, a, v, True),
+                              lambda o=name, t=tag, a=at, v=view[pos:pos + n]: self._get_into(bucket, o, t, a, v, True),
                               nbytes=n, missing_ok=True)
             except Replaced:
                 raise TransientTierError("the blob was replaced while being read", tier=self.name, key=key) from None
             except BlobNotFoundError:
-                if split is None or number == split.parts:
+                if own:
                     raise
                 try:
                     self._piece_missing(key, path, split, number)
@@ -318,9 +331,9 @@ class S3Tier(FsspecTier):
 
     def delete(self, key: str) -> None:
         super().delete(key)
-        path = self._path(key)
-        bucket, obj, _ = self.fs.split_path(path)
-        self.run_sync(drop_pieces, self, bucket, obj)  # a split blob's pieces go with it
+        if self.options.split_blobs:  # a split blob's pieces go with it (without the option: with their step)
+            bucket, obj, _ = self.fs.split_path(self._path(key))
+            self.run_sync(drop_pieces, self, bucket, obj)
 
     def exists(self, key: str) -> bool:
         try:  # a HEAD: fsspec's isfile() would answer False on a throttled request
@@ -466,6 +479,9 @@ class S3Tier(FsspecTier):
                         nbytes=split.piece_size, missing_ok=True)
                 except BlobNotFoundError:
                     raise PieceMissing(split, number) from None
+                except Replaced:  # a piece never changes: one of another size is damaged, not being replaced
+                    raise CorruptionError(f"piece {number} of {split.parts} of the split blob is not "
+                                          f"{split.piece_size} bytes", tier=self.name, key=key) from None
 
         tasks = [asyncio.ensure_future(own())] + [asyncio.ensure_future(piece(n)) for n in range(1, split.parts)]
         try:
@@ -479,8 +495,8 @@ class S3Tier(FsspecTier):
 
     async def _read_body(self, body: Any, view: memoryview, key: str) -> None:
         n, got = len(view), 0
-        content = getattr(getattr(body, "raw_stream", None), "content", None)
-        if hasattr(content, "iter_any"):
+        content = _aiohttp_content(body)
+        if content is not None:
             # aiohttp: each chunk as it arrives, copied once (readinto joins the buffered chunks first, then
             # copies: about a fifth slower per GET on loopback)
             async for chunk in content.iter_any():

@@ -323,11 +323,18 @@ class FaultyTier(Tier):
 
     # ----- primitives --------------------------------------------------------------------------------------
     def write_blob(self, key: str, chunks: Iterable[Chunk]) -> int:
+        return self._write(key, chunks, private=False)
+
+    def write_private_blob(self, key: str, chunks: Iterable[Chunk]) -> int:
+        # the same faults as write_blob (op "write_blob"); the inner tier still stores it its own way
+        return self._write(key, chunks, private=True)
+
+    def _write(self, key: str, chunks: Iterable[Chunk], *, private: bool) -> int:
         check_key(key)
         s, n = self._before("write_blob")
         if (n and s.fail_at == "midway") or s.disk_full_after is not None:
             chunks = self._chunks(s, n, key, chunks)
-        nbytes = self.inner.write_blob(key, chunks)
+        nbytes = (self.inner.write_private_blob if private else self.inner.write_blob)(key, chunks)
         with self.control._lock:
             self.control.bytes_written += nbytes
         return nbytes
