@@ -397,7 +397,8 @@ class RawPut:
         self.s3, self.name = s3, name
         o = s3["options"]
         cfg = Config(max_pool_connections=s3["concurrency"], request_checksum_calculation="when_required",
-                     response_checksum_validation="when_required", retries={"max_attempts": 3})
+                     response_checksum_validation="when_required", retries={"max_attempts": 3},
+                     s3={"payload_signing_enabled": False})  # no SHA-256 of the bodies over HTTP, as the tier
         self.client = boto3.client("s3", endpoint_url=o["endpoint_url"], aws_access_key_id=o["key"],
                                    aws_secret_access_key=o["secret"],
                                    region_name=o["client_kwargs"]["region_name"], config=cfg)

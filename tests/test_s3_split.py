@@ -312,3 +312,43 @@ def test_the_drain_s_failure_midway_leaves_the_previous_step_and_no_pieces(s3_se
     assert not any(is_piece_name(k) for k in after if k.startswith("iter_0000002/"))
     with CheckpointEngine({"run_id": "split-fr", "tiers": [s3]}) as reader:
         assert reader.load().step == 1
+
+
+# ----- what the requests carry ----------------------------------------------------------------------------------
+def _crc32_b64(data: bytes) -> str:
+    from botocore.httpchecksum import Crc32Checksum
+
+    c = Crc32Checksum()
+    c.update(data)
+    return c.b64digest()
+
+
+@pytest.mark.parametrize("config, crc, signed", [({}, True, False),
+                                                 ({"request_checksum_calculation": "when_required"}, False, False),
+                                                 ({"s3": {"payload_signing_enabled": True}}, True, True)])
+def test_puts_carry_the_crc_botocore_would_send_and_no_body_hash(make_tier, s3_fault_proxy, where, config, crc,
+                                                                 signed):
+    """Each PutObject carries the CRC-32 botocore would have computed on the event loop (computed in the
+    producer's thread instead), and over plain HTTP no SHA-256 of its body; both as configured."""
+    bucket, prefix = where
+    options = {**s3_fault_proxy.storage_options(), "config_kwargs": config}
+    tier = make_tier("fsspec", url=f"s3://{bucket}/{prefix}", options=options, part_size=PART, max_concurrency=2,
+                     split_blobs=True)
+    data = blob(2 * PART + 5, 14)
+    s3_fault_proxy.reset_log()
+    tier.write_private_blob("k", [data])
+    tier.write_blob("small", [b"abc"])
+    puts = s3_fault_proxy.ops("PutObject")
+    assert len(puts) == 4
+    raw = data.numpy().tobytes()
+    expected = sorted(_crc32_b64(b) for b in (raw[:PART], raw[PART:2 * PART], raw[2 * PART:], b"abc"))
+    assert sorted(r.checksum_crc32 or "" for r in puts) == (expected if crc else [""] * 4)
+    assert all((r.payload_hash != "UNSIGNED-PAYLOAD") == signed for r in puts), [r.payload_hash for r in puts]
+    assert torch.equal(tier.read_blob("k"), data)
+
+    s3_fault_proxy.reset_log()  # a multipart upload's parts (files other programs read) carry theirs too
+    tier.write_blob("whole", [data])
+    parts = sorted(s3_fault_proxy.ops("UploadPart"), key=lambda r: r.part_number)
+    assert [r.checksum_crc32 for r in parts] == ([_crc32_b64(raw[:PART]), _crc32_b64(raw[PART:2 * PART]),
+                                                  _crc32_b64(raw[2 * PART:])] if crc else [None] * 3)
+    assert torch.equal(tier.read_blob("whole"), data)

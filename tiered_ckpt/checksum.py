@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import os
 import threading
-import zlib
 from collections.abc import Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import xxhash
 
+from .fast_crc import crc32
 from .tiers.base import Chunk, as_memoryview
 
 ALGORITHM = "xxh3_128"
@@ -26,12 +26,6 @@ def new_hasher() -> xxhash.xxh3_128:
 CRC32 = "crc32"  # Megatron's file written in place by the DP ranks: its checksum is combined from theirs
 
 
-try:  # ISA-L's CRC-32 is several times zlib's (the same values)
-    from isal.isal_zlib import crc32 as _crc32
-except ImportError:  # pragma: no cover - platforms without isal wheels
-    _crc32 = zlib.crc32
-
-
 class Crc32Hasher:
     """``update``/``hexdigest`` over zlib's CRC-32 (eight hex digits)."""
 
@@ -39,7 +33,7 @@ class Crc32Hasher:
         self.crc = 0
 
     def update(self, data: Chunk) -> None:
-        self.crc = _crc32(as_memoryview(data), self.crc)
+        self.crc = crc32(as_memoryview(data), self.crc)
 
     def hexdigest(self) -> str:
         return f"{self.crc:08x}"

@@ -30,15 +30,11 @@ import torch
 
 from .. import pickle_by_name
 from ..errors import EncodeError
+from ..fast_crc import crc32  # ISA-L: on a 2 GiB file zlib's CRC-32 is most of the cost above a raw write
 from ..pickle_by_name import StandInDetector
 from ..tiers.base import IO_BLOCK, as_memoryview
 from .loadable import explain, refused_globals
 from .torch_records import DICTS, ZIP64_MARKER, itemsize, same_dict
-
-try:  # ISA-L's CRC-32 runs at ~20 GB/s, zlib's at ~4: on a 2 GiB file that is most of the cost above a raw write
-    from isal.isal_zlib import crc32
-except ImportError:  # pragma: no cover - platforms without isal wheels
-    from zlib import crc32
 
 ALIGNMENT = 64
 PICKLE_PROTOCOL = 2  # torch.save's default

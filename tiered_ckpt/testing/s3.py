@@ -140,6 +140,8 @@ class RequestRecord:
     bytes_out: int = 0
     range: str | None = None
     part_number: int | None = None
+    payload_hash: str | None = None  # x-amz-content-sha256: UNSIGNED-PAYLOAD, or the signed body's SHA-256
+    checksum_crc32: str | None = None  # x-amz-checksum-crc32, when the request carries one
 
 
 class _Handler(BaseHTTPRequestHandler):
@@ -177,7 +179,9 @@ class _Handler(BaseHTTPRequestHandler):
         record = RequestRecord(self.command, url.path, url.query, s3_operation(self.command, url.path, query,
                                                                                self.headers),
                                time.monotonic(), bytes_in=len(body), range=self.headers.get("Range"),
-                               part_number=int(part) if part and part.isdigit() else None)
+                               part_number=int(part) if part and part.isdigit() else None,
+                               payload_hash=self.headers.get("x-amz-content-sha256"),
+                               checksum_crc32=self.headers.get("x-amz-checksum-crc32"))
         fault = proxy._begin(record)
         try:
             if fault is not None and fault.kind in _ERROR_ANSWERS:

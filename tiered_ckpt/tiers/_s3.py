@@ -5,6 +5,7 @@ behaviour."""
 from __future__ import annotations
 
 import asyncio
+import base64
 import contextlib
 import hashlib
 import logging
@@ -16,6 +17,7 @@ from concurrent.futures import wait as wait_futures
 from typing import TYPE_CHECKING, Any
 
 from ..errors import BlobNotFoundError, CorruptionError, PermanentTierError, TransientTierError
+from ..fast_crc import crc32
 from ..memfile import MemoryReader
 from ..retry import request_retrying
 
@@ -115,6 +117,16 @@ def content_length(resp: dict[str, Any], default: int | None = None, *, tier: st
     return n
 
 
+def checksum_param(tier: S3Tier, data: memoryview) -> dict[str, str]:
+    """``ChecksumCRC32`` for a ``PutObject`` or ``UploadPart`` of ``data``, computed in the calling thread (ISA-L
+    where installed), when request checksums are on (botocore's default). botocore would otherwise compute the same
+    CRC-32 on the event loop's one thread, with zlib, for every request in flight: about 1.4 GB/s on the benchmark
+    machine."""
+    if not tier.request_checksums:
+        return {}
+    return {"ChecksumCRC32": base64.b64encode(crc32(data).to_bytes(4, "big")).decode("ascii")}
+
+
 class Upload:
     """One blob on S3: a single PUT if it fits in one part, else a parallel multipart upload (module doc)."""
 
@@ -138,6 +150,7 @@ class Upload:
         self.total = 0
         self.stop = threading.Event()
         self.tasks: set[asyncio.Task] = set()
+        self.checksums: dict[int, dict[str, str]] = {}  # per part, computed by the producer's thread
 
     # ----- producer side (the caller's thread) ------------------------------------------------------------
     def feed(self, mv: memoryview) -> None:
@@ -236,6 +249,7 @@ class Upload:
             self._reap(block=True)
         number = self.next_part
         self.next_part += 1
+        self.checksums[number] = checksum_param(self.tier, view)
         fut = asyncio.run_coroutine_threadsafe(self._send_part(number, view), self.tier.fs.loop)
         self.inflight[fut] = (number, owner)
         return fut
@@ -275,10 +289,11 @@ class Upload:
     async def _send_part(self, number: int, view: memoryview) -> dict[str, Any]:
         self.tasks.add(asyncio.current_task())  # first, before any await: _cancel_parts finds every part
         upload_id = self.upload_id
+        extra = self.checksums.pop(number, {})
 
         def call() -> Awaitable[dict[str, Any]]:
             return self.tier.fs._call_s3("upload_part", Bucket=self.bucket, Key=self.obj, UploadId=upload_id,
-                                         PartNumber=number, Body=MemoryReader(view))
+                                         PartNumber=number, Body=MemoryReader(view), **extra)
 
         resp = await self.tier.arequest(f"upload part {number} of", self.key, self.path, call, nbytes=len(view),
                                          stop=self.stop)
@@ -295,6 +310,7 @@ class Upload:
 
     def _put(self, data: memoryview, metadata: dict[str, str] | None = None) -> None:
         extra = {"Metadata": metadata} if metadata else {}
+        extra.update(checksum_param(self.tier, data))
 
         def call() -> Awaitable[Any]:
             return self.tier.fs._call_s3("put_object", Bucket=self.bucket, Key=self.obj, Body=MemoryReader(data),

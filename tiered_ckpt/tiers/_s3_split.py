@@ -130,8 +130,10 @@ class SplitUpload(Upload):
         self.tasks.add(asyncio.current_task())  # first, before any await: _cancel_parts finds every part
         obj = piece_name(self.obj, self.token, number)
 
+        extra = self.checksums.pop(number, {})
+
         def call() -> Awaitable[Any]:
-            return self.tier.fs._call_s3("put_object", Bucket=self.bucket, Key=obj, Body=MemoryReader(view))
+            return self.tier.fs._call_s3("put_object", Bucket=self.bucket, Key=obj, Body=MemoryReader(view), **extra)
 
         await self.tier.arequest(f"upload piece {number} of", self.key, self.path, call, nbytes=len(view),
                                  stop=self.stop)

@@ -127,9 +127,21 @@ class S3Tier(FsspecTier):
             config["read_timeout"] = opts.timeout_s
         # One try per botocore call: request_attempts and the engine's retry policy are the retry layers.
         config.setdefault("retries", {"total_max_attempts": 1})
+        # No SHA-256 of every body for the signature over plain HTTP (botocore already skips it over HTTPS): it
+        # runs on the event loop's one thread. The bodies still carry a CRC-32 (checksum_param) and every file
+        # its own checksum in the manifest, checked on load.
+        config["s3"] = {"payload_signing_enabled": False, **(config.get("s3") or {})}
         config.setdefault("max_pool_connections", max(10, 2 * opts.max_concurrency))
         storage["config_kwargs"] = config
         return storage
+
+    @property
+    def request_checksums(self) -> bool:
+        """Whether requests carry a CRC-32 (botocore's ``request_checksum_calculation``, from the tier's
+        ``config_kwargs`` or ``AWS_REQUEST_CHECKSUM_CALCULATION``; on unless ``when_required``)."""
+        setting = (self._storage["config_kwargs"].get("request_checksum_calculation")
+                   or os.environ.get("AWS_REQUEST_CHECKSUM_CALCULATION") or "when_supported")
+        return str(setting).lower() != "when_required"
 
     # ----- errors and tries ----------------------------------------------------------------------------------
     def redacted(self, text: str) -> str:
