@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..errors import BlobNotFoundError, CorruptionError
 from ..memfile import MemoryReader
-from ._s3 import _CHECKSUM_FIELDS, S3_MAX_PART, S3_MAX_PARTS, S3_MIN_PART, multipart_etag
+from ._s3 import _CHECKSUM_FIELDS, S3_MAX_PART, S3_MAX_PARTS, S3_MIN_PART, checksum_param, multipart_etag
 
 if TYPE_CHECKING:
     from .s3 import S3Tier
@@ -109,13 +109,17 @@ class SharedParts:
             window = asyncio.Semaphore(tier.options.max_concurrency)
             loop = asyncio.get_running_loop()
 
+            def made(body: memoryview | Callable[[], memoryview]) -> tuple[memoryview, dict[str, str]]:
+                view = body if isinstance(body, memoryview) else body()
+                return view, checksum_param(tier, view)  # here, not on the event loop (checksum_param)
+
             async def send(number: int, body: memoryview | Callable[[], memoryview]) -> dict[str, Any]:
                 async with window:
-                    view = body if isinstance(body, memoryview) else await loop.run_in_executor(makers, body)
+                    view, extra = await loop.run_in_executor(makers, made, body)
                     resp = await tier.arequest(
                         f"upload part {number} of", key, path,
                         lambda: tier.fs._call_s3("upload_part", Bucket=bucket, Key=obj, UploadId=upload_id,
-                                                 PartNumber=number, Body=MemoryReader(view)),
+                                                 PartNumber=number, Body=MemoryReader(view), **extra),
                         nbytes=len(view))
                 entry = {"PartNumber": number, "ETag": resp["ETag"]}
                 entry.update({k: resp[k] for k in _CHECKSUM_FIELDS if resp.get(k)})
