@@ -355,12 +355,14 @@ def spec_for_bytes(nbytes: int, *, layers: int = 8, **kw: Any) -> ModelSpec:
     return ModelSpec(num_layers=layers, hidden=hidden, heads=max(1, hidden // 64), vocab=4096, **kw)
 
 
-def write_checkpoint(job: SyntheticJob, dst: Any, *, layout: str = "rank_sharded", manifest: bool = True) -> list[Any]:
+def write_checkpoint(job: SyntheticJob, dst: Any, *, layout: str = "rank_sharded", manifest: bool = True,
+                     extra: Any = None) -> list[Any]:
     """Write ``job``'s checkpoint to ``dst`` (a directory, URL or Tier) as the adapter and engine leave it
     (``manifest=True``: our manifests, then the tracker), or as Megatron-LM writes it (``layout="megatron"``,
     ``manifest=False``: its files and tracker only). Returns the files' manifest entries. The ``megatron`` layout
     holds every rank's shards in memory while merging: for tests; a large checkpoint is written ``rank_sharded``
-    and converted."""
+    and converted. ``extra(rank)``: an item ``extra`` of each rank besides Megatron's (a dataloader's state), in
+    the ``flat`` codec, as the engine saves one."""
     from tiered_ckpt.megatron.convert import open_store
     from tiered_ckpt.megatron.merge import plan_dirs, write_megatron_file
     from tiered_ckpt.megatron.naming import TRACKER_FILENAME, iteration_dir_name
@@ -385,6 +387,14 @@ def write_checkpoint(job: SyntheticJob, dst: Any, *, layout: str = "rank_sharded
             entries.append(write_megatron_file(store, f"{step_dir}/{d}/distrib_optim.pt", parts, step=job.iteration))
     else:
         raise ValueError(f"layout: expected megatron or rank_sharded, got {layout!r}")
+    if extra is not None:
+        from tiered_ckpt.codecs.transcode import item_source
+
+        flat = store.codecs["flat"]
+        for r in job.iter_ranks():
+            entries.append(store.write_file(f"{step_dir}/rank_{r:05d}/extra.flat",
+                                            lambda r=r: flat.encode(item_source("extra", extra(r))), item="extra",
+                                            rank=r, step=job.iteration, codec="flat"))
     if manifest:
         store.commit_files(job.iteration, job.topology, entries)
     else:  # Megatron-LM writes nothing of ours: not the markers our writes leave before any manifest either

@@ -103,6 +103,18 @@ def test_verify_passes_then_fails_on_corruption(ckpt, capsys):
     assert code == EXIT_FAILED and "checksum mismatch" in out and "state.flat" in out
 
 
+def test_verify_all_goes_on_after_a_file_larger_than_its_manifest(ckpt, capsys):
+    """A file found damaged while it is read (here larger than its manifest says, refused before reading it) is
+    that step's failure: the other steps are still checked and reported."""
+    root, _ = ckpt
+    with open(root / "iter_0000002" / "rank_00000" / "state.flat", "ab") as f:
+        f.write(b"trailing")
+    code, out = run(capsys, "verify", str(root), "--all", "--json")
+    results = json.loads(out)
+    assert code == EXIT_FAILED and [(r["step"], r["ok"]) for r in results] == [(1, True), (2, False)], out
+    assert "more than the" in json.dumps(results[1])
+
+
 def test_gc_dry_run_then_delete(ckpt, capsys):
     root, _ = ckpt
     temp = root / "iter_0000002" / ".state.flat.tmp-0123456789abcdef"

@@ -3,6 +3,7 @@ real HTTP server and read back with plain boto3 (what is on the server), with th
 
 from __future__ import annotations
 
+import json
 import threading
 import uuid
 
@@ -229,11 +230,33 @@ def test_a_range_read_never_mixes_two_writes(tier, s3_server, where, monkeypatch
         tier.read_range("k", 2 * PART - 4, 5)  # the last bytes of piece 2, the first of the key's own object
 
 
+def test_verify_reports_a_damaged_piece_and_goes_on(s3_server, where, shm_root, capsys, monkeypatch):
+    bucket, prefix = where
+    s3 = {"name": "s3", "kind": "fsspec", "url": f"s3://{bucket}/{prefix}", "options": s3_server.storage_options(),
+          "part_size": PART, "split_blobs": True, "keep": 2}
+    items = {"model": {"w": torch.arange(3 * PART // 4, dtype=torch.float32)}}
+    with CheckpointEngine({"run_id": "split-v", "drain": {"mode": "thread"},
+                           "tiers": [{"name": "shm", "kind": "shm", "path": str(shm_root)}, s3]}) as engine:
+        for step in (1, 2):
+            engine.save(step, items).wait()
+    piece = sorted(k for k in objects(s3_server, bucket, prefix) if is_piece_name(k) and k.startswith("iter_0000002"))
+    s3_server.client().put_object(Bucket=bucket, Key=f"{prefix}/{piece[0]}", Body=b"short")
+    for name, value in s3_server.env().items():
+        monkeypatch.setenv(name, value)
+    capsys.readouterr()
+    assert cli_main(["verify", f"s3://{bucket}/{prefix}", "--all", "--json"]) == 1
+    results = json.loads(capsys.readouterr().out)
+    assert [(r["step"], r["ok"]) for r in results] == [(1, True), (2, False)]
+    assert "piece 1 of" in json.dumps(results[1])
+
+
 def test_split_blobs_is_only_for_plain_s3_urls():
     with pytest.raises(ValueError, match="split_blobs: only plain S3 URLs"):
         FsspecOptions(url="gs://bucket/run", split_blobs=True)
     with pytest.raises(ValueError, match="split_blobs"):
         FsspecOptions(url="simplecache::s3://bucket/run", split_blobs=True)
+    with pytest.raises(ValueError, match=r"scheme in lower case \(s3://, not S3://\)"):
+        FsspecOptions(url="S3://bucket/run", split_blobs=True)
     assert FsspecOptions(url="s3://bucket/run", split_blobs=True).split_blobs
 
 

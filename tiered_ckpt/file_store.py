@@ -325,19 +325,20 @@ class FileStore(CommittedFiles):
         """One file of ``step`` written from a chunk stream that is not an item of a snapshot (Megatron's merged
         or converted files), with this tier's retries and events, checksummed on the way out and never
         compressed (Megatron must read it). ``make_chunks`` is called once per attempt."""
-        size, checksum, raw = self._write_file(key, make_chunks, step, rank, compress=False)
+        private = codec in self.codecs and self.codecs[codec].private
+        size, checksum, raw = self._write_file(key, make_chunks, step, rank, compress=False, private=private)
         return FileEntry(key=key, item=item, rank=rank, codec=codec, size=size, checksum=checksum, compression=None,
                          raw_size=raw, meta=dict(meta or {}))
 
     def copy_file(self, src: Tier, src_key: str, key: str, *, entry: FileEntry | None, item: str, rank: int,
-                  step: int, meta: dict[str, Any] | None = None,
+                  step: int, meta: dict[str, Any] | None = None, codec: str = "torch",
                   on_read: Callable[[int], None] | None = None) -> FileEntry:
         """Copy a file from another tier piece by piece (decompressed if its ``entry`` says it was stored
         compressed). With ``entry`` the source is checked while it is read: a mismatch removes the copy and
         raises :class:`CorruptionError` naming the source."""
         try:
             return self.write_file(key, lambda: raw_pieces(src, src_key, entry, on_read=on_read), item=item,
-                                   rank=rank, step=step, meta=meta)
+                                   rank=rank, step=step, meta=meta, codec=codec)
         except CorruptionError:
             self.tier.delete(key)
             raise

@@ -234,6 +234,9 @@ def _verify_file(store: FileStore, entry: Any, report: VerifyReport, is_megatron
     except (TierError, OSError) as exc:
         report.problems.append(f"{entry.key}: cannot read: {exc}")
         return
+    except CorruptionError as exc:  # found while reading (larger than its manifest says, a split blob's bad piece)
+        report.problems.append(f"{entry.key}: {exc}")
+        return
     nbytes, hexdigest = blob.numel(), hasher.hexdigest()
     report.checked += 1
     report.nbytes += nbytes

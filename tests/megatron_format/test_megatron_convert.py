@@ -178,6 +178,27 @@ def test_grid_save_merge_and_resplit(tmp_path: Path, cfg: dict) -> None:
                                 (dp, rank, kind, g, b, key)
 
 
+def test_other_items_go_along_at_the_same_dp_and_are_named_when_left_out(tmp_path: Path) -> None:
+    """A rank's own item besides Megatron's (a dataloader's position) is copied by every conversion that keeps
+    the DP size, both ways; at another DP it has no new owner, and the report says it was left out."""
+    job = _job(dict(tp=1, pp=1, dp=2))
+    write_checkpoint(job, tmp_path / "saved", extra=lambda r: {"position": torch.tensor([r, 7]), "epoch": 3})
+    step_dir = f"iter_{job.iteration:07d}"
+    names = [f"{step_dir}/rank_{r:05d}/extra.flat" for r in range(2)]
+    report = convert(tmp_path / "saved", tmp_path / "m", to="megatron", progress=False)
+    assert sorted(f["key"] for f in report.files if f["item"] == "extra") == names
+    back = convert(tmp_path / "m", tmp_path / "rs", to="rank_sharded", progress=False)
+    assert back.source_verified and sorted(f["key"] for f in back.files if f["item"] == "extra") == names
+    for name in names:  # the flat encoding is deterministic: copied as it was, twice
+        assert (tmp_path / "rs" / name).read_bytes() == (tmp_path / "saved" / name).read_bytes()
+    manifest = json.loads((tmp_path / "rs" / step_dir / "tiered_ckpt" / "manifest.json").read_text())
+    assert {f["codec"] for f in manifest["files"] if f["item"] == "extra"} == {"flat"}
+
+    resplit = convert(tmp_path / "saved", tmp_path / "dp1", to="rank_sharded", dp=1, progress=False)
+    assert not any(f["item"] == "extra" for f in resplit.files)
+    assert any("not converted: extra" in n and "DP 2" in n for n in resplit.notes), resplit.notes
+
+
 def test_rank_sharded_resplit_without_megatron_files(tmp_path: Path) -> None:
     """rank_sharded -> rank_sharded at a new DP reads the rank files as Megatron's world tensors directly."""
     job = _job(dict(tp=1, pp=2, dp=2))

@@ -190,6 +190,28 @@ def _check_megatron_loadable(tier: Tier, key: str, report: ConvertReport, trust_
     report.notes.append(message)
 
 
+def _carry_other_items(source: StepSource, store: FileStore, target: MegatronTopology, report: ConvertReport,
+                       entries: list[FileEntry], on_read: Any) -> None:
+    """Items of ours besides Megatron's (a dataloader's state, ...): both layouts keep them at
+    ``iter_*/rank_RRRRR/<item>.<ext>``, so at the same DP they are copied as they are (verified, decompressed);
+    at another DP a rank's state has no new owner: left out, said in the report and the log."""
+    others = [e for e in (source.manifest.files if source.manifest is not None else ())
+              if e.item not in (MODEL_ITEM, OPTIM_ITEM)]
+    if not others:
+        return
+    if target.dp == source.info.topology.dp:
+        step = int(source.info.iteration)
+        for e in others:
+            entries.append(store.copy_file(source.tier, e.key, e.key, entry=e, item=e.item, rank=e.rank, step=step,
+                                           meta=dict(e.meta), codec=e.codec, on_read=on_read))
+        return
+    names = ", ".join(sorted({e.item for e in others}))
+    note = (f"not converted: {names} (per-rank state of DP {source.info.topology.dp}, which cannot be split for DP "
+            f"{target.dp})")
+    report.notes.append(note)
+    log.warning("%s", note)
+
+
 def _write(source: StepSource, store: FileStore, to: str, target: MegatronTopology, report: ConvertReport,
            bar: Any) -> list[FileEntry]:
     info, src, dst = source.info, source.tier, store.tier
@@ -236,6 +258,7 @@ def _write(source: StepSource, store: FileStore, to: str, target: MegatronTopolo
             entries.append(store.write_file(
                 key, lambda r=r: counted(iter_torch_save(source.streamed_rank_shard(target, r)), bar.update),
                 item=OPTIM_ITEM, rank=r, step=step))
+    _carry_other_items(source, store, target, report, entries, on_read)
     if not any(e.item == OPTIM_ITEM for e in entries):
         report.notes.append("no distributed-optimizer state in the source: only model files were converted")
     report.bytes_read += read

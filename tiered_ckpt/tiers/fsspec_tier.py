@@ -94,6 +94,9 @@ class FsspecOptions:
     def __post_init__(self) -> None:
         if not self.url:
             raise ValueError("url: expected an fsspec URL such as s3://bucket/path, got an empty string")
+        scheme = protocol_of(self.url)
+        if scheme != scheme.lower():  # fsspec knows its protocols in lower case only
+            raise ValueError(f"url: write the scheme in lower case ({scheme.lower()}://, not {scheme}://)")
         if protocol_of(self.url) in S3_PROTOCOLS and not S3_MIN_PART <= self.part_size <= S3_MAX_PART:
             raise ValueError(f"part_size: expected 5MiB to 5GiB (S3's limits for a multipart part), got "
                              f"{self.part_size} bytes")
