@@ -250,6 +250,30 @@ def test_verify_reports_a_damaged_piece_and_goes_on(s3_server, where, shm_root, 
     assert "piece 1 of" in json.dumps(results[1])
 
 
+def test_gc_sizes_and_removes_the_pieces_of_a_save_that_died(s3_server, where, shm_root, capsys, monkeypatch):
+    """A save killed after some pieces of its first file landed leaves a step of a marker and hidden pieces: gc
+    reports what it really holds and removes all of it."""
+    bucket, prefix = where
+    s3 = {"name": "s3", "kind": "fsspec", "url": f"s3://{bucket}/{prefix}", "options": s3_server.storage_options(),
+          "part_size": PART, "split_blobs": True}
+    with CheckpointEngine({"run_id": "split-g", "drain": {"mode": "thread"},
+                           "tiers": [{"name": "shm", "kind": "shm", "path": str(shm_root)}, s3]}) as engine:
+        engine.save(5, {"model": {"w": torch.zeros(1000)}}).wait()
+    client = s3_server.client()
+    client.put_object(Bucket=bucket, Key=f"{prefix}/iter_0000004/tiered_ckpt/rank_00000.started", Body=b"{}")
+    for n in (1, 2):
+        name = piece_name("iter_0000004/rank_00000/model.flat", "d" * 12, n)
+        client.put_object(Bucket=bucket, Key=f"{prefix}/{name}", Body=b"p" * PART)
+    for name, value in s3_server.env().items():
+        monkeypatch.setenv(name, value)
+    capsys.readouterr()
+    assert cli_main(["gc", f"s3://{bucket}/{prefix}", "--min-age", "0", "--json"]) == 0
+    found = json.loads(capsys.readouterr().out)["found"]
+    assert [(f["what"], f["key"], f["bytes"]) for f in found] == [("partial step", "iter_0000004", 2 * PART + 2)]
+    assert cli_main(["gc", f"s3://{bucket}/{prefix}", "--min-age", "0", "--delete"]) == 0
+    assert not any(k.startswith("iter_0000004") for k in objects(s3_server, bucket, prefix))
+
+
 def test_split_blobs_is_only_for_plain_s3_urls():
     with pytest.raises(ValueError, match="split_blobs: only plain S3 URLs"):
         FsspecOptions(url="gs://bucket/run", split_blobs=True)

@@ -58,8 +58,9 @@ def find_debris(store: FileStore, *, live: bool = False, min_age_s: float = TEMP
     ago, or whose age cannot be told, are left too: a write in flight elsewhere keeps touching its file."""
     if live:
         return []
-    out = [Debris(store.name, "partial step", store.layout.step_dir(step), sum(store.tier.size(k) for k in keys))
-           for step, keys in sorted(store.partial_steps(store.tier.list("")).items())]
+    out = [Debris(store.name, "partial step", store.layout.step_dir(step),
+                  store.tier.stored_bytes(store.layout.step_dir(step)))
+           for step in sorted(store.partial_steps(store.tier.list("")))]
     now = time.time() if now is None else now
     for rel in store.tier.temp_files():  # the Tier interface (tiers/base.py): every kind answers, plugins too
         if not _old_enough(store, rel, min_age_s, now):

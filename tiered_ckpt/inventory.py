@@ -14,7 +14,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TextIO
 
-from .errors import BlobNotFoundError, ConfigError, CorruptionError, TieredCkptError, TierError
+from .errors import ConfigError, CorruptionError, TieredCkptError, TierError
 from .layouts.foreign import DCP_STATE, foreign_step_dirs
 
 if TYPE_CHECKING:
@@ -148,12 +148,7 @@ def file_steps(store: FileStore) -> list[StepInfo]:
                 continue
         prefix = store.layout.step_dir(step) + "/"
         files = [k for k in keys if k.startswith(prefix)]
-        size = 0
-        for k in files:
-            try:
-                size += store.tier.size(k)
-            except BlobNotFoundError:
-                pass
+        size = store.tier.stored_bytes(prefix)
         state = foreign.get(store.layout.step_dir(step), "partial")  # Megatron-LM's, DLRover's or DCP's own
         out.append(StepInfo(store.name, step, state, size, None, len(files),
                             sorted(store.rank_manifests(step))))

@@ -367,6 +367,18 @@ class TierContract(InterfaceContract, SlotContract):
         tier.write_blob("a/y/z", [b"new"])
         assert tier.list() == ["a/y/z", "b"]
 
+    def test_stored_bytes(self, tier: Tier) -> None:
+        """What a prefix holds, for the sizes ``ls`` and ``gc`` report: every blob under it, nothing beside it."""
+        assert tier.stored_bytes("a") == 0
+        for key, n in [("a/x", 3), ("a/y/z", 5), ("ab/w", 7), ("b", 11)]:
+            tier.write_blob(key, [b"v" * n])
+        big = self.large_blob_bytes
+        tier.write_blob("a/big", [b"\x01" * big])
+        assert tier.stored_bytes("a") == tier.stored_bytes("a/") == 8 + big
+        assert tier.stored_bytes("ab") == 7
+        tier.delete_prefix("a")
+        assert tier.stored_bytes("a") == 0
+
     # ----- publish -----------------------------------------------------------------------------------------
     def test_publish(self, tier: Tier) -> None:
         tier.publish("latest_checkpointed_iteration.txt", b"10")

@@ -48,7 +48,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from ..errors import CorruptionError, TierError
+from ..errors import BlobNotFoundError, CorruptionError, TierError
 
 Chunk = Any  # bytes, bytearray, memoryview, numpy array or a 1-D uint8 torch tensor (any device)
 
@@ -219,6 +219,18 @@ class Tier(ABC):
 
     def publish(self, key: str, data: bytes) -> None:
         self.write_blob(key, [data])
+
+    def stored_bytes(self, prefix: str) -> int:
+        """Bytes the tier holds under ``prefix`` (a directory-like prefix), for what ``ls`` and ``gc`` report of a
+        partial step: whatever the tier stores for those keys (the S3 tier's pieces of split blobs, even of a
+        blob never finished). Default: the sizes of ``list(prefix)``, less keys deleted meanwhile."""
+        total = 0
+        for key in self.list(check_prefix(prefix.rstrip("/") + "/")):
+            try:
+                total += self.size(key)
+            except BlobNotFoundError:
+                pass
+        return total
 
     # ----- memory tiers ------------------------------------------------------------------------------------
     def allocate_slot(self, key: str, nbytes: int) -> torch.Tensor:

@@ -450,6 +450,21 @@ class FsspecTier(Tier):
                     keys.append(key)
         return sorted(keys)
 
+    def stored_bytes(self, prefix: str) -> int:
+        if self.files is not None:
+            return super().stored_bytes(prefix)
+        top = f"{self.root}/{check_prefix(prefix.rstrip('/') + '/').rstrip('/')}"
+
+        def find() -> dict[str, Any]:
+            self.fs.invalidate_cache(top)
+            try:
+                return self.fs.find(top, detail=True)  # one listing, hidden objects included, not a HEAD per key
+            except FileNotFoundError:
+                return {}
+
+        infos = self._request("list", None, top, find)
+        return sum(int(info.get("size") or 0) for path, info in infos.items() if not is_temp_name(path))
+
     def _find(self, top: str) -> list[str]:
         self.fs.invalidate_cache(top)
         try:
