@@ -115,6 +115,26 @@ def test_verify_all_goes_on_after_a_file_larger_than_its_manifest(ckpt, capsys):
     assert "more than the" in json.dumps(results[1])
 
 
+def test_verify_all_goes_on_after_a_store_error_of_any_kind(ckpt, capsys, monkeypatch):
+    """A storage library's own exception (gcsfs, adlfs and plugins raise their own types) fails that file's step,
+    not the whole run."""
+    root, _ = ckpt
+    from tiered_ckpt.tiers.local import LocalTier
+
+    real = LocalTier.read_blob_hashed
+
+    def failing(self, key, hasher=None, max_size=None):
+        if key.startswith("iter_0000001/"):
+            raise RuntimeError("the store's own error")
+        return real(self, key, hasher, max_size)
+
+    monkeypatch.setattr(LocalTier, "read_blob_hashed", failing)
+    code, out = run(capsys, "verify", str(root), "--all", "--json")
+    results = json.loads(out)
+    assert code == EXIT_FAILED and [(r["step"], r["ok"]) for r in results] == [(1, False), (2, True)], out
+    assert "RuntimeError: the store's own error" in json.dumps(results[0])
+
+
 def test_gc_dry_run_then_delete(ckpt, capsys):
     root, _ = ckpt
     temp = root / "iter_0000002" / ".state.flat.tmp-0123456789abcdef"

@@ -399,3 +399,18 @@ def test_puts_carry_the_crc_botocore_would_send_and_no_body_hash(make_tier, s3_f
     assert [r.checksum_crc32 for r in parts] == ([_crc32_b64(raw[:PART]), _crc32_b64(raw[PART:2 * PART]),
                                                   _crc32_b64(raw[2 * PART:])] if crc else [None] * 3)
     assert torch.equal(tier.read_blob("whole"), data)
+
+
+def test_checksums_off_in_the_aws_config_file_are_off(make_tier, s3_fault_proxy, where, tmp_path, monkeypatch):
+    """``request_checksum_calculation = when_required`` in the AWS config file (a store that refuses checksum
+    headers) is honoured as botocore honours it: no CRC header from the tier either."""
+    bucket, prefix = where
+    config = tmp_path / "aws_config"
+    config.write_text("[default]\nrequest_checksum_calculation = when_required\n")
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(config))
+    monkeypatch.delenv("AWS_PROFILE", raising=False)
+    tier = make_tier("fsspec", url=f"s3://{bucket}/{prefix}", options=s3_fault_proxy.storage_options(),
+                     part_size=PART)
+    s3_fault_proxy.reset_log()
+    tier.write_blob("small", [b"abc"])
+    assert [r.checksum_crc32 for r in s3_fault_proxy.ops("PutObject")] == [None]

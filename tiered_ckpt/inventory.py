@@ -204,6 +204,9 @@ def verify_step(store: FileStore, step: int, progress: bool | TextIO = False) ->
     except (CorruptionError, TierError) as exc:
         report.problems.append(str(exc))
         return report
+    except Exception as exc:  # noqa: BLE001 - a store's own error (gcsfs, adlfs, a plugin): this step failed
+        report.problems.append(f"cannot read the manifest: {type(exc).__name__}: {exc}")
+        return report
     stream_out: Any = None if isinstance(progress, bool) else progress
     with progress_bar(total=sum(e.size for e in manifest.files), desc=f"verify {store.name} step {step}",
                       disable=not progress, file=stream_out, leave=True) as bar:
@@ -231,6 +234,9 @@ def _verify_file(store: FileStore, entry: Any, report: VerifyReport, is_megatron
         return
     except CorruptionError as exc:  # found while reading (larger than its manifest says, a split blob's bad piece)
         report.problems.append(f"{entry.key}: {exc}")
+        return
+    except Exception as exc:  # noqa: BLE001 - a store's own error (gcsfs, adlfs, a plugin), no memory: this file
+        report.problems.append(f"{entry.key}: cannot read: {type(exc).__name__}: {exc}")
         return
     nbytes, hexdigest = blob.numel(), hasher.hexdigest()
     report.checked += 1

@@ -463,7 +463,9 @@ class FsspecTier(Tier):
                 return {}
 
         infos = self._request("list", None, top, find)
-        return sum(int(info.get("size") or 0) for path, info in infos.items() if not is_temp_name(path))
+        inside = self.fs._strip_protocol(top) + "/"  # not an object named like the prefix itself
+        return sum(int(info.get("size") or 0) for path, info in infos.items()
+                   if self.fs._strip_protocol(path).startswith(inside) and not is_temp_name(path))
 
     def _find(self, top: str) -> list[str]:
         self.fs.invalidate_cache(top)

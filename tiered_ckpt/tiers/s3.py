@@ -99,6 +99,7 @@ class S3Tier(FsspecTier):
         read = config.get("read_timeout", getattr(self.fs, "read_timeout", 15))
         self._base_timeout: float | None = (connect or 0) + (read or 0) if connect and read else None
         self._patient: Any = None  # the client for slow answers (patient_fs)
+        self._request_checksums: bool | None = None
 
     def patient_fs(self) -> Any:
         """A second s3fs instance, with the tier's settings but no read timeout, for requests whose answer may be
@@ -127,9 +128,9 @@ class S3Tier(FsspecTier):
             config["read_timeout"] = opts.timeout_s
         # One try per botocore call: request_attempts and the engine's retry policy are the retry layers.
         config.setdefault("retries", {"total_max_attempts": 1})
-        # No SHA-256 of every body for the signature over plain HTTP (botocore already skips it over HTTPS): it
-        # runs on the event loop's one thread. The bodies still carry a CRC-32 (checksum_param) and every file
-        # its own checksum in the manifest, checked on load.
+        # No SHA-256 of every body for the signature: it runs on the event loop's one thread. (botocore skips it
+        # over HTTPS only when it adds a checksum itself; the tier hands it one, checksum_param.) The bodies still
+        # carry a CRC-32 and every file its own checksum in the manifest, checked on load.
         config["s3"] = {"payload_signing_enabled": False, **(config.get("s3") or {})}
         config.setdefault("max_pool_connections", max(10, 2 * opts.max_concurrency))
         storage["config_kwargs"] = config
@@ -137,11 +138,19 @@ class S3Tier(FsspecTier):
 
     @property
     def request_checksums(self) -> bool:
-        """Whether requests carry a CRC-32 (botocore's ``request_checksum_calculation``, from the tier's
-        ``config_kwargs`` or ``AWS_REQUEST_CHECKSUM_CALCULATION``; on unless ``when_required``)."""
-        setting = (self._storage["config_kwargs"].get("request_checksum_calculation")
-                   or os.environ.get("AWS_REQUEST_CHECKSUM_CALCULATION") or "when_supported")
-        return str(setting).lower() != "when_required"
+        """Whether requests carry a CRC-32: botocore's ``request_checksum_calculation`` as the tier's client
+        resolved it (``config_kwargs``, ``AWS_REQUEST_CHECKSUM_CALCULATION``, the AWS config file's profile); on
+        unless ``when_required``. Not to be asked on the event loop's thread."""
+        if self._request_checksums is None:
+            setting = self._storage["config_kwargs"].get("request_checksum_calculation")
+            if setting is None:
+                try:
+                    client = self.run_sync(self.fs.set_session)  # builds the client; sends nothing
+                    setting = client.meta.config.request_checksum_calculation
+                except Exception:  # noqa: BLE001 - no client yet (bad credentials...): the request will say
+                    setting = os.environ.get("AWS_REQUEST_CHECKSUM_CALCULATION")
+            self._request_checksums = str(setting or "when_supported").lower() != "when_required"
+        return self._request_checksums
 
     # ----- errors and tries ----------------------------------------------------------------------------------
     def redacted(self, text: str) -> str:
