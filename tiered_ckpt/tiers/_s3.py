@@ -117,6 +117,24 @@ def content_length(resp: dict[str, Any], default: int | None = None, *, tier: st
     return n
 
 
+async def cancel_all(tasks: list[asyncio.Future]) -> None:
+    """Cancel ``tasks`` and wait until each one has ended (a request still sending must not outlive its read or
+    upload)."""
+    for t in tasks:
+        t.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def gather_or_cancel(tasks: list[asyncio.Future]) -> list[Any]:
+    """Every task's result, in order; on the first failure the others are cancelled and waited for, then it is
+    raised."""
+    try:
+        return list(await asyncio.gather(*tasks))
+    except BaseException:
+        await cancel_all(tasks)
+        raise
+
+
 def checksum_param(tier: S3Tier, data: memoryview) -> dict[str, str]:
     """``ChecksumCRC32`` for a ``PutObject`` or ``UploadPart`` of ``data``, computed in the calling thread (ISA-L
     where installed), when request checksums are on (botocore's default). botocore would otherwise compute the same
@@ -303,10 +321,7 @@ class Upload:
         return entry
 
     async def _cancel_parts(self) -> None:
-        tasks = [t for t in self.tasks if not t.done()]
-        for t in tasks:
-            t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        await cancel_all([t for t in self.tasks if not t.done()])
 
     def _put(self, data: memoryview, metadata: dict[str, str] | None = None) -> None:
         extra = {"Metadata": metadata} if metadata else {}

@@ -26,7 +26,15 @@ from typing import TYPE_CHECKING, Any
 
 from ..errors import BlobNotFoundError, CorruptionError
 from ..memfile import MemoryReader
-from ._s3 import _CHECKSUM_FIELDS, S3_MAX_PART, S3_MAX_PARTS, S3_MIN_PART, checksum_param, multipart_etag
+from ._s3 import (
+    _CHECKSUM_FIELDS,
+    S3_MAX_PART,
+    S3_MAX_PARTS,
+    S3_MIN_PART,
+    checksum_param,
+    gather_or_cancel,
+    multipart_etag,
+)
 
 if TYPE_CHECKING:
     from .s3 import S3Tier
@@ -125,14 +133,8 @@ class SharedParts:
                 entry.update({k: resp[k] for k in _CHECKSUM_FIELDS if resp.get(k)})
                 return entry
 
-            tasks = [asyncio.ensure_future(send(n, b)) for n, b in parts]
-            try:
-                return list(await asyncio.gather(*tasks))
-            except BaseException:
-                for t in tasks:  # the first failure ends the upload: the parts not yet sent are not started
-                    t.cancel()
-                await asyncio.gather(*tasks, return_exceptions=True)
-                raise
+            # the first failure ends the upload: the parts not yet sent are not started
+            return await gather_or_cancel([asyncio.ensure_future(send(n, b)) for n, b in parts])
 
         try:
             return tier.run_sync(send_all)

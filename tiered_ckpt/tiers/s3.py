@@ -60,7 +60,9 @@ from ._s3 import (
     S3_PROTOCOLS,
     Replaced,
     Upload,
+    cancel_all,
     content_length,
+    gather_or_cancel,
     library_errors,
     object_size,
     s3_error_code,
@@ -457,9 +459,7 @@ class S3Tier(FsspecTier):
                     await one(0, head_n)
                 await asyncio.gather(*tasks)
             except BaseException:
-                for t in tasks:
-                    t.cancel()
-                await asyncio.gather(*tasks, return_exceptions=True)
+                await cancel_all(tasks)
                 raise
             return out
         finally:
@@ -504,14 +504,8 @@ class S3Tier(FsspecTier):
                     raise CorruptionError(f"piece {number} of {split.parts} of the split blob is not "
                                           f"{split.piece_size} bytes", tier=self.name, key=key) from None
 
-        tasks = [asyncio.ensure_future(own())] + [asyncio.ensure_future(piece(n)) for n in range(1, split.parts)]
-        try:
-            await asyncio.gather(*tasks)
-        except BaseException:
-            for t in tasks:
-                t.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
-            raise
+        await gather_or_cancel([asyncio.ensure_future(own())]
+                               + [asyncio.ensure_future(piece(n)) for n in range(1, split.parts)])
         return out
 
     async def _read_body(self, body: Any, view: memoryview, key: str) -> None:
