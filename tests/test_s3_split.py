@@ -343,11 +343,11 @@ def test_the_drain_s_failure_midway_leaves_the_previous_step_and_no_pieces(s3_se
         real = _s3_split.SplitUpload._send_part
         calls = [0]
 
-        async def fail_second(self, number, view):
+        async def fail_second(self, number, view, checksum):
             calls[0] += 1
             if calls[0] == 2:
                 raise TransientTierError("injected", tier="s3", key=self.key)
-            return await real(self, number, view)
+            return await real(self, number, view, checksum)
 
         monkeypatch.setattr(_s3_split.SplitUpload, "_send_part", fail_second)
         items["model"]["w"].add_(1)

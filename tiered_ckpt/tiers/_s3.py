@@ -168,7 +168,6 @@ class Upload:
         self.total = 0
         self.stop = threading.Event()
         self.tasks: set[asyncio.Task] = set()
-        self.checksums: dict[int, dict[str, str]] = {}  # per part, computed by the producer's thread
 
     # ----- producer side (the caller's thread) ------------------------------------------------------------
     def feed(self, mv: memoryview) -> None:
@@ -267,8 +266,8 @@ class Upload:
             self._reap(block=True)
         number = self.next_part
         self.next_part += 1
-        self.checksums[number] = checksum_param(self.tier, view)
-        fut = asyncio.run_coroutine_threadsafe(self._send_part(number, view), self.tier.fs.loop)
+        checksum = checksum_param(self.tier, view)  # here, in the producer's thread, not on the event loop
+        fut = asyncio.run_coroutine_threadsafe(self._send_part(number, view, checksum), self.tier.fs.loop)
         self.inflight[fut] = (number, owner)
         return fut
 
@@ -304,14 +303,13 @@ class Upload:
                     await self.tier.fs._call_s3("abort_multipart_upload", Bucket=self.bucket, Key=self.obj,
                                                 UploadId=up["UploadId"])
 
-    async def _send_part(self, number: int, view: memoryview) -> dict[str, Any]:
+    async def _send_part(self, number: int, view: memoryview, checksum: dict[str, str]) -> dict[str, Any]:
         self.tasks.add(asyncio.current_task())  # first, before any await: _cancel_parts finds every part
         upload_id = self.upload_id
-        extra = self.checksums.pop(number, {})
 
         def call() -> Awaitable[dict[str, Any]]:
             return self.tier.fs._call_s3("upload_part", Bucket=self.bucket, Key=self.obj, UploadId=upload_id,
-                                         PartNumber=number, Body=MemoryReader(view), **extra)
+                                         PartNumber=number, Body=MemoryReader(view), **checksum)
 
         resp = await self.tier.arequest(f"upload part {number} of", self.key, self.path, call, nbytes=len(view),
                                          stop=self.stop)

@@ -126,14 +126,13 @@ class SplitUpload(Upload):
     def _create(self) -> None:
         self.upload_id = self.token  # nothing to ask the store: pieces are plain objects
 
-    async def _send_part(self, number: int, view: memoryview) -> dict[str, Any]:
+    async def _send_part(self, number: int, view: memoryview, checksum: dict[str, str]) -> dict[str, Any]:
         self.tasks.add(asyncio.current_task())  # first, before any await: _cancel_parts finds every part
         obj = piece_name(self.obj, self.token, number)
 
-        extra = self.checksums.pop(number, {})
-
         def call() -> Awaitable[Any]:
-            return self.tier.fs._call_s3("put_object", Bucket=self.bucket, Key=obj, Body=MemoryReader(view), **extra)
+            return self.tier.fs._call_s3("put_object", Bucket=self.bucket, Key=obj, Body=MemoryReader(view),
+                                         **checksum)
 
         await self.tier.arequest(f"upload piece {number} of", self.key, self.path, call, nbytes=len(view),
                                  stop=self.stop)
@@ -169,10 +168,7 @@ class SplitUpload(Upload):
 
     def _published_as(self, token: str) -> bool:
         try:
-            head = self.tier.run_sync(self.tier.arequest, "look at", self.key, self.path,
-                                      lambda: self.tier.fs._call_s3("head_object", Bucket=self.bucket, Key=self.obj),
-                                      missing_ok=True)
-            split = Split.from_metadata(head.get("Metadata"))
+            split = self.tier._split_of(self.tier._head(self.key, self.path), self.key)
         except Exception:  # noqa: BLE001 - gone, unreadable, or no answer: not ours
             return False
         return split is not None and split.token == token
