@@ -160,8 +160,11 @@ def test_shm_lock_and_temporary_files_are_private(shm_root, tmp_path, monkeypatc
     def spy(name: str) -> None:  # the moment a temporary file is written and not yet renamed
         if name == "files.temp_written":
             for d, _, names in os.walk(shm_root):
-                temp_modes.update({os.path.join(d, n): _mode(os.path.join(d, n))
-                                   for n in names if _files.is_temp_name(n)})
+                for n in filter(_files.is_temp_name, names):
+                    try:
+                        temp_modes[os.path.join(d, n)] = _mode(os.path.join(d, n))
+                    except FileNotFoundError:  # another thread's temporary file, renamed since the listing
+                        pass
         real(name)
 
     monkeypatch.setattr(_files, "crash_point", spy)
