@@ -1,14 +1,17 @@
-"""How save() blocking and time to durable scale with the state: 0.25, 1 and 4 GiB, and 10,000 small tensors.
+"""How save() blocking, time to durable and restore scale with the state: 0.25, 1, 4 GiB, 10,000 small tensors.
 
 Each case runs in a process of its own (``--case``: peak memory never mixes, and a 4 GiB case frees everything
 when it ends): a CheckpointEngine with tiers ``shm`` (2 slots) + ``local`` (``keep: 1``, ``O_DIRECT``, drain
 in its own process), ``prepare()``, one save not counted, then ``--warm`` saves, each after the previous one was
 durable, each followed by the two ceilings under the same load: the all-core copy into pre-faulted shm
 (``CopyBaseline``: the faster of ``copy_`` and the bytes split over torch's threads) and an ``O_DIRECT``
-write+fsync of the same bytes (``limits.DirectIO``, with the disk's best request depth).
+write+fsync of the same bytes (``limits.DirectIO``, with the disk's best request depth). Then ``--warm``
+restores from shm, ``load(into=state)`` (verified, into the state's own tensors), each followed by the copy
+ceiling the other way (``CopyBaseline.copy_out``: the bytes from pre-faulted shm into the same tensors).
 
 Prints one row per case (medians: blocking s, GB/s, ceiling / ours; save() call -> durable s, GB/s,
-O_DIRECT ceiling / ours; how many timed saves waited for a free slot, and for how long in all) and writes the
+O_DIRECT ceiling / ours; how many timed saves waited for a free slot, and for how long in all; restore s,
+copy-out ceiling s, ceiling / ours) and writes the
 JSON; with matplotlib installed it also draws the curves as a PNG
 (``--plot``; matplotlib, the ``bench`` extra that ``make bench`` installs, is not a dependency of the package:
 without it the table is the result).
@@ -107,7 +110,16 @@ def run_case(case: str, quick: bool, warm: int, workdir: str, out: str) -> None:
                 baseline.copy_in()
                 c.drop_cache(workdir)
                 write_s.append(direct.write_fsync(io["write"]))
-        res.update(blocking_s=blocking, durable_s=durable, limit_direct_write_s=write_s,
+            restore_s = []
+            for _ in range(warm):  # restore from shm into the state's own tensors, verified
+                t0 = time.perf_counter()
+                got = engine.load(into=items)
+                restore_s.append(time.perf_counter() - t0)
+                if got.tier != "shm" or not got.verified:
+                    raise SystemExit(f"{case}: restored from {got.tier!r}, verified={got.verified}")
+                del got
+                baseline.copy_out()
+        res.update(blocking_s=blocking, durable_s=durable, limit_direct_write_s=write_s, restore_s=restore_s,
                    limit_copy_ways=baseline.report(),
                    slot_wait_s={str(k): v for k, v in commits.slot_wait.items() if k >= 2})
         baseline.close()
@@ -125,7 +137,13 @@ def summarize(res: dict[str, Any]) -> dict[str, Any]:
     blk, dur = statistics.median(res["blocking_s"]), statistics.median(res["durable_s"])
     wr = statistics.median(res["limit_direct_write_s"])
     n = res["bytes"]
-    return {"case": res["case"], "bytes": n, "tensors": res["tensors"], "blocking_s": blk,
+    out_ways = {w: statistics.median(v) for w, v in res["limit_copy_ways"].get("out", {}).items() if v}
+    restore = {}
+    if res.get("restore_s") and out_ways:
+        rs, out_way = statistics.median(res["restore_s"]), min(out_ways, key=out_ways.__getitem__)
+        restore = {"restore_s": rs, "copy_out_s": out_ways[out_way], "copy_out_way": out_way,
+                   "restore_vs_ceiling": out_ways[out_way] / rs}
+    return {**restore, "case": res["case"], "bytes": n, "tensors": res["tensors"], "blocking_s": blk,
             "blocking_max_s": max(res["blocking_s"]), "blocking_gbps": n / blk / 1e9, "copy_ceiling_s": ways[way],
             "copy_way": way, "blocking_vs_ceiling": ways[way] / blk, "durable_s": dur, "durable_gbps": n / dur / 1e9,
             "direct_write_s": wr, "durable_vs_ceiling": wr / dur,
@@ -134,7 +152,7 @@ def summarize(res: dict[str, Any]) -> dict[str, Any]:
 
 def table(rows: list[dict[str, Any]], quick: bool) -> str:
     head = ["state", "tensors", "blocking s", "GB/s", "copy ceiling s", "ceiling/ours", "durable s", "GB/s",
-            "O_DIRECT s", "ceiling/ours", "slot waits"]
+            "O_DIRECT s", "ceiling/ours", "slot waits", "restore s", "copy-out ceiling s", "ceiling/ours"]
     body = []
     for r in rows:
         size = f"{r['bytes'] / GiB:.2f} GiB" if r["bytes"] >= GiB // 8 else f"{r['bytes'] / MiB:.0f} MiB"
@@ -142,7 +160,9 @@ def table(rows: list[dict[str, Any]], quick: bool) -> str:
                      f"{r['blocking_gbps']:.2f}",
                      f"{r['copy_ceiling_s']:.3f} ({r['copy_way']})", f"{r['blocking_vs_ceiling']:.2f}",
                      f"{r['durable_s']:.3f}", f"{r['durable_gbps']:.2f}", f"{r['direct_write_s']:.3f}",
-                     f"{r['durable_vs_ceiling']:.2f}", f"{r['slot_waits']} ({r['slot_wait_s']:.3f} s)"])
+                     f"{r['durable_vs_ceiling']:.2f}", f"{r['slot_waits']} ({r['slot_wait_s']:.3f} s)",
+                     *([f"{r['restore_s']:.3f}", f"{r['copy_out_s']:.3f} ({r['copy_out_way']})",
+                        f"{r['restore_vs_ceiling']:.2f}"] if "restore_s" in r else ["-", "-", "-"])])
     widths = [max(len(str(x[i])) for x in [head, *body]) for i in range(len(head))]
     line = lambda row: "| " + " | ".join(str(v).ljust(w) for v, w in zip(row, widths, strict=True)) + " |"  # noqa: E731
     return "\n".join([f"### Scale: blocking and time to durable against the state's size"

@@ -107,6 +107,27 @@ def test_pieces_gather_spans_in_order_into_equal_pieces():
     assert len(memcopy.pieces([(0, 0, 1)] * 1000, 100)) == 10  # many short spans: few hand-offs
 
 
+def test_coalesce_merges_only_spans_that_are_neighbours_on_both_sides():
+    spans = [(0, 100, 8), (8, 108, 8), (16, 200, 8), (24, 208, 8), (40, 216, 8), (48, 224, 0), (48, 224, 4)]
+    assert memcopy.coalesce(spans) == [(0, 100, 16), (16, 200, 16), (40, 216, 12)]
+    assert memcopy.coalesce([]) == []
+
+
+def test_views_of_one_flat_buffer_are_copied_as_one_span_and_exactly(monkeypatch):
+    """Parameters that are views of one buffer (Megatron's DDP keeps them so) cost one copy, not one per view."""
+    flat_params = torch.arange(64 * 40, dtype=torch.float32)
+    state = {f"p{i}": flat_params[i * 64:(i + 1) * 64] for i in range(40)}  # 256 B each: no alignment gaps
+    moved: list = []
+    real = memcopy._move
+    monkeypatch.setattr(memcopy, "_move", lambda share: (moved.append(list(share)), real(share)))
+    plan = plan_snapshot(state)
+    dest = torch.zeros(plan.total_bytes, dtype=torch.uint8)
+    copy_into(plan, dest)
+    assert moved == [[(dest.data_ptr(), flat_params.data_ptr(), flat_params.nbytes)]]
+    out = restore(decode_header(encode_header(plan)), dest, copy=True)
+    assert all(torch.equal(out[k], v) for k, v in state.items())
+
+
 def test_copy_spans_hands_pieces_to_every_thread(monkeypatch):
     monkeypatch.setattr(memcopy, "PIECE_MIN", 1 << 20)
     src = torch.randint(0, 255, (memcopy.SPLIT_MIN * 5 + 4321,), dtype=torch.uint8)

@@ -103,10 +103,22 @@ def _dump(fmt: str, obj: Any) -> bytes:
     return json.dumps(doc, indent=1, sort_keys=True).encode()
 
 
+def _canonical(body: dict) -> bytes:
+    return json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
+
+
 def content_digest(doc: dict) -> str:
     """The checksum of a JSON record's content (every field but ``digest``), independent of its formatting."""
     body = {k: v for k, v in doc.items() if k != "digest"}
-    return f"{ALGORITHM}:{digest(json.dumps(body, sort_keys=True, separators=(',', ':')).encode())}"
+    return f"{ALGORITHM}:{digest(_canonical(body))}"
+
+
+def dump_with_digest(doc: dict) -> bytes:
+    """``doc`` as compact JSON with its :func:`content_digest` added as the last field, encoding ``doc`` once
+    (a slot record embeds a header of up to megabytes, and is written at every save)."""
+    text = _canonical(doc)
+    comma = b"," if doc else b""
+    return b'%s%s"digest":"%s:%s"}' % (text[:-1], comma, ALGORITHM.encode(), digest(text).encode())
 
 
 def dump_rank(m: RankManifest) -> bytes:

@@ -114,10 +114,24 @@ def pieces(spans: Iterable[Span], size: int) -> list[list[Span]]:
     return [p for p in out if p]
 
 
+def coalesce(spans: Iterable[Span]) -> list[Span]:
+    """``spans`` with each run of neighbours in both memories (a tensor starting where the previous one ended,
+    in the source and in the destination: parameters that are views of one flat buffer) merged into one."""
+    out: list[Span] = []
+    for dst, src, n in spans:
+        if out:
+            d0, s0, n0 = out[-1]
+            if d0 + n0 == dst and s0 + n0 == src:
+                out[-1] = (d0, s0, n0 + n)
+                continue
+        out.append((dst, src, n))
+    return out
+
+
 def split_spans(spans: Iterable[Span], nthreads: int) -> list[list[Span]]:
     """The pieces :func:`copy_pieces` hands ``nthreads`` threads for ``spans`` (one piece: stay on the caller).
     A caller that copies the same spans again keeps them (a snapshot of thousands of tensors, every save)."""
-    spans = list(spans)
+    spans = coalesce(spans)
     total = sum(n for _, _, n in spans)
     if total < SPLIT_MIN or nthreads <= 1:
         return [spans]

@@ -11,7 +11,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from .errors import CorruptionError
-from .manifest import content_digest
+from .manifest import content_digest, dump_with_digest
 from .parallel import RankCoords, layout_changes
 
 UNVERIFIED = "unverified origin"
@@ -57,8 +57,7 @@ class SlotMeta:
         return self.checksummed and self.checksums != UNVERIFIED
 
     def to_json(self) -> bytes:
-        doc = {"format": FORMAT, "version": VERSION, **asdict(self)}
-        return json.dumps({**doc, "digest": content_digest(doc)}, sort_keys=True).encode()
+        return dump_with_digest({"format": FORMAT, "version": VERSION, **asdict(self)})
 
     @classmethod
     def from_json(cls, data: bytes, where: str, tier: str) -> SlotMeta:
