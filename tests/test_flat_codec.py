@@ -709,6 +709,40 @@ def test_random_header_changes_raise_only_decode_errors(data):
         decode_and_restore(refingerprinted(doc), buf)
 
 
+@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.data())
+def test_the_fast_path_of_a_table_entry_agrees_with_the_full_checks(data):
+    """_plain_tensor_entry (thousands of entries per header) accepts only what _decode_entry accepts, and decodes
+    it the same; anything else it leaves to _decode_entry."""
+    from tiered_ckpt.codecs._flat_header import _decode_entry, _plain_tensor_entry
+
+    plan = plan_snapshot({"w": torch.arange(6.0).reshape(2, 3), "b": torch.ones(3, dtype=torch.bfloat16),
+                          "p": torch.nn.Parameter(torch.ones(2, 2)), "z": torch.ones(0, 3)})
+    doc = json.loads(encode_header(plan))
+    entry = dict(data.draw(st.sampled_from(doc["tensors"])))
+    for _ in range(data.draw(st.integers(0, 2))):
+        field = data.draw(st.sampled_from(ENTRY_FIELDS + ["shape"]))
+        if data.draw(st.booleans()) and field in entry:
+            del entry[field]
+        else:
+            entry[field] = data.draw(HEADER_VALUES | st.lists(DIMS, max_size=4))
+    fast = _plain_tensor_entry(entry, plan.total_bytes, 64)
+    try:
+        full = _decode_entry(0, entry, plan.total_bytes, 64)
+    except DecodeError:
+        assert fast is None
+    else:
+        assert fast is None or fast == full
+
+
+def test_the_fast_path_takes_the_common_entries():
+    from tiered_ckpt.codecs._flat_header import _plain_tensor_entry
+
+    plan = plan_snapshot({"w": torch.arange(6.0).reshape(2, 3), "p": torch.nn.Parameter(torch.ones(2, 2))})
+    doc = json.loads(encode_header(plan))
+    assert [_plain_tensor_entry(e, plan.total_bytes, 64) for e in doc["tensors"]] == list(plan.tensors)
+
+
 def test_deeply_nested_header_is_a_decode_error():
     deep = (
         '{"format":"tiered_ckpt.flat","version":1,"alignment":64,"total_bytes":0,"fingerprint":"x",'

@@ -56,6 +56,36 @@ def _get(doc: dict, name: str, kind: type | tuple[type, ...], where: str, defaul
     return value
 
 
+def _plain_tensor_entry(raw: Any, total: int, alignment: int) -> TensorEntry | None:
+    """The common entry (a tensor or parameter, no zero-size dimension) decoded with the checks of
+    :func:`_decode_entry`, in a few lines per entry (a model may have thousands); None for anything else,
+    valid or not, which :func:`_decode_entry` then decodes or names the fault of."""
+    if type(raw) is not dict:
+        return None
+    get = raw.get
+    kind, path, offset, nbytes, shape = get("kind"), get("path"), get("offset"), get("nbytes"), get("shape")
+    device, requires_grad = get("device", "cpu"), get("requires_grad", False)
+    if ((kind != "tensor" and kind != "parameter") or type(path) is not str or type(offset) is not int
+            or type(nbytes) is not int or type(shape) is not list or type(device) is not str
+            or type(requires_grad) is not bool or len(shape) > MAX_DIMS):
+        return None
+    name = get("dtype")
+    dtype = _DTYPE_BY_NAME.get(name) if type(name) is str else None
+    if dtype is None or (requires_grad and not (dtype.is_floating_point or dtype.is_complex)):
+        return None
+    if not (0 <= offset <= MAX_BYTES and 0 <= nbytes <= MAX_BYTES and offset % alignment == 0
+            and offset + nbytes <= total):
+        return None
+    count = 1
+    for d in shape:
+        if type(d) is not int or d <= 0:
+            return None
+        count *= d
+    if count * dtype.itemsize != nbytes:  # nbytes <= MAX_BYTES: so is the shape's size
+        return None
+    return TensorEntry(path, offset, nbytes, dtype, tuple(shape), kind, device, requires_grad, None)
+
+
 def _decode_entry(i: int, raw: Any, total: int, alignment: int) -> TensorEntry:
     where = f"tensor table entry {i}"
     if type(raw) is not dict:
@@ -149,7 +179,8 @@ def _decode_table(text: str) -> HeaderInfo:
     table = _get(doc, "tensors", list, "the header")
     if "tree" not in doc:
         raise DecodeError("snapshot header lacks field 'tree'")
-    entries = tuple(_decode_entry(i, raw, total, alignment) for i, raw in enumerate(table))
+    entries = tuple(_plain_tensor_entry(raw, total, alignment) or _decode_entry(i, raw, total, alignment)
+                    for i, raw in enumerate(table))
     if _fingerprint(entries, total) != fingerprint:
         raise DecodeError("snapshot header: the fingerprint does not match the tensor table")
     return HeaderInfo(FORMAT_VERSION, total, alignment, fingerprint, entries, doc["tree"])
