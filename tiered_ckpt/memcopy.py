@@ -6,7 +6,8 @@ ranges to move, cuts them into pieces (about eight per thread, at least :data:`P
 ``memmove`` (through ctypes, which releases the GIL) on ``torch.get_num_threads()`` threads of a small persistent
 pool, the calling thread among them, each taking the next piece as it finishes one: a core that another process
 holds for a while then costs the copy a piece's time, not a whole share's (the save's tail latency on a busy
-machine). The pool is made on first use and made again in a forked child.
+machine). Spans that are neighbours in both memories (parameters that are views of one flat buffer) are moved
+as one (:func:`coalesce`). The pool is made on first use and made again in a forked child.
 
 :func:`fresh_buffer`: anonymous memory for a restore's copy, populated before the copy in one call (a copy
 into untouched pages faults each of them in turn, slower than populating them at once); huge pages only on
