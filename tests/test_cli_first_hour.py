@@ -30,6 +30,7 @@ from tiered_ckpt.cli import (
     main,
     storage_options,
 )
+from tiered_ckpt.errors import TieredCkptError
 from tiered_ckpt.housekeeping import lock_path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -207,6 +208,40 @@ def test_gc_stale_with_a_configuration_looks_in_its_shm_path(tmp_path, shm_root,
     assert code == EXIT_OK and dead in runs and runs[dead]["steps"] == [4]
     code, out, _ = run(capsys, "gc", "--config", str(cfg), "--stale")
     assert f"would remove  shared memory of run {dead!r} (closed, steps 4)" in out
+
+
+@pytest.mark.parametrize("kind", ["local", "shm"])
+def test_a_file_as_a_tier_path_names_the_configuration_key_in_the_engine_and_the_cli(tmp_path, capsys, kind):
+    """It was "cannot create the directory ...: File exists" (engine) and, for shm, exit 4 "Not a directory"
+    (CLI), and the CLI told a user who had given --config to give --config (new-user trial)."""
+    not_a_dir = tmp_path / "not-a-dir"
+    not_a_dir.write_text("x")
+    cfg = tmp_path / "tiers.yaml"
+    cfg.write_text(json.dumps({"run_id": "r", "drain": {"mode": "thread"},
+                               "tiers": [{"name": "t", "kind": kind, "path": str(not_a_dir)}]}))
+    with pytest.raises(TieredCkptError, match=f"{not_a_dir} is a file, not a directory") as info:
+        CheckpointEngine(str(cfg))
+    if kind == "local":
+        assert str(info.value).startswith(f"{cfg}: tiers[0].path: ")
+    code, _, err = run(capsys, "ls", "--config", str(cfg))
+    assert code == EXIT_USAGE and f"set {cfg}: tiers[0].path to the tier's directory" in err, err
+    assert "--config tiers.yaml" not in err and not_a_dir.read_text() == "x"
+
+
+def test_gc_stale_in_a_path_that_is_not_a_directory_is_not_found(tmp_path, capsys):
+    """A mistyped shm path was "nothing to remove", exit 0 (new-user trial)."""
+    (tmp_path / "file").write_text("x")
+    for path in (tmp_path / "missing", tmp_path / "file"):
+        code, _, err = run(capsys, "gc", "--stale", "--shm-path", str(path))
+        assert code == EXIT_NOT_FOUND and f"--shm-path {path}: no such directory" in err
+    cfg = tmp_path / "tiers.yaml"
+    typo = {"name": "host", "kind": "shm", "path": str(tmp_path / "typo")}
+    cfg.write_text(json.dumps({"run_id": "r", "tiers": [typo]}))
+    code, out, _ = run(capsys, "gc", "--config", str(cfg), "--stale")  # no engine of it ran yet: said, not an error
+    assert code == EXIT_OK and f"nothing to remove (no shared memory at {tmp_path / 'typo'})" in out
+    (tmp_path / "typo").write_text("x")
+    code, _, err = run(capsys, "gc", "--config", str(cfg), "--stale")
+    assert code == EXIT_NOT_FOUND and f"{cfg}: shm tier path {tmp_path / 'typo'}: no such directory" in err
 
 
 def _crashed_run(shm: str, run_id: str, step: int, persistent: bool = True) -> None:

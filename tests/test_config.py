@@ -109,6 +109,8 @@ def test_tier_name_characters():
 def test_unknown_kind_lists_known_kinds():
     msg = _err(_tiers({"name": "a", "kind": "tape"}))
     assert "tiers[0].kind" in msg and "unknown tier kind 'tape'" in msg and "local" in msg
+    assert "did you mean" not in msg
+    assert _err(_tiers({"name": "a", "kind": "shmm"})).endswith("; did you mean 'shm'?")
 
 
 def test_duplicate_tier_name():

@@ -225,7 +225,7 @@ def _open(args: argparse.Namespace, *, memory: bool) -> Opened:
             raise ConfigError(f"no enabled tier named {args.tier!r} (tiers: {', '.join(names)})")
         names = [args.tier]
     user = _user_name()
-    for cfg in config.tiers:
+    for index, cfg in enumerate(config.tiers):
         if cfg.name not in names:
             continue
         cls = pm.registries.tiers.get(cfg.kind)
@@ -238,7 +238,8 @@ def _open(args: argparse.Namespace, *, memory: bool) -> Opened:
             continue
         opened.cfgs[cfg.name] = cfg
         try:
-            why = absent_before_open(cfg, config.run_id, user)
+            where_set = f"{config.source or 'the configuration'}: tiers[{index}].path" if args.config else None
+            why = absent_before_open(cfg, config.run_id, user, where_set)
             if why is None:
                 store = build_stores(config, pm, RankCoords(rank=0), 0, [cfg.name], lambda e: None)[cfg.name]
                 why = absent_location(store.tier)

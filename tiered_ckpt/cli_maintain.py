@@ -10,7 +10,9 @@ from typing import TYPE_CHECKING
 
 from .cli_common import (
     DEFAULT_SHM_PATH,
+    EXIT_NOT_FOUND,
     EXIT_OK,
+    CommandError,
     Opened,
     _built_stores,
     _emit,
@@ -31,6 +33,7 @@ def cmd_gc(args: argparse.Namespace) -> int:
     from .locking import shm_paths
 
     found: list[dict] = []
+    absent_shm: list[str] = []  # the configuration's shm paths that do not exist (yet)
     opened = _open(args, memory=False) if args.target or args.config else None
     if opened is None and not args.stale:
         raise ConfigError("give a checkpoint directory or URL, --config tiers.yaml, or --stale")
@@ -39,7 +42,16 @@ def cmd_gc(args: argparse.Namespace) -> int:
         if opened is not None and args.config:
             every_tier = _open(argparse.Namespace(**{**vars(args), "tier": None}), memory=False) if args.tier \
                 else opened
+        from_config = not args.shm_path and bool(args.config)
         for shm_path in _shm_paths(args, opened):
+            if from_config and not os.path.lexists(shm_path):  # a configuration no engine has run yet
+                absent_shm.append(shm_path)
+                continue
+            if not os.path.isdir(shm_path):  # a typo must not read as "nothing to remove"
+                origin = "--shm-path" if args.shm_path else f"{args.config}: shm tier path" if args.config else \
+                    "the default shm path"
+                raise CommandError(f"{origin} {shm_path}: no such directory (give the shm tier's path)",
+                                   EXIT_NOT_FOUND)
             for run in find_stale_runs(shm_path):
                 entry = {"what": "stale run", **run.to_dict(), "undrained": None, "kept": False}
                 undrained = _undrained(every_tier, run) if every_tier is not None else {}
@@ -85,7 +97,7 @@ def cmd_gc(args: argparse.Namespace) -> int:
                 print(f"{verb}  {f['what']}  tier {f['tier']!r}: {f['key']}  ({human_bytes(f['bytes'])})")
         if not found:
             if problem is None:  # a tier that could not be read, or is not there, was not found empty
-                print("nothing to remove")
+                print("nothing to remove" + (f" (no shared memory at {', '.join(absent_shm)})" if absent_shm else ""))
         elif not args.delete and not all(f.get("kept") for f in found):
             print("dry run: nothing was removed; add --delete to remove these")
 

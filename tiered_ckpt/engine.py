@@ -399,7 +399,8 @@ class CheckpointEngine:
 
         deadline = None if timeout is None else time.monotonic() + timeout
         total = sum(map(len, self.pending().values()))
-        with tqdm(total=total, desc=f"rank {self.coords.rank} drain", unit="delivery", leave=False) as bar:
+        # the unit with its space: tqdm prints "3 deliveries", not "3delivery"
+        with tqdm(total=total, desc=f"rank {self.coords.rank} drain", unit=" deliveries", leave=False) as bar:
             while True:
                 left = self.pending()
                 bar.set_postfix_str(", ".join(f"step {s}: {'/'.join(t)}" for s, t in list(left.items())[:3]))

@@ -163,6 +163,7 @@ class FileStore(CommittedFiles):
                    pinned: Callable[[int], bool], hasher: Executor, node_ranks: list[int] | None = None,
                    wait_s: float = 0.0) -> Written:
         """This rank's files and manifest of ``step``, encoded from a snapshot or copied from a file tier."""
+        self._uncommit_for_rewrite(step, coords.rank)
         mem = source.slots()
         if mem is None:
             crash_point("drain.before_write")
@@ -270,6 +271,32 @@ class FileStore(CommittedFiles):
             self._started.clear()
         self._started.add((step, rank))
 
+    def _uncommit_for_rewrite(self, step: int, rank: int) -> None:
+        """Before a rank writes any file of a step this tier holds committed (a job saving again the step it
+        resumed at, a script re-run with the same directory): un-commit it first, so that the manifest never
+        vouches for files being replaced; until the new save commits, the tier's previous step is the one that
+        loads (docs/operations.md, "Saving a step again"). The rank's own old manifest goes too: never a vote
+        for files it is rewriting."""
+        key = self.layout.manifest_key(step)
+        if self._retry(lambda: self.tier.exists(key), step, rank, f"look for {key}"):
+            log.warning("tier %r: step %d is committed here and is being saved again: it is un-committed until "
+                        "the new save commits (a crash before then leaves the previous step the newest)",
+                        self.name, step)
+            self._retry(lambda: self.tier.delete(key), step, rank, f"delete {key}")
+            self._manifests.pop(step, None)
+            if self.read_tracker() == step:  # Megatron-LM reads the tracker alone: point it at a committed step
+                keys = self.tier.list("")
+                older = [s for s in map(self.layout.parse_manifest_key, keys) if s is not None and s != step]
+                if older:
+                    self._retry(lambda: self.tier.publish(self.layout.tracker, str(max(older)).encode()), step,
+                                rank, f"publish {self.layout.tracker}")
+                else:
+                    self._retry(lambda: self.tier.delete(self.layout.tracker), step, rank,
+                                f"delete {self.layout.tracker}")
+        mine = self.layout.rank_manifest_key(step, rank)
+        if self._retry(lambda: self.tier.exists(mine), step, rank, f"look for {mine}"):
+            self._retry(lambda: self.tier.delete(mine), step, rank, f"delete {mine}")
+
     def _write_file(self, key: str, make_chunks: Callable[[], Iterable[Chunk]], step: int, rank: int,
                     compress: bool = True, private: bool = False) -> tuple[int, str, int]:
         """Write one file with retries; returns (stored size, checksum, raw size). ``private``: a file of a codec
@@ -298,6 +325,7 @@ class FileStore(CommittedFiles):
         return c.codec if c and c.codec != "none" else None
 
     def write_rank(self, step: int, coords: RankCoords, sources: list[ItemSource]) -> RankManifest:
+        self._uncommit_for_rewrite(step, coords.rank)
         entries = [e for e in (self._write_item(step, coords, src) for src in sources) if e is not None]
         return self._publish_rank(step, coords, entries)
 

@@ -30,16 +30,19 @@ class Unreadable(TieredCkptError):
     """A tier that could not be looked at (unreachable, permission denied): nothing is known of its contents."""
 
 
-def absent_before_open(cfg: TierConfig, run_id: str, user: str) -> str | None:
+def absent_before_open(cfg: TierConfig, run_id: str, user: str, where_set: str | None = None) -> str | None:
     """Why a ``local`` or ``shm`` tier has nothing to open (its directory does not exist), or None.
 
     Checked before the tier is built, because building those kinds creates the directory. A path that is a file
-    is a usage error (:class:`ConfigError`); one that cannot be looked at raises :class:`Unreadable`."""
+    is a usage error (:class:`ConfigError`; ``where_set``: where the path was given, ``tiers.yaml: tiers[0].path``,
+    else it came from the command line); one that cannot be looked at raises :class:`Unreadable`."""
     path = getattr(cfg.options, "path", None)
     if cfg.kind not in ("local", "shm") or not isinstance(path, str):
         return None
     path = os.path.abspath(os.path.expanduser(path))
     where = path if cfg.kind == "local" else os.path.join(path, user, run_id)
+    if where_set is not None and os.path.exists(path) and not os.path.isdir(path):
+        raise ConfigError(f"{path} is a file, not a directory: set {where_set} to the tier's directory")
     try:
         os.stat(where)
     except FileNotFoundError:

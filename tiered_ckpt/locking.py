@@ -74,6 +74,9 @@ def shm_lock_dir(shm_path: str, run_id: str) -> str:
     """:func:`shm_lock_path`, created: the shm path as the tier makes it (shared and sticky, like /tmp), the
     per-user directory and the lock directories private (0700, this user's, never a symlink)."""
     base = os.path.abspath(shm_path)
+    if os.path.exists(base) and not os.path.isdir(base):
+        raise TieredCkptError(f"the shm tier's path {base} is a file, not a directory: give the shm tier a "
+                              "directory on a tmpfs (the default is /dev/shm/tiered_ckpt)")
     try:
         if not os.path.isdir(base):
             os.makedirs(base, exist_ok=True)

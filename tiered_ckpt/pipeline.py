@@ -38,7 +38,10 @@ def make_store(pm: PluginManager, config: Config, cfg: TierConfig, coords: RankC
     """The store of one tier: snapshot slots on a memory tier, files through the layout on the others."""
     cls = pm.registries.tiers.get(cfg.kind)
     context = TierContext(run_id=config.run_id, rank=coords.rank, local_rank=local_rank)
-    tier: Tier = cls(cfg.name, cfg.options, context)
+    try:
+        tier: Tier = cls(cfg.name, cfg.options, context)
+    except ConfigError as exc:  # a tier's own finding about its options (a path that is a file): placed
+        raise _placed(exc, config, cfg.name) from None
     if tier.capabilities.memory:
         return MemoryStore(tier, coords.rank, cfg.slots or DEFAULT_SLOTS, cfg)
     layout = pm.registries.layouts.get(config.layout)()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import difflib
 from collections.abc import Iterator
 from typing import Generic, TypeVar
 
@@ -38,7 +39,10 @@ class Registry(Generic[T]):
             return self._entries[name][0]
         except KeyError:
             known = ", ".join(sorted(self._entries)) or "none"
-            raise PluginError(f"unknown {self.what} {name!r} (known: {known})") from None
+            close = difflib.get_close_matches(name, sorted(self._entries), n=1, cutoff=0.6) \
+                if isinstance(name, str) else []
+            hint = f"; did you mean {close[0]!r}?" if close else ""
+            raise PluginError(f"unknown {self.what} {name!r} (known: {known}){hint}") from None
 
     def provider_of(self, name: str) -> str:
         return self._entries[name][1]

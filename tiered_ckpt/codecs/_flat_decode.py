@@ -130,6 +130,16 @@ def _resolve_enum(module: str, qualname: str, name: str | None, value: Any) -> A
     return EnumStandIn(module, qualname, name, value)
 
 
+# dtypes numpy has too: a host tensor of these is shaped by numpy's views, several times cheaper than torch's
+# (a model may have thousands of tensors).
+_NUMPY_VIEWS: dict[torch.dtype, np.dtype] = {
+    d: np.dtype(n) for d, n in ((torch.float32, "float32"), (torch.float64, "float64"), (torch.float16, "float16"),
+                                (torch.int64, "int64"), (torch.int32, "int32"), (torch.int16, "int16"),
+                                (torch.int8, "int8"), (torch.uint8, "uint8"), (torch.bool, "bool"),
+                                (torch.complex64, "complex64"), (torch.complex128, "complex128"))
+}
+
+
 class _Loader:
     """Builds buffer-backed values (tensors, arrays, blobs) for :func:`restore`, once per slot.
 
@@ -146,6 +156,8 @@ class _Loader:
         bdev = buffer.device
         self.same_device = target.type == bdev.type and (target.index is None or target.index == bdev.index)
         self.host = buffer.numpy() if bdev.type == "cpu" else None
+        # numpy's views where every slot is aligned for its dtype (else torch's, which name the problem)
+        self.numpy_views = self.host is not None and self.host.ctypes.data % 16 == 0
         self.cache: dict[int, Any] = {}
 
     def load(self, i: int) -> Any:
@@ -184,14 +196,17 @@ class _Loader:
             if e.kind == "parameter":
                 return torch.nn.Parameter(t, requires_grad=e.requires_grad)
             return t.requires_grad_(e.requires_grad)
-        raw = self._slot(e)
-        try:
-            t = raw.view(e.dtype).view(e.shape)
-        except RuntimeError:
-            raise ValueError(
-                f"restore buffer must start at a storage offset that is a multiple of {e.dtype.itemsize} "
-                f"bytes to hold {e.dtype} data (got storage offset {self.buffer.storage_offset()})"
-            ) from None
+        npdt = _NUMPY_VIEWS.get(e.dtype) if self.numpy_views else None
+        if npdt is not None:
+            t = _from_numpy(self.host[e.offset:e.offset + e.nbytes].view(npdt).reshape(e.shape))
+        else:
+            try:
+                t = self._slot(e).view(e.dtype).view(e.shape)
+            except RuntimeError:
+                raise ValueError(
+                    f"restore buffer must start at a storage offset that is a multiple of {e.dtype.itemsize} "
+                    f"bytes to hold {e.dtype} data (got storage offset {self.buffer.storage_offset()})"
+                ) from None
         if not self.same_device:
             t = t.to(self.target, copy=True)
         elif self.copy:

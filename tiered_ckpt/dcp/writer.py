@@ -57,13 +57,17 @@ def parse_step(checkpoint_id: Any) -> int:
 
 def check_engine(engine: Any) -> None:
     """The engine must use the ``dcp`` layout, without compression on a file tier (DCP reads plain files)."""
+    source = engine.config.source
     if engine.config.layout != "dcp":
         raise ConfigError(f"tiered_ckpt.dcp needs an engine with layout: dcp (this one has "
-                          f"{engine.config.layout!r}): set layout: dcp in its configuration", key_path="layout")
+                          f"{engine.config.layout!r}): set layout: dcp in its configuration", key_path="layout",
+                          source=source)
+    index = {t.name: i for i, t in enumerate(engine.config.tiers)}
     for name, store in engine.pipeline.stores.items():
         if (files := store.files()) is not None and files.compression_name:
-            raise ConfigError(f"tier {name!r}: compression would make .distcp files DCP's own reader cannot read; "
-                              "set compression: none on it for layout dcp", key_path="tiers")
+            raise ConfigError(f"compression would make .distcp files DCP's own reader cannot read (tier {name!r}): "
+                              "remove the tier's compression setting, or set compression: {codec: none}, for "
+                              "layout dcp", key_path=f"tiers[{index.get(name, '?')}].compression", source=source)
 
 
 def _raw(data: bytes) -> dict[str, torch.Tensor]:

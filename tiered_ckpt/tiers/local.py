@@ -21,7 +21,7 @@ from typing import Any, Literal
 
 import torch
 
-from ..errors import PermanentTierError
+from ..errors import ConfigError, PermanentTierError
 from ._files import BlobFiles, FilesHousekeeping
 from ._positional import PositionalFiles
 from .base import Capabilities, Chunk, Tier, TierContext, check_key
@@ -49,6 +49,9 @@ class LocalTier(FilesHousekeeping, Tier):
     def __init__(self, name: str, options: LocalOptions, context: TierContext | None = None):
         super().__init__(name, options, context)
         self.root = os.path.abspath(os.path.expanduser(options.path))
+        if os.path.exists(self.root) and not os.path.isdir(self.root):
+            raise ConfigError(f"{self.root} is a file, not a directory: give the tier the directory that holds (or "
+                              "will hold) its checkpoints", key_path=f"tier {name!r}.path")
         try:
             os.makedirs(self.root, exist_ok=True)
         except OSError as exc:

@@ -209,11 +209,15 @@ class ShmTier(FilesHousekeeping, Tier):
             return
         free = self.free_bytes()
         if needed > free:
-            headroom = f", keeping min_free {_fmt(self.options.min_free)}" if self.options.min_free else ""
-            raise CapacityError(
-                f"needs {_fmt(needed)} but only {_fmt(max(free, 0))} are free on {self.root} "
-                f"({self.filesystem_type}{headroom}); enlarge the tmpfs, free space, or hold fewer slots",
-                tier=self.name, key=key)
+            min_free = self.options.min_free
+            if min_free:  # the filesystem's free space and the tier's own reserve, apart: either may be the cause
+                room = (f"{_fmt(max(free, 0))} may be used on {self.root} ({self.filesystem_type}: "
+                        f"{_fmt(free + min_free)} free, less min_free {_fmt(min_free)})")
+                fix = "lower min_free, enlarge the tmpfs, free space, or hold fewer slots"
+            else:
+                room = f"only {_fmt(max(free, 0))} are free on {self.root} ({self.filesystem_type})"
+                fix = "enlarge the tmpfs, free space, or hold fewer slots"
+            raise CapacityError(f"needs {_fmt(needed)} but {room}; {fix}", tier=self.name, key=key)
         if needed < _CGROUP_CHECK_FROM:
             return  # records and small blobs: not worth reading the cgroup's files on the save path
         limit = memory_headroom()

@@ -1,0 +1,113 @@
+"""Saving again a step a tier already holds committed (a job saving the step it resumed at, a script re-run with
+the same directory): the tier never vouches for files being replaced, and a crash part-way leaves the previous
+step loadable and the tracker pointing at it (found by a new-user trial: the committed step was destroyed while
+``ls`` still called it committed)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import cli
+
+from tiered_ckpt import CheckpointEngine
+from tiered_ckpt.cli import EXIT_OK
+
+MIB = 1 << 20
+
+
+def config(tmp_path: Path, keep: int = 2, tiers: tuple[str, ...] = ("local",), shm_root: str | None = None) -> dict:
+    every = {"shm": {"name": "shm", "kind": "shm", "path": shm_root},
+             "local": {"name": "local", "kind": "local", "path": str(tmp_path / "ckpt"), "keep": keep, "fsync": False}}
+    return {"run_id": "resave", "drain": {"mode": "thread"}, "tiers": [every[t] for t in tiers]}
+
+
+def state(value: float) -> dict:
+    return {"model": {"w": torch.full((MIB // 4,), value)}, "extra": {"v": torch.full((1000,), value)}}
+
+
+def save_in_a_process(tmp_path: Path, cfg: dict, steps: dict[int, float], crash_at: str | None = None) -> int:
+    """Save ``steps`` (step → value) in a new process, each waited for; its exit code (-9 after a crash point)."""
+    (tmp_path / "cfg.json").write_text(json.dumps(cfg))
+    script = textwrap.dedent(f"""
+        import json, torch
+        from tiered_ckpt import CheckpointEngine
+        with CheckpointEngine(json.load(open({str(tmp_path / 'cfg.json')!r}))) as e:
+            for step, value in {steps!r}.items():
+                e.save(step, {{"model": {{"w": torch.full(({MIB // 4},), value)}},
+                               "extra": {{"v": torch.full((1000,), value)}}}}).wait()
+    """)
+    env = {**os.environ, **({"TIERED_CKPT_CRASH_AT": crash_at} if crash_at else {})}
+    return subprocess.run([sys.executable, "-c", script], env=env, timeout=300).returncode
+
+
+def states_on_disk(tmp_path: Path) -> dict[int, str]:
+    code, out = cli("ls", str(tmp_path / "ckpt"), "--json")
+    assert code == EXIT_OK, out
+    return {r["step"]: r["state"] for r in json.loads(out)}
+
+
+def tracker(tmp_path: Path) -> str | None:
+    path = tmp_path / "ckpt" / "latest_checkpointed_iteration.txt"
+    return path.read_text().strip() if path.exists() else None
+
+
+@pytest.mark.parametrize("point", ["store.files_written:1", "files.temp_written:2", "store.rank_manifest_written:1"])
+def test_a_crashed_save_of_a_committed_step_leaves_the_step_before_it_loadable(tmp_path, point):
+    cfg = config(tmp_path)
+    assert save_in_a_process(tmp_path, cfg, {4: 4.0, 5: 5.0}) == 0
+    assert states_on_disk(tmp_path) == {4: "committed", 5: "committed"} and tracker(tmp_path) == "5"
+    assert save_in_a_process(tmp_path, cfg, {5: 55.0}, crash_at=point) == -9
+    found = states_on_disk(tmp_path)
+    assert found[4] == "committed" and found.get(5) != "committed", found  # never "committed" over mixed files
+    assert tracker(tmp_path) == "4"  # Megatron-LM, which reads the tracker alone, is sent to the intact step
+    code, out = cli("verify", str(tmp_path / "ckpt"), "--all")
+    assert code == EXIT_OK, out
+    with CheckpointEngine(cfg) as engine:
+        got = engine.load()
+        assert got.step == 4 and torch.equal(got.items["model"]["w"], state(4.0)["model"]["w"])
+        engine.save(5, state(56.0)).wait()  # and the job saves it again, to the end this time
+    with CheckpointEngine(cfg) as engine:
+        got = engine.load()
+        assert got.step == 5 and got.verified and torch.equal(got.items["extra"]["v"], state(56.0)["extra"]["v"])
+    assert tracker(tmp_path) == "5"
+
+
+def test_saving_a_committed_step_again_replaces_it_and_says_so(tmp_path, caplog):
+    cfg = config(tmp_path, keep=1)
+    with CheckpointEngine(cfg) as engine:
+        engine.save(7, state(7.0)).wait()
+        with caplog.at_level(logging.WARNING, logger="tiered_ckpt"):
+            engine.save(7, state(70.0)).wait()  # the same process, the same step: un-committed, then committed
+        assert "step 7 is committed here and is being saved again" in caplog.text
+        engine.save(7, state(700.0)).wait()
+    with CheckpointEngine(cfg) as engine:
+        got = engine.load()
+        assert got.step == 7 and got.verified and torch.equal(got.items["model"]["w"], state(700.0)["model"]["w"])
+    assert states_on_disk(tmp_path) == {7: "committed"}
+    code, out = cli("verify", str(tmp_path / "ckpt"), "--all")
+    assert code == EXIT_OK, out
+
+
+def test_a_crashed_save_again_of_the_only_step_is_recovered_from_shared_memory(tmp_path, shm_root):
+    """keep: 1 and the step saved again: the disk holds nothing committed after the crash, but never mixed files
+    as committed; the new snapshot in shared memory is what the restart loads and drains."""
+    cfg = config(tmp_path, keep=1, tiers=("shm", "local"), shm_root=shm_root)
+    assert save_in_a_process(tmp_path, cfg, {3: 3.0}) == 0
+    assert save_in_a_process(tmp_path, cfg, {3: 33.0}, crash_at="store.files_written:1") == -9
+    assert states_on_disk(tmp_path).get(3) != "committed"
+    with CheckpointEngine(cfg) as engine:
+        got = engine.load()
+        assert got.step == 3 and torch.equal(got.items["model"]["w"], state(33.0)["model"]["w"])
+        engine.wait()
+    assert states_on_disk(tmp_path) == {3: "committed"}
+    with CheckpointEngine(config(tmp_path, keep=1)) as engine:  # the disk alone
+        got = engine.load()
+        assert got.step == 3 and got.verified and torch.equal(got.items["model"]["w"], state(33.0)["model"]["w"])
