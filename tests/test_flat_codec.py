@@ -816,6 +816,17 @@ def test_restored_tensors_own_their_storage():
     f = io.BytesIO()
     torch.save({"rng": out["rng"]}, f)
     assert len(f.getvalue()) < state.numel() + 4096  # not the 256 KiB slot
+    # every dtype, shaped through numpy's views (float32, bool, complex) or torch's (bfloat16, float8)
+    kinds = {"f": torch.randn(3, 5), "b": torch.randn(2, 4).to(torch.bfloat16), "m": torch.rand(7) > 0.5,
+             "c": torch.randn(2, 2, dtype=torch.complex64), "e": torch.randn(6).to(torch.float8_e4m3fn),
+             "p": torch.nn.Parameter(torch.randn(2, 3))}
+    out, *_ = roundtrip(kinds)
+    for k, t in kinds.items():
+        got = out[k]
+        assert got.storage_offset() == 0 and got.untyped_storage().nbytes() == t.numel() * t.element_size(), k
+        assert got.dtype == t.dtype and got.shape == t.shape and torch.equal(got.view(torch.uint8),
+                                                                              t.detach().view(torch.uint8)), k
+    assert type(out["p"]) is torch.nn.Parameter and out["p"].requires_grad
 
 
 def test_thousands_of_small_tensors():
