@@ -829,6 +829,18 @@ def test_restored_tensors_own_their_storage():
     assert type(out["p"]) is torch.nn.Parameter and out["p"].requires_grad
 
 
+def test_a_host_restore_buffer_at_an_odd_address_still_restores_exactly():
+    """Host memory at an odd address: torch's views (numpy's only where every slot is aligned) give the values."""
+    state = {"w": torch.randn(4), "b": torch.randn(3).to(torch.bfloat16), "i": torch.arange(5)}
+    plan = plan_snapshot(state)
+    buf = torch.zeros(plan.total_bytes, dtype=torch.uint8)
+    copy_into(plan, buf)
+    shifted = torch.zeros(plan.total_bytes + 8, dtype=torch.uint8)
+    shifted[1:1 + plan.total_bytes] = buf
+    out = restore(decode_header(encode_header(plan)), shifted[1:], copy=True)
+    assert all(torch.equal(out[k], v) for k, v in state.items())
+
+
 def test_thousands_of_small_tensors():
     model = {f"layers.{i}.{n}": torch.empty(16) for i in range(500) for n in ("qkv", "proj", "fc1", "fc2")}
     items = {"model": model, "optimizer": {"state": {i: {"exp_avg": torch.empty(16)} for i in range(2000)}}}
