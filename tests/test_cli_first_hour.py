@@ -244,6 +244,14 @@ def test_gc_stale_in_a_path_that_is_not_a_directory_is_not_found(tmp_path, capsy
     assert code == EXIT_NOT_FOUND and f"{cfg}: shm tier path {tmp_path / 'typo'}: no such directory" in err
 
 
+def test_gc_stale_on_a_node_where_no_engine_ran_is_not_an_error(tmp_path, capsys, monkeypatch):
+    """The default shm path does not exist before an engine ran there: an epilog's ``gc DIR --stale --delete``
+    still cleans DIR (found in review)."""
+    monkeypatch.setattr("tiered_ckpt.cli_maintain.DEFAULT_SHM_PATH", str(tmp_path / "never-made"))
+    code, out, _ = run(capsys, "gc", "--stale")
+    assert code == EXIT_OK and f"nothing to remove (no shared memory at {tmp_path / 'never-made'})" in out
+
+
 def _crashed_run(shm: str, run_id: str, step: int, persistent: bool = True) -> None:
     """A process that put ``step`` into shared memory and died without close() (os._exit: no clean-up)."""
     script = textwrap.dedent(f"""

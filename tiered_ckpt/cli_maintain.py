@@ -42,16 +42,18 @@ def cmd_gc(args: argparse.Namespace) -> int:
         if opened is not None and args.config:
             every_tier = _open(argparse.Namespace(**{**vars(args), "tier": None}), memory=False) if args.tier \
                 else opened
-        from_config = not args.shm_path and bool(args.config)
-        for shm_path in _shm_paths(args, opened):
-            if from_config and not os.path.lexists(shm_path):  # a configuration no engine has run yet
+        looked_in = []
+        for shm_path in _shm_paths(args, opened):  # every path checked before anything is removed
+            if not args.shm_path and not os.path.lexists(shm_path):  # where no engine has run yet (not a typo)
                 absent_shm.append(shm_path)
-                continue
-            if not os.path.isdir(shm_path):  # a typo must not read as "nothing to remove"
+            elif not os.path.isdir(shm_path):  # a typo must not read as "nothing to remove"
                 origin = "--shm-path" if args.shm_path else f"{args.config}: shm tier path" if args.config else \
                     "the default shm path"
                 raise CommandError(f"{origin} {shm_path}: no such directory (give the shm tier's path)",
                                    EXIT_NOT_FOUND)
+            else:
+                looked_in.append(shm_path)
+        for shm_path in looked_in:
             for run in find_stale_runs(shm_path):
                 entry = {"what": "stale run", **run.to_dict(), "undrained": None, "kept": False}
                 undrained = _undrained(every_tier, run) if every_tier is not None else {}

@@ -163,13 +163,14 @@ class FileStore(CommittedFiles):
                    pinned: Callable[[int], bool], hasher: Executor, node_ranks: list[int] | None = None,
                    wait_s: float = 0.0) -> Written:
         """This rank's files and manifest of ``step``, encoded from a snapshot or copied from a file tier."""
-        self._uncommit_for_rewrite(step, coords.rank)
+        sole = coords.world_size == 1 or (node_ranks is not None and self.tier.capabilities.node_local
+                                          and len(set(node_ranks)) == 1)
         mem = source.slots()
         if mem is None:
             crash_point("drain.before_write")
             upper = source.files()
             assert upper is not None
-            manifest = self.copy_rank_from(upper, step, coords, wait_s=wait_s)
+            manifest = self.copy_rank_from(upper, step, coords, wait_s=wait_s, sole_writer=sole)
             crash_point("drain.after_write")
             return Written(step, sum(f.size for f in manifest.files), manifest=manifest)
         assert isinstance(mem, MemoryStore) and slot is not None
@@ -177,6 +178,8 @@ class FileStore(CommittedFiles):
         mem.check_layout(meta, coords)  # never another layout's snapshot under this layout's name
         crash_point("drain.before_write")
         sources = mem.item_sources(meta)
+        if sole:
+            self._uncommit_for_rewrite(step, coords.rank)
 
         def checked() -> SlotMeta:
             # On another core while this tier is written: the checksums the saving process takes right after
@@ -272,20 +275,30 @@ class FileStore(CommittedFiles):
         self._started.add((step, rank))
 
     def _uncommit_for_rewrite(self, step: int, rank: int) -> None:
-        """Before a rank writes any file of a step this tier holds committed (a job saving again the step it
-        resumed at, a script re-run with the same directory): un-commit it first, so that the manifest never
-        vouches for files being replaced; until the new save commits, the tier's previous step is the one that
-        loads (docs/operations.md, "Saving a step again"). The rank's own old manifest goes too: never a vote
-        for files it is rewriting."""
+        """Before the only writer of a step on this tier (a one-rank job, a node-local tier of one rank per node)
+        rewrites a step the tier holds committed (a job saving again the step it resumed at, a script re-run
+        with the same directory): un-commit it first, so that no manifest vouches for files being replaced.
+        The manifest goes first, then the files the commit derived from the ranks' (DCP's ``.metadata``,
+        Megatron's merged optimizer file: with no manifest they would pass for a plain checkpoint of their
+        own), the tracker is pointed at the newest other committed step, and the rank's own old manifest goes.
+        Until the new save commits, the step is partial here (docs/operations.md, "Saving a step again").
+        With several writers this is not done: one rank could un-commit a step another has just committed."""
         key = self.layout.manifest_key(step)
         if self._retry(lambda: self.tier.exists(key), step, rank, f"look for {key}"):
+            try:
+                old = self.read_manifest(step)
+            except (CorruptionError, BlobNotFoundError):
+                old = None  # unreadable: nothing derived is known of it, and it vouches for nothing anyway
             log.warning("tier %r: step %d is committed here and is being saved again: it is un-committed until "
                         "the new save commits (a crash before then leaves the previous step the newest)",
                         self.name, step)
             self._retry(lambda: self.tier.delete(key), step, rank, f"delete {key}")
             self._manifests.pop(step, None)
+            for e in old.files if old is not None else ():
+                if self.layout.is_derived(e):
+                    self._retry(lambda k=e.key: self.tier.delete(k), step, rank, f"delete {e.key}")
             if self.read_tracker() == step:  # Megatron-LM reads the tracker alone: point it at a committed step
-                keys = self.tier.list("")
+                keys = self._retry(lambda: self.tier.list(""), step, rank, "list the tier")
                 older = [s for s in map(self.layout.parse_manifest_key, keys) if s is not None and s != step]
                 if older:
                     self._retry(lambda: self.tier.publish(self.layout.tracker, str(max(older)).encode()), step,
@@ -325,7 +338,8 @@ class FileStore(CommittedFiles):
         return c.codec if c and c.codec != "none" else None
 
     def write_rank(self, step: int, coords: RankCoords, sources: list[ItemSource]) -> RankManifest:
-        self._uncommit_for_rewrite(step, coords.rank)
+        if coords.world_size == 1:
+            self._uncommit_for_rewrite(step, coords.rank)
         entries = [e for e in (self._write_item(step, coords, src) for src in sources) if e is not None]
         return self._publish_rank(step, coords, entries)
 
@@ -395,8 +409,8 @@ class FileStore(CommittedFiles):
         crash_point("store.rank_manifest_written")
         return manifest
 
-    def copy_rank_from(self, source: FileStore, step: int, coords: RankCoords, *, wait_s: float = 0.0
-                       ) -> RankManifest:
+    def copy_rank_from(self, source: FileStore, step: int, coords: RankCoords, *, wait_s: float = 0.0,
+                       sole_writer: bool = False) -> RankManifest:
         """Copy this rank's files of ``step`` from another file tier, verifying each against its manifest.
 
         Identical storage (same compression and byte grouping) is copied byte for byte and must hash the same;
@@ -407,6 +421,8 @@ class FileStore(CommittedFiles):
         rank_manifest = source.read_rank_manifest(step, coords.rank)
         if any("in_place" in e.meta for e in rank_manifest.files):
             source.wait_committed(step, coords.rank, wait_s)
+        if sole_writer:
+            self._uncommit_for_rewrite(step, coords.rank)
         entries = []
         for entry in rank_manifest.files:
             if "in_place" in entry.meta:  # this rank's ranges of Megatron's merged file: its own file here

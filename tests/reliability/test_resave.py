@@ -111,3 +111,37 @@ def test_a_crashed_save_again_of_the_only_step_is_recovered_from_shared_memory(t
     with CheckpointEngine(config(tmp_path, keep=1)) as engine:  # the disk alone
         got = engine.load()
         assert got.step == 3 and got.verified and torch.equal(got.items["model"]["w"], state(33.0)["model"]["w"])
+
+
+def test_a_crashed_dcp_save_again_does_not_leave_the_old_metadata_as_a_plain_dcp_step(tmp_path):
+    """Un-committing removes what the commit derived too: DCP's ``.metadata`` left beside the new data file made
+    the step pass for a plain DCP checkpoint, loaded unverified through the old metadata (found in review)."""
+    import torch.distributed.checkpoint as dcp
+
+    from tiered_ckpt.dcp import TieredStorageReader
+
+    cfg = {**config(tmp_path, keep=3), "layout": "dcp"}
+    (tmp_path / "cfg.json").write_text(json.dumps(cfg))
+
+    def save(step: int, value: float, crash_at: str | None = None) -> int:
+        script = textwrap.dedent(f"""
+            import json, torch, torch.distributed.checkpoint as dcp
+            from tiered_ckpt import CheckpointEngine
+            from tiered_ckpt.dcp import TieredStorageWriter
+            with CheckpointEngine(json.load(open({str(tmp_path / 'cfg.json')!r}))) as e:
+                w = TieredStorageWriter(e)
+                dcp.save({{"model": {{"w": torch.full((8, 8), {value})}}}}, storage_writer=w, checkpoint_id={step})
+                w.wait(timeout=60)
+        """)
+        env = {**os.environ, **({"TIERED_CKPT_CRASH_AT": crash_at} if crash_at else {})}
+        return subprocess.run([sys.executable, "-c", script], env=env, timeout=300).returncode
+
+    assert save(4, 4.0) == 0 and save(5, 5.0) == 0
+    assert save(5, 55.0, "store.files_written:1") == -9
+    assert not (tmp_path / "ckpt" / "iter_0000005" / ".metadata").exists()
+    with CheckpointEngine(cfg) as engine:
+        assert engine.available_steps() == {"local": [4]}
+        loaded = {"model": {"w": torch.zeros(8, 8)}}
+        reader = TieredStorageReader(engine)
+        dcp.load(loaded, storage_reader=reader)
+        assert reader.step == 4 and reader.verified and torch.equal(loaded["model"]["w"], torch.full((8, 8), 4.0))
