@@ -16,7 +16,7 @@ JSON; with matplotlib installed it also draws the curves as a PNG
 (``--plot``; matplotlib, the ``bench`` extra that ``make bench`` installs, is not a dependency of the package:
 without it the table is the result).
 
-    python benchmarks/bench_scale.py [--quick] [--cases 0.25g,1g,4g,small10k] [--warm 5] [--dir DIR]
+    python benchmarks/bench_scale.py [--quick] [--cases 0.25g,1g,4g,small10k,views10k] [--warm 5] [--dir DIR]
                                      [--json PATH] [--plot PATH]
 """
 
@@ -39,10 +39,12 @@ BENCH = Path(__file__).resolve().parent
 sys.path.insert(0, str(BENCH / "peers"))
 
 GiB, MiB = 1 << 30, 1 << 20
-# case → (full bytes, quick bytes, tensor count); "small10k": 10,000 fp32 tensors of 32 KiB (quick: 4 KiB)
+# case → (full bytes, quick bytes, tensor count); "small10k": 10,000 fp32 tensors of 32 KiB (quick: 4 KiB);
+# "views10k": the same sizes as views of one flat buffer (parameters kept in one contiguous buffer)
 CASES: dict[str, tuple[int, int, int]] = {
     "0.25g": (GiB // 4, 16 * MiB, 8), "1g": (GiB, 64 * MiB, 8), "4g": (4 * GiB, 256 * MiB, 8),
     "small10k": (10_000 * 32 * 1024, 10_000 * 4 * 1024, 10_000),
+    "views10k": (10_000 * 32 * 1024, 10_000 * 4 * 1024, 10_000),
 }
 
 
@@ -54,8 +56,9 @@ def make_items(case: str, quick: bool) -> dict[str, Any]:
     gen = torch.Generator().manual_seed(0)
     block = torch.randn(min(per, 1 << 22), generator=gen)
     out = {}
+    flat = torch.empty(per * count) if case == "views10k" else None
     for i in range(count):
-        t = torch.empty(per)
+        t = torch.empty(per) if flat is None else flat[i * per:(i + 1) * per]
         for a in range(0, per, block.numel()):  # distinct values per tensor, at memory speed
             n = min(block.numel(), per - a)
             torch.mul(block[:n], 1.0 + 1e-4 * i, out=t[a:a + n])
@@ -189,7 +192,7 @@ def plot(rows: list[dict[str, Any]], path: str) -> str:
         ax[i].plot(x, [r[key] for r in curve], "o-", label="tiered_ckpt (8 tensors)")
         ax[i].plot(x, [r[ceiling] for r in curve], "s--", label=ceiling_label)
         for r in small:
-            ax[i].plot([r["bytes"] / GiB], [r[key]], "x", markersize=10, label=f"{r['tensors']} small tensors")
+            ax[i].plot([r["bytes"] / GiB], [r[key]], "x", markersize=10, label=f"{r['tensors']} tensors ({r['case']})")
         ax[i].set(xscale="log", yscale="log", xlabel="state (GiB)", ylabel="seconds", title=title)
         ax[i].set_xticks(x, [f"{v:.3g}" for v in x])
         ax[i].xaxis.set_minor_locator(matplotlib.ticker.NullLocator())
