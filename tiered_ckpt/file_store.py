@@ -163,8 +163,7 @@ class FileStore(CommittedFiles):
                    pinned: Callable[[int], bool], hasher: Executor, node_ranks: list[int] | None = None,
                    wait_s: float = 0.0) -> Written:
         """This rank's files and manifest of ``step``, encoded from a snapshot or copied from a file tier."""
-        sole = coords.world_size == 1 or (node_ranks is not None and self.tier.capabilities.node_local
-                                          and len(set(node_ranks)) == 1)
+        sole = self._sole_writer(coords, node_ranks)
         mem = source.slots()
         if mem is None:
             crash_point("drain.before_write")
@@ -274,6 +273,12 @@ class FileStore(CommittedFiles):
             self._started.clear()
         self._started.add((step, rank))
 
+    def _sole_writer(self, coords: RankCoords, node_ranks: list[int] | None) -> bool:
+        """Whether this rank alone writes (and commits) its steps here: a one-rank job, or a node-local tier on a
+        node of one rank."""
+        return coords.world_size == 1 or (node_ranks is not None and self.tier.capabilities.node_local
+                                          and len(set(node_ranks)) == 1)
+
     def _uncommit_for_rewrite(self, step: int, rank: int) -> None:
         """Before the only writer of a step on this tier (a one-rank job, a node-local tier of one rank per node)
         rewrites a step the tier holds committed (a job saving again the step it resumed at, a script re-run
@@ -298,8 +303,7 @@ class FileStore(CommittedFiles):
                 if self.layout.is_derived(e):
                     self._retry(lambda k=e.key: self.tier.delete(k), step, rank, f"delete {e.key}")
             if self.read_tracker() == step:  # Megatron-LM reads the tracker alone: point it at a committed step
-                keys = self._retry(lambda: self.tier.list(""), step, rank, "list the tier")
-                older = [s for s in map(self.layout.parse_manifest_key, keys) if s is not None and s != step]
+                older = [s for s in self._retry(self.committed_steps, step, rank, "list the tier") if s != step]
                 if older:
                     self._retry(lambda: self.tier.publish(self.layout.tracker, str(max(older)).encode()), step,
                                 rank, f"publish {self.layout.tracker}")
@@ -338,7 +342,7 @@ class FileStore(CommittedFiles):
         return c.codec if c and c.codec != "none" else None
 
     def write_rank(self, step: int, coords: RankCoords, sources: list[ItemSource]) -> RankManifest:
-        if coords.world_size == 1:
+        if self._sole_writer(coords, None):
             self._uncommit_for_rewrite(step, coords.rank)
         entries = [e for e in (self._write_item(step, coords, src) for src in sources) if e is not None]
         return self._publish_rank(step, coords, entries)

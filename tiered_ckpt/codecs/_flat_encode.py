@@ -120,6 +120,12 @@ class _Planner:
         self._append(entry, entry_args, source_key, src)
         return i
 
+    def reuse(self, i: int, src: torch.Tensor, source_key: Any) -> None:
+        """Entry ``i`` of the previous plan, for the same source (:meth:`add` found to match, without its checks)."""
+        entry = self.previous.entries[i]
+        self.cursor = entry.offset + entry.nbytes + (-entry.nbytes % ALIGNMENT)
+        self._append(entry, self.previous.args[i], source_key, src)
+
     def _append(self, entry: TensorEntry, entry_args: tuple, source_key: Any, src: torch.Tensor) -> None:
         self.entries.append(entry)
         self.args.append(entry_args)
@@ -171,15 +177,11 @@ class _Planner:
     def enc_dict(self, obj: dict, path: str, tag: str = "dict") -> Any:
         if all(type(k) is str for k in obj):
             kv = {}
-            enc, enc_tensor = self.enc, self.enc_tensor
             for k, v in obj.items():
-                t = type(v)
-                if t is torch.Tensor or t is torch.nn.Parameter:  # most of a state's values: no dispatch
-                    kv[k] = enc_tensor(v, f"{path}[{k!r}]" if path else _child(path, k))
-                elif _is_bare(v):
+                if _is_bare(v):
                     kv[k] = v
                 else:
-                    kv[k] = enc(v, _child(path, k))
+                    kv[k] = self.enc(v, _child(path, k))
             return {"$": tag, "kv": kv}
         items = [[self.enc_key(k, path), self.enc(v, _child(path, k))] for k, v in obj.items()]
         return {"$": tag, "items": items}
@@ -244,18 +246,11 @@ class _Planner:
                 was = prev.source_keys[i]
                 key = (t.data_ptr(), t.dtype, t.shape, t.stride(), t.device, kind, t.requires_grad, t.is_conj(),
                        t.is_neg())
-                # The same memory read the same way as at the last plan, which checked it: only the walk is left
-                # (inlined: this runs once per tensor of the state at every save).
-                seen = self.seen
-                if was is not None and was[1] is type(t) and was[0] == key and key not in seen:
-                    seen[key] = i
-                    entry = prev.entries[i]
-                    nbytes = entry.nbytes
-                    self.cursor = entry.offset + nbytes + (-nbytes % ALIGNMENT)
-                    self.entries.append(entry)
-                    self.args.append(prev.args[i])
-                    self.source_keys.append(was)
-                    self.sources.append(t.view(torch.uint8) if key[1] in _RAW_COPY_DTYPES else t)
+                # The same memory read the same way as at the last plan, which checked it: only the walk is left.
+                if was is not None and was[1] is type(t) and was[0] == key and key not in self.seen:
+                    self.seen[key] = i
+                    src = t.view(torch.uint8) if key[1] in _RAW_COPY_DTYPES else t
+                    self.reuse(i, src, was)
                     return {"$": "tensor", "i": i}
         if t.is_nested:
             raise EncodeError("cannot encode a nested tensor in a flat snapshot", path=path)
