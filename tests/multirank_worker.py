@@ -14,8 +14,9 @@ from tiered_ckpt import CheckpointEngine, ParallelLayout  # noqa: E402
 from tiered_ckpt.errors import TieredCkptError  # noqa: E402
 
 
-def items_for(step: int, rank: int) -> dict:
-    return make_items(step * 100 + rank)
+def items_for(step: int, rank: int, run: int = 0) -> dict:
+    """A rank's state at ``step``; ``run`` tells apart the saves of one step by different jobs (a re-run)."""
+    return make_items(step * 100 + rank + run * 100_000)
 
 
 def body(rank: int, world: int, spec: dict, out: dict) -> None:
@@ -36,7 +37,7 @@ def body(rank: int, world: int, spec: dict, out: dict) -> None:
             except TieredCkptError as exc:
                 out["wait_error"] = str(exc)[:2000]
         for step in spec.get("save", []):
-            handle = engine.save(step, items_for(step, rank))
+            handle = engine.save(step, items_for(step, rank, spec.get("run", 0)))
             out.setdefault("blocking", []).append(handle.blocking_s)
             try:
                 handle.wait(timeout=60)
@@ -62,7 +63,9 @@ def body(rank: int, world: int, spec: dict, out: dict) -> None:
                 out["collective"] = f"{type(exc).__name__}: {exc}"
         if spec.get("load"):
             loaded = engine.load()
-            assert_same(items_for(loaded.step, rank), loaded.items)
+            # "runs_of": {run: [steps]}, the job that saved each step last (default 0)
+            runs = {step: int(run) for run, steps in spec.get("runs_of", {}).items() for step in steps}
+            assert_same(items_for(loaded.step, rank, runs.get(loaded.step, 0)), loaded.items)
             out.update(step=loaded.step, tier=loaded.tier)
         out["available"] = engine.available_steps()
 

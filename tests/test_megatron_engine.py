@@ -264,10 +264,10 @@ def test_a_save_that_failed_before_its_rank_manifest_is_debris(tmp_path, monkeyp
 
     publish_rank = FileStore._publish_rank
 
-    def fail_step_20(self, step, coords, entries):
+    def fail_step_20(self, step, coords, entries, *rest):
         if step == 20:
             raise OSError("the disk went away after the model file")
-        return publish_rank(self, step, coords, entries)
+        return publish_rank(self, step, coords, entries, *rest)
 
     monkeypatch.setattr(FileStore, "_publish_rank", fail_step_20)
     cfg = {"run_id": f"fail{uuid.uuid4().hex[:6]}", "drain": {"mode": "thread"},

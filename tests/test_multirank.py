@@ -105,9 +105,10 @@ def test_two_nodes_node_local_commit_and_restore_from_shared(tmp_path):
     assert all("save_errors" not in r for r in first.values()), first
     for node in ("nodeA", "nodeB"):  # each node committed its own ranks on its local tier
         manifest = json.loads((roots[node][1] / "iter_0000002" / "tiered_ckpt" / "manifest.json").read_text())
+        save = manifest["extra"].pop("save")  # the save's identity: one for the whole job (rank 0's token)
         assert manifest["extra"] == {"ranks": [r for r, n in node_of.items() if n == node], "scope": "node"}
     manifest = json.loads((shared / "iter_0000002" / "tiered_ckpt" / "manifest.json").read_text())
-    assert manifest["extra"] == {"ranks": [0, 1, 2, 3], "scope": "job"}
+    assert manifest["extra"] == {"ranks": [0, 1, 2, 3], "scope": "job", "save": save}
 
     for path in roots["nodeB"]:  # node B is replaced: its memory and disk are empty
         shutil.rmtree(path)
@@ -169,3 +170,47 @@ def test_tp_change_is_refused_naming_tp(tmp_path, shm_root):
     again = run_ranks(4, {"config": cfg, "load": True, "parallel": {"tp": 1, "dp": 4}})
     for r in again.values():
         assert "LayoutMismatchError" in r["error"] and "TP 2 → 1" in r["error"], r
+
+
+@pytest.mark.parametrize("victim", [0, 1])
+def test_a_step_saved_again_never_commits_with_the_earlier_save_s_votes(tmp_path, victim):
+    """A job re-run into the same directory saves step 5 again; one rank dies before writing its part. The rank
+    manifests the first job left for step 5 are not this save's votes: the step must not be committed from them
+    (the committer would vouch for one rank's new files beside another's old ones, a checkpoint no job saved)."""
+    run_id = f"m{uuid.uuid4().hex[:8]}"
+    shared = tmp_path / "shared"
+    cfg = job_config([{"name": "shared", "kind": "fsspec", "url": f"file://{shared}", "keep": 3}], run_id)
+    cfg["drain"]["commit_timeout_s"] = 4
+    first = run_ranks(2, {"config": cfg, "save": [4, 5]})
+    assert not any(r.get("save_errors") for r in first.values())
+    assert committed(shared) == [4, 5]
+
+    crash = {victim: {"TIERED_CKPT_CRASH_AT": "drain.before_write:1"}}
+    second = run_ranks(2, {"config": cfg, "save": [5], "run": 1}, env_of=crash)
+    assert second[victim]["killed"]
+    survivor = second[1 - victim]
+    if victim == 1:  # the committing rank survived: it must not commit step 5
+        assert "not committed" in survivor["save_errors"]["5"]
+    assert committed(shared) == [4]
+
+    third = run_ranks(2, {"config": cfg, "load": True})
+    assert {r["step"] for r in third.values()} == {4}
+
+
+def test_a_step_saved_again_by_every_rank_commits_the_new_save(tmp_path):
+    """The same re-run, every rank alive: step 5 is committed again, from the new save's rank manifests alone
+    (they and the checkpoint manifest name one save), and loads with the new values."""
+    run_id = f"m{uuid.uuid4().hex[:8]}"
+    shared = tmp_path / "shared"
+    cfg = job_config([{"name": "shared", "kind": "fsspec", "url": f"file://{shared}", "keep": 3}], run_id)
+    run_ranks(2, {"config": cfg, "save": [4, 5]})
+    first = json.loads((shared / "iter_0000005" / "tiered_ckpt" / "manifest.json").read_text())["extra"]["save"]
+    second = run_ranks(2, {"config": cfg, "save": [5], "run": 1})
+    assert not any(r.get("save_errors") for r in second.values())
+    assert committed(shared) == [4, 5]
+    step_dir = shared / "iter_0000005" / "tiered_ckpt"
+    saves = {json.loads(p.read_text())["extra"]["save"] for p in step_dir.glob("rank_*.json")}
+    now = json.loads((step_dir / "manifest.json").read_text())["extra"]["save"]
+    assert saves == {now} and now != first
+    third = run_ranks(2, {"config": cfg, "load": True, "runs_of": {"1": [5]}})
+    assert {r["step"] for r in third.values()} == {5}

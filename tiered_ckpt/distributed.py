@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import uuid
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any, TypeVar
@@ -34,12 +35,18 @@ def node_id() -> str:
 
 
 class Coordinator:
-    """This rank's view of the job: who shares its node, and agreement on what to load."""
+    """This rank's view of the job: who shares its node, and agreement on what to load.
 
-    def __init__(self, coords: RankCoords, group: Any = None, node_ranks: list[int] | None = None):
+    ``incarnation``: a token every rank of this job holds alike (rank 0's, exchanged at start-up), new for each
+    start of the job; None where the ranks cannot agree on one (several ranks without ``torch.distributed``).
+    Saves are told apart by it (docs/architecture.md, "Save identity")."""
+
+    def __init__(self, coords: RankCoords, group: Any = None, node_ranks: list[int] | None = None,
+                 incarnation: str | None = None):
         self.coords = coords
         self.group = group
         self.node_ranks = node_ranks or [coords.rank]
+        self.incarnation = incarnation
 
     @property
     def distributed(self) -> bool:
@@ -50,16 +57,16 @@ class Coordinator:
         import torch.distributed as dist  # always importable; is_available() tells a build without it
 
         if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-            return cls(coords)
+            return cls(coords, incarnation=uuid.uuid4().hex[:16] if coords.world_size == 1 else None)
         if dist.get_world_size() != coords.world_size or dist.get_rank() != coords.rank:
             raise ValueError(f"torch.distributed says rank {dist.get_rank()} of {dist.get_world_size()}, the "
                              f"parallel layout says rank {coords.rank} of {coords.world_size}")
         # Our own gloo group: CPU-only collectives that never share a communicator with the training.
         group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
         names: list[Any] = [None] * coords.world_size
-        dist.all_gather_object(names, node_id(), group=group)
-        mine = names[coords.rank]
-        return cls(coords, group, [r for r, n in enumerate(names) if n == mine])
+        dist.all_gather_object(names, (node_id(), uuid.uuid4().hex[:16]), group=group)
+        mine = names[coords.rank][0]
+        return cls(coords, group, [r for r, (n, _) in enumerate(names) if n == mine], incarnation=names[0][1])
 
     def all_gather(self, value: Any, what: str = "all_gather") -> list[Any]:
         """Every rank's ``value`` of the exchange ``what``, in rank order. Raises :class:`PeerFailedError` on every

@@ -69,6 +69,10 @@ class CheckpointEngine:
             raise
         self._closed = False
         self._ordinal = 0
+        # save identity (docs/architecture.md, "Save identity"): the generation moves on whenever a save goes back
+        # to a step not above the highest of the current generation, so no two saves of one step share an id
+        self._generation = 0
+        self._generation_high = -1
         self._handles: dict[int, list[SaveHandle]] = {}  # per step, oldest first: a step may be saved twice
         self._failures: dict[int, dict[str, str]] = {}  # since the last engine.wait(): step → tier → why
         self._fingerprints: tuple[str, ...] | None = None
@@ -167,13 +171,14 @@ class CheckpointEngine:
             self._ordinal += 1
         # a non-persistent save goes to the memory tiers only, and does not count for the file tiers' ``every``
         due = self.pipeline.due_tiers(self._ordinal, persistent)
+        save_id = self._save_id(step)
         slot, _ = self._acquire_slot(step)
         if slot is None:
             return SaveHandle(step, time.perf_counter() - t0, self.pipeline.entry, (), skipped=True)
         store = self.pipeline.entry_store
         try:
             store.write_snapshot(step, slot, placed, total, coords=self.coords, layout=self.config.layout,
-                                 run_id=self.config.run_id, persistent=persistent)
+                                 run_id=self.config.run_id, persistent=persistent, save_id=save_id)
         except BaseException:
             store.release_slot(slot)
             raise
@@ -186,6 +191,15 @@ class CheckpointEngine:
         self._drain.submit(DrainRequest(step=step, source=self.pipeline.entry, slot=slot, due=due,
                                         created=handle.created))
         return handle
+
+    def _save_id(self, step: int) -> str:
+        """This save's identity, the same on every rank that saves the same steps in the same order; "" where
+        the ranks cannot agree on one (no ``torch.distributed`` with several ranks)."""
+        if step <= self._generation_high:
+            self._generation += 1
+        self._generation_high = step
+        incarnation = self.coordinator.incarnation
+        return f"{incarnation}.{self._generation}" if incarnation else ""
 
     def _recover(self) -> None:
         """Drain snapshots a previous process left in shared memory to the tiers they never reached."""

@@ -16,6 +16,7 @@ import json
 import logging
 import threading
 import time
+import uuid
 from collections.abc import Callable, Iterable
 from concurrent.futures import Executor
 from dataclasses import replace
@@ -39,6 +40,7 @@ from .file_streams import raw_pieces
 from .layouts.base import Layout
 from .layouts.foreign import foreign_step_dirs
 from .manifest import (
+    SAVE_KEY,
     CheckpointManifest,
     FileEntry,
     RankManifest,
@@ -177,8 +179,8 @@ class FileStore(CommittedFiles):
         mem.check_layout(meta, coords)  # never another layout's snapshot under this layout's name
         crash_point("drain.before_write")
         sources = mem.item_sources(meta)
-        if sole:
-            self._uncommit_for_rewrite(step, coords.rank)
+        if sole or meta.save_id:
+            self._uncommit_for_rewrite(step, coords.rank, meta.save_id)
 
         def checked() -> SlotMeta:
             # On another core while this tier is written: the checksums the saving process takes right after
@@ -207,7 +209,7 @@ class FileStore(CommittedFiles):
                 for e in entries:
                     self.tier.delete(e.key)
             raise
-        manifest = self._publish_rank(step, coords, entries)
+        manifest = self._publish_rank(step, coords, entries, meta.save_id)
         crash_point("drain.after_write")
         return Written(step, sum(f.size for f in manifest.files), manifest=manifest)
 
@@ -216,7 +218,9 @@ class FileStore(CommittedFiles):
         if not self._commits_here(coords, node_ranks):
             return
         crash_point("drain.before_commit")
-        committed = self.try_commit(written.step, coords, self._voters(coords, node_ranks), wait_s=wait_s)
+        save_id = written.manifest.extra.get(SAVE_KEY, "") if written.manifest is not None else ""
+        committed = self.try_commit(written.step, coords, self._voters(coords, node_ranks), wait_s=wait_s,
+                                    save_id=save_id)
         if committed is None:
             raise TierError(f"step {written.step} not committed: not every rank's files arrived within "
                             f"{wait_s:.0f} s", tier=self.name)
@@ -279,21 +283,29 @@ class FileStore(CommittedFiles):
         return coords.world_size == 1 or (node_ranks is not None and self.tier.capabilities.node_local
                                           and len(set(node_ranks)) == 1)
 
-    def _uncommit_for_rewrite(self, step: int, rank: int) -> None:
-        """Before the only writer of a step on this tier (a one-rank job, a node-local tier of one rank per node)
-        rewrites a step the tier holds committed (a job saving again the step it resumed at, a script re-run
-        with the same directory): un-commit it first, so that no manifest vouches for files being replaced.
-        The manifest goes first, then the files the commit derived from the ranks' (DCP's ``.metadata``,
-        Megatron's merged optimizer file: with no manifest they would pass for a plain checkpoint of their
-        own), the tracker is pointed at the newest other committed step, and the rank's own old manifest goes.
-        Until the new save commits, the step is partial here (docs/operations.md, "Saving a step again").
-        With several writers this is not done: one rank could un-commit a step another has just committed."""
-        key = self.layout.manifest_key(step)
-        if self._retry(lambda: self.tier.exists(key), step, rank, f"look for {key}"):
+    def _uncommit_for_rewrite(self, step: int, rank: int, save_id: str = "") -> None:
+        """Before a rank writes a step the tier holds committed by another save (a job saving again the step it
+        resumed at, a script re-run with the same directory): un-commit it first, so that no manifest vouches
+        for files being replaced. The manifest goes first, then the files the commit derived from the ranks'
+        (DCP's ``.metadata``, Megatron's merged optimizer file: with no manifest they would pass for a plain
+        checkpoint of their own), the tracker is pointed at the newest other committed step, and the rank's own
+        old manifest goes. Until the new save commits, the step is partial here (docs/operations.md, "Saving a
+        step again").
+
+        With several writers it is done only when the save has an identity (``save_id``): a commit of this save
+        needs this rank's vote, which comes after this, so a manifest found here is another save's; one of this
+        very save (a recovery drain of a step committed meanwhile) is kept. Without an identity only the sole
+        writer does it (docs/architecture.md, "Save identity")."""
+        key, mine = self.layout.manifest_key(step), self.layout.rank_manifest_key(step, rank)
+        meta_dir = self.layout.rank_manifest_prefix(step)
+        listed = set(self._retry(lambda: self.tier.list(meta_dir), step, rank, f"list {meta_dir}"))  # one request
+        if key in listed:
             try:
                 old = self.read_manifest(step)
             except (CorruptionError, BlobNotFoundError):
-                old = None  # unreadable: nothing derived is known of it, and it vouches for nothing anyway
+                old = None  # unreadable (or un-committed meanwhile by another rank): it vouches for nothing
+            if old is not None and save_id and old.extra.get(SAVE_KEY) == save_id:
+                return
             log.warning("tier %r: step %d is committed here and is being saved again: it is un-committed until "
                         "the new save commits (a crash before then leaves the previous step the newest)",
                         self.name, step)
@@ -310,8 +322,7 @@ class FileStore(CommittedFiles):
                 else:
                     self._retry(lambda: self.tier.delete(self.layout.tracker), step, rank,
                                 f"delete {self.layout.tracker}")
-        mine = self.layout.rank_manifest_key(step, rank)
-        if self._retry(lambda: self.tier.exists(mine), step, rank, f"look for {mine}"):
+        if mine in listed:
             self._retry(lambda: self.tier.delete(mine), step, rank, f"delete {mine}")
 
     def _write_file(self, key: str, make_chunks: Callable[[], Iterable[Chunk]], step: int, rank: int,
@@ -340,12 +351,6 @@ class FileStore(CommittedFiles):
     def compression_name(self) -> str | None:
         c = self.cfg.compression
         return c.codec if c and c.codec != "none" else None
-
-    def write_rank(self, step: int, coords: RankCoords, sources: list[ItemSource]) -> RankManifest:
-        if self._sole_writer(coords, None):
-            self._uncommit_for_rewrite(step, coords.rank)
-        entries = [e for e in (self._write_item(step, coords, src) for src in sources) if e is not None]
-        return self._publish_rank(step, coords, entries)
 
     def _write_item(self, step: int, coords: RankCoords, src: ItemSource, *, job_scope: bool = False
                     ) -> FileEntry | None:
@@ -396,17 +401,20 @@ class FileStore(CommittedFiles):
         by_rank: dict[int, list[FileEntry]] = {r: [] for r in range(layout.world_size)}
         for e in entries:
             by_rank[e.rank].append(e)
+        save_id = uuid.uuid4().hex[:16]  # one writer for every rank: this commit's votes are these
         for r, files in by_rank.items():
-            self._publish_rank(step, layout.coords(r), files)
-        committed = self.try_commit(step, layout.coords(0))
+            self._publish_rank(step, layout.coords(r), files, save_id)
+        committed = self.try_commit(step, layout.coords(0), save_id=save_id)
         if committed is None:
             raise CorruptionError(f"step {step}: not committed on {self.tier.describe()}: rank manifests missing",
                                   tier=self.name)
         return committed
 
-    def _publish_rank(self, step: int, coords: RankCoords, entries: list[FileEntry]) -> RankManifest:
+    def _publish_rank(self, step: int, coords: RankCoords, entries: list[FileEntry], save_id: str = ""
+                      ) -> RankManifest:
         manifest = RankManifest(step=step, rank=coords.rank, layout=self.layout.name, coords=coords.to_dict(),
-                                parallel=coords.layout.to_dict(), files=tuple(entries), run_id=self.run_id)
+                                parallel=coords.layout.to_dict(), files=tuple(entries), run_id=self.run_id,
+                                extra={SAVE_KEY: save_id} if save_id else {})
         key = self.layout.rank_manifest_key(step, coords.rank)
         crash_point("store.files_written")
         self._retry(lambda: self.tier.publish(key, dump_rank(manifest)), step, coords.rank, f"publish {key}")
@@ -423,10 +431,11 @@ class FileStore(CommittedFiles):
         every rank's ranges are there: waited for, up to ``wait_s``.
         """
         rank_manifest = source.read_rank_manifest(step, coords.rank)
+        save_id = rank_manifest.extra.get(SAVE_KEY, "")  # the save the files come from, on every rank alike
         if any("in_place" in e.meta for e in rank_manifest.files):
             source.wait_committed(step, coords.rank, wait_s)
-        if sole_writer:
-            self._uncommit_for_rewrite(step, coords.rank)
+        if sole_writer or save_id:
+            self._uncommit_for_rewrite(step, coords.rank, save_id)
         entries = []
         for entry in rank_manifest.files:
             if "in_place" in entry.meta:  # this rank's ranges of Megatron's merged file: its own file here
@@ -461,7 +470,7 @@ class FileStore(CommittedFiles):
             entries.append(FileEntry(key=entry.key, item=entry.item, rank=entry.rank, codec=entry.codec,
                                      size=size, checksum=checksum, compression=self.compression_name,
                                      raw_size=raw, meta=meta))
-        return self._publish_rank(step, coords, entries)
+        return self._publish_rank(step, coords, entries, save_id)
 
     # ----- committing --------------------------------------------------------------------------------------
     def wait_committed(self, step: int, rank: int, wait_s: float, poll_s: float = 0.05) -> None:
@@ -483,9 +492,10 @@ class FileStore(CommittedFiles):
         return found
 
     def try_commit(self, step: int, coords: RankCoords, ranks: list[int] | None = None, *, wait_s: float = 0.0,
-                   poll_s: float = 0.05) -> CheckpointManifest | None:
+                   poll_s: float = 0.05, save_id: str = "") -> CheckpointManifest | None:
         """As the committing rank: once every rank of ``ranks`` (default: the whole job) has its manifest here,
-        write the checkpoint manifest, then the tracker. Waits up to ``wait_s``; None means not committed."""
+        write the checkpoint manifest, then the tracker. Waits up to ``wait_s``; None means not committed.
+        ``save_id``: only rank manifests of that save are votes (another save's are stale)."""
         ranks = list(range(coords.world_size)) if ranks is None else sorted(ranks)
         deadline = time.monotonic() + wait_s
         votes: dict[int, RankManifest] = {}
@@ -499,7 +509,7 @@ class FileStore(CommittedFiles):
                         # manifest.load_rank checks every field (a rank lists only its own files, ...): a
                         # CorruptionError naming the manifest and field refuses the commit
                         vote = self.read_rank_manifest(step, r)
-                        why = self._not_a_vote(vote, coords.layout)
+                        why = self._not_a_vote(vote, coords.layout, save_id)
                         if why:
                             stale.append(f"rank {r}: {why}")
                         else:
@@ -517,8 +527,9 @@ class FileStore(CommittedFiles):
             files.extend(votes[r].files)
         scope = "job" if len(ranks) == coords.world_size else "node"
         files = self.layout.checkpoint_files(files, self.layout.finalize(self, step, coords.layout, files, scope))
+        extra: dict[str, Any] = {"ranks": ranks, "scope": scope, **({SAVE_KEY: save_id} if save_id else {})}
         manifest = CheckpointManifest(step=step, layout=self.layout.name, parallel=coords.layout.to_dict(),
-                                      files=tuple(files), run_id=self.run_id, extra={"ranks": ranks, "scope": scope})
+                                      files=tuple(files), run_id=self.run_id, extra=extra)
         key = self.layout.manifest_key(step)
         self._retry(lambda: self.tier.publish(key, dump_checkpoint(manifest)), step, coords.rank, f"publish {key}")
         self._manifests[step] = manifest
@@ -526,9 +537,12 @@ class FileStore(CommittedFiles):
         self._update_tracker(step, coords.rank)
         return manifest
 
-    def _not_a_vote(self, vote: RankManifest, layout: ParallelLayout) -> str:
-        """Why a rank manifest is not this job's vote for the step (an old job's, of another layout), or ''."""
+    def _not_a_vote(self, vote: RankManifest, layout: ParallelLayout, save_id: str = "") -> str:
+        """Why a rank manifest is not this save's vote for the step (an old job's, of another layout), or ''."""
         key = self.layout.rank_manifest_key(vote.step, vote.rank)
+        if save_id and vote.extra.get(SAVE_KEY) != save_id:
+            return (f"{key} belongs to another save of step {vote.step} (an earlier job's or attempt's): waiting "
+                    "for this save's")
         if vote.layout != self.layout.name:
             return f"{key} is of layout {vote.layout!r}, not {self.layout.name!r}"
         if ParallelLayout.from_dict(vote.parallel) != layout:

@@ -45,6 +45,8 @@ _MAX_STEP = (1 << 63) - 1
 _CHECKSUM = re.compile(r"[A-Za-z0-9_]+:[0-9a-f]+")
 RANK_FORMAT = "tiered_ckpt.rank_manifest"
 CHECKPOINT_FORMAT = "tiered_ckpt.manifest"
+# extra[SAVE_KEY]: the identity of the save a manifest belongs to (docs/architecture.md, "Save identity")
+SAVE_KEY = "save"
 
 
 @dataclass(frozen=True)
@@ -264,6 +266,9 @@ def _parse(data: bytes, fmt: str, where: str, tier: str | None) -> tuple[_Reader
 
 
 def _check_extra(r: _Reader, extra: dict, world: int) -> None:
+    save = extra.get(SAVE_KEY)
+    if save is not None and not (isinstance(save, str) and 0 < len(save) <= 128):
+        raise r.fail(f"extra.{SAVE_KEY}: expected a save identity (a short string), got {str(save)[:40]!r}")
     ranks = extra.get("ranks")
     if ranks is not None:
         if not isinstance(ranks, list) or not all(isinstance(x, int) and not isinstance(x, bool) for x in ranks):

@@ -46,6 +46,7 @@ class SlotMeta:
     # UNVERIFIED (taken by a restart from a slot whose process died first: they prove nothing about the save),
     # "" (none: a tier that does not outlive the process, or a record of an older version).
     checksums: str = ""
+    save_id: str = ""  # the save's identity, alike on every rank (engine._save_id); "" when unknown
 
     @property
     def checksummed(self) -> bool:

@@ -156,9 +156,9 @@ class SnapshotStore(Store, Protocol):
     def release_slot(self, slot: int) -> None: ...
 
     def write_snapshot(self, step: int, slot: int, placed: list, total: int, *, coords: RankCoords, layout: str,
-                       run_id: str, persistent: bool) -> SlotMeta:
+                       run_id: str, persistent: bool, save_id: str = "") -> SlotMeta:
         """Copy the planned items (:func:`~tiered_ckpt.memory_store.plan_items`) into ``slot`` and publish its
-        record: the save's only blocking work."""
+        record: the save's only blocking work. ``save_id``: the save's identity, kept in the record."""
         ...
 
     def metas(self) -> dict[int, SlotMeta]: ...
