@@ -296,10 +296,8 @@ class FileStore(CommittedFiles):
         needs this rank's vote, which comes after this, so a manifest found here is another save's; one of this
         very save (a recovery drain of a step committed meanwhile) is kept. Without an identity only the sole
         writer does it (docs/architecture.md, "Save identity")."""
-        key, mine = self.layout.manifest_key(step), self.layout.rank_manifest_key(step, rank)
-        meta_dir = self.layout.rank_manifest_prefix(step)
-        listed = set(self._retry(lambda: self.tier.list(meta_dir), step, rank, f"list {meta_dir}"))  # one request
-        if key in listed:
+        key = self.layout.manifest_key(step)
+        if self._retry(lambda: self.tier.exists(key), step, rank, f"look for {key}"):
             try:
                 old = self.read_manifest(step)
             except (CorruptionError, BlobNotFoundError):
@@ -322,7 +320,9 @@ class FileStore(CommittedFiles):
                 else:
                     self._retry(lambda: self.tier.delete(self.layout.tracker), step, rank,
                                 f"delete {self.layout.tracker}")
-        if mine in listed:
+        # two lookups, not a listing: on a shared file system every rank of a large job does this at once
+        mine = self.layout.rank_manifest_key(step, rank)
+        if self._retry(lambda: self.tier.exists(mine), step, rank, f"look for {mine}"):
             self._retry(lambda: self.tier.delete(mine), step, rank, f"delete {mine}")
 
     def _write_file(self, key: str, make_chunks: Callable[[], Iterable[Chunk]], step: int, rank: int,
