@@ -41,6 +41,8 @@ def read_committed_step(store: FileStore, step: int, coords: RankCoords, *, copy
             raise _refuse(store, changed, step, f"items {sorted(saved - {MODEL_ITEM, OPTIM_ITEM})} were saved "
                           "per rank and cannot be re-split (Megatron's items can)")
         return _read_megatron(store, step, coords, verify=verify, trust=trust_pickles)
+    if _merged_only(manifest, coords):
+        return _read_megatron(store, step, coords, verify=verify, trust=trust_pickles)
     items = store.load_rank(manifest, coords, verify=verify, copy=copy, map_location=map_location,
                             trust_pickles=trust_pickles)
     mine = store.layout.files_for_rank(manifest.files, manifest.parallel, coords)
@@ -52,6 +54,13 @@ def read_committed_step(store: FileStore, step: int, coords: RankCoords, *, copy
     # nothing showed those bytes were the ones saved
     origin_ok = not any(f.meta.get("origin") == "unverified" for f in mine)
     return items, verify and origin_ok, sum(f.size for f in mine)
+
+
+def _merged_only(manifest: Any, coords: RankCoords) -> bool:
+    """Whether this rank's optimizer state is only in Megatron's merged file (one ``convert --to megatron``
+    wrote: no rank file, no ranges written in place): it is then split from that file, as for a DP change."""
+    merged = [f for f in manifest.files if f.item == OPTIM_ITEM and coords.rank in f.meta.get("merged_from", ())]
+    return bool(merged) and not any(f.meta.get("written") == "in_place" for f in merged)
 
 
 def _in_place_ranges(store: FileStore, manifest: Any, coords: RankCoords) -> Any:

@@ -26,6 +26,7 @@ from megatron_fixtures import (
 )
 from megatron_synthetic import ModelSpec, SyntheticJob, write_checkpoint
 
+from tiered_ckpt import CheckpointEngine
 from tiered_ckpt.cli import main as cli_main
 from tiered_ckpt.errors import ConfigError, CorruptionError
 from tiered_ckpt.file_streams import checked_pieces
@@ -85,6 +86,17 @@ def test_fixture_to_rank_sharded_and_back(tmp_path: Path, config: str) -> None:
     assert back.source_verified and back.source_layout == "rank_sharded"
     _megatron_files_identical(tmp_path / "back", config)  # distrib_optim.pt and model_optim_rng.pt, byte for byte
     _assert_committed(tmp_path / "back", 10, len(back.files))
+    # The job it is meant for (same DP) loads every rank's optimizer shard from it, in either engine layout (a
+    # new-user trial: load() returned no distrib_optim item, and Megatron trained on uninitialised state)
+    layout = ParallelLayout(tp=t["tp"], pp=t["pp"], dp=t["dp"])
+    for engine_layout in ("megatron", "rank_sharded"):
+        for rank in range(t["world_size"]):
+            cfg = {"run_id": f"back-{uuid.uuid4().hex[:8]}", "layout": engine_layout,
+                   "tiers": [{"name": "disk", "kind": "local", "path": str(tmp_path / "back")}]}
+            with CheckpointEngine(cfg, layout, rank=rank) as engine:
+                loaded = engine.load()
+            assert loaded.verified, (engine_layout, rank)
+            assert_same(fixture_rank_shard(config, rank), loaded.items["distrib_optim"])
 
 
 @pytest.mark.parametrize(("config", "dp"), RELOADS)
