@@ -59,8 +59,11 @@ def read_committed_step(store: FileStore, step: int, coords: RankCoords, *, copy
 def _merged_only(manifest: Any, coords: RankCoords) -> bool:
     """Whether this rank's optimizer state is only in Megatron's merged file (one ``convert --to megatron``
     wrote: no rank file, no ranges written in place): it is then split from that file, as for a DP change."""
-    merged = [f for f in manifest.files if f.item == OPTIM_ITEM and coords.rank in f.meta.get("merged_from", ())]
-    return bool(merged) and not any(f.meta.get("written") == "in_place" for f in merged)
+    from .layouts.megatron import is_merged_optimizer_file
+
+    merged = [f for f in manifest.files if is_merged_optimizer_file(f)]
+    own = [f for f in manifest.files if f.item == OPTIM_ITEM and f.rank == coords.rank and f not in merged]
+    return bool(merged) and not own and not any(f.meta.get("written") == "in_place" for f in merged)
 
 
 def _in_place_ranges(store: FileStore, manifest: Any, coords: RankCoords) -> Any:

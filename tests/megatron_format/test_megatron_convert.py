@@ -320,3 +320,24 @@ def test_cli_convert(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     assert "expected an iteration number" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         cli_main(["convert", str(src), str(tmp_path / "z"), "--to", "zarr"])
+
+
+@pytest.mark.parametrize("dp", [1, 2, 8])
+def test_rank_sharded_to_megatron_at_another_dp_with_pipeline_stages(tmp_path: Path, dp: int) -> None:
+    """rank_sharded at DP 4 (PP 2) to Megatron's files for DP ``dp``: each merged file belongs to the target's
+    writer of its directory (was the source's rank: a KeyError below DP 4), and a job at DP ``dp`` loads the
+    same optimizer shards from it as from Megatron's original."""
+    job = SyntheticJob(ModelSpec(num_layers=4, hidden=64), tp=1, pp=2, dp=2)
+    write_checkpoint(job, tmp_path / "megatron", layout="megatron", manifest=False)
+    convert(tmp_path / "megatron", tmp_path / "rs4", to="rank_sharded", dp=4, progress=False)
+    report = convert(tmp_path / "rs4", tmp_path / "back", to="megatron", dp=dp, progress=False)
+    assert sorted({f["rank"] for f in report.files}) == [0, dp]  # DP rank 0 of each pipeline stage
+    layout = ParallelLayout(pp=2, dp=dp)
+    for rank in range(layout.world_size):
+        loads = []
+        for root in ("megatron", "back"):
+            cfg = {"run_id": f"dp-{uuid.uuid4().hex[:8]}", "layout": "megatron",
+                   "tiers": [{"name": "disk", "kind": "local", "path": str(tmp_path / root)}]}
+            with CheckpointEngine(cfg, layout, rank=rank) as engine:
+                loads.append(engine.load().items["distrib_optim"])
+        assert_same(loads[0], loads[1])

@@ -25,6 +25,12 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
+def is_merged_optimizer_file(entry: FileEntry) -> bool:
+    """Megatron's ``iter_N/mp_rank_*/distrib_optim.pt``: every DP rank's optimizer state of one model group."""
+    parts = entry.key.split("/")
+    return entry.item == OPTIM_ITEM and len(parts) == 3 and parts[1].startswith("mp_rank_")
+
+
 class MegatronLayout(Layout):
     name = "megatron"
 
@@ -39,8 +45,7 @@ class MegatronLayout(Layout):
         return f"{self.step_dir(step)}/{model_parallel_dir(coords)}/{OPTIM_ITEM}.pt"
 
     def is_derived(self, entry: FileEntry) -> bool:
-        parts = entry.key.split("/")
-        return entry.item == OPTIM_ITEM and len(parts) == 3 and parts[1].startswith("mp_rank_")
+        return is_merged_optimizer_file(entry)
 
     def write_in_place(self, store: Any, step: int, coords: RankCoords, src: Any, key: str) -> FileEntry | None:
         """This rank's ranges of its directory's ``distrib_optim.pt``, written into the file all its DP group

@@ -26,7 +26,7 @@ import logging
 import os
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from ..config import load_config
@@ -238,8 +238,12 @@ def _write(source: StepSource, store: FileStore, to: str, target: MegatronTopolo
         if info.layout == "rank_sharded":
             shards_dirs = plan_dirs(_rank_shards(source))
             for d, parts in shards_dirs.items():
-                entries.append(write_megatron_file(store, source.key(d, DISTRIB_OPTIM_FILENAME), parts, step=step,
-                                                   progress=bar.update))
+                entry = write_megatron_file(store, source.key(d, DISTRIB_OPTIM_FILENAME), parts, step=step,
+                                            progress=bar.update)
+                if not same_dp:  # the file's writer in the target's ranks; the source's DP groups mean nothing there
+                    entry = replace(entry, rank=writers[d],
+                                    meta={k: v for k, v in entry.meta.items() if k != "merged_from"})
+                entries.append(entry)
         elif info.has_distrib_optim:
             meta = _megatron_meta(source, report)
             for d in info.rank_dirs:
