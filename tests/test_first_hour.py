@@ -81,6 +81,24 @@ def test_nothing_loadable_with_an_unreachable_tier_is_not_no_checkpoint(tmp_path
     print(message)
 
 
+def test_a_restart_with_snapshots_in_memory_while_a_tier_is_down_still_loads(tmp_path, shm_root, recorder):
+    """The snapshots an engine leaves in shared memory are recovered at the next start: a tier that cannot be
+    listed then (an object store down) is left out of that recovery, named, and the engine starts and loads the
+    newest step (a new-user trial: the engine could not even be made, TransientTierError from __init__)."""
+    cfg = {"run_id": run_id(), "drain": {"mode": "thread"},
+           "tiers": [{"name": "shm", "kind": "shm", "path": shm_root},
+                     {"name": "disk", "kind": "local", "path": str(tmp_path / "disk")}, unreachable_s3()]}
+    state_1 = {"model": {"w": torch.arange(4.0)}}
+    with CheckpointEngine(cfg) as engine:  # close() keeps the snapshot in shared memory (on_close: keep)
+        with pytest.raises(SaveError):
+            engine.save(1, state_1).wait(timeout=60)
+    with CheckpointEngine(cfg) as engine:
+        assert [e.tier for e in recorder.kinds("tier_unreachable")] == ["s3"]
+        loaded = engine.load()
+        assert (loaded.step, loaded.tier) == (1, "shm")
+        assert_same(state_1, loaded.items)
+
+
 @pytest.mark.parametrize("kind", ["fsspec", "local"])
 def test_a_file_tier_whose_directory_cannot_be_read_is_unreachable_not_empty(tmp_path, kind):
     """A tier directory that became a file (or sits under one: ENOTDIR) is "could not look": fsspec's find

@@ -210,7 +210,17 @@ class CheckpointEngine:
         if not metas:
             return
         durable = self.pipeline.durable_stores()
-        committed = {name: set(store.durable_steps()) for name, store in durable.items()}
+        committed: dict[str, set[int]] = {}
+        for name, store in list(durable.items()):
+            try:
+                committed[name] = set(store.durable_steps())
+            except (TierError, OSError) as exc:
+                # An unreachable tier (an object store down) must not stop the restart: load() names it, and the
+                # snapshots stay in memory for a later start to drain there while their slots are not reused.
+                del durable[name]
+                log.warning("tier %r cannot be listed, so the snapshots in memory are not recovered to it now: %s",
+                            name, exc)
+                self._emit(ev.Event(ev.TIER_UNREACHABLE, rank=self.coords.rank, tier=name, message=str(exc)))
         other_layout: list[str] = []
         for meta in metas:
             if not meta.persistent:

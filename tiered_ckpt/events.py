@@ -45,7 +45,8 @@ EVICT = "evict"  # retention removed a step from a tier
 RETRY = "retry"  # a transient failure is being retried on a tier
 FALLBACK = "fallback"  # load found a tier's copy unusable and moves to the next one
 LOAD = "load"  # a step was loaded (tier = where it came from)
-TIER_UNREACHABLE = "tier_unreachable"  # load() could not list a tier's steps (message = why); it loads without it
+# load() or the recovery at start could not list a tier (message = why): it goes on without it
+TIER_UNREACHABLE = "tier_unreachable"
 RECOVER = "recover"  # after a restart, a snapshot found in memory is queued for draining
 TIER_BEHIND = "tier_behind"  # a tier has this many steps still to take (detail.steps): saves outpace it
 TIER_DISABLED = "tier_disabled"  # a tier was turned off (e.g. gpu with enabled: auto and no CUDA)
