@@ -51,6 +51,16 @@ def unreachable_s3(name: str = "s3") -> dict:
             "options": {"endpoint_url": "http://127.0.0.1:9", "key": "k", "secret": "s"}}
 
 
+def test_a_misspelt_s3_option_is_a_configuration_error_before_any_save(tmp_path):
+    """s3fs passes options it does not know on to aiobotocore, which refused them only at the first request, in
+    the drain (a new-user trial: the save failed with a TypeError); the engine now refuses them at the key."""
+    tier = unreachable_s3()
+    tier["options"] = {**tier["options"], "endpoint_urll": tier["options"]["endpoint_url"]}
+    with pytest.raises(ConfigError, match=r"tiers\[0\]\.options: unknown s3fs option 'endpoint_urll'; did you "
+                                          r"mean 'endpoint_url'\?"):
+        CheckpointEngine({"run_id": run_id(), "tiers": [tier]})
+
+
 # ----- 1. "nothing there" is not "could not look" ---------------------------------------------------------------
 def test_an_unreachable_tier_is_named_and_the_newest_reachable_step_loads(tmp_path, recorder):
     cfg = {"run_id": run_id(), "drain": {"mode": "thread"},

@@ -119,7 +119,7 @@ def build_stores(config: Config, pm: PluginManager, coords: RankCoords, local_ra
 
 def _placed(exc: ConfigError, config: Config, name: str) -> ConfigError:
     """A tier's ConfigError (its key path ``tier 'NAME'.key`` or ``key``) as the configuration's ``tiers[i].key``."""
-    if exc.source is not None and exc.key_path and exc.key_path.startswith("tiers["):
+    if exc.key_path and exc.key_path.startswith("tiers["):  # placed already (make_store, then build_pipeline)
         return exc
     index = next(i for i, t in enumerate(config.tiers) if t.name == name)
     rel = re.sub(r"^tier '[^']*'\.?", "", exc.key_path or "")  # "tier 'hbm'.enabled" → "enabled"

@@ -49,8 +49,9 @@ from typing import Any
 import fsspec
 import torch
 
-from ..errors import BlobNotFoundError, CorruptionError, PermanentTierError, TierError, TransientTierError
+from ..errors import BlobNotFoundError, ConfigError, CorruptionError, PermanentTierError, TierError, TransientTierError
 from ..retry import repeat_on, request_retrying
+from ..validate import suggest
 from ._files import is_temp_name
 from ._nofollow import check_size
 from ._s3 import (
@@ -87,6 +88,24 @@ def _aiohttp_content(body: Any) -> Any:
     return raw.content if isinstance(raw, aiohttp.ClientResponse) else None
 
 
+def _check_option_names(options: dict[str, Any]) -> None:
+    """s3fs hands every option it does not know to aiobotocore's session, which refuses it at the first request,
+    in the drain: a misspelt option is a ConfigError at the tier's ``options`` here instead."""
+    import inspect
+
+    import s3fs
+    from aiobotocore.session import AioSession
+
+    known = {"skip_instance_cache", "use_listings_cache", "listings_expiry_time", "max_paths"}
+    for fn in (s3fs.S3FileSystem.__init__, AioSession.__init__):
+        known |= {n for n, p in inspect.signature(fn).parameters.items()
+                  if n != "self" and p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)}
+    unknown = sorted(str(k) for k in options if k not in known)
+    if unknown:
+        raise ConfigError(f"unknown s3fs option {unknown[0]!r}{suggest(unknown[0], known)} (the options are "
+                          "s3fs.S3FileSystem's arguments, and aiobotocore's session's)", key_path="options")
+
+
 class S3Tier(FsspecTier):
     """The ``fsspec`` kind on S3 (module docstring)."""
 
@@ -94,6 +113,7 @@ class S3Tier(FsspecTier):
     _install_hint = " (pip install 'tiered-ckpt[s3]')"  # fsspec says "Install s3fs"; our extra pins a tested one
 
     def __init__(self, name: str, options: FsspecOptions, context: TierContext | None = None):
+        _check_option_names(options.options)
         super().__init__(name, options, context)
         self.fs.retries = 1  # our own instance (skip_instance_cache): the tier's tries are the only ones
         config = self._storage["config_kwargs"]
