@@ -296,6 +296,11 @@ class FileStore(CommittedFiles):
         needs this rank's vote, which comes after this, so a manifest found here is another save's; one of this
         very save (a recovery drain of a step committed meanwhile) is kept. Without an identity only the sole
         writer does it (docs/architecture.md, "Save identity")."""
+        # This rank's vote goes first: a commit of an earlier save still under way re-reads its votes after
+        # publishing (try_commit) and withdraws itself if one is gone, so no manifest vouches for these files.
+        mine = self.layout.rank_manifest_key(step, rank)
+        if self._retry(lambda: self.tier.exists(mine), step, rank, f"look for {mine}"):
+            self._retry(lambda: self.tier.delete(mine), step, rank, f"delete {mine}")
         key = self.layout.manifest_key(step)
         if self._retry(lambda: self.tier.exists(key), step, rank, f"look for {key}"):
             try:
@@ -320,10 +325,6 @@ class FileStore(CommittedFiles):
                 else:
                     self._retry(lambda: self.tier.delete(self.layout.tracker), step, rank,
                                 f"delete {self.layout.tracker}")
-        # two lookups, not a listing: on a shared file system every rank of a large job does this at once
-        mine = self.layout.rank_manifest_key(step, rank)
-        if self._retry(lambda: self.tier.exists(mine), step, rank, f"look for {mine}"):
-            self._retry(lambda: self.tier.delete(mine), step, rank, f"delete {mine}")
 
     def _write_file(self, key: str, make_chunks: Callable[[], Iterable[Chunk]], step: int, rank: int,
                     compress: bool = True, private: bool = False) -> tuple[int, str, int]:
@@ -532,10 +533,31 @@ class FileStore(CommittedFiles):
                                       files=tuple(files), run_id=self.run_id, extra=extra)
         key = self.layout.manifest_key(step)
         self._retry(lambda: self.tier.publish(key, dump_checkpoint(manifest)), step, coords.rank, f"publish {key}")
+        if save_id and not self._votes_hold(step, ranks, save_id, coords.rank):
+            # A rank moved on to a later save of this step meanwhile (its vote is gone or replaced) and may be
+            # replacing its files: this commit withdraws, derived files with it, before anything points at it.
+            self._retry(lambda: self.tier.delete(key), step, coords.rank, f"delete {key}")
+            for e in files:
+                if self.layout.is_derived(e):
+                    self._retry(lambda k=e.key: self.tier.delete(k), step, coords.rank, f"delete {e.key}")
+            log.warning("tier %r: step %d not committed: a rank began saving it again while this save committed",
+                        self.name, step)
+            return None
         self._manifests[step] = manifest
         crash_point("store.manifest_written")
         self._update_tracker(step, coords.rank)
         return manifest
+
+    def _votes_hold(self, step: int, ranks: list[int], save_id: str, rank: int) -> bool:
+        """Whether every rank's manifest of ``step`` is still this save's (read again after the commit)."""
+        for r in ranks:
+            try:
+                vote = self._retry(lambda r=r: self.read_rank_manifest(step, r), step, rank, f"read rank {r}'s vote")
+            except (BlobNotFoundError, CorruptionError):
+                return False
+            if vote.extra.get(SAVE_KEY) != save_id:
+                return False
+        return True
 
     def _not_a_vote(self, vote: RankManifest, layout: ParallelLayout, save_id: str = "") -> str:
         """Why a rank manifest is not this save's vote for the step (an old job's, of another layout), or ''."""

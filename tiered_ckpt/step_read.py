@@ -42,7 +42,16 @@ def read_committed_step(store: FileStore, step: int, coords: RankCoords, *, copy
                           "per rank and cannot be re-split (Megatron's items can)")
         return _read_megatron(store, step, coords, verify=verify, trust=trust_pickles)
     if _merged_only(manifest, coords):
-        return _read_megatron(store, step, coords, verify=verify, trust=trust_pickles)
+        items, verified, nbytes = _read_megatron(store, step, coords, verify=verify, trust=trust_pickles)
+        # the rank's other items (a dataloader's state, carried by convert at the same DP) are its own files
+        others = [f for f in store.layout.files_for_rank(manifest.files, manifest.parallel, coords)
+                  if f.item not in (MODEL_ITEM, OPTIM_ITEM)]
+        for entry in others:
+            blob = store.read_verified(entry, step, coords.rank, verify=verify)
+            items[entry.item] = store.decode_entry(entry, blob, copy=copy, map_location=map_location,
+                                                   trust_pickles=trust_pickles)
+        origin_ok = not any(f.meta.get("origin") == "unverified" for f in others)
+        return items, verified and origin_ok, nbytes + sum(f.size for f in others)
     items = store.load_rank(manifest, coords, verify=verify, copy=copy, map_location=map_location,
                             trust_pickles=trust_pickles)
     mine = store.layout.files_for_rank(manifest.files, manifest.parallel, coords)

@@ -145,3 +145,34 @@ def test_a_crashed_dcp_save_again_does_not_leave_the_old_metadata_as_a_plain_dcp
         reader = TieredStorageReader(engine)
         dcp.load(loaded, storage_reader=reader)
         assert reader.step == 4 and reader.verified and torch.equal(loaded["model"]["w"], torch.full((8, 8), 4.0))
+
+
+def test_an_earlier_save_s_commit_withdraws_when_a_rank_moves_on_to_a_later_save_of_the_step(tmp_path):
+    """Two saves of one step in flight (a restart drains step 7 from shared memory while the job saves 7 again):
+    rank 1 starts the later save between the committer's reading of the earlier save's votes and its publishing
+    of the manifest. That commit must withdraw: it would vouch for files rank 1 is replacing (found by a review,
+    by this forced interleaving of two FileStores on one directory)."""
+    from tiered_ckpt.megatron.convert import open_store
+    from tiered_ckpt.parallel import ParallelLayout
+
+    layout, step = ParallelLayout(dp=2), 7
+    r0, r1 = open_store(str(tmp_path), "rank_sharded", "shared"), open_store(str(tmp_path), "rank_sharded", "shared")
+
+    def write(store, rank: int, save: str, payload: bytes) -> None:
+        store._uncommit_for_rewrite(step, rank, save)
+        entry = store.write_file(f"iter_{step:07d}/rank_{rank:05d}/state.flat", lambda: [payload], item="state",
+                                 rank=rank, step=step, codec="flat")
+        store._publish_rank(step, layout.coords(rank), [entry], save)
+
+    write(r0, 0, "X.0", b"x0" * 100)
+    write(r1, 1, "X.0", b"x1" * 100)
+    finalize = r0.layout.finalize
+
+    def rank_1_moves_on(*args, **kwargs):  # the votes of X are read; its manifest is not published yet
+        write(r1, 1, "Y.1", b"Y1" * 100)
+        return finalize(*args, **kwargs)
+
+    r0.layout.finalize = rank_1_moves_on
+    assert r0.try_commit(step, layout.coords(0), save_id="X.0") is None
+    assert r0.committed_steps() == []
+    assert r0.read_rank_manifest(step, 1).extra["save"] == "Y.1"  # rank 1's vote is the later save's now
