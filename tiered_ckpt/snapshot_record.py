@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from .errors import CorruptionError
@@ -69,8 +69,7 @@ class SlotMeta:
             if d.pop("format") != FORMAT or d.pop("version") != VERSION:
                 raise ValueError("unknown format or version")
             d["items"] = [SlotItem(**it) for it in d["items"]]
-            known = {f.name for f in fields(cls)}  # a newer version's added fields are not ours to read
-            meta = cls(**{k: v for k, v in d.items() if k in known})
+            meta = cls(**d)
             if meta.step < 0 or any(it.offset < 0 or it.nbytes < 0 or it.offset + it.nbytes > meta.total_bytes
                                     for it in meta.items):
                 raise ValueError("step or item region out of range")

@@ -75,7 +75,8 @@ def run_scenario(spec: dict) -> None:
     _die_with_the_drain_worker(engine)
     for step, scale, wait in zip(spec["steps"], spec["scales"], spec["wait"], strict=True):
         handle = engine.save(step, scenario_items(step, scale))
-        print(f"saved {step}", flush=True)
+        sys.stdout.flush()
+        os.write(sys.stdout.fileno(), f"saved {step}\n".encode())  # one write: never split by another's log line
         if wait:
             try:
                 handle.wait(timeout=60)

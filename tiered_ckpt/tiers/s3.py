@@ -113,8 +113,8 @@ class S3Tier(FsspecTier):
     _install_hint = " (pip install 'tiered-ckpt[s3]')"  # fsspec says "Install s3fs"; our extra pins a tested one
 
     def __init__(self, name: str, options: FsspecOptions, context: TierContext | None = None):
+        super().__init__(name, options, context)  # first: a missing s3fs is named there, with our extra
         _check_option_names(options.options)
-        super().__init__(name, options, context)
         self.fs.retries = 1  # our own instance (skip_instance_cache): the tier's tries are the only ones
         config = self._storage["config_kwargs"]
         connect = config.get("connect_timeout", getattr(self.fs, "connect_timeout", 5))
