@@ -131,6 +131,8 @@ def main() -> int:
         f"copy ceiling, all cores ({ceiling['method']})": (copy_s, None),
         "  copy_ (median)": (statistics.median(ceiling["single_s"]), None),
         f"  threaded memmove, {ceiling['threads']} threads (median)": (statistics.median(ceiling["threaded_s"]), None),
+        **({f"  streaming stores, {ceiling['threads']} threads (median)": (statistics.median(ceiling["streaming_s"]),
+                                                                          None)} if "streaming_s" in ceiling else {}),
         "raw write+fsync": (write_s, None),
         "prepare() (allocate + pre-fault 2 slots)": (prepare_s, None),
         "first save() after prepare": (first.blocking_s, first.blocking_s / warm_s),

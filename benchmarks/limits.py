@@ -23,9 +23,19 @@ import shutil
 import statistics
 import tempfile
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
+
+try:  # tiered_ckpt's streaming-store copy (built with the package where a C compiler is found)
+    from tiered_ckpt._streamcopy import STREAMING as _STREAMING
+    from tiered_ckpt._streamcopy import copy as _stream_copy
+except ImportError:
+    _STREAMING, _stream_copy = False, None
+
+#: The ways a copy ceiling is measured (``ParallelCopy``): every one the machine has.
+COPY_WAYS = ("single", "threaded", "streaming") if _STREAMING else ("single", "threaded")
 
 IO_CHUNK = 64 << 20  # bytes per direct I/O request
 ALIGN = 4096  # O_DIRECT: offsets, lengths and addresses aligned to the logical block (4 KiB covers every disk)
@@ -282,9 +292,14 @@ class ParallelCopy:
       over its intra-op threads);
     * ``threaded()``: the same bytes split into ``threads`` equal contiguous ranges (default
       ``torch.get_num_threads()``), each moved by ``ctypes.memmove`` on a thread of its own (ctypes releases the
-      GIL), so every core torch uses copies at once whatever torch does inside ``copy_``.
+      GIL), so every core torch uses copies at once whatever torch does inside ``copy_``;
+    * ``streaming()``: the same ranges on the same threads moved with streaming (non-temporal) stores, which write
+      around the caches and so skip the read of every destination line an ordinary store makes first (x86-64;
+      glibc's memmove streams only above a threshold it derives from the cache size, 192 MiB on the development
+      VM, larger than the pieces here). It is tiered_ckpt's own ``_streamcopy.copy``, the routine its snapshots
+      use: as a ceiling it is that store instruction at full width on every core, with no planning around it.
 
-    The ceiling is the faster of the two (``faster()``, by medians). Sources and destinations must be
+    The ceiling is the fastest way (``faster()``, by medians). Sources and destinations must be
     contiguous uint8 views of the same lengths; they are kept, not copied."""
 
     def __init__(self, pairs: list[tuple[torch.Tensor, torch.Tensor]], threads: int | None = None,
@@ -323,6 +338,11 @@ class ParallelCopy:
         for dst, src, n in job:
             ctypes.memmove(dst, src, n)
 
+    @staticmethod
+    def _run_streaming(job: list[tuple[int, int, int]]) -> None:
+        for dst, src, n in job:
+            _stream_copy(dst, src, n)
+
     def single(self) -> float:
         t0 = time.perf_counter()
         for src, dst in self.pairs:
@@ -330,12 +350,20 @@ class ParallelCopy:
         return time.perf_counter() - t0
 
     def threaded(self) -> float:
+        return self._on_threads(self._run)
+
+    def streaming(self) -> float:
+        if not _STREAMING:
+            raise RuntimeError("no streaming copy here: tiered_ckpt._streamcopy is not built (or not x86-64)")
+        return self._on_threads(self._run_streaming)
+
+    def _on_threads(self, run: Callable[[list[tuple[int, int, int]]], None]) -> float:
         t0 = time.perf_counter()
         if self._pool is None:
             for job in self.jobs:
-                self._run(job)
+                run(job)
         else:
-            for f in [self._pool.submit(self._run, j) for j in self.jobs]:
+            for f in [self._pool.submit(run, j) for j in self.jobs]:
                 f.result()
         return time.perf_counter() - t0
 
@@ -353,8 +381,8 @@ def faster(samples: dict[str, list[float]]) -> tuple[str, float]:
 
 
 def copy_ceiling(tensors: list[torch.Tensor], repeats: int = 5) -> dict[str, object]:
-    """The copy ceiling into pre-faulted shared memory of the full size: medians of ``repeats`` of ``single``
-    and ``threaded`` (alternating), and the faster: {"single_s", "threaded_s", "method", "seconds", "threads"}."""
+    """The copy ceiling into pre-faulted shared memory of the full size: medians of ``repeats`` of each of
+    :data:`COPY_WAYS` (rotating), and the fastest: {"<way>_s" for each way, "method", "seconds", "threads"}."""
     nbytes = sum(t.numel() * t.element_size() for t in tensors)
     root, mm, buf = prefaulted_shm(max(1, nbytes))
     try:
@@ -365,15 +393,15 @@ def copy_ceiling(tensors: list[torch.Tensor], repeats: int = 5) -> dict[str, obj
                 pairs.append((t.contiguous().reshape(-1).view(torch.uint8), buf[off:off + n]))
             off += n
         pc = ParallelCopy(pairs)
-        samples: dict[str, list[float]] = {"single": [], "threaded": []}
+        samples: dict[str, list[float]] = {w: [] for w in COPY_WAYS}
         for i in range(repeats):
-            for how in (("single", "threaded") if i % 2 == 0 else ("threaded", "single")):
+            for how in COPY_WAYS[i % len(COPY_WAYS):] + COPY_WAYS[:i % len(COPY_WAYS)]:
                 samples[how].append(getattr(pc, how)())
         threads = pc.threads
         pc.close()
         method, seconds = faster(samples)
-        return {"single_s": samples["single"], "threaded_s": samples["threaded"], "method": method,
-                "seconds": seconds, "threads": threads}
+        return {**{f"{w}_s": v for w, v in samples.items()}, "method": method, "seconds": seconds,
+                "threads": threads}
     finally:
         del pairs, buf
         try:

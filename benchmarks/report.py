@@ -115,7 +115,7 @@ def limit_stats(runs: list[dict]) -> dict[str, Any]:
             out[key] = stat(gather(runs, lambda r, src=src: r[src]))
             continue
         ways = {w: stat(gather(runs, lambda r, w=w, src=src: r["limit_copy_ways"][src][w]))
-                for w in ("single", "threaded")}
+                for w in ("single", "threaded", "streaming")}
         ways = {w: v for w, v in ways.items() if v is not None}
         if not ways:
             out[key] = None

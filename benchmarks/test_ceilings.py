@@ -39,6 +39,11 @@ def test_parallel_copy_moves_every_byte_once(threads):
             d.zero_()
         pc.single()
         assert all(torch.equal(a, b) for a, b in zip(src, dst, strict=True))
+        if "streaming" in limits.COPY_WAYS:
+            for d in dst:
+                d.zero_()
+            pc.streaming()
+            assert all(torch.equal(a, b) for a, b in zip(src, dst, strict=True))
         assert sum(n for job in pc.jobs for _, _, n in job) == sum(s.numel() for s in src)
     finally:
         pc.close()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import ctypes
 import mmap
 import os
+import platform
 import uuid
 
 import pytest
@@ -262,6 +263,42 @@ def test_the_copy_pool_works_in_a_forked_child():
             os._exit(2)
     _, status = os.waitpid(pid, 0)
     assert os.waitstatus_to_exitcode(status) == 0
+
+
+@pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="streaming stores are x86-64's")
+def test_the_streaming_copy_is_built_by_the_install():
+    """``make`` (pip install -e .) compiles the C helper here; an install that lost it would copy at memmove's
+    speed with every other test still passing."""
+    assert memcopy.STREAMING
+
+
+@pytest.mark.parametrize("streaming", [True, False], ids=["streaming", "memmove"])
+@pytest.mark.parametrize("n", [0, 1, 15, 63, 64, 65, 4097, (64 << 10) - 1, 64 << 10, (1 << 20) + 77])
+@pytest.mark.parametrize("dst_off,src_off", [(0, 0), (1, 0), (0, 3), (7, 13), (15, 1)])
+def test_move_copies_exactly_the_bytes_asked_at_any_alignment(monkeypatch, streaming, n, dst_off, src_off):
+    """Heads before a 16-byte boundary, whole cache lines, tails; nothing written outside the range."""
+    if streaming and not memcopy.STREAMING:
+        pytest.skip("the C helper is not built here")
+    monkeypatch.setattr(memcopy, "STREAMING", streaming)
+    monkeypatch.setattr(memcopy, "STREAM_MIN", 0)  # even a byte goes through the streaming routine
+    src = torch.randint(0, 256, (n + 64,), dtype=torch.uint8, generator=torch.Generator().manual_seed(n))
+    dst = torch.full((n + 64,), 0xA5, dtype=torch.uint8)
+    memcopy.move(dst.data_ptr() + dst_off, src.data_ptr() + src_off, n)
+    assert torch.equal(dst[dst_off:dst_off + n], src[src_off:src_off + n])
+    assert bool((dst[:dst_off] == 0xA5).all()) and bool((dst[dst_off + n:] == 0xA5).all())
+
+
+def test_the_streaming_copy_refuses_a_negative_count_or_a_null_address():
+    if not memcopy.STREAMING:
+        pytest.skip("the C helper is not built here")
+    from tiered_ckpt import _streamcopy
+
+    buf = torch.zeros(8, dtype=torch.uint8)
+    with pytest.raises(ValueError, match="negative"):
+        _streamcopy.copy(buf.data_ptr(), buf.data_ptr(), -1)
+    with pytest.raises(ValueError, match="null"):
+        _streamcopy.copy(0, buf.data_ptr(), 8)
+    _streamcopy.copy(0, 0, 0)  # nothing to move: no address is touched
 
 
 def test_memmove_releases_the_gil():

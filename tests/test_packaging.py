@@ -3,6 +3,7 @@ with LICENSE and py.typed, complete metadata, install hints that name our extras
 
 from __future__ import annotations
 
+import platform
 import re
 import subprocess
 import sys
@@ -76,6 +77,8 @@ def wheel(tmp_path_factory) -> zipfile.ZipFile:
 def test_the_wheel_ships_license_and_py_typed_and_complete_metadata(wheel):
     names = wheel.namelist()
     assert "tiered_ckpt/py.typed" in names
+    if platform.machine() in ("x86_64", "AMD64"):  # the streaming copy, compiled (optional where it cannot be)
+        assert any(n.startswith("tiered_ckpt/_streamcopy") and n.endswith(".so") for n in names), names
     dist_info = next(n.split("/")[0] for n in names if n.endswith(".dist-info/METADATA"))
     assert f"{dist_info}/licenses/LICENSE" in names
     assert "Apache License" in wheel.read(f"{dist_info}/licenses/LICENSE").decode()

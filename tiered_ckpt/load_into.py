@@ -19,7 +19,6 @@ into them, and if no tier can be loaded they must not be used.
 from __future__ import annotations
 
 import bisect
-import ctypes
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -150,7 +149,7 @@ def copy_verified(data: torch.Tensor, checksum: str, pairs: list[tuple[torch.Ten
                 off, nbytes, dst = spans[j]
                 lo, hi = max(pos, off), min(stop, off + nbytes)
                 if lo < hi:
-                    ctypes.memmove(dst + lo - off, base + lo, hi - lo)  # releases the GIL: pieces run in parallel
+                    memcopy.move(dst + lo - off, base + lo, hi - lo)  # releases the GIL: pieces run in parallel
                 j += 1
             h.update(memoryview(src[pos:stop]))  # the bytes just read: hashed from the cache
             pos = stop
@@ -188,7 +187,7 @@ def copy_out_verified(data: torch.Tensor, checksum: str) -> torch.Tensor | None:
         h = xxhash.xxh3_128()
         for pos in range(start, end, _SUB):
             stop = min(end, pos + _SUB)
-            ctypes.memmove(dst + pos, src + pos, stop - pos)  # releases the GIL
+            memcopy.move(dst + pos, src + pos, stop - pos)  # releases the GIL
             h.update(view[pos:stop])
         return h.hexdigest() == expected[k]
 

@@ -269,9 +269,10 @@ class CopyBaseline:
     Timing it between a candidate's saves or restores gives pairs taken under the same load, so their ratio is
     far steadier than limits measured at another time on a busy machine.
 
-    Each call times both ways of ``limits.ParallelCopy``: ``Tensor.copy_`` piece by piece (``single``) and the
-    bytes split over ``torch.get_num_threads()`` threads (``threaded``), the order alternating from call to call;
-    the ceiling is the way with the lower median (``run_all.py`` decides, from every sample).
+    Each call times every way of ``limits.ParallelCopy`` (``limits.COPY_WAYS``): ``Tensor.copy_`` piece by piece
+    (``single``), the bytes split over ``torch.get_num_threads()`` threads (``threaded``), and the same with
+    streaming stores (``streaming``), the order rotating from call to call; the ceiling is the way with the
+    lowest median (``run_all.py`` decides, from every sample).
 
     The buffer is at most ``ring`` bytes (256 MiB): tensors are copied through it piece by piece, wrapping
     around, so the baseline adds little memory (the machine is shared) while every copy still goes to
@@ -333,34 +334,36 @@ class CopyBaseline:
             elapsed += time.perf_counter() - t0
         return elapsed
 
-    def _threaded_out(self) -> float:
+    def _rounds_out(self, way: str) -> float:
         elapsed = 0.0
         for fill, back in self.out_rounds:
             fill.threaded()
-            elapsed += back.threaded()
+            elapsed += getattr(back, way)()
         return elapsed
 
-    def _both(self, kind: str, single: Callable[[], float], threaded: Callable[[], float]) -> float:
+    def _every_way(self, kind: str, ways: dict[str, Callable[[], float]]) -> float:
         self._calls += 1
-        ways = (("single", single), ("threaded", threaded))
-        got = self.samples.setdefault(kind, {"single": [], "threaded": []})
-        for name, fn in (ways if self._calls % 2 else ways[::-1]):
-            got[name].append(fn())
-        return min(got["single"][-1], got["threaded"][-1])
+        got = self.samples.setdefault(kind, {w: [] for w in ways})
+        names = list(ways)
+        k = self._calls % len(names)
+        for name in names[k:] + names[:k]:
+            got[name].append(ways[name]())
+        return min(got[w][-1] for w in names)
 
     def copy_in(self, label: str = "in") -> float:
-        """One sample of each way into the buffer; returns the faster of the two (both are kept in
-        ``samples[label]``: a different label keeps samples taken under other conditions apart)."""
-        return self._both(label, self.par_in.single, self.par_in.threaded)
+        """One sample of each way into the buffer; returns the fastest (all are kept in ``samples[label]``: a
+        different label keeps samples taken under other conditions apart)."""
+        return self._every_way(label, {w: getattr(self.par_in, w) for w in limits.COPY_WAYS})
 
     def copy_out(self) -> float:
         """One sample of each way from the buffer into the state's own tensors (pre-faulted, like a model's);
         before each piece, untimed, the buffer is given that piece's bytes, so the state never changes. (The
         tail of a piece may still be in the CPU cache then, which can only flatter this limit.)"""
-        return self._both("out", self._single_out, self._threaded_out)
+        return self._every_way("out", {w: (self._single_out if w == "single" else
+                                           lambda w=w: self._rounds_out(w)) for w in limits.COPY_WAYS})
 
     def report(self) -> dict[str, Any]:
-        """Every sample of both ways, for the result JSON (``limit_copy_ways``)."""
+        """Every sample of every way, for the result JSON (``limit_copy_ways``)."""
         return {"threads": self.threads, **{k: {w: list(v) for w, v in d.items()} for k, d in self.samples.items()}}
 
     def close(self) -> None:

@@ -1,0 +1,91 @@
+/* Host-to-host copies with streaming (non-temporal) stores, for tiered_ckpt/memcopy.py.
+ *
+ * A snapshot's bytes are not read again soon after they are copied (a slot is drained from memory, a restored
+ * tensor is next read by a training step), so writing them around the caches saves the read of every
+ * destination line that an ordinary store makes first, and the eviction of the caller's working set.
+ * glibc's memmove streams only above a threshold it derives from the last-level cache size (192 MiB on the
+ * development VM, whose hypervisor reports a 256 MiB cache), while a copy here comes in pieces of a few MiB.
+ * On x86-64 this copies with SSE2 streaming stores (part of the base instruction set: nothing to detect);
+ * elsewhere it is memcpy. docs/architecture.md, "The data path of a save". */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <stdint.h>
+#include <string.h>
+
+#if defined(__x86_64__) || defined(_M_X64)
+#include <emmintrin.h>
+#define STREAMING 1
+#else
+#define STREAMING 0
+#endif
+
+static void stream_copy(char *dst, const char *src, size_t n)
+{
+#if STREAMING
+    size_t head = (16 - ((uintptr_t)dst & 15)) & 15; /* streaming stores need 16-byte aligned targets */
+    if (head > n)
+        head = n;
+    memcpy(dst, src, head);
+    dst += head;
+    src += head;
+    n -= head;
+    size_t i = 0;
+    for (; i + 64 <= n; i += 64) { /* one cache line per round: four loads, then four stores */
+        __m128i a = _mm_loadu_si128((const __m128i *)(src + i));
+        __m128i b = _mm_loadu_si128((const __m128i *)(src + i + 16));
+        __m128i c = _mm_loadu_si128((const __m128i *)(src + i + 32));
+        __m128i d = _mm_loadu_si128((const __m128i *)(src + i + 48));
+        _mm_stream_si128((__m128i *)(dst + i), a);
+        _mm_stream_si128((__m128i *)(dst + i + 16), b);
+        _mm_stream_si128((__m128i *)(dst + i + 32), c);
+        _mm_stream_si128((__m128i *)(dst + i + 48), d);
+    }
+    memcpy(dst + i, src + i, n - i);
+    _mm_sfence(); /* the streamed stores are visible to other threads before the caller goes on */
+#else
+    memcpy(dst, src, n);
+#endif
+}
+
+static PyObject *copy(PyObject *self, PyObject *args)
+{
+    unsigned long long dst, src;
+    Py_ssize_t n;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "KKn:copy", &dst, &src, &n))
+        return NULL;
+    if (n < 0) {
+        PyErr_Format(PyExc_ValueError, "copy: byte count %zd is negative", n);
+        return NULL;
+    }
+    if (n > 0 && (dst == 0 || src == 0)) {
+        PyErr_SetString(PyExc_ValueError, "copy: a null address");
+        return NULL;
+    }
+    Py_BEGIN_ALLOW_THREADS /* the copy threads of memcopy.py run at once */
+    stream_copy((char *)(uintptr_t)dst, (const char *)(uintptr_t)src, (size_t)n);
+    Py_END_ALLOW_THREADS
+    Py_RETURN_NONE;
+}
+
+static PyMethodDef methods[] = {
+    {"copy", copy, METH_VARARGS,
+     "copy(dst, src, n): move n bytes from address src to address dst (host memory, not overlapping), "
+     "with streaming stores where the CPU has them, without holding the GIL."},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {
+    PyModuleDef_HEAD_INIT, "_streamcopy", "Host-memory copies with streaming stores (tiered_ckpt/memcopy.py).",
+    -1, methods, NULL, NULL, NULL, NULL,
+};
+
+PyMODINIT_FUNC PyInit__streamcopy(void)
+{
+    PyObject *m = PyModule_Create(&module);
+    if (m != NULL && PyModule_AddIntConstant(m, "STREAMING", STREAMING) < 0) {
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
+}
