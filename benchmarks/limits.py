@@ -25,14 +25,40 @@ import tempfile
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
 
 import torch
 
-try:  # tiered_ckpt's streaming-store copy (built with the package where a C compiler is found)
-    from tiered_ckpt._streamcopy import STREAMING as _STREAMING
-    from tiered_ckpt._streamcopy import copy as _stream_copy
-except ImportError:
-    _STREAMING, _stream_copy = False, None
+
+def _load_streamcopy() -> Any:
+    """tiered_ckpt's streaming-store copy (built with the package where a C compiler is found), or None. A peer's
+    environment (benchmarks/.peers-venv) sees torch but not this package: there the checkout's build of the
+    helper is loaded alone, so every process pairs the same ceilings."""
+    try:
+        from tiered_ckpt import _streamcopy
+        return _streamcopy
+    except ImportError:
+        pass
+    import importlib.machinery
+    import importlib.util
+
+    for path in sorted(Path(__file__).resolve().parents[1].joinpath("tiered_ckpt").glob("_streamcopy*.so")):
+        loader = importlib.machinery.ExtensionFileLoader("tiered_ckpt._streamcopy", str(path))
+        spec = importlib.util.spec_from_file_location("tiered_ckpt._streamcopy", str(path), loader=loader)
+        if spec is not None:
+            try:
+                module = importlib.util.module_from_spec(spec)
+                loader.exec_module(module)
+                return module
+            except ImportError:  # built for another Python
+                continue
+    return None
+
+
+_streamcopy = _load_streamcopy()
+_STREAMING = bool(_streamcopy is not None and _streamcopy.STREAMING)
+_stream_copy = _streamcopy.copy if _STREAMING else None
 
 #: The ways a copy ceiling is measured (``ParallelCopy``): every one the machine has.
 COPY_WAYS = ("single", "threaded", "streaming") if _STREAMING else ("single", "threaded")
