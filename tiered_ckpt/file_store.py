@@ -312,11 +312,7 @@ class FileStore(CommittedFiles):
             log.warning("tier %r: step %d is committed here and is being saved again: it is un-committed until "
                         "the new save commits (a crash before then leaves the previous step the newest)",
                         self.name, step)
-            self._retry(lambda: self.tier.delete(key), step, rank, f"delete {key}")
-            self._manifests.pop(step, None)
-            for e in old.files if old is not None else ():
-                if self.layout.is_derived(e):
-                    self._retry(lambda k=e.key: self.tier.delete(k), step, rank, f"delete {e.key}")
+            self._drop_commit(step, rank, old.files if old is not None else ())
             if self.read_tracker() == step:  # Megatron-LM reads the tracker alone: point it at a committed step
                 older = [s for s in self._retry(self.committed_steps, step, rank, "list the tier") if s != step]
                 if older:
@@ -325,6 +321,17 @@ class FileStore(CommittedFiles):
                 else:
                     self._retry(lambda: self.tier.delete(self.layout.tracker), step, rank,
                                 f"delete {self.layout.tracker}")
+
+    def _drop_commit(self, step: int, rank: int, files: Iterable[FileEntry]) -> None:
+        """Un-commit ``step``: its checkpoint manifest first, then the files that commit derived from the ranks'
+        (``files``: its entries; DCP's ``.metadata``, Megatron's merged optimizer file), which with no manifest
+        would pass for a plain checkpoint of their own. The ranks' own files stay."""
+        key = self.layout.manifest_key(step)
+        self._retry(lambda: self.tier.delete(key), step, rank, f"delete {key}")
+        self._manifests.pop(step, None)
+        for e in files:
+            if self.layout.is_derived(e):
+                self._retry(lambda k=e.key: self.tier.delete(k), step, rank, f"delete {e.key}")
 
     def _write_file(self, key: str, make_chunks: Callable[[], Iterable[Chunk]], step: int, rank: int,
                     compress: bool = True, private: bool = False) -> tuple[int, str, int]:
@@ -536,10 +543,7 @@ class FileStore(CommittedFiles):
         if save_id and not self._votes_hold(step, ranks, save_id, coords.rank):
             # A rank moved on to a later save of this step meanwhile (its vote is gone or replaced) and may be
             # replacing its files: this commit withdraws, derived files with it, before anything points at it.
-            self._retry(lambda: self.tier.delete(key), step, coords.rank, f"delete {key}")
-            for e in files:
-                if self.layout.is_derived(e):
-                    self._retry(lambda k=e.key: self.tier.delete(k), step, coords.rank, f"delete {e.key}")
+            self._drop_commit(step, coords.rank, files)
             log.warning("tier %r: step %d not committed: a rank began saving it again while this save committed",
                         self.name, step)
             return None
