@@ -20,7 +20,7 @@ LOWEST_TESTS ?= tests/test_config.py tests/test_checksum.py tests/test_compressi
 
 venv: $(STAMP)
 
-$(STAMP): pyproject.toml plugins/tiered-ckpt-faults/pyproject.toml
+$(STAMP): pyproject.toml setup.py tiered_ckpt/_streamcopy.c plugins/tiered-ckpt-faults/pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
 	# torch first and pinned: an unpinned resolve would pull a multi-GB CUDA build.
@@ -59,4 +59,4 @@ lowest:
 	$(LOWEST_BIN)/python -m pytest -q -p no:cacheprovider $(LOWEST_TESTS)
 
 clean:
-	rm -rf $(VENV) $(LOWEST_VENV) build *.egg-info
+	rm -rf $(VENV) $(LOWEST_VENV) build *.egg-info tiered_ckpt/_streamcopy*.so

@@ -2,8 +2,8 @@
 
 Reports, with the limits measured in the same run (see limits.py):
   * first save after ``prepare()`` and warm saves: ``save()`` blocking time vs the all-core copy ceiling into
-    pre-faulted memory (``limits.copy_ceiling``: the faster of ``copy_`` and the threaded memmove; targets: warm
-    >= 0.85x of its bandwidth; first <= 2x a warm save);
+    pre-faulted memory (``limits.copy_ceiling``: the fastest of ``copy_``, the threaded memmove and streaming
+    stores; targets: warm >= 0.85x of its bandwidth; first <= 2x a warm save);
   * warm saves issued while the previous step drains (a save, then at once the next into the other slot):
     their max over their median (target: <= 1.3x, issue #18);
   * local tier committed (time from save to the local commit event) vs a raw write+fsync of the same bytes taken

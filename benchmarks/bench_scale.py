@@ -4,8 +4,8 @@ Each case runs in a process of its own (``--case``: peak memory never mixes, and
 when it ends): a CheckpointEngine with tiers ``shm`` (2 slots) + ``local`` (``keep: 1``, ``O_DIRECT``, drain
 in its own process), ``prepare()``, one save not counted, then ``--warm`` saves, each after the previous one was
 durable, each followed by the two ceilings under the same load: the all-core copy into pre-faulted shm
-(``CopyBaseline``: the faster of ``copy_`` and the bytes split over torch's threads) and an ``O_DIRECT``
-write+fsync of the same bytes (``limits.DirectIO``, with the disk's best request depth). Then ``--warm``
+(``CopyBaseline``: the fastest of ``copy_``, the bytes split over torch's threads, and the same streamed) and an
+``O_DIRECT`` write+fsync of the same bytes (``limits.DirectIO``, with the disk's best request depth). Then ``--warm``
 restores from shm, ``load(into=state)`` (verified, into the state's own tensors), each followed by the copy
 ceiling the other way (``CopyBaseline.copy_out``: the bytes from pre-faulted shm into the same tensors).
 

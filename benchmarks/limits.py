@@ -1,8 +1,9 @@
 """This machine's limits, measured on the same bytes the benchmarks move: the ceilings every ratio is taken against.
 
 * ``copy``: ``Tensor.copy_`` into pre-faulted memory (a /dev/shm mapping written once before timing);
-  ``ParallelCopy`` is the all-core variant (the bytes split over ``torch.get_num_threads()`` threads, each a plain
-  ``memmove`` with the GIL released); the physical ceiling is whichever of the two is faster;
+  ``ParallelCopy`` adds the all-core variants (the bytes split over ``torch.get_num_threads()`` threads, each a
+  plain ``memmove`` with the GIL released, or the same with streaming stores); the physical ceiling is whichever
+  way is fastest;
 * ``write_fsync``: ``os.write`` of the bytes to a new file on the benchmark's disk directory, then ``fsync``
   (through the page cache); ``direct_write_fsync``: the same with ``O_DIRECT`` from one aligned buffer, the
   physical ceiling of a durable write;
@@ -25,40 +26,15 @@ import tempfile
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
-from typing import Any
 
 import torch
 
-
-def _load_streamcopy() -> Any:
-    """tiered_ckpt's streaming-store copy (built with the package where a C compiler is found), or None. A peer's
-    environment (benchmarks/.peers-venv) sees torch but not this package: there the checkout's build of the
-    helper is loaded alone, so every process pairs the same ceilings."""
-    try:
-        from tiered_ckpt import _streamcopy
-        return _streamcopy
-    except ImportError:
-        pass
-    import importlib.machinery
-    import importlib.util
-
-    for path in sorted(Path(__file__).resolve().parents[1].joinpath("tiered_ckpt").glob("_streamcopy*.so")):
-        loader = importlib.machinery.ExtensionFileLoader("tiered_ckpt._streamcopy", str(path))
-        spec = importlib.util.spec_from_file_location("tiered_ckpt._streamcopy", str(path), loader=loader)
-        if spec is not None:
-            try:
-                module = importlib.util.module_from_spec(spec)
-                loader.exec_module(module)
-                return module
-            except ImportError:  # built for another Python
-                continue
-    return None
-
-
-_streamcopy = _load_streamcopy()
-_STREAMING = bool(_streamcopy is not None and _streamcopy.STREAMING)
-_stream_copy = _streamcopy.copy if _STREAMING else None
+try:  # tiered_ckpt's streaming-store copy (built with the package where a C compiler is found; a peer's process
+    # imports it from the checkout: peers/_common.py puts the repository first on its path)
+    from tiered_ckpt._streamcopy import STREAMING as _STREAMING
+    from tiered_ckpt._streamcopy import copy as _stream_copy
+except ImportError:
+    _STREAMING, _stream_copy = False, None
 
 #: The ways a copy ceiling is measured (``ParallelCopy``): every one the machine has.
 COPY_WAYS = ("single", "threaded", "streaming") if _STREAMING else ("single", "threaded")
@@ -312,7 +288,7 @@ def gbps(nbytes: int, seconds: float) -> float:
 
 # ----- the all-core copy ------------------------------------------------------------------------------------------
 class ParallelCopy:
-    """Copies a list of (source, destination) byte tensors two ways, to find the copy ceiling:
+    """Copies a list of (source, destination) byte tensors every way of :data:`COPY_WAYS`, to find the copy ceiling:
 
     * ``single()``: one ``Tensor.copy_`` per pair, as a plain loop would (torch may already spread a large copy
       over its intra-op threads);

@@ -85,7 +85,7 @@ ROWS: list[tuple[str, str, str, dict[str, Any], str | None]] = [
 ]
 SOURCE = {"ours": "ours", "torch_save": "torch_save", "dcp_save": "dcp", "dcp_async": "dcp", "dlrover": "dlrover"}
 # The machine's limits, measured in ours' processes alternately with it (see peers/ours.py), and in DLRover's.
-# The copy ceilings are the faster (by median) of the two ways every copy sample is taken (limits.ParallelCopy):
+# The copy ceilings are the fastest (by median) of the ways every copy sample is taken (limits.ParallelCopy):
 # (row key, label, label in limit_copy_ways or the result key of a single-way limit).
 LIMIT_ROWS = [("copy", "ceiling: copy into pre-faulted shm, all cores", "in"),
               ("copy_busy", "  the same while the previous step drains", "in_busy"),
@@ -107,8 +107,8 @@ def aggregate(state_runs: dict[str, Any]) -> dict[str, Any]:
 
 
 def limit_stats(runs: list[dict]) -> dict[str, Any]:
-    """Each ceiling over every run's samples; a copy ceiling is the faster way by median (``way`` says which,
-    ``ways`` gives both medians)."""
+    """Each ceiling over every run's samples; a copy ceiling is the fastest way by median (``way`` says which,
+    ``ways`` gives every way's median)."""
     out: dict[str, Any] = {}
     for key, _label, src in LIMIT_ROWS:
         if src.startswith("limit_"):

@@ -288,7 +288,20 @@ def test_move_copies_exactly_the_bytes_asked_at_any_alignment(monkeypatch, strea
     assert bool((dst[:dst_off] == 0xA5).all()) and bool((dst[dst_off + n:] == 0xA5).all())
 
 
-def test_the_streaming_copy_refuses_a_negative_count_or_a_null_address():
+@pytest.mark.parametrize("shift", [16, -16, 1, -1])
+def test_move_of_overlapping_ranges_is_memmove_s_at_every_size(monkeypatch, shift):
+    """Streaming stores copy forward; overlapping ranges must still come out as memmove makes them."""
+    monkeypatch.setattr(memcopy, "STREAM_MIN", 0)
+    for n in (100, (64 << 10) + 5):
+        buf = torch.randint(0, 256, (n + 64,), dtype=torch.uint8, generator=torch.Generator().manual_seed(n))
+        want = buf.clone()
+        src_off, dst_off = 32, 32 + shift
+        ctypes.memmove(want.data_ptr() + dst_off, want.data_ptr() + src_off, n)
+        memcopy.move(buf.data_ptr() + dst_off, buf.data_ptr() + src_off, n)
+        assert torch.equal(buf, want), (shift, n)
+
+
+def test_the_streaming_copy_refuses_a_negative_count_a_null_or_an_impossible_address():
     if not memcopy.STREAMING:
         pytest.skip("the C helper is not built here")
     from tiered_ckpt import _streamcopy
@@ -298,6 +311,9 @@ def test_the_streaming_copy_refuses_a_negative_count_or_a_null_address():
         _streamcopy.copy(buf.data_ptr(), buf.data_ptr(), -1)
     with pytest.raises(ValueError, match="null"):
         _streamcopy.copy(0, buf.data_ptr(), 8)
+    for bad in (-4096, 1 << 64):  # never wrapped around into some other address
+        with pytest.raises(OverflowError):
+            _streamcopy.copy(bad, buf.data_ptr(), 8)
     _streamcopy.copy(0, 0, 0)  # nothing to move: no address is touched
 
 

@@ -47,12 +47,22 @@ static void stream_copy(char *dst, const char *src, size_t n)
 #endif
 }
 
+/* An address argument: an int in [0, 2**64), refused (OverflowError) outside it rather than wrapped around. */
+static int address(PyObject *obj, void *out)
+{
+    unsigned long long value = PyLong_AsUnsignedLongLong(obj);
+    if (value == (unsigned long long)-1 && PyErr_Occurred())
+        return 0;
+    *(uintptr_t *)out = (uintptr_t)value;
+    return 1;
+}
+
 static PyObject *copy(PyObject *self, PyObject *args)
 {
-    unsigned long long dst, src;
+    uintptr_t dst, src;
     Py_ssize_t n;
     (void)self;
-    if (!PyArg_ParseTuple(args, "KKn:copy", &dst, &src, &n))
+    if (!PyArg_ParseTuple(args, "O&O&n:copy", address, &dst, address, &src, &n))
         return NULL;
     if (n < 0) {
         PyErr_Format(PyExc_ValueError, "copy: byte count %zd is negative", n);
@@ -62,16 +72,20 @@ static PyObject *copy(PyObject *self, PyObject *args)
         PyErr_SetString(PyExc_ValueError, "copy: a null address");
         return NULL;
     }
+    int overlap = dst < src + (size_t)n && src < dst + (size_t)n;
     Py_BEGIN_ALLOW_THREADS /* the copy threads of memcopy.py run at once */
-    stream_copy((char *)(uintptr_t)dst, (const char *)(uintptr_t)src, (size_t)n);
+    if (overlap) /* never a snapshot's case; memmove keeps it right whatever the size */
+        memmove((char *)dst, (const char *)src, (size_t)n);
+    else
+        stream_copy((char *)dst, (const char *)src, (size_t)n);
     Py_END_ALLOW_THREADS
     Py_RETURN_NONE;
 }
 
 static PyMethodDef methods[] = {
     {"copy", copy, METH_VARARGS,
-     "copy(dst, src, n): move n bytes from address src to address dst (host memory, not overlapping), "
-     "with streaming stores where the CPU has them, without holding the GIL."},
+     "copy(dst, src, n): move n bytes from address src to address dst (host memory), with streaming stores "
+     "where the CPU has them (overlapping ranges: memmove), without holding the GIL."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -29,7 +29,7 @@ from . import memcopy
 from .checksum import SNAPSHOT_PIECE, is_piecewise, snapshot_matches
 from .errors import LoadIntoError
 
-_SUB = 1 << 20  # bytes copied, then hashed while still in cache (half of one core's 2 MiB L2 here)
+_SUB = 1 << 20  # bytes copied, then hashed: small enough that the sub-block just read is still in cache
 
 
 _ABSENT = object()  # no counterpart in ``into``
@@ -168,9 +168,11 @@ def copy_out(data: torch.Tensor) -> torch.Tensor:
 
 def copy_out_verified(data: torch.Tensor, checksum: str) -> torch.Tensor | None:
     """:func:`copy_out` checked against ``checksum`` (the item's, from its slot record) while it is made: each
-    sub-block is hashed from the copy right after it is written, still in cache, with the pieces spread over the
-    cores. What is returned is the very bytes verified (a writer changing the slot meanwhile makes a mismatch,
-    never a verified copy of other bytes). None on a mismatch."""
+    sub-block is hashed from the copy right after it is written, with the pieces spread over the cores. What is
+    returned is the very bytes verified (a writer changing the slot meanwhile makes a mismatch, never a verified
+    copy of other bytes). None on a mismatch. (The copy streams past the cache, so the hash reads the sub-block
+    back from memory; measured on 256 MiB, that is still faster than memmove's cached copy: 0.051 s against
+    0.060 s.)"""
     if not (is_piecewise(checksum) and data.device.type == "cpu"):
         out = copy_out(data.cpu())
         return out if snapshot_matches(out, checksum) else None

@@ -29,7 +29,7 @@ import torch
 
 from .checksum import LazyPool
 
-try:  # built by the package's install where a C compiler is found (pyproject.toml: optional)
+try:  # built by the package's install where a C compiler is found (setup.py: optional)
     from ._streamcopy import STREAMING as _HAS_STREAMING
     from ._streamcopy import copy as _stream_copy
 except ImportError:  # pragma: no cover - an install without a compiler
@@ -68,7 +68,8 @@ def threads() -> int:
 
 
 def move(dst: int, src: int, n: int) -> None:
-    """Move ``n`` bytes from address ``src`` to ``dst`` (host memory, not overlapping), without holding the GIL.
+    """Move ``n`` bytes from address ``src`` to ``dst`` (host memory; overlapping ranges as ``memmove`` would),
+    without holding the GIL.
 
     A copy of :data:`STREAM_MIN` bytes or more writes with streaming (non-temporal) stores: a snapshot's bytes
     are not read back soon, and an ordinary store first reads every destination line into the cache (measured on
