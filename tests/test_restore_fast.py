@@ -14,6 +14,7 @@ from __future__ import annotations
 import errno
 import io
 import os
+import time
 import uuid
 import zipfile
 from pathlib import Path
@@ -70,6 +71,20 @@ def test_read_file_returns_the_bytes_and_their_hash(tmp_path, size, threads):
     assert out.dtype == torch.uint8 and out.numel() == size
     assert bytes(out.numpy()) == data
     assert hasher.hexdigest() == digest(data)
+
+
+@pytest.mark.parametrize("size", [0, 1, 4096 * 3 + 5, (1 << 20) * 3 + 123])
+def test_populating_empty_is_zeros_and_keeps_what_is_written_while_it_populates(size):
+    """The background population never clobbers bytes the caller wrote ahead of it, and ends up with every page
+    present (the mapping outlives the caller's reference while it runs)."""
+    out = hostmem.populating_empty(size, chunk=1 << 20)
+    assert out.numel() == size and out.dtype == torch.uint8
+    if size:
+        out[size // 2:] = 7  # written while the thread may still be populating the first half
+        out[: size // 2].add_(0)
+        assert int(out[: size // 2].sum()) == 0 and bool((out[size // 2:] == 7).all())
+    del out  # dropped mid-population: the thread holds the mapping, so it never touches unmapped memory
+    time.sleep(0.05)
 
 
 def test_read_file_reports_a_file_that_ended_early(tmp_path):

@@ -3,6 +3,8 @@
 * :func:`populated_empty`: the kernel populates an anonymous mapping in one pass (MAP_POPULATE). Faulting fresh
   pages one by one from a copy runs at a fraction of memory bandwidth (measured here: a ``clone()`` of 1 GiB took
   1.1-3.5 s; MAP_POPULATE 0.35 s, then the copy at full speed).
+* :func:`populating_empty`: the same, populated by a background thread while the caller already fills it from the
+  start (an object store's event loop, which would otherwise fault every page in itself).
 * :func:`read_file`: a whole file into fresh private memory with parallel ``preadv`` calls, hashed on the way.
   Populating first and reading after runs the two one after the other; letting the reads fault the pages in,
   on several threads, overlaps the faults with the disk and with each other (2 GiB from a cold page cache here:
@@ -11,8 +13,10 @@
 
 from __future__ import annotations
 
+import ctypes
 import mmap
 import os
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -21,6 +25,11 @@ import torch
 _POPULATE = getattr(mmap, "MAP_POPULATE", 0)
 READ_PIECE = 32 << 20  # bytes per preadv call of read_file (a multiple of the page size)
 READ_THREADS = 4  # preadv calls in flight: queue depth for the disk, page faults on more than one core
+POPULATE_CHUNK = 32 << 20  # bytes per madvise of populating_empty's thread
+_MADV_POPULATE_WRITE = 23  # Linux 5.14+
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+_libc.madvise.restype = ctypes.c_int
 
 
 class FileShrankError(Exception):
@@ -46,6 +55,33 @@ def lazy_empty(nbytes: int) -> torch.Tensor:
         return torch.empty(0, dtype=torch.uint8)
     mm = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     return torch.frombuffer(mm, dtype=torch.uint8)
+
+
+def populating_empty(nbytes: int, chunk: int = POPULATE_CHUNK) -> torch.Tensor:
+    """A writable uint8 tensor of ``nbytes`` in a fresh anonymous mapping that a background thread populates from
+    its start, ``chunk`` bytes per ``madvise(MADV_POPULATE_WRITE)``, while the caller already fills it.
+
+    For a buffer one thread fills as answers arrive (an object store's event loop): faulting each page in from
+    that thread stalls every transfer in flight behind it. Measured on the development VM, 1 GiB of S3 split
+    pieces from moto: 2.35-2.96 s into a plain fresh buffer, 1.62-1.82 s into one populated beforehand, and the
+    population itself (0.5-0.6 s per GiB here) runs on another core, ahead of the transfers. Populating a page the
+    caller already wrote leaves it as it is; where the kernel lacks ``MADV_POPULATE_WRITE`` (before 5.14) the
+    thread stops and the pages fault in on first touch, as with :func:`lazy_empty`."""
+    if nbytes == 0:
+        return torch.empty(0, dtype=torch.uint8)
+    mm = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    out = torch.frombuffer(mm, dtype=torch.uint8)  # the tensor keeps the mapping alive
+    if nbytes > chunk:
+        start = out.data_ptr()
+
+        def populate(mapping: mmap.mmap = mm) -> None:  # holds the mapping until done, whatever the caller drops
+            for off in range(0, nbytes, chunk):
+                n = min(chunk, nbytes - off)
+                if _libc.madvise(start + off, n + (-n) % mmap.PAGESIZE, _MADV_POPULATE_WRITE) != 0:
+                    return
+
+        threading.Thread(target=populate, name="tiered_ckpt-populate", daemon=True).start()
+    return out
 
 
 def private_copy(data: torch.Tensor) -> torch.Tensor:

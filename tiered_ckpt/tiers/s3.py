@@ -50,6 +50,7 @@ import fsspec
 import torch
 
 from ..errors import BlobNotFoundError, ConfigError, CorruptionError, PermanentTierError, TierError, TransientTierError
+from ..hostmem import populating_empty
 from ..retry import repeat_on, request_retrying
 from ..validate import suggest
 from ._files import is_temp_name
@@ -448,7 +449,7 @@ class S3Tier(FsspecTier):
                 return await self._aread_split(key, path, bucket, obj, resp, split, max_size)
             size = object_size(resp, tier=self.name, key=key)
             check_size(size, max_size, self._redact(path), tier=self.name, key=key)
-            out = torch.empty(size, dtype=torch.uint8)
+            out = populating_empty(size)  # the event loop fills it: page faults on another thread, ahead of it
             if size == 0:
                 return out
             view = memoryview(out.numpy())
@@ -490,7 +491,7 @@ class S3Tier(FsspecTier):
         """A split blob (:mod:`._s3_split`) into one tensor: its pieces as whole GETs, ``max_concurrency`` at a
         time, and its last part from the key's own object (the first answer's body when it holds all of it)."""
         check_size(split.total, max_size, self._redact(path), tier=self.name, key=key)
-        out = torch.empty(split.total, dtype=torch.uint8)
+        out = populating_empty(split.total)  # the event loop fills it: page faults on another thread, ahead of it
         view = memoryview(out.numpy())
         last = view[split.last_offset:]
         etag = resp.get("ETag")
