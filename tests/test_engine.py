@@ -10,7 +10,7 @@ import pytest
 import torch
 from helpers import assert_same, make_items
 
-from tiered_ckpt import CheckpointEngine, NoCheckpointError
+from tiered_ckpt import CheckpointEngine, CheckpointUnreadableError, NoCheckpointError
 
 
 def tier(kind: str, name: str | None = None, **kw) -> dict:
@@ -101,7 +101,7 @@ def test_corrupt_everywhere_raises_clear_error(tiers, tmp_path):
     path = next((tmp_path / "local").rglob("state.flat"))
     path.write_bytes(path.read_bytes()[:-10])
     with CheckpointEngine(config(tiers, "local")) as engine:
-        with pytest.raises(NoCheckpointError, match="size is"):
+        with pytest.raises(CheckpointUnreadableError, match="size is"):
             engine.load()
 
 

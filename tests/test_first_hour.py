@@ -19,7 +19,14 @@ import pytest
 import torch
 from helpers import assert_same
 
-from tiered_ckpt import CheckpointEngine, NoCheckpointError, SaveError, TierUnavailableError, state
+from tiered_ckpt import (
+    CheckpointEngine,
+    CheckpointUnreadableError,
+    NoCheckpointError,
+    SaveError,
+    TierUnavailableError,
+    state,
+)
 from tiered_ckpt.config import load_config
 from tiered_ckpt.errors import ConfigError, EncodeError, LoadIntoError, PluginError
 from tiered_ckpt.handles import SavesFailedError
@@ -136,6 +143,79 @@ def test_nothing_saved_anywhere_is_still_no_checkpoint(tmp_path):
            "tiers": [{"name": "disk", "kind": "local", "path": str(tmp_path / "disk")}]}
     with CheckpointEngine(cfg) as engine, pytest.raises(NoCheckpointError):
         engine.load()
+
+
+def test_checkpoints_that_all_fail_to_load_are_not_no_checkpoint(tmp_path):
+    """Found by a new-user trial: every step of a directory damaged, load() said NoCheckpointError, the script
+    started over as the docs advise, and retention deleted the new run's steps at once (the damaged 100 and 200
+    still counted as the newest). Steps that are there and fail are CheckpointUnreadableError, which a resume
+    script catching NoCheckpointError does not swallow."""
+    root = tmp_path / "disk"
+    cfg = {"run_id": run_id(), "drain": {"mode": "thread"},
+           "tiers": [{"name": "disk", "kind": "local", "path": str(root), "keep": 2}]}
+    with CheckpointEngine(cfg) as engine:
+        for step in (100, 200):
+            engine.save(step, {"model": {"w": torch.full((4096,), float(step))}})
+        engine.wait()
+    for step in (100, 200):  # bit rot in both steps
+        path = root / f"iter_{step:07d}" / "rank_00000" / "model.flat"
+        data = bytearray(path.read_bytes())
+        data[-1] ^= 1
+        path.write_bytes(bytes(data))
+    with CheckpointEngine(cfg) as engine:
+        with pytest.raises(CheckpointUnreadableError) as info:
+            engine.load()
+        assert not isinstance(info.value, NoCheckpointError)
+        assert "200, 100" in str(info.value) or "100, 200" in str(info.value)
+        assert "do not start from scratch" in str(info.value)
+        assert any("step 200" in f for f in info.value.failures) and any("step 100" in f for f in info.value.failures)
+        with pytest.raises(CheckpointUnreadableError, match="step 200"):
+            engine.load(step=200)
+        with pytest.raises(NoCheckpointError):  # a step that is not there at all is still "no checkpoint"
+            engine.load(step=7)
+
+
+def test_a_run_saving_below_an_earlier_run_s_steps_keeps_its_own_newest_steps(tmp_path, caplog):
+    """Trial: a new run saving steps 1-3 into a directory holding an earlier run's 100 and 200 (keep: 2) had each
+    new step deleted by retention right after its commit, wait() raising nothing. The steps above this run's
+    newest are left alone (and said so once); keep counts among the rest."""
+    root = tmp_path / "disk"
+    cfg = {"run_id": run_id(), "drain": {"mode": "thread"},
+           "tiers": [{"name": "disk", "kind": "local", "path": str(root), "keep": 2}]}
+    with CheckpointEngine(cfg) as engine:
+        for step in (100, 200):
+            engine.save(step, {"model": {"w": torch.full((8,), float(step))}})
+        engine.wait()
+    with CheckpointEngine(cfg) as engine, caplog.at_level(logging.WARNING, logger="tiered_ckpt"):
+        for step in (1, 2, 3):
+            engine.save(step, {"model": {"w": torch.full((8,), float(step))}})
+            engine.wait()
+        assert engine.available_steps()["disk"] == [2, 3, 100, 200]
+        assert torch.equal(engine.load(step=3).items["model"]["w"], torch.full((8,), 3.0))
+    said = [r.getMessage() for r in caplog.records if "newer than step" in r.getMessage()]
+    assert len(said) == 1 and "100, 200" in said[0] and "'disk'" in said[0]
+
+
+def test_two_tiers_in_one_place_are_a_configuration_error(tmp_path):
+    """Trial: tiers 'a' (keep 1) and 'b' (keep 3) on one directory: b's keep broken, a fallback copy that does not
+    exist listed twice."""
+    where = str(tmp_path / "ckpt")
+    for second in ({"name": "b", "kind": "local", "path": where + "/", "keep": 3},
+                   {"name": "b", "kind": "fsspec", "url": f"file://{where}", "keep": 3}):
+        cfg = {"run_id": run_id(), "tiers": [{"name": "a", "kind": "local", "path": where, "keep": 1}, second]}
+        with pytest.raises(ConfigError, match=r"tiers\[1\]\.(path|url): .* is also tiers\[0\]'s \('a'\)"):
+            CheckpointEngine(cfg)
+    cfg = {"run_id": run_id(), "tiers": [{"name": "a", "kind": "local", "path": where},
+                                         {"name": "b", "kind": "local", "path": str(tmp_path / "other")}]}
+    CheckpointEngine(cfg).close()  # two places: fine
+
+
+def test_an_events_file_that_cannot_be_written_is_a_configuration_error(tmp_path):
+    """Trial: events.jsonl in a directory that does not exist printed a traceback at every event, all run long."""
+    cfg = {"run_id": run_id(), "events": {"jsonl": str(tmp_path / "no" / "such" / "dir" / "e.jsonl")},
+           "tiers": [{"name": "disk", "kind": "local", "path": str(tmp_path / "disk")}]}
+    with pytest.raises(ConfigError, match=r"events\.jsonl: cannot append to .*e\.jsonl: No such file"):
+        CheckpointEngine(cfg)
 
 
 def test_the_staging_tier_is_never_listed_or_loaded_from(tmp_path):

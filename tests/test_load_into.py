@@ -112,6 +112,26 @@ def test_a_target_of_another_shape_is_refused_with_its_path(shm_root, tmp_path):
             engine.load(into=[1, 2])
 
 
+@pytest.mark.parametrize("names", [("shm",), ("local",)], ids=["from-shm", "from-local"])
+def test_a_target_the_checkpoint_does_not_hold_is_refused_with_its_path(shm_root, tmp_path, names):
+    """Found by a new-user trial: a renamed parameter in into kept its initial values, no error, no warning."""
+    with CheckpointEngine(_config(shm_root, tmp_path, *names)) as engine:
+        engine.save(1, {"model": {"encoder.weight": torch.ones(4), "head.weight": torch.ones(2),
+                                  "blocks": [torch.ones(3)]}}).wait(timeout=60)
+        target = {"model": {"encoder.weight": torch.zeros(4), "head.weight_renamed": torch.zeros(2),
+                            "blocks": [torch.zeros(3)]}}
+        with pytest.raises(ValueError, match=r"item 'model'\['head.weight_renamed'\] is a tensor in into that the "
+                                             r"checkpoint does not hold: it would keep its current values"):
+            engine.load(into=target)
+        target = {"model": {"encoder.weight": torch.zeros(4), "head.weight": torch.zeros(2),
+                            "blocks": [torch.zeros(3), torch.zeros(3)]}}  # a list of another length
+        with pytest.raises(ValueError, match=r"\['blocks'\]\[0\] is a tensor in into .* \(and 1 more: "):
+            engine.load(into=target)
+        target["model"]["blocks"] = [torch.zeros(3)]
+        engine.load(into=target)  # the same tensors: every one filled
+        assert torch.equal(target["model"]["head.weight"], torch.ones(2))
+
+
 def test_non_contiguous_targets_are_filled_too(shm_root, tmp_path):
     items = {"m": {"w": torch.arange(24, dtype=torch.float32).reshape(4, 6)}}
     with CheckpointEngine(_config(shm_root, tmp_path, "shm")) as engine:

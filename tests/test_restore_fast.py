@@ -25,7 +25,7 @@ import xxhash
 from helpers import assert_same
 from megatron_synthetic import SyntheticJob
 
-from tiered_ckpt import CheckpointEngine, NoCheckpointError, hostmem
+from tiered_ckpt import CheckpointEngine, CheckpointUnreadableError, hostmem
 from tiered_ckpt.checksum import digest, hasher_for
 from tiered_ckpt.errors import BlobNotFoundError, CorruptionError, DecodeError, PermanentTierError, UnsafePickleError
 from tiered_ckpt.load_into import tensors
@@ -344,7 +344,7 @@ def test_a_flipped_byte_in_a_torch_file_is_refused_naming_the_file(saved, where)
         with pytest.raises(CorruptionError) as info:
             store.load_rank(store.read_manifest(100), engine.coords)
         assert info.value.key == MODEL_KEY and "checksum mismatch" in str(info.value)
-        with pytest.raises(NoCheckpointError) as no:
+        with pytest.raises(CheckpointUnreadableError) as no:
             engine.load()
     assert MODEL_KEY in str(no.value) and "checksum mismatch" in str(no.value)
 
@@ -363,7 +363,7 @@ def test_other_damage_to_a_torch_file_is_refused_naming_the_file(saved, damage):
             path.mkdir()
     expected = {"truncate": "size is", "empty": "size is", "delete": "no such blob",
                 "directory": "no such blob"}[damage]
-    with CheckpointEngine(_config(root, run_id)) as engine, pytest.raises(NoCheckpointError) as no:
+    with CheckpointEngine(_config(root, run_id)) as engine, pytest.raises(CheckpointUnreadableError) as no:
         engine.load()
     assert MODEL_KEY in str(no.value) and expected in str(no.value)
 

@@ -19,6 +19,7 @@ _EXPORTS = {
     "ConfigError": "errors",
     "CorruptionError": "errors",
     "NoCheckpointError": "errors",
+    "CheckpointUnreadableError": "errors",
     "PeerFailedError": "errors",
     "TieredCkptError": "errors",
     "TierError": "errors",
@@ -33,15 +34,16 @@ _EXPORTS = {
 }
 
 __all__ = [
-    "CheckpointEngine", "Config", "ConfigError", "CorruptionError", "Event", "LoadResult", "NoCheckpointError",
-    "ParallelLayout", "PeerFailedError", "RankCoords", "SaveError", "SaveHandle", "TierError",
-    "TierUnavailableError", "TieredCkptError", "hookimpl", "load_config", "__version__",
+    "CheckpointEngine", "CheckpointUnreadableError", "Config", "ConfigError", "CorruptionError", "Event",
+    "LoadResult", "NoCheckpointError", "ParallelLayout", "PeerFailedError", "RankCoords", "SaveError", "SaveHandle",
+    "TierError", "TierUnavailableError", "TieredCkptError", "hookimpl", "load_config", "__version__",
 ]
 
 if TYPE_CHECKING:
     from .config import Config, load_config
     from .engine import CheckpointEngine
     from .errors import (
+        CheckpointUnreadableError,
         ConfigError,
         CorruptionError,
         NoCheckpointError,

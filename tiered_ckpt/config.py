@@ -288,6 +288,7 @@ def load_config(config: Any, *, registries: Any = None, env: dict[str, str] | No
             raise ConfigError(f'duplicate tier name "{t.name}" (also tiers[{seen[t.name]}])', source=source,
                               key_path=f"tiers[{i}].name")
         seen[t.name] = i
+    _check_distinct_places(tiers, source)
     rest = {k: v for k, v in raw.items() if k != "tiers"}
     cfg = build_dataclass(Config, {**rest, "tiers": []}, "", source)
     if not _RUN_ID.fullmatch(cfg.run_id):
@@ -300,6 +301,38 @@ def load_config(config: Any, *, registries: Any = None, env: dict[str, str] | No
     _check_layout_codecs(tiers, registries.layouts.get(cfg.layout), source)
     return Config(**{**cfg.__dict__, "tiers": tiers, "source": source,
                      "plugins": getattr(registries, "spec", None)})
+
+
+def _place(t: TierConfig) -> tuple[str, str, str] | None:
+    """Where a built-in tier keeps its blobs, as (family, normalised place, option name); None for other kinds."""
+    opts = t.options
+    if t.kind in ("local", "shm") and isinstance(getattr(opts, "path", None), str):
+        family = "files" if t.kind == "local" else "shm"
+        return family, os.path.normpath(os.path.abspath(os.path.expanduser(opts.path))), "path"
+    url = getattr(opts, "url", None)
+    if t.kind == "fsspec" and isinstance(url, str):
+        if url.startswith("file://") or "://" not in url:
+            local = url.removeprefix("file://")
+            return "files", os.path.normpath(os.path.abspath(os.path.expanduser(local))), "url"
+        return "url", url.rstrip("/"), "url"
+    return None
+
+
+def _check_distinct_places(tiers: tuple[TierConfig, ...], source: str | None) -> None:
+    """Two tiers in one place would share their steps: each one's retention (``keep``) deletes the other's, and
+    ``load()`` would count one copy twice as a fallback that does not exist."""
+    seen: dict[tuple[str, str], int] = {}
+    for i, t in enumerate(tiers):
+        place = _place(t)
+        if place is None:
+            continue
+        family, where, option = place
+        if (family, where) in seen:
+            j = seen[(family, where)]
+            raise ConfigError(f"{where} is also tiers[{j}]'s ({tiers[j].name!r}): two tiers in one place share their "
+                              "steps, and each one's keep deletes the other's; give each tier its own",
+                              source=source, key_path=f"tiers[{i}].{option}")
+        seen[(family, where)] = i
 
 
 __all__ = [

@@ -23,6 +23,7 @@ from .config import Config, TierConfig, load_config
 from .distributed import Coordinator
 from .drain_protocol import Drain, DrainRequest
 from .errors import (
+    CheckpointUnreadableError,
     CorruptionError,
     DecodeError,
     NoCheckpointError,
@@ -298,8 +299,9 @@ class CheckpointEngine:
         A tier that cannot be listed (an unreachable object store, say) is left out: the step loaded is then
         the newest the other tiers hold, ``result.unreachable`` names what was not seen (and a
         ``tier_unreachable`` event). Where nothing loadable is found, :class:`NoCheckpointError` means every
-        tier of every rank was looked at and holds nothing; :class:`TierUnavailableError` (not a
-        NoCheckpointError) that some tier could not be looked at: do not start from scratch on that one.
+        tier of every rank was looked at and holds nothing; :class:`CheckpointUnreadableError` that steps are
+        there and none could be loaded; :class:`TierUnavailableError` that some tier could not be looked at.
+        Neither of the last two is a NoCheckpointError: do not start from scratch on them.
 
         ``into``: item name → state shaped like the one saved (the very dict passed to ``save``, say); its tensors
         receive the checkpoint's values in place, and the result's items hold them (see :mod:`.load_into`). If
@@ -328,7 +330,8 @@ class CheckpointEngine:
                 what = f"step {step}" if step is not None else "a checkpoint"
                 detail = f" ({'; '.join(fallbacks)})" if fallbacks else ""
                 self._nothing_loadable(unreachable, f"no step that every rank can load: rank {self.coords.rank} "
-                                                    f"found no loadable copy of {what} on any tier{detail}")
+                                                    f"found no loadable copy of {what} on any tier{detail}",
+                                       tried=sorted(rejected), fallbacks=fallbacks)
             result = self.coordinator.alone(self._load_step, chosen, available, copy, map_location, fallbacks, into)
             if self.coordinator.all_succeeded(result is not None, "loaded"):
                 assert result is not None
@@ -341,7 +344,7 @@ class CheckpointEngine:
             rejected.add(chosen)
             if step is not None:
                 self._nothing_loadable(unreachable, f"step {step} cannot be loaded by every rank "
-                                                    f"({'; '.join(fallbacks)})")
+                                                    f"({'; '.join(fallbacks)})", tried=[step], fallbacks=fallbacks)
 
     def _checked_lists(self, into: dict[str, Any] | None, step: int | None
                        ) -> tuple[dict[str, list[int]], dict[str, str]]:
@@ -352,10 +355,20 @@ class CheckpointEngine:
             self._emit(ev.Event(ev.TIER_UNREACHABLE, step=step, rank=self.coords.rank, tier=name, message=why))
         return available, unreachable
 
-    def _nothing_loadable(self, unreachable: dict[str, str], message: str) -> None:
-        """Raise NoCheckpointError when every rank listed every tier, else TierUnavailableError (collective: every
-        rank raises the same one)."""
+    def _nothing_loadable(self, unreachable: dict[str, str], message: str, *, tried: list[int] | None = None,
+                          fallbacks: list[str] | None = None) -> None:
+        """Raise NoCheckpointError when every rank listed every tier and no step was there to try;
+        CheckpointUnreadableError when steps were there and none could be loaded (``tried``: the same on every
+        rank, agreed step by step); else TierUnavailableError (collective: every rank raises the same one)."""
         if self.coordinator.all_succeeded(not unreachable):
+            if tried:
+                steps = ", ".join(map(str, tried))
+                raise CheckpointUnreadableError(
+                    f"{message}. Step(s) {steps} are checkpoints that could not be loaded: this is not \"no "
+                    "checkpoint\", so do not start from scratch here (a new run's saves would land beside them, "
+                    "and they still count as the newest). Repair or remove them (tiered-ckpt verify and ls say "
+                    "what is wrong; remove a step's directory, or point the tiers at a new path), or load an "
+                    "older step", fallbacks)
             raise NoCheckpointError(message)
         advice = ("This is not \"no checkpoint\": one may be on a tier that could not be looked at. Make it "
                   "reachable and load again (or set enabled: false on it to resume without it)")

@@ -114,6 +114,17 @@ class TierUnavailableError(TieredCkptError):
         super().__init__(message)
 
 
+class CheckpointUnreadableError(TieredCkptError):
+    """``load()`` found checkpoints, and could load none of them: every copy of every step it tried failed
+    (checksums, a damaged manifest, a missing file). Deliberately *not* a :class:`NoCheckpointError`: a resume
+    script that starts from scratch on "nothing there" must stop here, or its new run's saves land beside
+    damaged steps that still count as the newest. ``failures`` lists what each copy tried failed with."""
+
+    def __init__(self, message: str, failures: list[str] | None = None):
+        self.failures = list(failures or [])
+        super().__init__(message)
+
+
 class LoadIntoError(TieredCkptError, ValueError):
     """``load(into=...)`` was given a target the checkpoint cannot go into: an item name it does not hold, or a
     tensor of another shape or dtype. The message names the item, the key path and both shapes."""

@@ -122,6 +122,10 @@ class FileStore(CommittedFiles):
         self._manifests: dict[int, CheckpointManifest] = {}  # committed manifests are immutable: cache them
         self._started: set[tuple[int, int]] = set()  # (step, rank) whose marker this process wrote
         self._held_back = False  # the last retention kept steps only because they were pinned
+        # The newest step this process committed here: retention counts steps up to it, and leaves any newer
+        # committed step alone (an earlier run's, when this one started lower or went back: docs/operations.md)
+        self._newest_own: int | None = None
+        self._warned_newer: tuple[int, ...] = ()
         self._retention = threading.Lock()  # retain() runs in whichever drain thread finishes a job
 
     @property
@@ -224,6 +228,8 @@ class FileStore(CommittedFiles):
         if committed is None:
             raise TierError(f"step {written.step} not committed: not every rank's files arrived within "
                             f"{wait_s:.0f} s", tier=self.name)
+        with self._retention:
+            self._newest_own = max(written.step, self._newest_own or written.step)
         on_committed(committed.total_bytes)
         # The steps retention drops are un-committed now; deleting their files (slow for big files: an unlink of
         # 1 GiB took 0.3 s on the development VM's ext4) waits until this step's save is reported durable.
@@ -240,7 +246,7 @@ class FileStore(CommittedFiles):
         with self._retention:
             if not (always or self._held_back):
                 return []
-            doomed = self.uncommit_expired(self.cfg.keep, pinned())
+            doomed = self.uncommit_expired(self.cfg.keep, pinned(), newest=self._newest_own)
         return [lambda: self.remove_steps(doomed, coords.rank)] if doomed else []
 
     def _voters(self, coords: RankCoords, node_ranks: list[int]) -> list[int]:
@@ -591,15 +597,15 @@ class FileStore(CommittedFiles):
                     f"publish {self.layout.tracker}")
 
     # ----- retention ---------------------------------------------------------------------------------------
-    def partial_steps(self, keys: list[str]) -> dict[int, list[str]]:
-        """The uncommitted steps older than the newest committed one in the tier's listing ``keys``, each with
-        its keys: debris, since a tier takes a run's steps in order, so nothing older than its newest commit is
-        still being written. A step directory that Megatron-LM, DLRover or DCP wrote is their checkpoint, never
-        one of them (layouts/foreign.py)."""
+    def partial_steps(self, keys: list[str], newest: int | None = None) -> dict[int, list[str]]:
+        """The uncommitted steps older than the newest committed one in the tier's listing ``keys`` (or than
+        ``newest``, the newest this process committed), each with its keys: debris, since a tier takes a run's
+        steps in order, so nothing older than its newest commit is still being written. A step directory that
+        Megatron-LM, DLRover or DCP wrote is their checkpoint, never one of them (layouts/foreign.py)."""
         committed = {s for s in map(self.layout.parse_manifest_key, keys) if s is not None}
         if not committed:
             return {}
-        newest = max(committed)
+        newest = max(committed) if newest is None else newest
         foreign = foreign_step_dirs(keys, self.tier)
         found: dict[int, list[str]] = {}
         for key in keys:
@@ -609,19 +615,33 @@ class FileStore(CommittedFiles):
                 found.setdefault(step, []).append(key)
         return found
 
-    def uncommit_expired(self, keep: int | None, pinned: set[int]) -> list[int]:
+    def uncommit_expired(self, keep: int | None, pinned: set[int], *, newest: int | None = None) -> list[int]:
         """Un-commit (delete the manifest of) each committed step beyond the newest ``keep`` (never the newest,
         never a pinned one); return those and the unpinned :meth:`partial_steps` (debris): the steps whose files
         :meth:`remove_steps` deletes. A crash in between leaves debris, never a committed step with missing
-        files."""
+        files.
+
+        ``newest``: the newest step this process committed here. Steps are counted up to it; a committed step
+        above it is another run's (this one started lower, or went back to an older step) and is left alone,
+        with a warning: counting it would make this run's own new steps the oldest, deleted right after their
+        commit (found by a new-user trial)."""
         keys = self.tier.list("")
         committed = sorted({s for s in map(self.layout.parse_manifest_key, keys) if s is not None})
         self._held_back = False
+        if newest is not None:
+            above = tuple(s for s in committed if s > newest)
+            if above and above != self._warned_newer:
+                self._warned_newer = above
+                log.warning("tier %r holds committed step(s) %s, newer than step %d this run saved: retention "
+                            "leaves them alone and counts keep among the others. load() resumes from the newest "
+                            "step, so a restart would resume from them, not from this run's steps: remove them "
+                            "if they are not wanted", self.name, ", ".join(map(str, above[:8])), newest)
+            committed = [s for s in committed if s <= newest]
         if not committed:
             return []
         newest = committed[-1]
         expired = [s for s in committed[:-keep] if s != newest] if keep is not None else []
-        partial = self.partial_steps(keys)
+        partial = self.partial_steps(keys, newest)
         doomed = [s for s in expired if s not in pinned]
         debris = sorted(s for s in partial if s not in pinned)
         # kept only for a tier below that has not taken them yet: retain() is asked again once it has

@@ -11,9 +11,10 @@ for ``load(copy=True)``, into fresh memory, hashing the copy itself.
 
 Tensors are paired by their place in the structure (dict keys, list and tuple positions). A saved tensor whose
 counterpart in ``into`` has another shape or dtype is an error naming the item and the path; one without a
-counterpart is returned as loaded. Values that are not tensors (step counters, ``args``) come from the
-checkpoint. If verification fails part-way, the targets hold partial data: the engine then loads the next tier
-into them, and if no tier can be loaded they must not be used.
+counterpart is returned as loaded. A tensor of ``into`` the checkpoint does not hold (a renamed or misspelt
+key) is an error too: it would silently keep its values. Values that are not tensors (step counters, ``args``)
+come from the checkpoint. If verification fails part-way, the targets hold partial data: the engine then loads the
+next tier into them, and if no tier can be loaded they must not be used.
 """
 
 from __future__ import annotations
@@ -42,7 +43,28 @@ def pair_into(loaded: Any, into: Any, where: str, unmatched: Callable[[torch.Ten
     shape or dtype.
     ``unmatched``: applied to every loaded tensor without a counterpart (a copy, say); None keeps them."""
     pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
-    return _pair(loaded, into, where, pairs, unmatched), pairs
+    out = _pair(loaded, into, where, pairs, unmatched)
+    filled = {id(t) for _, t in pairs}
+    left = [p for p, t in _targets(into, where) if id(t) not in filled]
+    if left:
+        more = f" (and {len(left) - 1} more: {', '.join(left[1:4])}{', ...' if len(left) > 4 else ''})" \
+            if len(left) > 1 else ""
+        raise LoadIntoError(f"load(into=...): {left[0]} is a tensor in into that the checkpoint does not hold{more}: "
+                            "it would keep its current values. Check the key for a rename or typo, or leave it out "
+                            "of into")
+    return out, pairs
+
+
+def _targets(into: Any, path: str) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every tensor of ``into`` with its path, as :func:`_pair` names them."""
+    if isinstance(into, torch.Tensor):
+        yield path, into
+    elif isinstance(into, dict):
+        for k, v in into.items():
+            yield from _targets(v, f"{path}[{k!r}]")
+    elif type(into) in (list, tuple):
+        for i, v in enumerate(into):
+            yield from _targets(v, f"{path}[{i}]")
 
 
 def _pair(loaded: Any, into: Any, path: str, pairs: list, unmatched: Callable | None) -> Any:

@@ -9,6 +9,7 @@ import sys
 import threading
 from typing import TYPE_CHECKING, Any
 
+from .errors import ConfigError
 from .events import Event
 from .hookspecs import hookimpl
 
@@ -21,9 +22,17 @@ events_log = logging.getLogger("tiered_ckpt.events")
 class JsonLinesObserver:
     """Writes one JSON object per event to a file (appending) or to stderr (``-``)."""
 
-    def __init__(self, path: str):
+    def __init__(self, path: str, source: str | None = None):
         self.path = path
         self._lock = threading.Lock()
+        if path != "-":  # checked now: a path that cannot be written would fail at every event, in the drain
+            try:
+                with open(path, "a"):
+                    pass
+            except OSError as exc:
+                raise ConfigError(f"cannot append to {path}: {exc.strerror or exc}: give a file in an existing, "
+                                  "writable directory (or - for stderr)", source=source,
+                                  key_path="events.jsonl") from None
 
     @hookimpl
     def tiered_ckpt_on_event(self, event: Event) -> None:
@@ -42,11 +51,12 @@ class LoggingObserver:
         events_log.info("%s", json.dumps(event.to_dict(), sort_keys=True, default=str))
 
 
-def from_config(events: EventsConfig) -> list[Any]:
-    """The observers a configuration's ``events`` section asks for."""
+def from_config(events: EventsConfig, source: str | None = None) -> list[Any]:
+    """The observers a configuration's ``events`` section asks for (``source``: the configuration's file, for
+    errors)."""
     observers: list[Any] = []
     if events.jsonl:
-        observers.append(JsonLinesObserver(events.jsonl))
+        observers.append(JsonLinesObserver(events.jsonl, source))
     if events.log:
         observers.append(LoggingObserver())
     return observers

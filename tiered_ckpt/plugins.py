@@ -395,7 +395,7 @@ class EngineEvents:
         self._own = pluggy.PluginManager(hookspecs.PROJECT)
         self._own.add_hookspecs(hookspecs)
         self._names: dict[int, str] = {}
-        for observer in (*from_config(config.events), *observers):
+        for observer in (*from_config(config.events, config.source), *observers):
             self.add(observer)
 
     def add(self, observer: Any, name: str | None = None) -> None:

@@ -63,6 +63,24 @@ def test_odd_objects_match_torch() -> None:
     assert saved(obj) == torch_saved(obj)
 
 
+UNTYPED_DTYPES = [torch.float8_e4m3fn, torch.float8_e5m2, torch.uint16, torch.uint32, torch.uint64]
+
+
+@pytest.mark.parametrize("dtype", UNTYPED_DTYPES, ids=str)
+def test_dtypes_without_a_typed_storage_match_torch(dtype: torch.dtype) -> None:
+    """Found by a new-user trial: FP8 and unsigned 16-64 bit tensors were a PicklingError in the drain (torch.save
+    writes them as an UntypedStorage counted in bytes, rebuilt with _rebuild_tensor_v3 and the dtype)."""
+    base = torch.arange(24, dtype=torch.float32).to(dtype) if dtype.is_floating_point else \
+        torch.arange(24).to(dtype)
+    streamed = StreamedTensor(dtype, (24,), lambda: [base])
+    obj = {"w": base.view(4, 6), "view": base[3:9], "t": base.view(4, 6).t(), "s": streamed}
+    real = {**obj, "s": base.clone()}
+    assert saved(obj) == torch_saved(real)
+    back = torch.load(io.BytesIO(saved(obj)), weights_only=True)
+    assert back["w"].dtype == dtype and torch.equal(back["w"].view(torch.uint8), base.view(4, 6).view(torch.uint8))
+    assert torch.equal(back["view"].view(torch.uint8), base[3:9].view(torch.uint8))
+
+
 def test_wrong_sizes_are_refused() -> None:
     short = {"w": StreamedTensor(torch.float32, (4,), lambda: [torch.zeros(3)])}
     with pytest.raises(ValueError, match="12 bytes produced, 16 announced"):

@@ -29,7 +29,7 @@ from helpers import assert_same
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tiered_ckpt import CheckpointEngine, NoCheckpointError
+from tiered_ckpt import CheckpointEngine, CheckpointUnreadableError
 from tiered_ckpt.checksum import ALGORITHM, digest
 from tiered_ckpt.config import load_config
 from tiered_ckpt.errors import ConfigError, CorruptionError, UnsafePickleError
@@ -392,7 +392,7 @@ def test_trust_pickles_loads_a_trusted_legacy_file_and_logs_it(tmp_path, caplog)
 
 
 def test_no_tier_left_after_refusals_is_a_clear_error(tmp_path):
-    """Every copy of every step unusable: NoCheckpointError names what was wrong with each."""
+    """Every copy of every step unusable: CheckpointUnreadableError names what was wrong with each."""
     root = tmp_path / "ckpt"
     cfg = {"run_id": f"none-{uuid.uuid4().hex[:8]}", "drain": {"mode": "thread"},
            "tiers": [{"name": "disk", "kind": "local", "path": str(root), "fsync": False}]}
@@ -400,6 +400,6 @@ def test_no_tier_left_after_refusals_is_a_clear_error(tmp_path):
         engine.save(1, {"state": {"w": torch.ones(2)}}).wait(timeout=60)
     _rewrite_manifest(root / "iter_0000001/tiered_ckpt/manifest.json",
                       lambda doc: doc["files"][0].update(key="../escape"))
-    with CheckpointEngine(cfg) as engine, pytest.raises(NoCheckpointError) as info:
+    with CheckpointEngine(cfg) as engine, pytest.raises(CheckpointUnreadableError) as info:
         engine.load()
     assert "tier 'disk' step 1" in str(info.value) and "'..' path components" in str(info.value)

@@ -20,7 +20,7 @@ import pytest
 from crash_worker import scenario_items
 from helpers import assert_same, cli
 
-from tiered_ckpt import CheckpointEngine, NoCheckpointError
+from tiered_ckpt import CheckpointEngine, CheckpointUnreadableError
 from tiered_ckpt.cli import EXIT_FAILED, EXIT_NOT_FOUND
 from tiered_ckpt.memory_store import SlotMeta
 
@@ -178,7 +178,7 @@ def test_no_good_copy_left_is_a_clear_error_and_load_moves_to_an_older_step(copy
         if kind == "rank_manifest":  # not read by load(): the checkpoint manifest lists every file
             assert engine.load().step == 2
             return
-        with pytest.raises(NoCheckpointError, match="step 2") as info:
+        with pytest.raises(CheckpointUnreadableError, match="step 2") as info:
             engine.load(step=2)
         if kind == "data":
             assert "'local'" in str(info.value) and "'shared'" in str(info.value)
@@ -252,7 +252,7 @@ def test_a_tier_returning_flipped_bits_is_caught_by_the_checksums(copy, recorder
         assert_same(items(2), loaded.items)
         assert recorder.kinds("fallback", "flaky")  # the manifest's digest or a file's checksum: what broke first
     with CheckpointEngine({**cfg, "tiers": [flaky]}) as engine:
-        with pytest.raises(NoCheckpointError, match="tier 'flaky' step 2: .*tier 'flaky' step 1: "):
+        with pytest.raises(CheckpointUnreadableError, match="tier 'flaky' step 2: .*tier 'flaky' step 1: "):
             engine.load()
 
 

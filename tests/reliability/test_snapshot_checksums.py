@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from tiered_ckpt import CheckpointEngine
-from tiered_ckpt.errors import NoCheckpointError
+from tiered_ckpt.errors import CheckpointUnreadableError
 
 
 def config(shm_root: str, tmp_path, run_id: str, *, with_local: bool) -> dict:
@@ -77,7 +77,7 @@ def test_damage_after_save_is_not_stamped_verified_by_recovery(shm_root, tmp_pat
         with pytest.raises(Exception, match="damaged after save"):
             eng.wait(timeout=60)
         assert eng.available_steps()["local"] == []  # never committed with the damage
-        with pytest.raises(NoCheckpointError):
+        with pytest.raises(CheckpointUnreadableError):
             eng.load()  # and shm's copy fails its own checksum
     finally:
         eng.close()

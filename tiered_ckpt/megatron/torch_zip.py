@@ -77,10 +77,12 @@ class StreamedTensor:
 
 
 class _StorageRef:
-    __slots__ = ("pid",)
+    """A storage's persistent id, and the tensor dtype to rebuild with where the storage is untyped."""
 
-    def __init__(self, pid: tuple):
-        self.pid = pid
+    __slots__ = ("pid", "untyped_dtype")
+
+    def __init__(self, pid: tuple, untyped_dtype: torch.dtype | None = None):
+        self.pid, self.untyped_dtype = pid, untyped_dtype
 
 
 class _TensorReduce:
@@ -95,8 +97,10 @@ class _TensorReduce:
         self.stride = _contiguous_strides(shape) if stride is None else stride
 
     def __reduce_ex__(self, protocol: int) -> Any:
-        return (torch._utils._rebuild_tensor_v2,
-                (self.ref, self.offset, tuple(self.shape), tuple(self.stride), False, collections.OrderedDict()))
+        args = (self.ref, self.offset, tuple(self.shape), tuple(self.stride), False, collections.OrderedDict())
+        if self.ref.untyped_dtype is not None:  # torch.save's form for dtypes without a typed storage class
+            return (torch._utils._rebuild_tensor_v3, (*args, self.ref.untyped_dtype))
+        return (torch._utils._rebuild_tensor_v2, args)
 
 
 def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
@@ -110,11 +114,14 @@ def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
 _STORAGE, _CPU = "storage", "cpu"
 
 
-def _storage_type(dtype: torch.dtype) -> Any:
+def _storage_ref(dtype: torch.dtype, key: str, numel: int) -> _StorageRef:
+    """torch.save's persistent id of a storage of ``numel`` elements of ``dtype``: its typed storage class where
+    the dtype has one; otherwise (float8 kinds, uint16/32/64) an ``UntypedStorage`` counted in bytes, the tensor
+    rebuilt with its dtype (``_rebuild_tensor_v3``), as torch.save writes them."""
     name = torch.storage._dtype_to_storage_type_map().get(dtype)
-    if name is None:
-        raise pickle.PicklingError(f"no storage type for dtype {dtype}")
-    return getattr(torch, name)
+    if name is not None:
+        return _StorageRef((_STORAGE, getattr(torch, name), key, _CPU, numel))
+    return _StorageRef((_STORAGE, torch.storage.UntypedStorage, key, _CPU, numel * itemsize(dtype)), dtype)
 
 
 class _Storages:
@@ -128,7 +135,7 @@ class _Storages:
     def ref(self, stream: StreamedTensor) -> _StorageRef:
         key = str(len(self.streams))
         self.streams.append(stream)
-        return _StorageRef((_STORAGE, _storage_type(stream.dtype), key, _CPU, stream.numel))
+        return _storage_ref(stream.dtype, key, stream.numel)
 
     def tensor(self, t: torch.Tensor) -> _TensorReduce:
         t = t.detach()
@@ -145,8 +152,8 @@ class _Storages:
         key, dtype, _ = found
         if dtype != t.dtype:
             raise pickle.PicklingError("cannot save tensors that view the same storage as different dtypes")
-        pid = (_STORAGE, _storage_type(dtype), key, _CPU, storage.nbytes() // item)
-        return _TensorReduce(_StorageRef(pid), tuple(t.shape), tuple(t.stride()), t.storage_offset())
+        return _TensorReduce(_storage_ref(dtype, key, storage.nbytes() // item), tuple(t.shape), tuple(t.stride()),
+                             t.storage_offset())
 
 
 def _prepare(obj: Any, st: _Storages, memo: dict[int, Any] | None = None) -> Any:
