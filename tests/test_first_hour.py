@@ -210,6 +210,22 @@ def test_two_tiers_in_one_place_are_a_configuration_error(tmp_path):
     CheckpointEngine(cfg).close()  # two places: fine
 
 
+@pytest.mark.parametrize("kind", ["local", "shm", "fsspec"])
+def test_a_tier_path_that_is_a_file_is_a_configuration_error_at_its_key_for_every_kind(tmp_path, kind):
+    """Trial: a local tier said so at tiers[i].path; an shm tier raised a bare error without the key, and an fsspec
+    file:// tier built fine and failed only in the drain."""
+    afile = tmp_path / "afile"
+    afile.write_text("not a directory")
+    tier = {"local": {"name": "t", "kind": "local", "path": str(afile)},
+            "shm": {"name": "t", "kind": "shm", "path": str(afile)},
+            "fsspec": {"name": "t", "kind": "fsspec", "url": f"file://{afile}"}}[kind]
+    tiers = [tier] if kind != "shm" else [tier, {"name": "disk", "kind": "local", "path": str(tmp_path / "d")}]
+    key = "url" if kind == "fsspec" else "path"
+    with pytest.raises(ConfigError, match=rf"tiers\[0\]\.{key}: .*afile is a file, not a directory"):
+        CheckpointEngine({"run_id": run_id(), "tiers": tiers})
+    assert afile.read_text() == "not a directory"
+
+
 def test_an_events_file_that_cannot_be_written_is_a_configuration_error(tmp_path):
     """Trial: events.jsonl in a directory that does not exist printed a traceback at every event, all run long."""
     cfg = {"run_id": run_id(), "events": {"jsonl": str(tmp_path / "no" / "such" / "dir" / "e.jsonl")},

@@ -33,7 +33,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from .errors import RunLockedError, TieredCkptError
+from .errors import ConfigError, RunLockedError, TieredCkptError
 from .private_dirs import private_dir
 from .tiers.base import _user_name
 
@@ -91,9 +91,18 @@ def shm_lock_dir(shm_path: str, run_id: str) -> str:
 
 
 def shm_paths(config: Any) -> list[str]:
-    """The paths of the enabled ``shm`` tiers of a configuration, each once, in order."""
-    paths = [t.options.path for t in config.tiers if t.kind == "shm" and t.enabled is not False]
-    return list(dict.fromkeys(os.path.abspath(p) for p in paths))
+    """The paths of the enabled ``shm`` tiers of a configuration, each once, in order. A path that is a file is a
+    :class:`ConfigError` at its ``tiers[i].path`` (the run's locks go there before any tier is built)."""
+    paths = []
+    for i, t in enumerate(config.tiers):
+        if t.kind == "shm" and t.enabled is not False:
+            path = os.path.abspath(t.options.path)
+            if os.path.exists(path) and not os.path.isdir(path):
+                raise ConfigError(f"{path} is a file, not a directory: give the shm tier a directory on a tmpfs "
+                                  "(the default is /dev/shm/tiered_ckpt)", source=getattr(config, "source", None),
+                                  key_path=f"tiers[{i}].path")
+            paths.append(path)
+    return list(dict.fromkeys(paths))
 
 
 def owner_record() -> bytes:

@@ -179,6 +179,9 @@ class FsspecTier(Tier):
         self._open_kw = {"block_size": options.block_size} if options.block_size else {}
         # A local path: the file tiers' own code (no links followed, no FIFO opened, vanished temp files).
         self.files: BlobFiles | None = None
+        if isinstance(self.fs, LocalFileSystem) and os.path.exists(self.root) and not os.path.isdir(self.root):
+            raise ConfigError(f"{self.root} is a file, not a directory: give the tier the directory that holds (or "
+                              "will hold) its checkpoints", key_path=f"tier {name!r}.url")
         if isinstance(self.fs, LocalFileSystem):
             self.files = BlobFiles(name, self.root, file_mode=0o666, dir_mode=0o777, fsync=False,
                                    temp_written_point="fsspec.temp_written")  # modes: less the umask, as fsspec

@@ -158,6 +158,9 @@ class ShmTier(FilesHousekeeping, Tier):
     def __init__(self, name: str, options: ShmOptions | None = None, context: TierContext | None = None):
         super().__init__(name, options, context)
         base = os.path.abspath(self.options.path)
+        if os.path.exists(base) and not os.path.isdir(base):
+            raise ConfigError(f"{base} is a file, not a directory: give the shm tier a directory on a tmpfs (the "
+                              "default is /dev/shm/tiered_ckpt)", key_path=f"tier {name!r}.path")
         self.filesystem_type = filesystem_type(base)
         if self.filesystem_type not in MEMORY_FILESYSTEMS:
             log.warning(
