@@ -28,7 +28,7 @@ from tiered_ckpt import (
     state,
 )
 from tiered_ckpt.config import load_config
-from tiered_ckpt.errors import ConfigError, EncodeError, LoadIntoError, PluginError
+from tiered_ckpt.errors import ConfigError, EncodeError, LoadIntoError, PluginError, TransientTierError
 from tiered_ckpt.handles import SavesFailedError
 from tiered_ckpt.locking import lock_dir
 from tiered_ckpt.testing.contract import TierContract
@@ -173,6 +173,58 @@ def test_checkpoints_that_all_fail_to_load_are_not_no_checkpoint(tmp_path):
             engine.load(step=200)
         with pytest.raises(NoCheckpointError):  # a step that is not there at all is still "no checkpoint"
             engine.load(step=7)
+
+
+def test_reads_that_fail_with_the_tier_s_errors_never_advise_removing_the_steps(tmp_path):
+    """Review: every read of a listed step timing out (an object store's outage) said the steps were damaged and
+    to remove them. A tier's error is no proof of damage: the advice is to load again."""
+    cfg = {"run_id": run_id(), "drain": {"mode": "thread"},
+           "tiers": [{"name": "disk", "kind": "local", "path": str(tmp_path / "disk")}]}
+    with CheckpointEngine(cfg) as engine:
+        engine.save(100, {"m": {"w": torch.ones(4)}}).wait(timeout=60)
+    with CheckpointEngine(cfg) as engine:
+        def timing_out(*args, **kwargs):
+            raise TransientTierError("read timed out (503 SlowDown)", tier="disk")
+
+        engine.pipeline.stores["disk"].read_step = timing_out
+        with pytest.raises(CheckpointUnreadableError) as info:
+            engine.load()
+        assert "not proven damage" in str(info.value) and "load again" in str(info.value)
+        assert "remove a step" not in str(info.value)
+
+
+def test_steps_some_ranks_hold_and_others_lack_are_not_no_checkpoint(tmp_path):
+    """Review: a rank with nothing (a replaced node's node-local tier) beside ranks holding steps made load() say
+    NoCheckpointError on every rank, and Megatron's adapter started from iteration 0 beside them. Simulated: the
+    step agreement sees a second rank that lists nothing (the real exchange is tests/test_multirank.py's)."""
+    cfg = {"run_id": run_id(), "drain": {"mode": "thread"},
+           "tiers": [{"name": "disk", "kind": "local", "path": str(tmp_path / "disk")}]}
+    with CheckpointEngine(cfg) as engine:
+        for step in (100, 200):
+            engine.save(step, {"m": {"w": torch.ones(4)}})
+        engine.wait()
+    with CheckpointEngine(cfg) as engine:
+        real = engine.coordinator.all_gather
+        engine.coordinator.all_gather = lambda v, what="": real(v, what) + ([[]] if what == "agree_on_step" else [])
+        with pytest.raises(CheckpointUnreadableError, match=r"Some ranks hold steps \(rank 0: 100, 200\) that not "
+                                                            r"every rank holds"):
+            engine.load()
+
+
+def test_a_job_that_goes_back_to_an_older_step_keeps_its_new_steps(tmp_path, caplog):
+    """Review: in one process, a job that loaded step 100 (of 100 and 200, keep: 1) and saved 110 saw 110 deleted
+    right after its commit: retention counted from the highest step the process had ever committed."""
+    cfg = {"run_id": run_id(), "drain": {"mode": "thread"},
+           "tiers": [{"name": "disk", "kind": "local", "path": str(tmp_path / "disk"), "keep": 2}]}
+    with CheckpointEngine(cfg) as engine, caplog.at_level(logging.WARNING, logger="tiered_ckpt"):
+        for step in (100, 200):
+            engine.save(step, {"m": {"w": torch.full((4,), float(step))}})
+        engine.wait()
+        assert engine.load(step=100).step == 100  # a loss spike: back to step 100
+        for step in (110, 120, 130):
+            engine.save(step, {"m": {"w": torch.full((4,), float(step))}})
+            engine.wait()
+        assert engine.available_steps()["disk"] == [120, 130, 200]
 
 
 def test_a_run_saving_below_an_earlier_run_s_steps_keeps_its_own_newest_steps(tmp_path, caplog):

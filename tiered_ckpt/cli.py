@@ -90,7 +90,7 @@ def build_parser() -> argparse.ArgumentParser:
                    "memory holds steps that no file tier of the configuration has yet (their only copy); this "
                    "applies to every stale run under the shm path, not only the configuration's run_id")
     p.add_argument("--min-age", type=float, default=3600.0, metavar="SECONDS", help="leave temporary files "
-                   "modified less than this long ago: writes in flight (default: %(default)s)")
+                   "and partial steps modified less than this long ago: writes in flight (default: %(default)s)")
     p = add("demo", cmd_demo, "train a small GPT on 4 ranks, checkpoint through shm, local and remote tiers, kill a "
                               "rank, resume, and check the resumed run matches an uninterrupted one", target=False)
     p.add_argument("--workdir", default="demo-run", help="where the demo writes (default: %(default)s)")

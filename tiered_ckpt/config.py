@@ -304,17 +304,18 @@ def load_config(config: Any, *, registries: Any = None, env: dict[str, str] | No
 
 
 def _place(t: TierConfig) -> tuple[str, str, str] | None:
-    """Where a built-in tier keeps its blobs, as (family, normalised place, option name); None for other kinds."""
+    """Where a built-in tier keeps its blobs on this machine's filesystem, as (family, normalised path, option
+    name), the way the tier itself resolves it; None for other kinds and for remote URLs (two object stores may
+    hold buckets of one name: the URL alone does not say it is one place)."""
     opts = t.options
-    if t.kind in ("local", "shm") and isinstance(getattr(opts, "path", None), str):
-        family = "files" if t.kind == "local" else "shm"
-        return family, os.path.normpath(os.path.abspath(os.path.expanduser(opts.path))), "path"
+    path = getattr(opts, "path", None)
+    if t.kind == "local" and isinstance(path, str):
+        return "files", os.path.normpath(os.path.abspath(os.path.expanduser(path))), "path"
+    if t.kind == "shm" and isinstance(path, str):
+        return "shm", os.path.normpath(os.path.abspath(path)), "path"
     url = getattr(opts, "url", None)
-    if t.kind == "fsspec" and isinstance(url, str):
-        if url.startswith("file://") or "://" not in url:
-            local = url.removeprefix("file://")
-            return "files", os.path.normpath(os.path.abspath(os.path.expanduser(local))), "url"
-        return "url", url.rstrip("/"), "url"
+    if t.kind == "fsspec" and isinstance(url, str) and (url.startswith("file://") or "://" not in url):
+        return "files", os.path.normpath(os.path.abspath(url.removeprefix("file://"))), "url"
     return None
 
 
@@ -323,7 +324,7 @@ def _check_distinct_places(tiers: tuple[TierConfig, ...], source: str | None) ->
     ``load()`` would count one copy twice as a fallback that does not exist."""
     seen: dict[tuple[str, str], int] = {}
     for i, t in enumerate(tiers):
-        place = _place(t)
+        place = _place(t) if t.enabled is not False else None
         if place is None:
             continue
         family, where, option = place

@@ -23,6 +23,7 @@ from .config import Config, TierConfig, load_config
 from .distributed import Coordinator
 from .drain_protocol import Drain, DrainRequest
 from .errors import (
+    BlobNotFoundError,
     CheckpointUnreadableError,
     CorruptionError,
     DecodeError,
@@ -313,6 +314,7 @@ class CheckpointEngine:
         mine = {s for steps in available.values() for s in steps}
         rejected: set[int] = set()
         fallbacks: list[str] = []
+        damaged: list[bool] = []  # per failed read: damage (checksums, decoding) or a tier's error
         relists = 0
         while True:
             chosen = self.coordinator.agree_on_step(mine - rejected, step)
@@ -331,8 +333,10 @@ class CheckpointEngine:
                 detail = f" ({'; '.join(fallbacks)})" if fallbacks else ""
                 self._nothing_loadable(unreachable, f"no step that every rank can load: rank {self.coords.rank} "
                                                     f"found no loadable copy of {what} on any tier{detail}",
-                                       tried=sorted(rejected), fallbacks=fallbacks)
-            result = self.coordinator.alone(self._load_step, chosen, available, copy, map_location, fallbacks, into)
+                                       tried=sorted(rejected), fallbacks=fallbacks, damaged=damaged,
+                                       held=sorted(mine) if step is None else sorted(mine & {step}))
+            result = self.coordinator.alone(self._load_step, chosen, available, copy, map_location, fallbacks, into,
+                                            damaged)
             if self.coordinator.all_succeeded(result is not None, "loaded"):
                 assert result is not None
                 result.unreachable = dict(unreachable)
@@ -344,7 +348,8 @@ class CheckpointEngine:
             rejected.add(chosen)
             if step is not None:
                 self._nothing_loadable(unreachable, f"step {step} cannot be loaded by every rank "
-                                                    f"({'; '.join(fallbacks)})", tried=[step], fallbacks=fallbacks)
+                                                    f"({'; '.join(fallbacks)})", tried=[step], fallbacks=fallbacks,
+                                       damaged=damaged)
 
     def _checked_lists(self, into: dict[str, Any] | None, step: int | None
                        ) -> tuple[dict[str, list[int]], dict[str, str]]:
@@ -356,19 +361,33 @@ class CheckpointEngine:
         return available, unreachable
 
     def _nothing_loadable(self, unreachable: dict[str, str], message: str, *, tried: list[int] | None = None,
-                          fallbacks: list[str] | None = None) -> None:
-        """Raise NoCheckpointError when every rank listed every tier and no step was there to try;
+                          fallbacks: list[str] | None = None, damaged: list[bool] | None = None,
+                          held: list[int] | None = None) -> None:
+        """Raise NoCheckpointError when every rank listed every tier and no rank found a step; else
         CheckpointUnreadableError when steps were there and none could be loaded (``tried``: the same on every
-        rank, agreed step by step); else TierUnavailableError (collective: every rank raises the same one)."""
+        rank, agreed step by step) or some ranks hold steps that others lack (``held``: this rank's); else
+        TierUnavailableError (collective: every rank raises the same one)."""
         if self.coordinator.all_succeeded(not unreachable):
             if tried:
                 steps = ", ".join(map(str, tried))
+                if damaged and all(damaged):
+                    advice = ("Repair or remove them (tiered-ckpt verify and ls say what is wrong; remove a step's "
+                              "directory, or point the tiers at a new path), or load an older step")
+                else:  # a timeout or an error of the tier is no proof of damage: never advise removing
+                    advice = ("Some reads failed with the tier's errors, not proven damage: load again once the "
+                              "tier answers (tiered-ckpt verify says whether the files are intact); do not remove "
+                              "them for this")
                 raise CheckpointUnreadableError(
                     f"{message}. Step(s) {steps} are checkpoints that could not be loaded: this is not \"no "
                     "checkpoint\", so do not start from scratch here (a new run's saves would land beside them, "
-                    "and they still count as the newest). Repair or remove them (tiered-ckpt verify and ls say "
-                    "what is wrong; remove a step's directory, or point the tiers at a new path), or load an "
-                    "older step", fallbacks)
+                    f"and they still count as the newest). {advice}", fallbacks)
+            if not self.coordinator.all_succeeded(not held, "held"):
+                raise CheckpointUnreadableError(
+                    f"{message}. Some ranks hold steps (rank {self.coords.rank}: "
+                    f"{', '.join(map(str, (held or [])[-8:])) or 'none'}) that not every rank holds (a replaced "
+                    "node's node-local tier, a rank-count change?): this is not \"no checkpoint\", so do not start "
+                    "from scratch here. Give every rank a tier holding the step (a shared tier), or load with the "
+                    "ranks that saved it", fallbacks)
             raise NoCheckpointError(message)
         advice = ("This is not \"no checkpoint\": one may be on a tier that could not be looked at. Make it "
                   "reachable and load again (or set enabled: false on it to resume without it)")
@@ -380,7 +399,8 @@ class CheckpointEngine:
                                    f"which). Nothing loadable on the tiers listed: {message}. {advice}", {})
 
     def _load_step(self, step: int, available: dict[str, list[int]], copy: bool, map_location: Any,
-                   fallbacks: list[str], into: dict[str, Any] | None = None) -> LoadResult | None:
+                   fallbacks: list[str], into: dict[str, Any] | None = None, damaged: list[bool] | None = None
+                   ) -> LoadResult | None:
         for name in self.pipeline.order:
             if step not in available.get(name, []):
                 continue
@@ -389,6 +409,8 @@ class CheckpointEngine:
                 items, verified, nbytes = self._load_from(name, step, copy, map_location, into)
             except (CorruptionError, DecodeError, TierError, OSError) as exc:
                 fallbacks.append(f"tier {name!r} step {step}: {exc}")
+                if damaged is not None:
+                    damaged.append(isinstance(exc, CorruptionError | DecodeError | BlobNotFoundError))
                 self._emit(ev.Event(ev.FALLBACK, step=step, rank=self.coords.rank, tier=name, message=str(exc),
                                     detail={"key": getattr(exc, "key", None)}))
                 log.warning("load: tier %r step %d: %s; trying the next tier", name, step, exc)

@@ -122,8 +122,8 @@ class FileStore(CommittedFiles):
         self._manifests: dict[int, CheckpointManifest] = {}  # committed manifests are immutable: cache them
         self._started: set[tuple[int, int]] = set()  # (step, rank) whose marker this process wrote
         self._held_back = False  # the last retention kept steps only because they were pinned
-        # The newest step this process committed here: retention counts steps up to it, and leaves any newer
-        # committed step alone (an earlier run's, when this one started lower or went back: docs/operations.md)
+        # The step this process committed here last: retention counts steps up to it, and leaves any newer
+        # committed step alone (an earlier run's, or this one's before it went back: docs/operations.md)
         self._newest_own: int | None = None
         self._warned_newer: tuple[int, ...] = ()
         self._retention = threading.Lock()  # retain() runs in whichever drain thread finishes a job
@@ -229,7 +229,7 @@ class FileStore(CommittedFiles):
             raise TierError(f"step {written.step} not committed: not every rank's files arrived within "
                             f"{wait_s:.0f} s", tier=self.name)
         with self._retention:
-            self._newest_own = max(written.step, self._newest_own or written.step)
+            self._newest_own = written.step  # the latest commit: a job that went back counts from there
         on_committed(committed.total_bytes)
         # The steps retention drops are un-committed now; deleting their files (slow for big files: an unlink of
         # 1 GiB took 0.3 s on the development VM's ext4) waits until this step's save is reported durable.
@@ -621,9 +621,9 @@ class FileStore(CommittedFiles):
         :meth:`remove_steps` deletes. A crash in between leaves debris, never a committed step with missing
         files.
 
-        ``newest``: the newest step this process committed here. Steps are counted up to it; a committed step
-        above it is another run's (this one started lower, or went back to an older step) and is left alone,
-        with a warning: counting it would make this run's own new steps the oldest, deleted right after their
+        ``newest``: the step this process committed here last. Steps are counted up to it; a committed step
+        above it is from before (another run's, or this one's before it went back to an older step) and is left
+        alone, with a warning: counting it would make the new steps the oldest, deleted right after their
         commit (found by a new-user trial)."""
         keys = self.tier.list("")
         committed = sorted({s for s in map(self.layout.parse_manifest_key, keys) if s is not None})

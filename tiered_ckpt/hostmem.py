@@ -17,6 +17,7 @@ import ctypes
 import mmap
 import os
 import threading
+import weakref
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -66,16 +67,19 @@ def populating_empty(nbytes: int, chunk: int = POPULATE_CHUNK) -> torch.Tensor:
     pieces from moto: 2.35-2.96 s into a plain fresh buffer, 1.62-1.82 s into one populated beforehand, and the
     population itself (0.5-0.6 s per GiB here) runs on another core, ahead of the transfers. Populating a page the
     caller already wrote leaves it as it is; where the kernel lacks ``MADV_POPULATE_WRITE`` (before 5.14) the
-    thread stops and the pages fault in on first touch, as with :func:`lazy_empty`."""
+    thread stops and the pages fault in on first touch, as with :func:`lazy_empty`. Once the tensor is dropped (a
+    read that failed) the thread stops at its next chunk."""
     if nbytes == 0:
         return torch.empty(0, dtype=torch.uint8)
     mm = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     out = torch.frombuffer(mm, dtype=torch.uint8)  # the tensor keeps the mapping alive
     if nbytes > chunk:
-        start = out.data_ptr()
+        start, alive = out.data_ptr(), weakref.ref(out)
 
         def populate(mapping: mmap.mmap = mm) -> None:  # holds the mapping until done, whatever the caller drops
             for off in range(0, nbytes, chunk):
+                if alive() is None:  # the reader failed and dropped the buffer: no more memory for it
+                    return
                 n = min(chunk, nbytes - off)
                 if _libc.madvise(start + off, n + (-n) % mmap.PAGESIZE, _MADV_POPULATE_WRITE) != 0:
                     return

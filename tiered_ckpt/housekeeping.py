@@ -54,14 +54,18 @@ def find_debris(store: FileStore, *, live: bool = False, min_age_s: float = TEMP
     """Uncommitted steps older than the newest committed one, and temporary files of unfinished writes.
 
     ``live``: an engine of the run that writes this tier holds its lock: nothing of it is debris (its own
-    retention removes its partial steps after each commit). Temporary files modified less than ``min_age_s``
-    ago, or whose age cannot be told, are left too: a write in flight elsewhere keeps touching its file."""
+    retention removes its partial steps after each commit). Temporary files and partial steps with a file
+    modified less than ``min_age_s`` ago, or whose age cannot be told, are left too: a write in flight elsewhere
+    keeps touching its files."""
     if live:
         return []
+    now = time.time() if now is None else now
+    # A partial step is debris only when none of its files changed for min_age_s either: a run that saves below
+    # an earlier run's steps (docs/operations.md) writes its next step beneath their newest commit.
     out = [Debris(store.name, "partial step", store.layout.step_dir(step),
                   store.tier.stored_bytes(store.layout.step_dir(step)))
-           for step in sorted(store.partial_steps(store.tier.list("")))]
-    now = time.time() if now is None else now
+           for step, keys in sorted(store.partial_steps(store.tier.list("")).items())
+           if all(_old_enough(store, k, min_age_s, now) for k in keys)]
     for rel in store.tier.temp_files():  # the Tier interface (tiers/base.py): every kind answers, plugins too
         if not _old_enough(store, rel, min_age_s, now):
             continue

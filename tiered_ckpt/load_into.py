@@ -12,7 +12,7 @@ for ``load(copy=True)``, into fresh memory, hashing the copy itself.
 Tensors are paired by their place in the structure (dict keys, list and tuple positions). A saved tensor whose
 counterpart in ``into`` has another shape or dtype is an error naming the item and the path; one without a
 counterpart is returned as loaded. A tensor of ``into`` the checkpoint does not hold (a renamed or misspelt
-key) is an error too: it would silently keep its values. Values that are not tensors (step counters, ``args``)
+key) keeps its values, with a warning naming it. Values that are not tensors (step counters, ``args``)
 come from the checkpoint. If verification fails part-way, the targets hold partial data: the engine then loads the
 next tier into them, and if no tier can be loaded they must not be used.
 """
@@ -20,6 +20,7 @@ next tier into them, and if no tier can be loaded they must not be used.
 from __future__ import annotations
 
 import bisect
+import logging
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -30,6 +31,7 @@ from . import memcopy
 from .checksum import SNAPSHOT_PIECE, is_piecewise, snapshot_matches
 from .errors import LoadIntoError
 
+log = logging.getLogger("tiered_ckpt")
 _SUB = 1 << 20  # bytes copied, then hashed: small enough that the sub-block just read is still in cache
 
 
@@ -47,11 +49,13 @@ def pair_into(loaded: Any, into: Any, where: str, unmatched: Callable[[torch.Ten
     filled = {id(t) for _, t in pairs}
     left = [p for p, t in _targets(into, where) if id(t) not in filled]
     if left:
+        # A warning, not an error: a fresh optimizer's state (torch's get_state_dict makes it for every
+        # parameter) holds tensors for parameters that never had a gradient, which no checkpoint holds.
         more = f" (and {len(left) - 1} more: {', '.join(left[1:4])}{', ...' if len(left) > 4 else ''})" \
             if len(left) > 1 else ""
-        raise LoadIntoError(f"load(into=...): {left[0]} is a tensor in into that the checkpoint does not hold{more}: "
-                            "it would keep its current values. Check the key for a rename or typo, or leave it out "
-                            "of into")
+        log.warning("load(into=...): %s is a tensor in into that the checkpoint does not hold%s: it keeps its "
+                    "current values (a renamed or misspelt key? optimizer state of a parameter that never had a "
+                    "gradient is expected here)", left[0], more)
     return out, pairs
 
 
