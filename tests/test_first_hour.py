@@ -128,12 +128,12 @@ def test_a_file_tier_whose_directory_cannot_be_read_is_unreachable_not_empty(tmp
         engine.save(1, {"model": {"w": torch.ones(4)}}).wait(timeout=60)
     os.rename(root, tmp_path / "moved")
     root.write_text("not a directory")  # an unmounted volume's placeholder, a wrong path: anything but the tier
-    engine = CheckpointEngine(cfg) if kind == "fsspec" else None
-    if engine is None:  # the local tier checks its directory when it is built
-        with pytest.raises(Exception, match="ckpt"):
-            CheckpointEngine(cfg)
+    with pytest.raises(ConfigError, match=r"tiers\[0\]\.(path|url): .*ckpt is a file"):  # checked when built
+        CheckpointEngine(cfg)
+    if kind == "local":  # the local tier makes its directory when built: one below a file fails there
         return
-    with engine:
+    below = {**tier, "url": f"file://{root}/run"}  # below the file: ENOTDIR when listed, not "empty"
+    with CheckpointEngine({**cfg, "tiers": [below]}) as engine:
         with pytest.raises(TierUnavailableError, match="disk"):
             engine.load()
 
