@@ -27,10 +27,11 @@ _POPULATE = getattr(mmap, "MAP_POPULATE", 0)
 READ_PIECE = 32 << 20  # bytes per preadv call of read_file (a multiple of the page size)
 READ_THREADS = 4  # preadv calls in flight: queue depth for the disk, page faults on more than one core
 POPULATE_CHUNK = 32 << 20  # bytes per madvise of populating_empty's thread
-_MADV_POPULATE_WRITE = 23  # Linux 5.14+
-_libc = ctypes.CDLL(None, use_errno=True)
-_libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-_libc.madvise.restype = ctypes.c_int
+MADV_POPULATE_WRITE = 23  # Linux 5.14+; older kernels refuse it (madvise returns -1)
+#: madvise(addr, length, advice) through ctypes (releases the GIL): this module's and memcopy.py's
+madvise = ctypes.CDLL(None, use_errno=True).madvise
+madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+madvise.restype = ctypes.c_int
 
 
 class FileShrankError(Exception):
@@ -81,7 +82,7 @@ def populating_empty(nbytes: int, chunk: int = POPULATE_CHUNK) -> torch.Tensor:
                 if alive() is None:  # the reader failed and dropped the buffer: no more memory for it
                     return
                 n = min(chunk, nbytes - off)
-                if _libc.madvise(start + off, n + (-n) % mmap.PAGESIZE, _MADV_POPULATE_WRITE) != 0:
+                if madvise(start + off, n + (-n) % mmap.PAGESIZE, MADV_POPULATE_WRITE) != 0:
                     return
 
         threading.Thread(target=populate, name="tiered_ckpt-populate", daemon=True).start()

@@ -28,6 +28,7 @@ from typing import Any, TypeVar
 import torch
 
 from .checksum import LazyPool
+from .hostmem import MADV_POPULATE_WRITE, madvise
 
 try:  # built by the package's install where a C compiler is found (setup.py: optional)
     from ._streamcopy import STREAMING as _HAS_STREAMING
@@ -54,12 +55,8 @@ STREAM_MIN = 64 << 10
 STREAMING = bool(_HAS_STREAMING)
 HUGE = 2 << 20  # the transparent huge page size fresh buffers are aligned to
 _MADV_HUGEPAGE = 14
-_MADV_POPULATE_WRITE = 23  # Linux 5.14+; older kernels refuse it and the pages are touched instead
 
 _POOL = LazyPool(max(1, (os.cpu_count() or 1) - 1), "tiered_ckpt-copy")
-_libc = ctypes.CDLL(None, use_errno=True)
-_libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-_libc.madvise.restype = ctypes.c_int
 
 
 def threads() -> int:
@@ -227,7 +224,7 @@ def fresh_buffer(nbytes: int) -> torch.Tensor:
     start = out.data_ptr()
     length = nbytes + (-nbytes) % mmap.PAGESIZE
     if HUGE_PAGES and nbytes >= HUGE:
-        _libc.madvise(start, length - length % HUGE, _MADV_HUGEPAGE)  # advice only: a refusal changes nothing
-    if _libc.madvise(start, length, _MADV_POPULATE_WRITE) != 0:
+        madvise(start, length - length % HUGE, _MADV_HUGEPAGE)  # advice only: a refusal changes nothing
+    if madvise(start, length, MADV_POPULATE_WRITE) != 0:  # older kernels: every page touched instead
         out[::mmap.PAGESIZE].zero_()  # a write per page faults each in
     return out
