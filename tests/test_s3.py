@@ -25,6 +25,8 @@ from tiered_ckpt.cli import main as cli_main
 from tiered_ckpt.errors import ConfigError, CorruptionError
 from tiered_ckpt.testing.s3 import S3FaultProxy, S3Server, s3_operation
 from tiered_ckpt.tiers import _s3
+from tiered_ckpt.tiers._s3 import RequestBody
+from tiered_ckpt.tiers.base import StableChunks
 from tiered_ckpt.tiers.fsspec_tier import FsspecOptions, FsspecTier, redact, redacted_options, secret_values
 from tiered_ckpt.tiers.s3 import S3Tier
 from tiered_ckpt.validate import build_dataclass
@@ -170,6 +172,50 @@ def test_large_chunks_go_out_without_copies_and_small_ones_in_bounded_buffers(re
 
     assert tier.write_blob("reused-large", reused_large()) == 4 * PART
     assert taken == [] and torch.equal(tier.read_blob("reused-large"), data[:4 * PART])
+
+
+def test_stable_chunks_go_out_as_views_whatever_their_sizes(remote, monkeypatch):
+    """Chunks that stay as they are until the write returns (StableChunks: a pinned slot's views) are never copied:
+    parts are views of them, a part may span several chunks, and a part spanning chunks is still exact."""
+    tier = FsspecTier("s3", FsspecOptions(url=remote.url, options=remote.proxy.storage_options(), part_size=PART,
+                                          max_concurrency=2))
+    taken = []
+    real_take = _s3.Upload._take_buffer
+    monkeypatch.setattr(_s3.Upload, "_take_buffer", lambda self: taken.append(self.key) or real_take(self))
+    data = torch.randint(0, 256, (4 * PART + 123,), dtype=torch.uint8, generator=torch.Generator().manual_seed(5))
+    cuts = [0, 4096, MiB + 3, PART + 1, 3 * PART - 7, 3 * PART - 6, data.numel()]  # a header, odd and tiny pieces
+    pieces = StableChunks(data[a:b] for a, b in zip(cuts, cuts[1:], strict=False))
+    remote.proxy.reset_log()
+    assert tier.write_blob("big", pieces) == data.numel()
+    parts = sorted((r.part_number, r.bytes_in) for r in remote.proxy.ops("UploadPart"))
+    assert parts == [(1, PART), (2, PART), (3, PART), (4, PART), (5, 123)]
+    assert torch.equal(tier.read_blob("big"), data)
+    small = StableChunks([data[:10], data[10:MiB]])  # under one part: one PUT of both pieces
+    assert tier.write_blob("small", small) == MiB and torch.equal(tier.read_blob("small"), data[:MiB])
+    assert taken == [] and remote.uploads_in_progress() == []
+
+
+def test_a_request_body_reads_and_iterates_its_views_in_order():
+    """botocore reads the body as a file (``read``, ``seek``, ``tell``, ``len``), aiohttp iterates it: the same
+    bytes, from wherever the reader stands, in slices no larger than ``SLICE``."""
+    import asyncio
+
+    a, b = memoryview(bytes(range(256)) * 9), memoryview(b"xyz" * 700)
+    whole = bytes(a) + bytes(b)
+    body = RequestBody(a[:100], memoryview(b""), a[100:], b)
+    assert len(body) == len(whole) and body.read(10) == whole[:10] and body.tell() == 10
+    assert body.read() == whole[10:] and body.read() == b""
+
+    async def sent(start: int) -> list[bytes]:
+        body.seek(start)
+        return [bytes(piece) async for piece in body]
+
+    slice_size = 700
+    body.SLICE = slice_size
+    for start in (0, 99, 100, 2304, len(whole) - 1):
+        pieces = asyncio.run(sent(start))
+        assert b"".join(pieces) == whole[start:] and max(map(len, pieces)) <= slice_size
+    assert body.seek(-5, 2) == len(whole) - 5 and body.read() == whole[-5:]
 
 
 def test_failing_producer_aborts_the_multipart_upload(remote):

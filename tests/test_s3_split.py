@@ -14,8 +14,9 @@ from helpers import assert_same
 from tiered_ckpt import CheckpointEngine, SaveError
 from tiered_ckpt.cli import main as cli_main
 from tiered_ckpt.errors import CorruptionError, TransientTierError
-from tiered_ckpt.tiers import _s3_split
+from tiered_ckpt.tiers import _s3, _s3_split
 from tiered_ckpt.tiers._s3_split import METADATA_KEY, PIECE_MARK, Split, is_piece_name, piece_name
+from tiered_ckpt.tiers.base import StableChunks
 from tiered_ckpt.tiers.fsspec_tier import FsspecOptions
 
 pytestmark = pytest.mark.timeout(120)
@@ -48,10 +49,11 @@ def objects(s3_server, bucket: str, prefix: str) -> dict[str, int]:
     return out
 
 
-def test_a_private_blob_is_stored_as_pieces_and_read_as_one(tier, s3_server, where):
+@pytest.mark.parametrize("chunks", [list, StableChunks])
+def test_a_private_blob_is_stored_as_pieces_and_read_as_one(tier, s3_server, where, chunks):
     bucket, prefix = where
     data = blob(2 * PART + 3 * MiB + 7, 1)
-    assert tier.write_private_blob("d/x.flat", [data[:MiB], data[MiB:]]) == data.numel()
+    assert tier.write_private_blob("d/x.flat", chunks([data[:MiB], data[MiB:]])) == data.numel()
 
     held = objects(s3_server, bucket, prefix)
     pieces = sorted(k for k in held if is_piece_name(k))
@@ -71,13 +73,14 @@ def test_a_private_blob_is_stored_as_pieces_and_read_as_one(tier, s3_server, whe
         assert tier.read_range("d/x.flat", off, n) == data[off:off + n].numpy().tobytes(), (off, n)
 
 
+@pytest.mark.parametrize("chunks", [list, StableChunks])
 @pytest.mark.parametrize("nbytes", [PART, 2 * PART, 4 * PART])
-def test_whole_parts_keep_the_last_one_for_the_key(tier, s3_server, where, nbytes):
+def test_whole_parts_keep_the_last_one_for_the_key(tier, s3_server, where, nbytes, chunks):
     """A blob of whole parts, fed as one chunk (the parts go straight from the caller's buffer): the last part is
     still the key's own object."""
     bucket, prefix = where
     data = blob(nbytes, 2)
-    tier.write_private_blob("k", [data])
+    tier.write_private_blob("k", chunks([data]))
     held = objects(s3_server, bucket, prefix)
     assert held["k"] == PART and len(held) == nbytes // PART
     assert torch.equal(tier.read_blob("k"), data)
@@ -303,10 +306,15 @@ def test_the_engine_s_own_files_go_split_and_come_back_verified(s3_server, where
              "extra": {"v": torch.randn(2 * PART // 4, generator=g)}}
     cfg = {"run_id": "split", "drain": {"mode": "thread"},
            "tiers": [{"name": "shm", "kind": "shm", "path": str(shm_root)}, s3]}
+    copied_for = []  # keys whose parts were gathered into buffers of the upload's own
+    real_take = _s3.Upload._take_buffer
+    monkeypatch.setattr(_s3.Upload, "_take_buffer", lambda self: copied_for.append(self.key) or real_take(self))
     with CheckpointEngine(cfg) as engine:
         for step in (1, 2):
             items["model"]["w"].add_(1.0)
             engine.save(step, items).wait()
+    # the flat file's parts are views of the pinned slot (StableChunks), header and tensor bytes alike
+    assert copied_for and not any(k.endswith(".flat") for k in copied_for), copied_for
     held = objects(s3_server, bucket, prefix)
     assert not any(k.startswith("iter_0000001/") for k in held)  # keep: 1, pieces included
     flat = [k for k in held if k.endswith(".flat")]

@@ -11,7 +11,7 @@ from typing import Any
 import xxhash
 
 from .fast_crc import crc32
-from .tiers.base import Chunk, as_memoryview
+from .tiers.base import Chunk, as_memoryview, chunks_stable
 
 ALGORITHM = "xxh3_128"
 # Large chunks are fed in pieces so hashing and writing interleave while the bytes are still in cache.
@@ -60,6 +60,7 @@ class HashingStream:
         self._chunks = chunks
         self._hasher = new_hasher()
         self.nbytes = 0
+        self.stable = chunks_stable(chunks)  # pieces are views of the chunks: as stable as they are
 
     def __iter__(self) -> Iterator[memoryview]:
         pending: Future | None = None

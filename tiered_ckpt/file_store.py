@@ -53,7 +53,7 @@ from .retry import call_with_retry
 from .snapshot_record import UNVERIFIED, SlotMeta
 from .step_read import read_committed_step, read_in_place_item
 from .store import Store, Written
-from .tiers.base import Chunk, Tier, as_memoryview
+from .tiers.base import Chunk, StableChunks, Tier, as_memoryview, chunks_stable
 
 log = logging.getLogger(__name__)
 Emit = Callable[[ev.Event], None]
@@ -74,6 +74,7 @@ class _Counting:
         self._chunks = chunks
         self._piece = piece
         self.nbytes = 0
+        self.stable = chunks_stable(chunks)  # pieces are views of the chunks: as stable as they are
 
     def __iter__(self):
         for c in self._chunks:
@@ -468,8 +469,8 @@ class FileStore(CommittedFiles):
             codec = self.codecs[entry.codec]
             want_grouped = self.byte_grouping and codec.supports_byte_grouping
             if entry.compression == self.compression_name and grouped == want_grouped:
-                size, checksum, _ = self._write_file(entry.key, lambda b=blob: [b], step, coords.rank, compress=False,
-                                                     private=codec.private)
+                size, checksum, _ = self._write_file(entry.key, lambda b=blob: StableChunks([b]), step, coords.rank,
+                                                     compress=False, private=codec.private)
                 if checksum != entry.checksum:
                     self.tier.delete(entry.key)
                     raise CorruptionError("bytes changed while copying between tiers", tier=self.name,

@@ -33,9 +33,10 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from .errors import ConfigError, RunLockedError, TieredCkptError
+from .errors import RunLockedError, TieredCkptError
 from .private_dirs import private_dir
 from .tiers.base import _user_name
+from .tiers.shm import shm_base
 
 LOCKS_DIR = "@locks"  # in {shm path}/{user}/: run_ids are letters, digits, "_", "-", "." only
 RUN_LOCK = "run.lock"
@@ -73,10 +74,7 @@ def shm_lock_path(shm_path: str, run_id: str, user: str | None = None) -> str:
 def shm_lock_dir(shm_path: str, run_id: str) -> str:
     """:func:`shm_lock_path`, created: the shm path as the tier makes it (shared and sticky, like /tmp), the
     per-user directory and the lock directories private (0700, this user's, never a symlink)."""
-    base = os.path.abspath(shm_path)
-    if os.path.exists(base) and not os.path.isdir(base):
-        raise TieredCkptError(f"the shm tier's path {base} is a file, not a directory: give the shm tier a "
-                              "directory on a tmpfs (the default is /dev/shm/tiered_ckpt)")
+    base = shm_base(shm_path)
     try:
         if not os.path.isdir(base):
             os.makedirs(base, exist_ok=True)
@@ -96,12 +94,7 @@ def shm_paths(config: Any) -> list[str]:
     paths = []
     for i, t in enumerate(config.tiers):
         if t.kind == "shm" and t.enabled is not False:
-            path = os.path.abspath(t.options.path)
-            if os.path.exists(path) and not os.path.isdir(path):
-                raise ConfigError(f"{path} is a file, not a directory: give the shm tier a directory on a tmpfs "
-                                  "(the default is /dev/shm/tiered_ckpt)", source=getattr(config, "source", None),
-                                  key_path=f"tiers[{i}].path")
-            paths.append(path)
+            paths.append(shm_base(t.options.path, f"tiers[{i}].path", getattr(config, "source", None)))
     return list(dict.fromkeys(paths))
 
 

@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import itertools
 import struct
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -18,7 +19,7 @@ from typing import Any
 import torch
 
 from ..errors import DecodeError
-from ..tiers.base import IO_BLOCK, Chunk, as_memoryview
+from ..tiers.base import IO_BLOCK, Chunk, StableChunks, as_memoryview
 from . import flat
 from .byte_grouping import grouped_chunks, ungroup_
 
@@ -68,11 +69,11 @@ class FlatFileCodec(FileCodec):
         # the slot) sit on a block boundary of the file too and an O_DIRECT writer sends them without a copy.
         # Readers need nothing new: the data still starts at the first 64-byte boundary after the header.
         header = src.header + b" " * ((-(_PREFIX.size + len(src.header))) % DATA_ALIGN)
-        yield _PREFIX.pack(FLAT_MAGIC, len(header)) + header
+        prefix = _PREFIX.pack(FLAT_MAGIC, len(header)) + header
         if byte_grouping:
-            yield from grouped_chunks(flat.decode_header(src.header), src.data)
-        else:
-            yield src.data
+            return itertools.chain([prefix], grouped_chunks(flat.decode_header(src.header), src.data))
+        # the source's bytes (a pinned slot's or its own buffer) stay as they are until the write returns
+        return StableChunks([prefix, src.data])
 
     @staticmethod
     def split(blob: torch.Tensor, where: str = "") -> tuple[bytes, torch.Tensor]:

@@ -11,14 +11,13 @@ import hashlib
 import logging
 import re
 import threading
-from collections.abc import Awaitable
+from collections.abc import AsyncIterator, Awaitable, Iterator
 from concurrent.futures import FIRST_COMPLETED, Future
 from concurrent.futures import wait as wait_futures
 from typing import TYPE_CHECKING, Any
 
 from ..errors import BlobNotFoundError, CorruptionError, PermanentTierError, TransientTierError
 from ..fast_crc import crc32
-from ..memfile import MemoryReader
 from ..retry import request_retrying
 
 if TYPE_CHECKING:
@@ -135,14 +134,67 @@ async def gather_or_cancel(tasks: list[asyncio.Future]) -> list[Any]:
         raise
 
 
-def checksum_param(tier: S3Tier, data: memoryview) -> dict[str, str]:
-    """``ChecksumCRC32`` for a ``PutObject`` or ``UploadPart`` of ``data``, computed in the calling thread (ISA-L
-    where installed), when request checksums are on (botocore's default). botocore would otherwise compute the same
-    CRC-32 on the event loop's one thread, with zlib, for every request in flight: about 1.4 GB/s on the benchmark
-    machine."""
+def checksum_param(tier: S3Tier, *views: memoryview) -> dict[str, str]:
+    """``ChecksumCRC32`` for a ``PutObject`` or ``UploadPart`` of ``views`` (one after the other), computed in the
+    calling thread (ISA-L where installed), when request checksums are on (botocore's default). botocore would
+    otherwise compute the same CRC-32 on the event loop's one thread, with zlib, for every request in flight: about
+    1.4 GB/s on the benchmark machine."""
     if not tier.request_checksums:
         return {}
-    return {"ChecksumCRC32": base64.b64encode(crc32(data).to_bytes(4, "big")).decode("ascii")}
+    value = 0
+    for v in views:
+        value = crc32(v, value)
+    return {"ChecksumCRC32": base64.b64encode(value.to_bytes(4, "big")).decode("ascii")}
+
+
+class RequestBody:
+    """A request body over memory the caller keeps unchanged until the request ends: ``read``/``seek``/``tell``
+    for botocore (its parameter check wants a file), and ``__aiter__`` for aiohttp, which then sends slices of
+    the views as they are. A file body (``io.IOBase``) would make aiohttp read it in 256 KiB pieces through the
+    event loop's thread pool, each a thread hand-off and a copy: on the benchmark machine that doubled the
+    client's CPU per byte, taken from the two cores the server shares (docs/object-stores.md). Not an
+    ``io.IOBase`` on purpose: aiobotocore would wrap it and aiohttp would take it for a file again."""
+
+    SLICE = 1 << 20  # bytes per transport write: what waits in the transport's buffer stays this small
+
+    def __init__(self, *views: memoryview):
+        self._views = [v for v in views if len(v)]
+        self._size = sum(len(v) for v in self._views)
+        self._pos = 0
+
+    def __len__(self) -> int:
+        return self._size
+
+    def tell(self) -> int:
+        return self._pos
+
+    def seek(self, offset: int, whence: int = 0) -> int:
+        base = {0: 0, 1: self._pos, 2: self._size}[whence]
+        self._pos = max(0, base + offset)
+        return self._pos
+
+    def _slices(self, start: int, end: int, most: int) -> Iterator[memoryview]:
+        """The bytes ``[start, end)`` as views of at most ``most`` bytes."""
+        at = 0
+        for v in self._views:
+            lo, hi = max(start - at, 0), min(end - at, len(v))
+            for i in range(lo, hi, most):
+                yield v[i:min(i + most, hi)]
+            at += len(v)
+
+    def read(self, size: int | None = -1) -> bytes:
+        end = self._size if size is None or size < 0 else min(self._size, self._pos + size)
+        out = b"".join(self._slices(self._pos, end, end)) if end > self._pos else b""
+        self._pos = max(self._pos, end)
+        return out
+
+    async def __aiter__(self) -> AsyncIterator[memoryview]:
+        start, self._pos = self._pos, self._size
+        for piece in self._slices(start, self._size, self.SLICE):
+            yield piece
+
+
+Part = tuple[list[memoryview], bytearray | None]  # a part's bytes (views, in order), the buffer it owns if any
 
 
 class Upload:
@@ -162,9 +214,14 @@ class Upload:
         self.parts: dict[int, dict[str, Any]] = {}
         self.free: list[bytearray] = []  # part buffers ready for reuse
         self.allocated = 0
-        self.buf: bytearray | None = None  # the part being gathered from small chunks
+        # Stable chunks (StableChunks: set by the tier) stay as they are until finish(): parts are views of them,
+        # whatever their sizes. Otherwise parts are gathered into owned buffers, and only a window of whole
+        # parts is sent straight from one chunk (the tier waits for them before asking for the next chunk).
+        self.stable = False
+        self.buf: bytearray | None = None  # the part being gathered, copied (chunks not stable)
+        self.views: list[memoryview] = []  # the part being gathered, as views of stable chunks
         self.fill = 0
-        self.ready: bytearray | None = None  # a full part held back until we know more data follows
+        self.ready: Part | None = None  # a full part held back until we know more data follows
         self.total = 0
         self.stop = threading.Event()
         self.tasks: set[asyncio.Task] = set()
@@ -176,13 +233,19 @@ class Upload:
             return
         self.total += n
         self._flush_ready()
+        if self.stable:  # views only: nothing to copy, nothing to wait for
+            pos = 0
+            while pos < n:
+                self._flush_ready()
+                pos = self._gather(mv, pos)
+            return
         pos = self._gather(mv, 0) if self.buf is not None else 0
         borrowed = []
         whole = self._whole_parts(n - pos)
         if whole >= self.window:  # a full window of parts straight from the caller's buffer
             self._flush_ready()
             for _ in range(whole):
-                borrowed.append(self._submit(mv[pos:pos + self.part_size], None))
+                borrowed.append(self._submit([mv[pos:pos + self.part_size]], None))
                 pos += self.part_size
         while pos < n:
             self._flush_ready()
@@ -197,16 +260,11 @@ class Upload:
 
     def finish(self) -> int:
         if self.upload_id is None:
-            if self.ready is not None:
-                data = memoryview(self.ready)
-            else:
-                data = memoryview(self.buf)[:self.fill] if self.buf is not None else memoryview(b"")
-            self._put(data)
+            self._put(self.ready[0] if self.ready is not None else self._take_gathered()[0])
             return self.total
         self._flush_ready()
-        if self.buf is not None and self.fill:
-            buf, fill, self.buf, self.fill = self.buf, self.fill, None, 0
-            self._submit(memoryview(buf)[:fill], buf)
+        if self.fill:
+            self._submit(*self._take_gathered())
         while self.inflight:
             self._reap(block=True)
         self._complete()
@@ -232,20 +290,34 @@ class Upload:
                         self.tier.name, upload_id, self.tier.redacted(self.path), self.tier.redacted(str(exc)))
 
     def _gather(self, mv: memoryview, pos: int) -> int:
-        """Copy from ``mv[pos:]`` into the part being gathered; return the new position."""
-        if self.buf is None:
-            self.buf, self.fill = self._take_buffer(), 0
+        """Add ``mv[pos:]`` to the part being gathered, up to a whole part; return the new position."""
         take = min(self.part_size - self.fill, len(mv) - pos)
-        self.buf[self.fill:self.fill + take] = mv[pos:pos + take]
+        if self.stable:
+            self.views.append(mv[pos:pos + take])
+        else:
+            if self.buf is None:
+                self.buf = self._take_buffer()
+            self.buf[self.fill:self.fill + take] = mv[pos:pos + take]
         self.fill += take
         if self.fill == self.part_size:
-            self.ready, self.buf, self.fill = self.buf, None, 0
+            self.ready = self._take_gathered()
         return pos + take
+
+    def _take_gathered(self) -> Part:
+        """The part gathered so far (perhaps empty), handed over; gathering starts again."""
+        if self.stable:
+            part: Part = (self.views, None)
+            self.views = []
+        else:
+            part = ([memoryview(self.buf)[:self.fill]], self.buf) if self.buf is not None else ([], None)
+            self.buf = None
+        self.fill = 0
+        return part
 
     def _flush_ready(self) -> None:
         if self.ready is not None:
-            buf, self.ready = self.ready, None
-            self._submit(memoryview(buf), buf)
+            part, self.ready = self.ready, None
+            self._submit(*part)
 
     def _take_buffer(self) -> bytearray:
         while True:
@@ -256,7 +328,7 @@ class Upload:
                 return bytearray(self.part_size)  # calloc: pages are touched only when written
             self._reap(block=True)
 
-    def _submit(self, view: memoryview, owner: bytearray | None) -> Future:
+    def _submit(self, views: list[memoryview], owner: bytearray | None) -> Future:
         if self.upload_id is None:
             self._create()
         if self.next_part > S3_MAX_PARTS:
@@ -266,8 +338,8 @@ class Upload:
             self._reap(block=True)
         number = self.next_part
         self.next_part += 1
-        checksum = checksum_param(self.tier, view)  # here, in the producer's thread, not on the event loop
-        fut = asyncio.run_coroutine_threadsafe(self._send_part(number, view, checksum), self.tier.fs.loop)
+        checksum = checksum_param(self.tier, *views)  # here, in the producer's thread, not on the event loop
+        fut = asyncio.run_coroutine_threadsafe(self._send_part(number, views, checksum), self.tier.fs.loop)
         self.inflight[fut] = (number, owner)
         return fut
 
@@ -303,16 +375,16 @@ class Upload:
                     await self.tier.fs._call_s3("abort_multipart_upload", Bucket=self.bucket, Key=self.obj,
                                                 UploadId=up["UploadId"])
 
-    async def _send_part(self, number: int, view: memoryview, checksum: dict[str, str]) -> dict[str, Any]:
+    async def _send_part(self, number: int, views: list[memoryview], checksum: dict[str, str]) -> dict[str, Any]:
         self.tasks.add(asyncio.current_task())  # first, before any await: _cancel_parts finds every part
         upload_id = self.upload_id
 
         def call() -> Awaitable[dict[str, Any]]:
             return self.tier.fs._call_s3("upload_part", Bucket=self.bucket, Key=self.obj, UploadId=upload_id,
-                                         PartNumber=number, Body=MemoryReader(view), **checksum)
+                                         PartNumber=number, Body=RequestBody(*views), **checksum)
 
-        resp = await self.tier.arequest(f"upload part {number} of", self.key, self.path, call, nbytes=len(view),
-                                         stop=self.stop)
+        resp = await self.tier.arequest(f"upload part {number} of", self.key, self.path, call,
+                                         nbytes=sum(map(len, views)), stop=self.stop)
         entry = {"PartNumber": number, "ETag": resp["ETag"]}
         if self.checksummed:
             entry.update({k: resp[k] for k in _CHECKSUM_FIELDS if resp.get(k)})
@@ -321,15 +393,15 @@ class Upload:
     async def _cancel_parts(self) -> None:
         await cancel_all([t for t in self.tasks if not t.done()])
 
-    def _put(self, data: memoryview, metadata: dict[str, str] | None = None) -> None:
+    def _put(self, views: list[memoryview], metadata: dict[str, str] | None = None) -> None:
         extra = {"Metadata": metadata} if metadata else {}
-        extra.update(checksum_param(self.tier, data))
+        extra.update(checksum_param(self.tier, *views))
 
         def call() -> Awaitable[Any]:
-            return self.tier.fs._call_s3("put_object", Bucket=self.bucket, Key=self.obj, Body=MemoryReader(data),
+            return self.tier.fs._call_s3("put_object", Bucket=self.bucket, Key=self.obj, Body=RequestBody(*views),
                                          **extra)
 
-        self.tier.run_sync(self.tier.arequest, "upload", self.key, self.path, call, nbytes=len(data))
+        self.tier.run_sync(self.tier.arequest, "upload", self.key, self.path, call, nbytes=sum(map(len, views)))
 
     def _complete(self) -> None:
         parts = [self.parts[n] for n in sorted(self.parts)]

@@ -25,12 +25,12 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
 from ..errors import BlobNotFoundError, CorruptionError
-from ..memfile import MemoryReader
 from ._s3 import (
     _CHECKSUM_FIELDS,
     S3_MAX_PART,
     S3_MAX_PARTS,
     S3_MIN_PART,
+    RequestBody,
     checksum_param,
     gather_or_cancel,
     multipart_etag,
@@ -127,7 +127,7 @@ class SharedParts:
                     resp = await tier.arequest(
                         f"upload part {number} of", key, path,
                         lambda: tier.fs._call_s3("upload_part", Bucket=bucket, Key=obj, UploadId=upload_id,
-                                                 PartNumber=number, Body=MemoryReader(view), **extra),
+                                                 PartNumber=number, Body=RequestBody(view), **extra),
                         nbytes=len(view))
                 entry = {"PartNumber": number, "ETag": resp["ETag"]}
                 entry.update({k: resp[k] for k in _CHECKSUM_FIELDS if resp.get(k)})

@@ -30,8 +30,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from ..errors import TransientTierError
-from ..memfile import MemoryReader
-from ._s3 import Upload
+from ._s3 import RequestBody, Upload
 
 if TYPE_CHECKING:
     from .s3 import S3Tier
@@ -126,16 +125,16 @@ class SplitUpload(Upload):
     def _create(self) -> None:
         self.upload_id = self.token  # nothing to ask the store: pieces are plain objects
 
-    async def _send_part(self, number: int, view: memoryview, checksum: dict[str, str]) -> dict[str, Any]:
+    async def _send_part(self, number: int, views: list[memoryview], checksum: dict[str, str]) -> dict[str, Any]:
         self.tasks.add(asyncio.current_task())  # first, before any await: _cancel_parts finds every part
         obj = piece_name(self.obj, self.token, number)
 
         def call() -> Awaitable[Any]:
-            return self.tier.fs._call_s3("put_object", Bucket=self.bucket, Key=obj, Body=MemoryReader(view),
+            return self.tier.fs._call_s3("put_object", Bucket=self.bucket, Key=obj, Body=RequestBody(*views),
                                          **checksum)
 
-        await self.tier.arequest(f"upload piece {number} of", self.key, self.path, call, nbytes=len(view),
-                                 stop=self.stop)
+        await self.tier.arequest(f"upload piece {number} of", self.key, self.path, call,
+                                 nbytes=sum(map(len, views)), stop=self.stop)
         return {"PartNumber": number}
 
     def finish(self) -> int:
@@ -143,7 +142,7 @@ class SplitUpload(Upload):
             total = super().finish()
             self._drop_pieces(keep=None)
             return total
-        last = memoryview(self.buf)[:self.fill] if self.buf is not None and self.fill else memoryview(self.ready)
+        last = self._take_gathered()[0] if self.fill else self.ready[0]
         while self.inflight:
             self._reap(block=True)
         split = Split(self.token, self.part_size, self.next_part, self.total)

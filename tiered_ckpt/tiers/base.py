@@ -52,6 +52,21 @@ from ..errors import BlobNotFoundError, CorruptionError, TierError
 
 Chunk = Any  # bytes, bytearray, memoryview, numpy array or a 1-D uint8 torch tensor (any device)
 
+
+class StableChunks(list):
+    """Chunks whose memory stays valid and unchanged until the write consuming them returns (a snapshot's views
+    of its pinned slot, new buffers). A tier may keep views of them past the next chunk: S3 sends its parts
+    straight from them, with no copy and no wait at each chunk's end. The chunks of any other iterable belong to
+    their producer again once the next one is asked for. Streams that hand chunks on unchanged say so with a
+    ``stable`` attribute of their own (:func:`chunks_stable`)."""
+
+    stable = True
+
+
+def chunks_stable(chunks: Iterable[Chunk]) -> bool:
+    """Whether ``chunks`` (a :class:`StableChunks` or a stream passing one on) promises stable memory."""
+    return bool(getattr(chunks, "stable", False))
+
 # The block O_DIRECT writes are aligned to (it covers the logical block size of every device we meet). Slots place
 # items, and the flat and torch codecs place tensors, on it, so the ``local`` tier writes them without a copy.
 IO_BLOCK = 4096
@@ -167,7 +182,9 @@ class Tier(ABC):
 
     # ----- blob primitives ---------------------------------------------------------------------------------
     @abstractmethod
-    def write_blob(self, key: str, chunks: Iterable[Chunk]) -> int: ...
+    def write_blob(self, key: str, chunks: Iterable[Chunk]) -> int:
+        """Store the chunks, in order, as the blob ``key``; the number of bytes. A chunk is the producer's again
+        once the next one is asked for, unless :func:`chunks_stable` says they all stay until this returns."""
 
     def write_private_blob(self, key: str, chunks: Iterable[Chunk]) -> int:
         """``write_blob`` for a blob only tiered_ckpt reads back (files of the ``flat`` codec): the tier may store

@@ -71,7 +71,7 @@ from ._s3 import (
 )
 from ._s3_parts import SharedParts, is_upload_token
 from ._s3_split import PieceMissing, Split, SplitUpload, drop_pieces, is_piece_name, piece_name
-from .base import Chunk, TierContext, as_memoryview, check_prefix, check_range
+from .base import Chunk, TierContext, as_memoryview, check_prefix, check_range, chunks_stable
 from .fsspec_tier import FsspecOptions, FsspecTier
 
 log = logging.getLogger(__name__)
@@ -262,6 +262,7 @@ class S3Tier(FsspecTier):
         return self._upload(SplitUpload(self, key, self._path(key)), chunks)
 
     def _upload(self, upload: Upload, chunks: Iterable[Chunk]) -> int:
+        upload.stable = chunks_stable(chunks)
         try:
             for chunk in chunks:  # the producer's exceptions propagate unchanged, after the abort
                 upload.feed(as_memoryview(chunk))

@@ -149,6 +149,16 @@ class _Slot:
         self.mm = None  # type: ignore[assignment]
 
 
+def shm_base(path: str, key_path: str | None = None, source: str | None = None) -> str:
+    """``path`` made absolute; a :class:`ConfigError` at ``key_path`` where it names a file. The tier, the run's
+    locks and the configuration's check all place things there, each before the others may have looked."""
+    base = os.path.abspath(path)
+    if os.path.exists(base) and not os.path.isdir(base):
+        raise ConfigError(f"{base} is a file, not a directory: give the shm tier a directory on a tmpfs (the "
+                          "default is /dev/shm/tiered_ckpt)", source=source, key_path=key_path)
+    return base
+
+
 class ShmTier(FilesHousekeeping, Tier):
     kind = "shm"
     capabilities = Capabilities(memory=True, node_local=True, survives_process=True,
@@ -157,10 +167,7 @@ class ShmTier(FilesHousekeeping, Tier):
 
     def __init__(self, name: str, options: ShmOptions | None = None, context: TierContext | None = None):
         super().__init__(name, options, context)
-        base = os.path.abspath(self.options.path)
-        if os.path.exists(base) and not os.path.isdir(base):
-            raise ConfigError(f"{base} is a file, not a directory: give the shm tier a directory on a tmpfs (the "
-                              "default is /dev/shm/tiered_ckpt)", key_path=f"tier {name!r}.path")
+        base = shm_base(self.options.path, key_path=f"tier {name!r}.path")
         self.filesystem_type = filesystem_type(base)
         if self.filesystem_type not in MEMORY_FILESYSTEMS:
             log.warning(
