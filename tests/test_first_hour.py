@@ -145,6 +145,21 @@ def test_nothing_saved_anywhere_is_still_no_checkpoint(tmp_path):
         engine.load()
 
 
+def test_a_step_no_tier_holds_is_named_with_the_steps_they_do_hold(tmp_path):
+    """From a new-user trial: ``load(step=99)`` said only that step 99 was nowhere; the steps that are there
+    (a typo, a step retention removed) are what the user needs next."""
+    cfg = {"run_id": run_id(), "drain": {"mode": "thread"},
+           "tiers": [{"name": "disk", "kind": "local", "path": str(tmp_path / "disk"), "keep": 3},
+                     {"name": "far", "kind": "local", "path": str(tmp_path / "far"), "keep": 1}]}
+    with CheckpointEngine(cfg) as engine:
+        for step in (10, 20):
+            engine.save(step, {"model": {"w": torch.full((8,), float(step))}})
+        engine.wait()
+        with pytest.raises(NoCheckpointError, match=r"step 99 .*hold committed steps disk: 10, 20; far: 20\)$"):
+            engine.load(step=99)
+        assert engine.load(step=10).step == 10
+
+
 def test_checkpoints_that_all_fail_to_load_are_not_no_checkpoint(tmp_path):
     """Found by a new-user trial: every step of a directory damaged, load() said NoCheckpointError, the script
     started over as the docs advise, and retention deleted the new run's steps at once (the damaged 100 and 200

@@ -331,6 +331,10 @@ class CheckpointEngine:
             if chosen is None:
                 what = f"step {step}" if step is not None else "a checkpoint"
                 detail = f" ({'; '.join(fallbacks)})" if fallbacks else ""
+                if step is not None and step not in mine:  # say what is there: a typo, or a step long evicted
+                    held_here = "; ".join(f"{name}: {', '.join(map(str, held)) or 'none'}"
+                                          for name, held in available.items())
+                    detail += f" (the tiers hold committed steps {held_here})" if held_here else ""
                 self._nothing_loadable(unreachable, f"no step that every rank can load: rank {self.coords.rank} "
                                                     f"found no loadable copy of {what} on any tier{detail}",
                                        tried=sorted(rejected), fallbacks=fallbacks, damaged=damaged,
