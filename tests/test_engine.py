@@ -80,15 +80,16 @@ def test_local_alone_stages_in_memory(tiers):
         assert_same(make_items(5), loaded.items)
 
 
-def test_flipped_byte_falls_back_to_next_tier(tiers, tmp_path, recorder):
+def test_flipped_byte_falls_back_to_next_tier(tiers, tmp_path, recorder, caplog):
     with CheckpointEngine(config(tiers, "local", "memory")) as engine:
         engine.save(7, make_items(7)).wait(timeout=60)
     path = next((tmp_path / "local").rglob("state.flat"))
     data = bytearray(path.read_bytes())
     data[len(data) // 2] ^= 0x01
     path.write_bytes(bytes(data))
-    with CheckpointEngine(config(tiers, "local", "memory")) as engine:
+    with CheckpointEngine(config(tiers, "local", "memory")) as engine, caplog.at_level("WARNING"):
         loaded = engine.load()
+    assert "step 7: " in caplog.text and "; trying tier 'remote'" in caplog.text  # the tier it goes to
     assert (loaded.step, loaded.tier) == (7, "remote")
     assert_same(make_items(7), loaded.items)
     falls = recorder.kinds("fallback", "local")
@@ -105,14 +106,15 @@ def test_corrupt_everywhere_raises_clear_error(tiers, tmp_path):
             engine.load()
 
 
-def test_older_step_used_when_newest_is_corrupt(tiers, tmp_path, recorder):
+def test_older_step_used_when_newest_is_corrupt(tiers, tmp_path, recorder, caplog):
     with CheckpointEngine(config(tiers, "local")) as engine:
         engine.save(1, make_items(1)).wait(timeout=60)
         engine.save(2, make_items(2)).wait(timeout=60)
     newest = next((tmp_path / "local" / "iter_0000002").rglob("state.flat"))
     newest.unlink()
-    with CheckpointEngine(config(tiers, "local")) as engine:
+    with CheckpointEngine(config(tiers, "local")) as engine, caplog.at_level("WARNING"):
         loaded = engine.load()
+    assert "no other tier holds it: trying an older step" in caplog.text  # not "the next tier": there is none
     assert loaded.step == 1 and loaded.fallbacks
     assert_same(make_items(1), loaded.items)
 

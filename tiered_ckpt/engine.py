@@ -417,7 +417,11 @@ class CheckpointEngine:
                     damaged.append(isinstance(exc, CorruptionError | DecodeError | BlobNotFoundError))
                 self._emit(ev.Event(ev.FALLBACK, step=step, rank=self.coords.rank, tier=name, message=str(exc),
                                     detail={"key": getattr(exc, "key", None)}))
-                log.warning("load: tier %r step %d: %s; trying the next tier", name, step, exc)
+                order = self.pipeline.order
+                later = [t for t in order[order.index(name) + 1:] if step in available.get(t, [])]
+                then = (f"trying tier {later[0]!r}" if later else
+                        "no other tier holds it: trying an older step, if every rank has one")
+                log.warning("load: tier %r step %d: %s; %s", name, step, exc, then)
                 continue
             seconds = time.perf_counter() - t0
             self._emit(ev.Event(ev.LOAD, step=step, rank=self.coords.rank, tier=name, seconds=seconds,
