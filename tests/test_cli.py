@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import uuid
 from pathlib import Path
 
@@ -101,6 +102,7 @@ def test_verify_passes_then_fails_on_corruption(ckpt, capsys):
     path.write_bytes(bytes(data))
     code, out = run(capsys, "verify", str(root))
     assert code == EXIT_FAILED and "checksum mismatch" in out and "state.flat" in out
+    assert re.search(r"manifest says xxh3_128:[0-9a-f]{32}, the bytes stored hash to xxh3_128:[0-9a-f]{32}", out)
 
 
 def test_verify_all_goes_on_after_a_file_larger_than_its_manifest(ckpt, capsys):

@@ -29,7 +29,8 @@ def check_entry(entry: FileEntry, size: int, hexdigest: str, *, tier: str, key: 
     if algorithm not in (ALGORITHM, CRC32):
         raise CorruptionError(f"unknown checksum algorithm {algorithm!r}", tier=tier, key=key)
     if f"{algorithm}:{hexdigest}" != entry.checksum:
-        raise CorruptionError("checksum mismatch: the file's bytes differ from what was written", tier=tier, key=key)
+        raise CorruptionError(f"checksum mismatch: the file's bytes differ from what was written (the manifest says "
+                              f"{entry.checksum}, they hash to {algorithm}:{hexdigest})", tier=tier, key=key)
 
 
 def pieces(tier: Tier, key: str, size: int | None = None, piece: int = PIECE) -> Iterator[bytes]:

@@ -247,7 +247,8 @@ def _verify_file(store: FileStore, entry: Any, report: VerifyReport, is_megatron
     if nbytes != entry.size:
         report.problems.append(f"{entry.key}: size {nbytes}, manifest says {entry.size}")
     elif f"{algorithm}:{hexdigest}" != entry.checksum:
-        report.problems.append(f"{entry.key}: checksum mismatch")
+        report.problems.append(f"{entry.key}: checksum mismatch: the manifest says {entry.checksum}, the bytes "
+                               f"stored hash to {algorithm}:{hexdigest} (same size: damaged or replaced in place)")
     elif is_megatron_file(entry.key):  # intact, but would Megatron-LM load it?
         problem = _megatron_refusal(store, entry.key)
         if problem:
