@@ -11,6 +11,8 @@ import torch
 from helpers import assert_same, make_items
 
 from tiered_ckpt import CheckpointEngine, CheckpointUnreadableError, NoCheckpointError
+from tiered_ckpt.memory_store import MemoryStore, plan_items
+from tiered_ckpt.parallel import RankCoords
 
 
 def tier(kind: str, name: str | None = None, **kw) -> dict:
@@ -117,6 +119,48 @@ def test_older_step_used_when_newest_is_corrupt(tiers, tmp_path, recorder, caplo
     assert "no other tier holds it: trying an older step" in caplog.text  # not "the next tier": there is none
     assert loaded.step == 1 and loaded.fallbacks
     assert_same(make_items(1), loaded.items)
+
+
+def test_a_step_saved_again_takes_a_free_slot_before_the_one_its_drain_still_reads(make_tier):
+    """Found in review: a memory tier below the first (gpu -> shm) is kept from reuse by pins alone, and a save of a
+    step whose earlier save still drains from its slot took that slot although another was free. The drain sends
+    views of the slot (StableChunks), so an unpinned slot goes first; the pinned one only when nothing else is."""
+    store = MemoryStore(make_tier("shm", pin=False), 0, 2)
+    for slot, step in ((0, 20), (1, 10)):
+        placed, total = plan_items({"m": {"w": torch.full((4,), float(step))}})
+        store.write_snapshot(step, slot, placed, total, coords=RankCoords(0), layout="rank_sharded", run_id="r",
+                             persistent=True)
+    assert store.acquire_slot(10, wait=False, pinned=lambda s: s == 10) == 0  # step 20's slot: not pinned
+    store.release_slot(0)
+    assert store.acquire_slot(10, wait=False, pinned=lambda s: s in (10, 20)) == 1  # a step never waits for itself
+
+
+def test_files_written_from_a_slot_a_new_save_took_meanwhile_never_count(tiers, monkeypatch):
+    """The drain sends views of the slot (StableChunks): if a new save of the step takes the slot while a tier is
+    written from it (a memory tier below the first, pins only), the bytes written may mix two saves. The new save
+    invalidates the slot's record before it copies; the drain looks at the record after writing and drops the
+    files (here the record goes mid-write, as a new save's first act would make it go)."""
+    from tiered_ckpt.tiers.local import LocalTier
+
+    tiers["local"]["retry"] = {"attempts": 1}
+    real_write = LocalTier.write_blob
+    taken = []
+
+    def write_then_lose_the_slot(self, key, chunks):
+        n = real_write(self, key, chunks)
+        if key.endswith(".flat") and not taken:
+            shm = engine.pipeline.stores["shm"]
+            shm.tier.delete(shm.meta_key(0))  # what MemoryStore.invalidate does first
+            taken.append(key)
+        return n
+
+    monkeypatch.setattr(LocalTier, "write_blob", write_then_lose_the_slot)
+    with CheckpointEngine(config(tiers, "shm", "local")) as engine:
+        handle = engine.save(5, make_items(5))
+        with pytest.raises(Exception, match="left slot 0 while tier 'local' was written from it"):
+            handle.wait(timeout=60)
+        assert taken and handle.results.get("local") is not True
+        assert 5 not in engine.available_steps().get("local", [])
 
 
 def test_retention_keeps_newest_and_removes_debris(tiers, tmp_path, recorder):

@@ -155,7 +155,7 @@ def test_a_step_no_tier_holds_is_named_with_the_steps_they_do_hold(tmp_path):
         for step in (10, 20):
             engine.save(step, {"model": {"w": torch.full((8,), float(step))}})
         engine.wait()
-        with pytest.raises(NoCheckpointError, match=r"step 99 .*hold committed steps disk: 10, 20; far: 20\)$"):
+        with pytest.raises(NoCheckpointError, match=r"step 99 .*hold steps disk: 10, 20; far: 20\)$"):
             engine.load(step=99)
         assert engine.load(step=10).step == 10
 

@@ -332,9 +332,8 @@ class CheckpointEngine:
                 what = f"step {step}" if step is not None else "a checkpoint"
                 detail = f" ({'; '.join(fallbacks)})" if fallbacks else ""
                 if step is not None and step not in mine:  # say what is there: a typo, or a step long evicted
-                    held_here = "; ".join(f"{name}: {', '.join(map(str, held)) or 'none'}"
-                                          for name, held in available.items())
-                    detail += f" (the tiers hold committed steps {held_here})" if held_here else ""
+                    held_here = "; ".join(f"{name}: {_steps_text(held)}" for name, held in available.items())
+                    detail += f" (the tiers hold steps {held_here})" if held_here else ""
                 self._nothing_loadable(unreachable, f"no step that every rank can load: rank {self.coords.rank} "
                                                     f"found no loadable copy of {what} on any tier{detail}",
                                        tried=sorted(rejected), fallbacks=fallbacks, damaged=damaged,
@@ -540,3 +539,11 @@ def _close_all() -> None:
             engine.close()
         except Exception:
             log.exception("closing a checkpoint engine at exit failed")
+
+
+def _steps_text(steps: list[int], most: int = 8) -> str:
+    """``10, 20`` or, for a long list, its newest ``most`` steps and how many there are."""
+    if not steps:
+        return "none"
+    shown = ", ".join(map(str, steps[-most:]))
+    return shown if len(steps) <= most else f"{len(steps)} steps, the newest {shown}"

@@ -206,6 +206,14 @@ class FileStore(CommittedFiles):
             entries = [e for e in (self._write_item(step, coords, src, job_scope=job_scope) for src in sources)
                        if e is not None]
             meta = check.result()
+            # A save of this step again may take the slot of a memory tier below the first while this drain still
+            # sends views of it (StableChunks; MemoryStore.acquire_slot takes such a slot last): what was written
+            # may then mix two saves, so it never counts. A new save invalidates the record before it copies.
+            still = mem.read_meta(meta.slot)
+            if still is None or still.created != meta.created:
+                raise TierError(f"the snapshot of step {step} left slot {meta.slot} while tier {self.name!r} was "
+                                "written from it (a new save of the step took the slot): these files are not used",
+                                tier=mem.name, key=mem.meta_key(meta.slot))
             if meta.checksums == UNVERIFIED:  # the files say so, so that loads of them say verified=False
                 entries = [replace(e, meta={**e.meta, "origin": "unverified"}) for e in entries]
         except BaseException:

@@ -205,7 +205,10 @@ class MemoryStore:
                 free = [s for s in range(self.nslots) if s not in self._held and (
                     s not in held or pinned is None or held[s] == step or not pinned(held[s]))]
                 if free:
-                    slot = min(free, key=lambda s: (s in held, held.get(s, -1)))  # empty first, then the oldest
+                    # Empty first, then unpinned (the oldest first); a pinned slot of this very step last: a drain
+                    # may still be sending views of it (StableChunks), so it is taken only when nothing else is free.
+                    slot = min(free, key=lambda s: (s in held, s in held and pinned is not None and pinned(held[s]),
+                                                    held.get(s, -1)))
                     self._held.add(slot)
                     return slot
                 if not wait:

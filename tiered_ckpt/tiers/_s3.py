@@ -169,7 +169,9 @@ class RequestBody:
         return self._pos
 
     def seek(self, offset: int, whence: int = 0) -> int:
-        base = {0: 0, 1: self._pos, 2: self._size}[whence]
+        if whence not in (0, 1, 2):
+            raise ValueError(f"invalid whence ({whence}, should be 0, 1 or 2)")
+        base = (0, self._pos, self._size)[whence]
         self._pos = max(0, base + offset)
         return self._pos
 
@@ -188,8 +190,12 @@ class RequestBody:
         self._pos = max(self._pos, end)
         return out
 
-    async def __aiter__(self) -> AsyncIterator[memoryview]:
-        start, self._pos = self._pos, self._size
+    def __aiter__(self) -> AsyncIterator[memoryview]:
+        # From where the reader stands when aiohttp starts sending, every time it starts: an aiohttp that sends
+        # the body again (its own retry of a dropped keep-alive connection) sends all of it again.
+        return self._send(self._pos)
+
+    async def _send(self, start: int) -> AsyncIterator[memoryview]:
         for piece in self._slices(start, self._size, self.SLICE):
             yield piece
 

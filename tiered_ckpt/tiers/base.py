@@ -55,10 +55,10 @@ Chunk = Any  # bytes, bytearray, memoryview, numpy array or a 1-D uint8 torch te
 
 class StableChunks(list):
     """Chunks whose memory stays valid and unchanged until the write consuming them returns (a snapshot's views
-    of its pinned slot, new buffers). A tier may keep views of them past the next chunk: S3 sends its parts
-    straight from them, with no copy and no wait at each chunk's end. The chunks of any other iterable belong to
-    their producer again once the next one is asked for. Streams that hand chunks on unchanged say so with a
-    ``stable`` attribute of their own (:func:`chunks_stable`)."""
+    of its pinned slot, a blob just read from a tier above). A tier may keep views of them past the next chunk: S3
+    sends its parts straight from them, with no copy and no wait at each chunk's end. The chunks of any other
+    iterable belong to their producer again once the next one is asked for. Streams that hand chunks on unchanged
+    say so with a ``stable`` attribute of their own (:func:`chunks_stable`)."""
 
     stable = True
 
@@ -193,7 +193,10 @@ class Tier(ABC):
         return self.write_blob(key, chunks)
 
     @abstractmethod
-    def read_blob(self, key: str) -> torch.Tensor: ...
+    def read_blob(self, key: str) -> torch.Tensor:
+        """The blob's bytes as a 1-D uint8 tensor that does not change while the caller holds it (a new buffer, or a
+        mapping of a file that is only ever replaced, never rewritten in place): a copy of the blob to another tier
+        sends views of it (:class:`StableChunks`)."""
 
     def read_blob_hashed(self, key: str, hasher: Any = None, max_size: int | None = None) -> torch.Tensor:
         """``read_blob``, feeding the bytes to ``hasher.update`` (if given) in order.

@@ -8,10 +8,12 @@ A blob that fits in one ``part_size`` is one ``PutObject``. A larger one is a mu
 ``part_size`` bytes are uploaded in parallel, at most ``max_concurrency`` at a time, and the upload is
 completed only after every part landed; on any failure (a part that keeps failing, the producer raising) the
 parts in flight are cancelled and the upload is aborted, so nothing is ever visible under the key and no
-parts are left behind. Memory stays bounded: a chunk that holds at least ``max_concurrency`` whole parts is
-uploaded straight from the caller's buffer (zero-copy slices; the tier waits for them before asking for the
-next chunk, since a producer may reuse its buffer); smaller chunks are gathered into at most
-``max_concurrency + 1`` reusable part buffers (:class:`~._s3.Upload`). ``read_blob`` of an object larger than
+parts are left behind. Memory stays bounded: stable chunks (:func:`~.base.chunks_stable`: the engine's own
+files, views of a pinned slot) are sent as views, parts spanning chunks as several views; otherwise a chunk that
+holds at least ``max_concurrency`` whole parts is uploaded straight from the caller's buffer (zero-copy slices;
+the tier waits for them before asking for the next chunk, since a producer may reuse its buffer), and smaller
+chunks are gathered into at most ``max_concurrency + 1`` reusable part buffers (:class:`~._s3.Upload`). Bodies go
+to aiohttp as memory, not as files (:class:`~._s3.RequestBody`). ``read_blob`` of an object larger than
 one part issues ``max_concurrency`` parallel ranged GETs (``If-Match`` the ETag, so a blob replaced mid-read is
 read again) straight into one preallocated tensor; a read given the manifest's size (``max_size``) refuses a
 larger object from the first answer's ``Content-Range``, before allocating for it.
