@@ -10,7 +10,8 @@ import pytest
 import torch
 from helpers import assert_same, make_items
 
-from tiered_ckpt import CheckpointEngine, CheckpointUnreadableError, NoCheckpointError
+from tiered_ckpt import CheckpointEngine, CheckpointUnreadableError, NoCheckpointError, StepNotFoundError
+from tiered_ckpt.errors import TierError
 from tiered_ckpt.memory_store import MemoryStore, plan_items
 from tiered_ckpt.parallel import RankCoords
 
@@ -68,8 +69,12 @@ def test_newest_step_wins_and_explicit_step(tiers):
         old = engine.load(step=1)
         assert old.tier == "local"  # two shm slots hold 2 and 3 only
         assert_same(make_items(1), old.items)
-        with pytest.raises(NoCheckpointError, match="step 7"):
+        with pytest.raises(StepNotFoundError, match="step 7") as info:
             engine.load(step=7)
+        assert not isinstance(info.value, NoCheckpointError)  # a resume script must not start over on it
+        for wrong in ("3", 3.0, True, -1):  # as save() refuses them: a step from argparse is a str
+            with pytest.raises(ValueError, match="step must be a non-negative integer"):
+                engine.load(step=wrong)
 
 
 def test_local_alone_stages_in_memory(tiers):
@@ -161,6 +166,35 @@ def test_files_written_from_a_slot_a_new_save_took_meanwhile_never_count(tiers, 
             handle.wait(timeout=60)
         assert taken and handle.results.get("local") is not True
         assert 5 not in engine.available_steps().get("local", [])
+
+
+def test_a_failed_write_is_reported_even_when_its_cleanup_fails_too(tiers, monkeypatch, caplog):
+    """From a new-user trial: an S3 endpoint dropped mid-upload; the cleanup's look for a manifest failed too and
+    its error (a stat of manifest.json) replaced the upload's in the SaveError and the commit_failed event."""
+    from tiered_ckpt.tiers.local import LocalTier
+
+    tiers["local"]["retry"] = {"attempts": 1}
+    real_write, real_exists = LocalTier.write_blob, LocalTier.exists
+    failed = []
+
+    def write(self, key, chunks):
+        if key.endswith(".flat"):
+            failed.append(key)
+            raise TierError("the state's upload failed", tier=self.name, key=key)
+        return real_write(self, key, chunks)
+
+    def exists(self, key):
+        if failed and key.endswith("tiered_ckpt/manifest.json"):  # the endpoint is gone for the cleanup too
+            raise TierError("the cleanup's look failed", tier=self.name, key=key)
+        return real_exists(self, key)
+
+    monkeypatch.setattr(LocalTier, "write_blob", write)
+    monkeypatch.setattr(LocalTier, "exists", exists)
+    with CheckpointEngine(config(tiers, "shm", "local")) as engine, caplog.at_level("WARNING"):
+        with pytest.raises(Exception, match="the state's upload failed") as info:
+            engine.save(5, make_items(5)).wait(timeout=60)
+        assert "the cleanup's look failed" not in str(info.value)
+    assert "the cleanup's look failed" in caplog.text  # said, not lost
 
 
 def test_retention_keeps_newest_and_removes_debris(tiers, tmp_path, recorder):

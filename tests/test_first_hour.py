@@ -24,6 +24,7 @@ from tiered_ckpt import (
     CheckpointUnreadableError,
     NoCheckpointError,
     SaveError,
+    StepNotFoundError,
     TierUnavailableError,
     state,
 )
@@ -155,7 +156,7 @@ def test_a_step_no_tier_holds_is_named_with_the_steps_they_do_hold(tmp_path):
         for step in (10, 20):
             engine.save(step, {"model": {"w": torch.full((8,), float(step))}})
         engine.wait()
-        with pytest.raises(NoCheckpointError, match=r"step 99 .*hold steps disk: 10, 20; far: 20\)$"):
+        with pytest.raises(StepNotFoundError, match=r"step 99 .*hold steps disk: 10, 20; far: 20\)$"):
             engine.load(step=99)
         assert engine.load(step=10).step == 10
 
@@ -186,7 +187,7 @@ def test_checkpoints_that_all_fail_to_load_are_not_no_checkpoint(tmp_path):
         assert any("step 200" in f for f in info.value.failures) and any("step 100" in f for f in info.value.failures)
         with pytest.raises(CheckpointUnreadableError, match="step 200"):
             engine.load(step=200)
-        with pytest.raises(NoCheckpointError):  # a step that is not there at all is still "no checkpoint"
+        with pytest.raises(StepNotFoundError):  # a step that is not there at all: not that step, no more
             engine.load(step=7)
 
 
@@ -505,6 +506,18 @@ def test_engine_wait_raises_for_a_failed_tier_like_handle_wait(tmp_path):
         assert isinstance(info.value, SaveError) and sorted(info.value.steps) == [1, 2]
         assert list(info.value.steps[1]) == ["s3"] and "step 2 on tier 's3'" in str(info.value)
         engine.wait(timeout=60)  # each failure is reported once
+
+
+def test_a_timeout_given_to_a_handle_s_wait_as_its_tier_says_so(tmp_path):
+    """From a new-user trial: engine.wait(60) takes a timeout first, handle.wait(60) a tier name; 60 was looked up
+    as a tier ("tier 60 is not due")."""
+    cfg = {"run_id": run_id(), "drain": {"mode": "thread"},
+           "tiers": [{"name": "disk", "kind": "local", "path": str(tmp_path / "disk")}]}
+    with CheckpointEngine(cfg) as engine:
+        handle = engine.save(1, {"model": {"w": torch.ones(2)}})
+        with pytest.raises(TypeError, match=r"first argument is a tier name, got 60: .*wait\(timeout=60\)"):
+            handle.wait(60)
+        handle.wait(timeout=60)
 
 
 def test_saving_a_step_twice_while_the_first_is_in_flight_keeps_both_handles(shm_root, tmp_path):

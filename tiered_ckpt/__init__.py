@@ -21,6 +21,7 @@ _EXPORTS = {
     "NoCheckpointError": "errors",
     "CheckpointUnreadableError": "errors",
     "PeerFailedError": "errors",
+    "StepNotFoundError": "errors",
     "TieredCkptError": "errors",
     "TierError": "errors",
     "TierUnavailableError": "errors",
@@ -36,7 +37,8 @@ _EXPORTS = {
 __all__ = [
     "CheckpointEngine", "CheckpointUnreadableError", "Config", "ConfigError", "CorruptionError", "Event",
     "LoadResult", "NoCheckpointError", "ParallelLayout", "PeerFailedError", "RankCoords", "SaveError", "SaveHandle",
-    "TierError", "TierUnavailableError", "TieredCkptError", "hookimpl", "load_config", "__version__",
+    "StepNotFoundError", "TierError", "TierUnavailableError", "TieredCkptError", "hookimpl", "load_config",
+    "__version__",
 ]
 
 if TYPE_CHECKING:
@@ -48,6 +50,7 @@ if TYPE_CHECKING:
         CorruptionError,
         NoCheckpointError,
         PeerFailedError,
+        StepNotFoundError,
         TieredCkptError,
         TierError,
         TierUnavailableError,

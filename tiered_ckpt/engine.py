@@ -28,6 +28,7 @@ from .errors import (
     CorruptionError,
     DecodeError,
     NoCheckpointError,
+    StepNotFoundError,
     TieredCkptError,
     TierError,
     TierUnavailableError,
@@ -307,6 +308,8 @@ class CheckpointEngine:
         ``into``: item name → state shaped like the one saved (the very dict passed to ``save``, say); its tensors
         receive the checkpoint's values in place, and the result's items hold them (see :mod:`.load_into`). If
         ``load`` raises, those tensors may hold partial data."""
+        if step is not None and (not isinstance(step, int) or isinstance(step, bool) or step < 0):
+            raise ValueError(f"step must be a non-negative integer or None, got {step!r}")
         copy = self.config.load.copy if copy is None else copy
         # What each rank does alone between the collectives goes through alone(): a rank that fails there tells
         # the others (PeerFailedError on every rank) instead of leaving them waiting in the next one.
@@ -337,9 +340,9 @@ class CheckpointEngine:
                 self._nothing_loadable(unreachable, f"no step that every rank can load: rank {self.coords.rank} "
                                                     f"found no loadable copy of {what} on any tier{detail}",
                                        tried=sorted(rejected), fallbacks=fallbacks, damaged=damaged,
-                                       held=sorted(mine) if step is None else sorted(mine & {step}))
+                                       held=sorted(mine) if step is None else sorted(mine & {step}), requested=step)
             result = self.coordinator.alone(self._load_step, chosen, available, copy, map_location, fallbacks, into,
-                                            damaged)
+                                            damaged, step is not None)
             if self.coordinator.all_succeeded(result is not None, "loaded"):
                 assert result is not None
                 result.unreachable = dict(unreachable)
@@ -365,8 +368,9 @@ class CheckpointEngine:
 
     def _nothing_loadable(self, unreachable: dict[str, str], message: str, *, tried: list[int] | None = None,
                           fallbacks: list[str] | None = None, damaged: list[bool] | None = None,
-                          held: list[int] | None = None) -> None:
-        """Raise NoCheckpointError when every rank listed every tier and no rank found a step; else
+                          held: list[int] | None = None, requested: int | None = None) -> None:
+        """Raise NoCheckpointError when every rank listed every tier and no rank found a step (StepNotFoundError
+        when a step was ``requested``: not "nothing there", only not that step); else
         CheckpointUnreadableError when steps were there and none could be loaded (``tried``: the same on every
         rank, agreed step by step) or some ranks hold steps that others lack (``held``: this rank's); else
         TierUnavailableError (collective: every rank raises the same one)."""
@@ -391,7 +395,7 @@ class CheckpointEngine:
                     "node's node-local tier, a rank-count change?): this is not \"no checkpoint\", so do not start "
                     "from scratch here. Give every rank a tier holding the step (a shared tier), or load with the "
                     "ranks that saved it", fallbacks)
-            raise NoCheckpointError(message)
+            raise (NoCheckpointError if requested is None else StepNotFoundError)(message)
         advice = ("This is not \"no checkpoint\": one may be on a tier that could not be looked at. Make it "
                   "reachable and load again (or set enabled: false on it to resume without it)")
         if unreachable:
@@ -402,8 +406,8 @@ class CheckpointEngine:
                                    f"which). Nothing loadable on the tiers listed: {message}. {advice}", {})
 
     def _load_step(self, step: int, available: dict[str, list[int]], copy: bool, map_location: Any,
-                   fallbacks: list[str], into: dict[str, Any] | None = None, damaged: list[bool] | None = None
-                   ) -> LoadResult | None:
+                   fallbacks: list[str], into: dict[str, Any] | None = None, damaged: list[bool] | None = None,
+                   explicit: bool = False) -> LoadResult | None:
         for name in self.pipeline.order:
             if step not in available.get(name, []):
                 continue
@@ -418,8 +422,8 @@ class CheckpointEngine:
                                     detail={"key": getattr(exc, "key", None)}))
                 order = self.pipeline.order
                 later = [t for t in order[order.index(name) + 1:] if step in available.get(t, [])]
-                then = (f"trying tier {later[0]!r}" if later else
-                        "no other tier holds it: trying an older step, if every rank has one")
+                then = (f"trying tier {later[0]!r}" if later else "no other tier holds it" + (
+                    "" if explicit else ": trying an older step, if every rank has one"))
                 log.warning("load: tier %r step %d: %s; %s", name, step, exc, then)
                 continue
             seconds = time.perf_counter() - t0

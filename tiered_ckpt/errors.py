@@ -102,6 +102,12 @@ class NoCheckpointError(TieredCkptError, FileNotFoundError):
     """No tier holds a complete, verifiable checkpoint (for the requested step)."""
 
 
+class StepNotFoundError(TieredCkptError, LookupError):
+    """``load(step=N)``: no tier of any rank holds step N (the message lists the steps they hold). Deliberately
+    *not* a :class:`NoCheckpointError`: a resume script that starts from scratch on "nothing there" must not do so
+    because the step it asked for was mistyped or removed by retention."""
+
+
 class TierUnavailableError(TieredCkptError):
     """``load()`` found nothing loadable on the tiers it could list, and some tier could not be listed at all
     (an unreachable object store, a permission error): "could not look", never "nothing there". Deliberately

@@ -216,12 +216,16 @@ class FileStore(CommittedFiles):
                                 tier=mem.name, key=mem.meta_key(meta.slot))
             if meta.checksums == UNVERIFIED:  # the files say so, so that loads of them say verified=False
                 entries = [replace(e, meta={**e.meta, "origin": "unverified"}) for e in entries]
-        except BaseException:
+        except BaseException as failure:
             check.exception()  # nothing may read the slot once the drain lets it go
-            if not self.tier.exists(self.layout.manifest_key(step)):  # never a committed step's files
-                for e in entries:
-                    self.tier.delete(e.key)
-            raise
+            try:
+                if not self.tier.exists(self.layout.manifest_key(step)):  # never a committed step's files
+                    for e in entries:
+                        self.tier.delete(e.key)
+            except Exception as cleanup:  # noqa: BLE001 - the write's own failure is the one to report
+                log.warning("tier %r: the files step %d wrote before failing stay (retention or gc removes them): "
+                            "%s", self.name, step, cleanup)
+            raise failure
         manifest = self._publish_rank(step, coords, entries, meta.save_id)
         crash_point("drain.after_write")
         return Written(step, sum(f.size for f in manifest.files), manifest=manifest)

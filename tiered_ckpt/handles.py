@@ -60,6 +60,9 @@ class SaveHandle:
 
     def wait(self, tier: str | None = None, timeout: float | None = None) -> None:
         """Wait until every due tier (or ``tier``) has committed the step; raise :class:`SaveError` on failure."""
+        if isinstance(tier, int | float) and not isinstance(tier, bool):  # engine.wait(60) takes a timeout there
+            raise TypeError(f"SaveHandle.wait's first argument is a tier name, got {tier!r}: pass a timeout as "
+                            f"wait(timeout={tier!r})")
         if tier is not None and tier not in self._futures:
             if tier == self.entry and not self.skipped:
                 return
