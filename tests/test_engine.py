@@ -209,36 +209,6 @@ def test_retention_keeps_newest_and_removes_debris(tiers, tmp_path, recorder):
     assert [e.step for e in recorder.kinds("evict", "local")] == [1, 2, 3]
 
 
-def test_a_save_is_reported_durable_before_retention_deletes_older_files(tiers, tmp_path, monkeypatch):
-    """Retention un-commits the old step with the commit, but deleting its files (an unlink of 1 GiB took 0.3 s
-    on the development VM) waits until the new step's handle is resolved and its slot released; engine.wait()
-    still covers it."""
-    import threading
-
-    from tiered_ckpt.tiers.local import LocalTier
-
-    deleting, go_on = threading.Event(), threading.Event()
-    delete_prefix = LocalTier.delete_prefix
-
-    def slow_delete_prefix(self, prefix):
-        deleting.set()
-        assert go_on.wait(30)
-        return delete_prefix(self, prefix)
-
-    monkeypatch.setattr(LocalTier, "delete_prefix", slow_delete_prefix)
-    tiers["local"]["keep"] = 1
-    with CheckpointEngine(config(tiers, "shm", "local")) as engine:
-        engine.save(1, make_items(1)).wait(timeout=60)
-        engine.save(2, make_items(2)).wait(timeout=30)  # before: blocked behind the deletion of step 1's files
-        assert deleting.wait(30)
-        assert engine.available_steps()["local"] == [2]  # step 1 un-committed already
-        assert (tmp_path / "local" / "iter_0000001").exists()
-        go_on.set()
-        engine.wait(timeout=60)
-        assert not (tmp_path / "local" / "iter_0000001").exists()
-        assert_same(make_items(2), engine.load().items)
-
-
 def _blocked_deletions(monkeypatch):
     """LocalTier.delete_prefix held until the returned ``go_on`` is set; ``deleting`` is set once one waits."""
     import threading
@@ -255,6 +225,24 @@ def _blocked_deletions(monkeypatch):
 
     monkeypatch.setattr(LocalTier, "delete_prefix", slow_delete_prefix)
     return deleting, go_on
+
+
+def test_a_save_is_reported_durable_before_retention_deletes_older_files(tiers, tmp_path, monkeypatch):
+    """Retention un-commits the old step with the commit, but deleting its files (an unlink of 1 GiB took 0.3 s
+    on the development VM) waits until the new step's handle is resolved and its slot released; engine.wait()
+    still covers it."""
+    deleting, go_on = _blocked_deletions(monkeypatch)
+    tiers["local"]["keep"] = 1
+    with CheckpointEngine(config(tiers, "shm", "local")) as engine:
+        engine.save(1, make_items(1)).wait(timeout=60)
+        engine.save(2, make_items(2)).wait(timeout=30)  # before: blocked behind the deletion of step 1's files
+        assert deleting.wait(30)
+        assert engine.available_steps()["local"] == [2]  # step 1 un-committed already
+        assert (tmp_path / "local" / "iter_0000001").exists()
+        go_on.set()
+        engine.wait(timeout=60)
+        assert not (tmp_path / "local" / "iter_0000001").exists()
+        assert_same(make_items(2), engine.load().items)
 
 
 def test_the_next_step_is_written_while_an_older_one_is_still_being_deleted(tiers, tmp_path, monkeypatch,
