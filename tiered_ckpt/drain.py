@@ -69,12 +69,6 @@ class DrainRuntime:
         self._threads: dict[str, threading.Thread] = {}
         self._closed = False
         self._hasher = ThreadPoolExecutor(1, thread_name_prefix="tiered_ckpt-snapshot-hash")
-        # What a commit leaves for later (retention's deletions) runs on a thread of its own per tier, so the
-        # tier's next step is written meanwhile instead of after it (an S3 step's deletion took 0.2-0.4 s of a
-        # 3 s drain on the development VM). A job is done only once its housekeeping is.
-        self._housekeepers: dict[str, ThreadPoolExecutor] = {}
-        self._housekeeping: dict[str, Future] = {}  # tier -> its housekeeper's last task (they run in order)
-        self._newest_taken: dict[str, int] = {}  # tier -> the newest step its thread took
 
     # ----- pins: a pinned (tier, step) is never evicted or overwritten -------------------------------------
     def pin(self, tier: str, step: int) -> None:
@@ -205,8 +199,6 @@ class DrainRuntime:
             q.put(None)
         for th in self._threads.values():
             th.join(timeout=1.0 if not idle else None)
-        for hk in self._housekeepers.values():
-            hk.shutdown(wait=idle)
         self._hasher.shutdown(wait=idle)
         return idle
 
@@ -228,32 +220,11 @@ class DrainRuntime:
                 return upper
         return job.req.source
 
-    def _settle_housekeeping(self, tier: str, step: int) -> None:
-        """Before ``tier`` takes ``step``: if it is not newer than every step the tier took (a job that went
-        back re-saves a step, perhaps one whose files a deletion is still removing), let every tier's pending
-        housekeeping finish first. Newer steps never are among the deleted ones (retention deletes older steps)."""
-        newest = self._newest_taken.get(tier)
-        self._newest_taken[tier] = step if newest is None else max(newest, step)
-        if newest is None or step > newest:
-            return
-        with self._cond:
-            pending = list(self._housekeeping.values())
-        for fut in pending:
-            fut.exception()  # waits; the task logs its own failures
-
-    def _housekeeper(self, tier: str) -> ThreadPoolExecutor:
-        hk = self._housekeepers.get(tier)
-        if hk is None:
-            hk = ThreadPoolExecutor(1, thread_name_prefix=f"tiered_ckpt-housekeeping-{tier}")
-            self._housekeepers[tier] = hk
-        return hk
-
     def _run(self, tier: str, job: _Job) -> None:
         req = job.req
         t0 = time.perf_counter()
         ok, error = False, None
         housekeeping: list[Callable[[], None]] = []
-        self._settle_housekeeping(tier, req.step)
         try:
             source = self._source_for(tier, job)
             housekeeping = self._deliver(tier, source, job, t0)
@@ -267,18 +238,7 @@ class DrainRuntime:
         self.on_tier_done(req.step, tier, ok, error)
         if ok or all(f.done() for f in job.futures.values()):
             self._release(job)
-        # The save is reported and its slot free: what its commit left (retention's deletions) may take time, on
-        # the tier's housekeeper while this thread takes the next step.
-        try:
-            fut = self._housekeeper(tier).submit(self._after, tier, job, housekeeping)
-        except RuntimeError:  # closed without waiting (or the interpreter is exiting): here, then
-            self._after(tier, job, housekeeping)
-            return
-        with self._cond:
-            self._housekeeping[tier] = fut
-
-    def _after(self, tier: str, job: _Job, housekeeping: list[Callable[[], None]]) -> None:
-        req = job.req
+        # The save is reported and its slot free: now what its commit left (retention's deletions) may take time.
         for task in housekeeping:
             try:
                 task()
@@ -289,11 +249,7 @@ class DrainRuntime:
             job.tiers_left -= 1
             last = job.tiers_left == 0
         if last:
-            try:
-                self._finish(job)
-            except Exception:  # a task's exception would otherwise sit unseen in its future
-                log.exception("tier %r: finishing the drain of step %d failed", tier, req.step)
-                raise
+            self._finish(job)
 
     def _deliver(self, tier: str, source: str, job: _Job, t0: float) -> list[Callable[[], None]]:
         """Write the step on ``tier`` from ``source``, then commit it there (the stores decide how); what the

@@ -128,9 +128,6 @@ class FileStore(CommittedFiles):
         self._newest_own: int | None = None
         self._warned_newer: tuple[int, ...] = ()
         self._retention = threading.Lock()  # retain() runs in whichever drain thread finishes a job
-        # Steps retention un-committed whose files a housekeeping task is deleting (or is about to): the next
-        # commit's retention, which may run meanwhile, must not count them as debris and delete them again.
-        self._removing: set[int] = set()
 
     @property
     def name(self) -> str:
@@ -174,10 +171,6 @@ class FileStore(CommittedFiles):
                    wait_s: float = 0.0) -> Written:
         """This rank's files and manifest of ``step``, encoded from a snapshot or copied from a file tier."""
         sole = self._sole_writer(coords, node_ranks)
-        with self._retention:
-            # Written again (a job that went back): the drain let any deletion of it finish first, and a
-            # deletion that never ran must not keep retention from counting the new files.
-            self._removing.discard(step)
         mem = source.slots()
         if mem is None:
             crash_point("drain.before_write")
@@ -266,17 +259,8 @@ class FileStore(CommittedFiles):
         with self._retention:
             if not (always or self._held_back):
                 return []
-            doomed = [s for s in self.uncommit_expired(self.cfg.keep, pinned(), newest=self._newest_own)
-                      if s not in self._removing]
-            self._removing.update(doomed)
-        return [lambda: self._remove_retained(doomed, coords.rank)] if doomed else []
-
-    def _remove_retained(self, steps: list[int], rank: int) -> None:
-        try:
-            self.remove_steps(steps, rank)
-        finally:
-            with self._retention:
-                self._removing.difference_update(steps)
+            doomed = self.uncommit_expired(self.cfg.keep, pinned(), newest=self._newest_own)
+        return [lambda: self.remove_steps(doomed, coords.rank)] if doomed else []
 
     def _voters(self, coords: RankCoords, node_ranks: list[int]) -> list[int]:
         # A shared tier is committed by global rank 0 for the job; a node-local one by each node's first rank.
