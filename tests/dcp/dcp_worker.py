@@ -132,4 +132,4 @@ def body(rank: int, world: int, spec: dict, out: dict) -> None:
 
 
 if __name__ == "__main__":
-    rank_main(body)
+    rank_main(body, exit_at_once=True)  # DTensor keeps the gloo group alive past its destroy: see rank_main
