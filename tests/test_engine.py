@@ -271,6 +271,106 @@ def test_a_step_saved_again_waits_for_the_deletion_of_its_old_files(tiers, tmp_p
         assert_same(make_items(11), loaded.items)
 
 
+def _wait_for(predicate, timeout: float = 30.0) -> bool:
+    import time
+
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
+    return True
+
+
+def test_a_tier_writes_its_next_step_while_older_files_are_deleted(tiers, tmp_path, monkeypatch, recorder):
+    """Retention's deletions run beside the tier's next write (an S3 step's deletion held up the next drain by
+    0.2-0.4 s); only the next commit waits for them, so retention never lists the tier while it deletes."""
+    deleting, go_on = _blocked_deletions(monkeypatch)
+    tiers["local"]["keep"] = 1
+    with CheckpointEngine(config(tiers, "shm", "local")) as engine:
+        engine.save(1, make_items(1)).wait(timeout=60)
+        engine.save(2, make_items(2)).wait(timeout=30)
+        assert deleting.wait(30)  # step 1's files: held
+        try:
+            handle = engine.save(3, make_items(3))
+            # step 3 is written meanwhile, and not committed before the deletion is over
+            assert _wait_for(lambda: any(e.step == 3 for e in recorder.kinds("drain", "local")))
+            assert engine.available_steps()["local"] == [2] and not handle.done()
+        finally:
+            go_on.set()
+        handle.wait(timeout=60)
+        engine.wait(timeout=60)
+        assert engine.available_steps()["local"] == [3]
+        assert sorted(p.name for p in (tmp_path / "local").glob("iter_*")) == ["iter_0000003"]
+
+
+@pytest.mark.parametrize("mode", ["thread", "process"])
+def test_deletions_slower_than_the_saves_still_keep_only_keep_steps(tiers, tmp_path, monkeypatch, caplog, mode):
+    """Deletions slower than a step never pile up: at most one per tier runs, the next commit waits for it, so
+    ``keep`` holds after engine.wait() and retention never mistakes a step being deleted for a newer one."""
+    import time
+
+    from tiered_ckpt.tiers.local import LocalTier
+
+    delete_prefix = LocalTier.delete_prefix
+
+    def slow_delete_prefix(self, prefix):
+        time.sleep(0.3)
+        return delete_prefix(self, prefix)
+
+    monkeypatch.setattr(LocalTier, "delete_prefix", slow_delete_prefix)  # not in a process drain's worker
+    tiers["local"]["keep"] = 1
+    with CheckpointEngine(config(tiers, "shm", "local", mode=mode)) as engine:
+        for step in range(1, 9):
+            engine.save(step, make_items(step)).wait(timeout=60)
+            assert engine.available_steps()["local"] == [step]
+            assert len(list((tmp_path / "local").glob("iter_*"))) <= 2  # this step's, and one being deleted
+        engine.wait(timeout=120)
+        assert engine.available_steps()["local"] == [8]
+        assert sorted(p.name for p in (tmp_path / "local").glob("iter_*")) == ["iter_0000008"]
+        assert_same(make_items(8), engine.load(step=8).items)
+    assert not [r for r in caplog.records if "newer than step" in r.getMessage()]
+
+
+def test_a_process_exits_while_a_deletion_still_runs(tiers, tmp_path):
+    """The deletion thread never holds the process past close(): what it leaves is debris for the next
+    retention or gc."""
+    import subprocess
+    import sys
+    import textwrap
+
+    tiers["local"]["keep"] = 1
+    script = textwrap.dedent(f"""
+        import json, sys, threading
+        sys.path.insert(0, {str(Path(__file__).parent)!r})
+        from helpers import make_items
+        from tiered_ckpt import CheckpointEngine
+        from tiered_ckpt.tiers.local import LocalTier
+        started = threading.Event()
+        def stuck(self, prefix):
+            started.set()
+            threading.Event().wait(600)
+        LocalTier.delete_prefix = stuck
+        cfg = json.loads(sys.argv[1])
+        engine = CheckpointEngine(cfg)
+        engine.save(1, make_items(1)).wait(timeout=60)
+        engine.save(2, make_items(2)).wait(timeout=60)
+        assert started.wait(60)
+        engine.close()
+        print("closed", flush=True)
+    """)
+    cfg = config(tiers, "shm", "local")
+    cfg["drain"]["close_timeout_s"] = 1
+    import json
+
+    proc = subprocess.run([sys.executable, "-c", script, json.dumps(cfg)], capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0 and "closed" in proc.stdout, proc.stderr[-2000:]
+    with CheckpointEngine(config(tiers, "local")) as engine:  # step 2 stays the committed one
+        assert engine.available_steps()["local"] == [2]
+        assert_same(make_items(2), engine.load().items)
+
+
 def test_every_sends_every_nth_save(tiers):
     tiers["memory"]["every"] = 3
     with CheckpointEngine(config(tiers, "shm", "local", "memory")) as engine:

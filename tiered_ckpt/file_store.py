@@ -122,12 +122,16 @@ class FileStore(CommittedFiles):
         self.run_id = run_id
         self._manifests: dict[int, CheckpointManifest] = {}  # committed manifests are immutable: cache them
         self._started: set[tuple[int, int]] = set()  # (step, rank) whose marker this process wrote
+        self._started_lock = threading.Lock()  # the tier's thread adds, its deletion thread removes
         self._held_back = False  # the last retention kept steps only because they were pinned
         # The step this process committed here last: retention counts steps up to it, and leaves any newer
         # committed step alone (an earlier run's, or this one's before it went back: docs/operations.md)
         self._newest_own: int | None = None
         self._warned_newer: tuple[int, ...] = ()
         self._retention = threading.Lock()  # retain() runs in whichever drain thread finishes a job
+        # Steps retention un-committed whose files a deletion is removing (or is about to, beside the tier's next
+        # write: drain.py): retention that runs meanwhile must not count them as debris and delete them again.
+        self._removing: set[int] = set()
 
     @property
     def name(self) -> str:
@@ -171,6 +175,10 @@ class FileStore(CommittedFiles):
                    wait_s: float = 0.0) -> Written:
         """This rank's files and manifest of ``step``, encoded from a snapshot or copied from a file tier."""
         sole = self._sole_writer(coords, node_ranks)
+        with self._retention:
+            # Written again (a job that went back): the drain let any deletion of it finish first, and one that
+            # never ran must not keep retention from counting the new files.
+            self._removing.discard(step)
         mem = source.slots()
         if mem is None:
             crash_point("drain.before_write")
@@ -259,8 +267,17 @@ class FileStore(CommittedFiles):
         with self._retention:
             if not (always or self._held_back):
                 return []
-            doomed = self.uncommit_expired(self.cfg.keep, pinned(), newest=self._newest_own)
-        return [lambda: self.remove_steps(doomed, coords.rank)] if doomed else []
+            doomed = [s for s in self.uncommit_expired(self.cfg.keep, pinned(), newest=self._newest_own)
+                      if s not in self._removing]
+            self._removing.update(doomed)
+        return [lambda: self._remove_retained(doomed, coords.rank)] if doomed else []
+
+    def _remove_retained(self, steps: list[int], rank: int) -> None:
+        try:
+            self.remove_steps(steps, rank)
+        finally:
+            with self._retention:
+                self._removing.difference_update(steps)
 
     def _voters(self, coords: RankCoords, node_ranks: list[int]) -> list[int]:
         # A shared tier is committed by global rank 0 for the job; a node-local one by each node's first rank.
@@ -287,14 +304,16 @@ class FileStore(CommittedFiles):
         """Before a rank's first file of ``step``: a marker under the step's ``tiered_ckpt/``, so that a save
         failing before its rank manifest never leaves a directory that passes for Megatron-LM's (layouts use
         Megatron's file names, and retention keeps Megatron-LM's directories: layouts/foreign.py)."""
-        if (step, rank) in self._started:
-            return
+        with self._started_lock:
+            if (step, rank) in self._started:
+                return
         key = self.layout.started_key(step, rank)
         self._retry(lambda: self.tier.publish(key, f'{{"run_id": {json.dumps(self.run_id)}}}\n'.encode()),
                     step, rank, f"publish {key}")
-        if len(self._started) > 64:  # a long-lived convert or drain: only recent steps are written again
-            self._started.clear()
-        self._started.add((step, rank))
+        with self._started_lock:
+            if len(self._started) > 64:  # a long-lived convert or drain: only recent steps are written again
+                self._started.clear()
+            self._started.add((step, rank))
 
     def _sole_writer(self, coords: RankCoords, node_ranks: list[int] | None) -> bool:
         """Whether this rank alone writes (and commits) its steps here: a one-rank job, or a node-local tier on a
@@ -682,6 +701,7 @@ class FileStore(CommittedFiles):
                 continue
             removed.append(step)
             # written again (a job rolled back re-saves it): its marker must be written again too
-            self._started = {k for k in self._started if k[0] != step}
+            with self._started_lock:
+                self._started = {k for k in self._started if k[0] != step}
             self.emit(ev.Event(ev.EVICT, step=step, rank=rank, tier=self.name, seconds=time.perf_counter() - t0))
         return removed
