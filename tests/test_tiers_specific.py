@@ -56,6 +56,12 @@ def test_builtin_kinds_are_registered(tier_registry):
     (GpuTier, {"max_bytes": -5}, "tiers[2].max_bytes"),
     (FsspecTier, {}, "tiers[2].url: required key is missing"),
     (FsspecTier, {"url": "s3://b/p", "options": [1]}, "tiers[2].options: expected a mapping"),
+    # keys a tier would ignore are refused (a new-user trial tuned them on a file:// tier and saw no effect)
+    (FsspecTier, {"url": "file:///x", "part_size": "32MiB"}, "part_size: only plain S3 URLs"),
+    (FsspecTier, {"url": "memory://x", "max_concurrency": 4}, "max_concurrency: only plain S3 URLs"),
+    (FsspecTier, {"url": "gs://b/p", "timeout_s": "5s"}, "timeout_s: only plain S3 URLs"),
+    (FsspecTier, {"url": "simplecache::s3://b/p", "request_attempts": 5}, "request_attempts: only plain S3 URLs"),
+    (FsspecTier, {"url": "s3://b/p", "block_size": "1MiB"}, "block_size: S3 tiers read and write in part_size"),
 ])
 def test_options_are_validated(cls, data, message):
     with pytest.raises(ConfigError, match=message.replace("[", r"\[").replace("]", r"\]")):

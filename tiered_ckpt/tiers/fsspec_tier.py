@@ -35,7 +35,7 @@ import io
 import logging
 import os
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 import fsspec
@@ -80,6 +80,8 @@ OBJECT_STORES = frozenset({
 
 
 # ----- options ---------------------------------------------------------------------------------------------
+S3_ONLY_KEYS = frozenset({"part_size", "max_concurrency", "timeout_s", "request_attempts"})  # the S3 tier's alone
+
 @dataclass(frozen=True, repr=False)
 class FsspecOptions:
     url: str  # e.g. s3://bucket/run, file:///shared/ckpt, memory://test
@@ -105,6 +107,16 @@ class FsspecOptions:
         if self.split_blobs and not is_s3_url(self.url):
             raise ValueError(f"split_blobs: only plain S3 URLs (s3://, s3a://, not chained) store blobs split, not "
                              f"{redact(self.url)}: remove split_blobs")
+        # A key that would be ignored is refused: a user who tunes it would otherwise believe it works.
+        if is_s3_url(self.url):
+            if self.block_size is not None:
+                raise ValueError(f"block_size: S3 tiers read and write in part_size pieces, {redact(self.url)} "
+                                 "ignores block_size: remove it (or set part_size)")
+        else:
+            for f in fields(self):
+                if f.name in S3_ONLY_KEYS and getattr(self, f.name) != f.default:
+                    raise ValueError(f"{f.name}: only plain S3 URLs (s3://, s3a://, not chained) use it, not "
+                                     f"{redact(self.url)}: remove {f.name}")
 
     def __repr__(self) -> str:
         return (f"FsspecOptions(url={redact(self.url)!r}, options={redacted_options(self.options)!r}, "
