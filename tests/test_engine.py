@@ -332,6 +332,132 @@ def test_deletions_slower_than_the_saves_still_keep_only_keep_steps(tiers, tmp_p
     assert not [r for r in caplog.records if "newer than step" in r.getMessage()]
 
 
+def _three_tiers_local_keep_1(tiers) -> dict:
+    """shm -> local (keep 1) -> remote: the remote tier's thread ends each job, and with it runs retention of
+    local (``DrainRuntime._finish``) beside local's own thread."""
+    tiers["local"]["keep"] = 1
+    return config(tiers, "shm", "local", "memory")
+
+
+def _hold_remote_step_1(monkeypatch):
+    """The remote tier's write of step 1 waits for the returned event: local keeps step 1 (pinned) until then."""
+    import threading
+
+    from tiered_ckpt.file_store import FileStore
+
+    go = threading.Event()
+    write_step = FileStore.write_step
+
+    def held(self, step, *a, **k):
+        if self.name == "remote" and step == 1:
+            assert go.wait(60)
+        return write_step(self, step, *a, **k)
+
+    monkeypatch.setattr(FileStore, "write_step", held)
+    return go
+
+
+def test_retention_beside_a_commit_never_takes_the_step_for_another_run_s(tiers, monkeypatch, caplog):
+    """Retention of local, run on the remote tier's thread, lists local between the manifest of local's new step
+    and the end of its commit: the step is this run's, not "newer than the step this run saved"."""
+    import threading
+
+    from tiered_ckpt.file_store import FileStore
+
+    remote_go = _hold_remote_step_1(monkeypatch)
+    at_tracker, tracker_go, retained = threading.Event(), threading.Event(), threading.Event()
+    update, retain = FileStore._update_tracker, FileStore.retain
+
+    def held_update(self, step, rank):
+        if self.name == "local" and step == 3:
+            at_tracker.set()
+            assert tracker_go.wait(60)
+        return update(self, step, rank)
+
+    def noted_retain(self, *a, **k):
+        try:
+            return retain(self, *a, **k)
+        finally:
+            if self.name == "local" and at_tracker.is_set():
+                retained.set()
+
+    monkeypatch.setattr(FileStore, "_update_tracker", held_update)
+    monkeypatch.setattr(FileStore, "retain", noted_retain)
+    with CheckpointEngine(_three_tiers_local_keep_1(tiers)) as engine:
+        engine.save(1, make_items(1)).wait("local", timeout=60)
+        engine.save(2, make_items(2)).wait("local", timeout=60)  # step 1 stays: remote still needs it
+        engine.save(3, make_items(3))
+        try:
+            assert at_tracker.wait(60)  # step 3's manifest is on local; its commit is not over
+            remote_go.set()  # remote takes step 1, and its job's end runs retention of local
+            assert retained.wait(60)
+        finally:
+            remote_go.set()
+            tracker_go.set()
+        engine.wait(timeout=120)
+        assert engine.available_steps()["local"] == [3]
+    assert not [r for r in caplog.records if "newer than step" in r.getMessage()]
+
+
+def test_a_step_saved_again_waits_for_its_deletion_on_another_tier_s_thread(tiers, tmp_path, monkeypatch):
+    """A step saved again on local while retention of local, run on the remote tier's thread, still deletes its
+    old files: the new files are written after that deletion, never removed by it."""
+    import threading
+
+    from tiered_ckpt.tiers.local import LocalTier
+
+    remote_go = _hold_remote_step_1(monkeypatch)
+    deleting, del_go = threading.Event(), threading.Event()
+    delete_prefix = LocalTier.delete_prefix
+
+    def held_delete(self, prefix):
+        if "0000001" in prefix and not deleting.is_set():
+            deleting.set()
+            assert del_go.wait(60)
+        return delete_prefix(self, prefix)
+
+    monkeypatch.setattr(LocalTier, "delete_prefix", held_delete)
+    with CheckpointEngine(_three_tiers_local_keep_1(tiers)) as engine:
+        engine.save(1, make_items(1)).wait("local", timeout=60)
+        engine.save(2, make_items(2)).wait("local", timeout=60)
+        remote_go.set()
+        try:
+            assert deleting.wait(60)  # step 1's old files on local: held
+            handle = engine.save(1, make_items(11))
+            release = threading.Timer(1.0, del_go.set)  # the re-save is under way by then
+            release.start()
+            handle.wait("local", timeout=60)
+        finally:
+            del_go.set()
+        engine.wait(timeout=120)
+        assert engine.available_steps()["local"] == [1, 2]
+    with CheckpointEngine(config(tiers, "local")) as engine:  # the disk alone: its files, not the slot's
+        loaded = engine.load(step=1)
+        assert loaded.tier == "local" and loaded.verified
+        assert_same(make_items(11), loaded.items)
+
+
+def test_deletions_run_in_place_when_no_thread_can_start(tiers, tmp_path, monkeypatch):
+    """At interpreter shutdown (close() from atexit) Python 3.12 starts no new thread: the deletions run on the
+    tier's own thread instead, and close() returns (it waited out close_timeout_s on an unstarted thread)."""
+    import threading
+
+    tiers["local"]["keep"] = 1
+    with CheckpointEngine(config(tiers, "shm", "local")) as engine:
+        engine.save(1, make_items(1)).wait(timeout=60)  # the tier's thread exists now
+        start = threading.Thread.start
+
+        def refuse_deleters(self):
+            if self.name.startswith("tiered_ckpt-delete-"):
+                raise RuntimeError("can't create new thread at interpreter shutdown")
+            return start(self)
+
+        monkeypatch.setattr(threading.Thread, "start", refuse_deleters)
+        engine.save(2, make_items(2)).wait(timeout=60)
+        assert engine._drain.close(timeout=60)  # idle: the deletion ran
+    assert sorted(p.name for p in (tmp_path / "local").glob("iter_*")) == ["iter_0000002"]
+
+
 def test_a_process_exits_while_a_deletion_still_runs(tiers, tmp_path):
     """The deletion thread never holds the process past close(): what it leaves is debris for the next
     retention or gc."""

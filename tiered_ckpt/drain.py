@@ -271,9 +271,16 @@ class DrainRuntime:
             return
         th = threading.Thread(target=self._end, args=(tier, job, housekeeping), name=f"tiered_ckpt-delete-{tier}",
                               daemon=True)  # a process exiting meanwhile leaves debris (gc), never waits
-        with self._cond:  # registered and started at once: whoever sees it may join it
-            self._deletions[tier] = th
-            th.start()
+        with self._cond:  # registered once started: whoever sees it may join it
+            try:
+                th.start()
+            except RuntimeError:  # no new threads at interpreter shutdown (close() from atexit): here, then
+                started = False
+            else:
+                started = True
+                self._deletions[tier] = th
+        if not started:
+            self._end(tier, job, housekeeping)
 
     def _end(self, tier: str, job: _Job, housekeeping: list[Callable[[], None]]) -> None:
         """Run ``housekeeping``, then end ``job`` on ``tier`` (the whole job once every due tier has)."""

@@ -64,6 +64,8 @@ Emit = Callable[[ev.Event], None]
 #: it looks at the copy gate: while a save copies, the drain sleeps (copy_gate.py) instead of competing with it
 #: for memory bandwidth and cores (the stream's hash of a piece runs beside the piece's write).
 WRITE_PIECE = 32 << 20
+#: How long a step saved again waits for a deletion of its old files still under way (``write_step``).
+REMOVAL_WAIT_S = 300.0
 
 
 class _Counting:
@@ -132,6 +134,7 @@ class FileStore(CommittedFiles):
         # Steps retention un-committed whose files a deletion is removing (or is about to, beside the tier's next
         # write: drain.py): retention that runs meanwhile must not count them as debris and delete them again.
         self._removing: set[int] = set()
+        self._removed = threading.Condition(self._retention)  # notified as steps leave _removing
 
     @property
     def name(self) -> str:
@@ -176,8 +179,12 @@ class FileStore(CommittedFiles):
         """This rank's files and manifest of ``step``, encoded from a snapshot or copied from a file tier."""
         sole = self._sole_writer(coords, node_ranks)
         with self._retention:
-            # Written again (a job that went back): the drain let any deletion of it finish first, and one that
-            # never ran must not keep retention from counting the new files.
+            # Written again (a job that went back) while a deletion of its old files runs, on this tier's
+            # deletion thread or in retention on another tier's thread: the new files come after it. One that
+            # never ran (its task lost to a failure) must not hold the step for ever.
+            if not self._removed.wait_for(lambda: step not in self._removing, timeout=REMOVAL_WAIT_S):
+                log.warning("tier %r: the deletion of step %d's old files did not finish within %.0f s; writing "
+                            "the step again anyway", self.name, step, REMOVAL_WAIT_S)
             self._removing.discard(step)
         mem = source.slots()
         if mem is None:
@@ -244,13 +251,16 @@ class FileStore(CommittedFiles):
             return
         crash_point("drain.before_commit")
         save_id = written.manifest.extra.get(SAVE_KEY, "") if written.manifest is not None else ""
+        with self._retention:
+            # The step this run commits now: a job that went back counts from there. Set before the manifest
+            # appears, so that retention running meanwhile (another tier's thread) never takes it for a newer
+            # step of another run.
+            self._newest_own = written.step
         committed = self.try_commit(written.step, coords, self._voters(coords, node_ranks), wait_s=wait_s,
                                     save_id=save_id)
         if committed is None:
             raise TierError(f"step {written.step} not committed: not every rank's files arrived within "
                             f"{wait_s:.0f} s", tier=self.name)
-        with self._retention:
-            self._newest_own = written.step  # the latest commit: a job that went back counts from there
         on_committed(committed.total_bytes)
         # The steps retention drops are un-committed now; deleting their files (slow for big files: an unlink of
         # 1 GiB took 0.3 s on the development VM's ext4) waits until this step's save is reported durable.
@@ -278,6 +288,7 @@ class FileStore(CommittedFiles):
         finally:
             with self._retention:
                 self._removing.difference_update(steps)
+                self._removed.notify_all()
 
     def _voters(self, coords: RankCoords, node_ranks: list[int]) -> list[int]:
         # A shared tier is committed by global rank 0 for the job; a node-local one by each node's first rank.
