@@ -339,8 +339,8 @@ def _three_tiers_local_keep_1(tiers) -> dict:
     return config(tiers, "shm", "local", "memory")
 
 
-def _hold_remote_step_1(monkeypatch):
-    """The remote tier's write of step 1 waits for the returned event: local keeps step 1 (pinned) until then."""
+def _hold_remote_step(monkeypatch, held_step: int = 1):
+    """The remote tier's write of ``held_step`` waits for the returned event: local keeps it (pinned) until then."""
     import threading
 
     from tiered_ckpt.file_store import FileStore
@@ -349,7 +349,7 @@ def _hold_remote_step_1(monkeypatch):
     write_step = FileStore.write_step
 
     def held(self, step, *a, **k):
-        if self.name == "remote" and step == 1:
+        if self.name == "remote" and step == held_step:
             assert go.wait(60)
         return write_step(self, step, *a, **k)
 
@@ -364,7 +364,7 @@ def test_retention_beside_a_commit_never_takes_the_step_for_another_run_s(tiers,
 
     from tiered_ckpt.file_store import FileStore
 
-    remote_go = _hold_remote_step_1(monkeypatch)
+    remote_go = _hold_remote_step(monkeypatch)
     at_tracker, tracker_go, retained = threading.Event(), threading.Event(), threading.Event()
     update, retain = FileStore._update_tracker, FileStore.retain
 
@@ -406,7 +406,7 @@ def test_a_step_saved_again_waits_for_its_deletion_on_another_tier_s_thread(tier
 
     from tiered_ckpt.tiers.local import LocalTier
 
-    remote_go = _hold_remote_step_1(monkeypatch)
+    remote_go = _hold_remote_step(monkeypatch)
     deleting, del_go = threading.Event(), threading.Event()
     delete_prefix = LocalTier.delete_prefix
 
@@ -435,6 +435,36 @@ def test_a_step_saved_again_waits_for_its_deletion_on_another_tier_s_thread(tier
         loaded = engine.load(step=1)
         assert loaded.tier == "local" and loaded.verified
         assert_same(make_items(11), loaded.items)
+
+
+def test_a_failed_commit_never_moves_this_run_s_newest_step(tiers, monkeypatch):
+    """A job that went back (100, 200, then 150, 160) fails to commit 210 on local: retention, run when a job
+    ends (remote's step 150), still counts keep from 160, this run's newest commit, and leaves 200 alone."""
+    from tiered_ckpt.file_store import FileStore
+    from tiered_ckpt.handles import SaveError
+
+    go = _hold_remote_step(monkeypatch, 150)
+    try_commit = FileStore.try_commit
+
+    def failing(self, step, *a, **k):
+        if self.name == "local" and step == 210:
+            return None  # e.g. a rank's files late: "step 210 not committed"
+        return try_commit(self, step, *a, **k)
+
+    monkeypatch.setattr(FileStore, "try_commit", failing)
+    with CheckpointEngine(_three_tiers_local_keep_1(tiers)) as engine:
+        try:
+            for step in (100, 200):
+                engine.save(step, make_items(step)).wait(timeout=60)
+            engine.save(150, make_items(150)).wait("local", timeout=60)  # went back
+            engine.save(160, make_items(160)).wait("local", timeout=60)
+            with pytest.raises(SaveError, match="210"):
+                engine.save(210, make_items(210)).wait("local", timeout=60)
+        finally:
+            go.set()
+        with pytest.raises(SaveError):
+            engine.wait(timeout=120)
+        assert engine.available_steps()["local"] == [160, 200]
 
 
 def test_deletions_run_in_place_when_no_thread_can_start(tiers, tmp_path, monkeypatch):

@@ -183,9 +183,9 @@ class FileStore(CommittedFiles):
             # deletion thread or in retention on another tier's thread: the new files come after it. One that
             # never ran (its task lost to a failure) must not hold the step for ever.
             if not self._removed.wait_for(lambda: step not in self._removing, timeout=REMOVAL_WAIT_S):
-                log.warning("tier %r: the deletion of step %d's old files did not finish within %.0f s; writing "
-                            "the step again anyway", self.name, step, REMOVAL_WAIT_S)
-            self._removing.discard(step)
+                raise TierError(f"step {step} is saved again while the deletion of its old files here still runs "
+                                f"after {REMOVAL_WAIT_S:.0f} s: not written here (the deletion would remove the "
+                                "new files); the next save is tried afresh", tier=self.name)
         mem = source.slots()
         if mem is None:
             crash_point("drain.before_write")
@@ -254,10 +254,17 @@ class FileStore(CommittedFiles):
         with self._retention:
             # The step this run commits now: a job that went back counts from there. Set before the manifest
             # appears, so that retention running meanwhile (another tier's thread) never takes it for a newer
-            # step of another run.
-            self._newest_own = written.step
-        committed = self.try_commit(written.step, coords, self._voters(coords, node_ranks), wait_s=wait_s,
-                                    save_id=save_id)
+            # step of another run; put back if the commit fails (keep would count up to a step not committed).
+            before, self._newest_own = self._newest_own, written.step
+        committed = None
+        try:
+            committed = self.try_commit(written.step, coords, self._voters(coords, node_ranks), wait_s=wait_s,
+                                        save_id=save_id)
+        finally:
+            if committed is None:
+                with self._retention:
+                    if self._newest_own == written.step:
+                        self._newest_own = before
         if committed is None:
             raise TierError(f"step {written.step} not committed: not every rank's files arrived within "
                             f"{wait_s:.0f} s", tier=self.name)

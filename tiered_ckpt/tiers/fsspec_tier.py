@@ -99,7 +99,7 @@ class FsspecOptions:
         scheme = protocol_of(self.url)
         if scheme != scheme.lower():  # fsspec knows its protocols in lower case only
             raise ValueError(f"url: write the scheme in lower case ({scheme.lower()}://, not {scheme}://)")
-        if protocol_of(self.url) in S3_PROTOCOLS and not S3_MIN_PART <= self.part_size <= S3_MAX_PART:
+        if is_s3_url(self.url) and not S3_MIN_PART <= self.part_size <= S3_MAX_PART:
             raise ValueError(f"part_size: expected 5MiB to 5GiB (S3's limits for a multipart part), got "
                              f"{self.part_size} bytes")
         if self.timeout_s is not None and self.timeout_s <= 0:
