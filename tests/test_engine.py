@@ -2,7 +2,13 @@
 
 from __future__ import annotations
 
+import json
 import os
+import subprocess
+import sys
+import textwrap
+import threading
+import time
 import uuid
 from pathlib import Path
 
@@ -211,8 +217,6 @@ def test_retention_keeps_newest_and_removes_debris(tiers, tmp_path, recorder):
 
 def _blocked_deletions(monkeypatch):
     """LocalTier.delete_prefix held until the returned ``go_on`` is set; ``deleting`` is set once one waits."""
-    import threading
-
     from tiered_ckpt.tiers.local import LocalTier
 
     deleting, go_on = threading.Event(), threading.Event()
@@ -248,8 +252,6 @@ def test_a_save_is_reported_durable_before_retention_deletes_older_files(tiers, 
 def test_a_step_saved_again_waits_for_the_deletion_of_its_old_files(tiers, tmp_path, monkeypatch):
     """A job that went back saves a step whose old files retention is still deleting: the new files are written
     after the deletion, never deleted by it (a guard for any drain that runs deletions beside the next step)."""
-    import threading
-
     deleting, go_on = _blocked_deletions(monkeypatch)
     tiers["local"]["keep"] = 1
     with CheckpointEngine(config(tiers, "shm", "local")) as engine:
@@ -272,8 +274,6 @@ def test_a_step_saved_again_waits_for_the_deletion_of_its_old_files(tiers, tmp_p
 
 
 def _wait_for(predicate, timeout: float = 30.0) -> bool:
-    import time
-
     deadline = time.monotonic() + timeout
     while not predicate():
         if time.monotonic() > deadline:
@@ -308,8 +308,6 @@ def test_a_tier_writes_its_next_step_while_older_files_are_deleted(tiers, tmp_pa
 def test_deletions_slower_than_the_saves_still_keep_only_keep_steps(tiers, tmp_path, monkeypatch, caplog, mode):
     """Deletions slower than a step never pile up: at most one per tier runs, the next commit waits for it, so
     ``keep`` holds after engine.wait() and retention never mistakes a step being deleted for a newer one."""
-    import time
-
     from tiered_ckpt.tiers.local import LocalTier
 
     delete_prefix = LocalTier.delete_prefix
@@ -341,8 +339,6 @@ def _three_tiers_local_keep_1(tiers) -> dict:
 
 def _hold_remote_step(monkeypatch, held_step: int = 1):
     """The remote tier's write of ``held_step`` waits for the returned event: local keeps it (pinned) until then."""
-    import threading
-
     from tiered_ckpt.file_store import FileStore
 
     go = threading.Event()
@@ -360,8 +356,6 @@ def _hold_remote_step(monkeypatch, held_step: int = 1):
 def test_retention_beside_a_commit_never_takes_the_step_for_another_run_s(tiers, monkeypatch, caplog):
     """Retention of local, run on the remote tier's thread, lists local between the manifest of local's new step
     and the end of its commit: the step is this run's, not "newer than the step this run saved"."""
-    import threading
-
     from tiered_ckpt.file_store import FileStore
 
     remote_go = _hold_remote_step(monkeypatch)
@@ -402,8 +396,6 @@ def test_retention_beside_a_commit_never_takes_the_step_for_another_run_s(tiers,
 def test_a_step_saved_again_waits_for_its_deletion_on_another_tier_s_thread(tiers, tmp_path, monkeypatch):
     """A step saved again on local while retention of local, run on the remote tier's thread, still deletes its
     old files: the new files are written after that deletion, never removed by it."""
-    import threading
-
     from tiered_ckpt.tiers.local import LocalTier
 
     remote_go = _hold_remote_step(monkeypatch)
@@ -470,8 +462,6 @@ def test_a_failed_commit_never_moves_this_run_s_newest_step(tiers, monkeypatch):
 def test_deletions_run_in_place_when_no_thread_can_start(tiers, tmp_path, monkeypatch):
     """At interpreter shutdown (close() from atexit) Python 3.12 starts no new thread: the deletions run on the
     tier's own thread instead, and close() returns (it waited out close_timeout_s on an unstarted thread)."""
-    import threading
-
     tiers["local"]["keep"] = 1
     with CheckpointEngine(config(tiers, "shm", "local")) as engine:
         engine.save(1, make_items(1)).wait(timeout=60)  # the tier's thread exists now
@@ -491,10 +481,6 @@ def test_deletions_run_in_place_when_no_thread_can_start(tiers, tmp_path, monkey
 def test_a_process_exits_while_a_deletion_still_runs(tiers, tmp_path):
     """The deletion thread never holds the process past close(): what it leaves is debris for the next
     retention or gc."""
-    import subprocess
-    import sys
-    import textwrap
-
     tiers["local"]["keep"] = 1
     script = textwrap.dedent(f"""
         import json, sys, threading
@@ -517,8 +503,6 @@ def test_a_process_exits_while_a_deletion_still_runs(tiers, tmp_path):
     """)
     cfg = config(tiers, "shm", "local")
     cfg["drain"]["close_timeout_s"] = 1
-    import json
-
     proc = subprocess.run([sys.executable, "-c", script, json.dumps(cfg)], capture_output=True, text=True,
                           timeout=120)
     assert proc.returncode == 0 and "closed" in proc.stdout, proc.stderr[-2000:]

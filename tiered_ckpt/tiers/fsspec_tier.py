@@ -82,6 +82,7 @@ OBJECT_STORES = frozenset({
 # ----- options ---------------------------------------------------------------------------------------------
 S3_ONLY_KEYS = frozenset({"part_size", "max_concurrency", "timeout_s", "request_attempts"})  # the S3 tier's alone
 
+
 @dataclass(frozen=True, repr=False)
 class FsspecOptions:
     url: str  # e.g. s3://bucket/run, file:///shared/ckpt, memory://test
