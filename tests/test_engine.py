@@ -478,6 +478,30 @@ def test_deletions_run_in_place_when_no_thread_can_start(tiers, tmp_path, monkey
     assert sorted(p.name for p in (tmp_path / "local").glob("iter_*")) == ["iter_0000002"]
 
 
+def test_a_job_whose_end_fails_still_ends(tiers, monkeypatch, caplog):
+    """Releasing the step's slot raises as the job ends: logged with the step, and wait() and close() still
+    return (the job used to stay pending for ever, so both waited out their timeouts)."""
+    with CheckpointEngine(config(tiers, "shm", "local")) as engine:
+        release = engine.pipeline.entry_store.release_slot
+        calls = []
+
+        def broken(slot):
+            calls.append(slot)
+            if len(calls) == 1:
+                raise OSError("slot bookkeeping broke")
+            return release(slot)
+
+        monkeypatch.setattr(engine.pipeline.entry_store, "release_slot", broken)
+        handle = engine.save(1, make_items(1))
+        handle.wait(timeout=30)
+        assert handle.results == {"local": True}
+        engine.wait(timeout=30)  # TimeoutError before the fix
+        assert "step 1: releasing its slot 0 on tier 'shm' failed" in caplog.text
+        assert "slot bookkeeping broke" in caplog.text
+        engine.save(2, make_items(2)).wait(timeout=30)  # the other slot
+        assert engine.load().step == 2
+
+
 def test_a_process_exits_while_a_deletion_still_runs(tiers, tmp_path):
     """The deletion thread never holds the process past close(): what it leaves is debris for the next
     retention or gc."""

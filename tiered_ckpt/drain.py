@@ -336,25 +336,34 @@ class DrainRuntime:
             if job.released:
                 return
             job.released = True
-        self.on_slot_released(job.req.source, job.req.slot, job.req.step)
+        try:
+            self.on_slot_released(job.req.source, job.req.slot, job.req.step)
+        except Exception:  # the tier's thread goes on: its job must still end, or wait() never returns
+            log.exception("step %d: releasing its slot %s on tier %r failed; that slot may stay taken",
+                          job.req.step, job.req.slot, job.req.source)
 
     def _finish(self, job: _Job) -> None:
-        self._release(job)
-        results = {t: f.result() for t, f in job.futures.items()}
-        with self._cond:
+        try:
+            self._release(job)
+            results = {t: f.result() for t, f in job.futures.items()}
+            with self._cond:
+                for t in (job.req.source, *job.req.due):
+                    self._pins[(t, job.req.step)] -= 1
+                    if self._pins[(t, job.req.step)] <= 0:
+                        del self._pins[(t, job.req.step)]
+            # The job's tiers may have kept steps beyond their ``keep`` for it (a tier below still had to copy
+            # them from there): retention again, before the job counts as done, so wait() returns once they are
+            # gone.
             for t in (job.req.source, *job.req.due):
-                self._pins[(t, job.req.step)] -= 1
-                if self._pins[(t, job.req.step)] <= 0:
-                    del self._pins[(t, job.req.step)]
-        # The job's tiers may have kept steps beyond their ``keep`` for it (a tier below still had to copy them
-        # from there): retention again, before the job counts as done, so that wait() returns once they are gone.
-        for t in (job.req.source, *job.req.due):
-            self._retain(t)
-        if self.on_job_done is not None:
-            self.on_job_done(job.req, results, dict(job.memory_slots))
-        with self._cond:
-            self._pending -= 1
-            self._cond.notify_all()
+                self._retain(t)
+            if self.on_job_done is not None:
+                self.on_job_done(job.req, results, dict(job.memory_slots))
+        except Exception:  # the job still ends: wait() and close() must never hang on it
+            log.exception("step %d: ending its drain job failed", job.req.step)
+        finally:
+            with self._cond:
+                self._pending -= 1
+                self._cond.notify_all()
 
     def _retain(self, tier: str) -> None:
         try:
