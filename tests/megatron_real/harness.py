@@ -1,4 +1,5 @@
-"""Genuine megatron-core (GPTModel, DDP, DistributedOptimizer, OptimizerParamScheduler) on CPU with gloo.
+"""Genuine megatron-core (GPTModel, DDP, DistributedOptimizer, OptimizerParamScheduler) on CPU with gloo, or on
+CUDA with NCCL (``launch(..., device="cuda")``, one rank per GPU).
 
 * :func:`launch` runs ``fn(rank, world, *args)`` in ``world`` fresh processes joined by ``torch.distributed``.
 * :func:`build_job` builds, inside a rank, what Megatron's ``setup_model_and_optimizer`` builds: the DDP-wrapped
@@ -7,7 +8,8 @@
   :func:`fingerprint` / :func:`full_state` are what a resume must reproduce bit for bit.
 
 megatron-core is CUDA-only in places; :func:`patch_megatron_for_cpu` maps those calls to the CPU (each patch is
-documented where it is made). It is applied in rank processes only, never in the process that runs pytest.
+documented where it is made). It is applied in CPU rank processes only, never in the process that runs pytest.
+:func:`patch_megatron_bugs` (four megatron-core bugs on the torch-optimizer path) is applied on both devices.
 """
 
 from __future__ import annotations
@@ -42,6 +44,8 @@ import torch.distributed as dist
 # CPU patches
 
 _PATCHED = False
+_BUGS_PATCHED = False
+DEVICE = "cpu"  # what this rank process trains on: set by _rank_main from launch(device=...)
 _TENSOR_TYPES = {torch.float32: "FloatTensor", torch.float16: "HalfTensor", torch.bfloat16: "BFloat16Tensor",
                  torch.float64: "DoubleTensor", torch.int64: "LongTensor", torch.int32: "IntTensor",
                  torch.uint8: "ByteTensor", torch.bool: "BoolTensor"}
@@ -69,7 +73,6 @@ def patch_megatron_for_cpu() -> None:
         return
     _PATCHED = True
     import megatron.core.tensor_parallel.random as mrandom
-    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
     cuda = torch.cuda
     # Devices: "the current CUDA device" is the CPU; tensors made for device="cuda" are made on the CPU.
@@ -98,6 +101,16 @@ def patch_megatron_for_cpu() -> None:
     mrandom._set_cuda_rng_state = lambda new_state, device=-1, graph_safe=False: gen.set_state(new_state)
     # ... which makes fork() warn on every dropout that the CPU generator moved: expected here, silenced.
     logging.getLogger(mrandom.__name__).setLevel(logging.ERROR)
+    patch_megatron_bugs()
+
+
+def patch_megatron_bugs() -> None:
+    """Four megatron-core 0.16 bugs on the torch-optimizer path (no TransformerEngine/Apex), on any device."""
+    global _BUGS_PATCHED
+    if _BUGS_PATCHED:
+        return
+    _BUGS_PATCHED = True
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
     # Megatron bug 1 (fp32): _set_main_param_and_optimizer_states copy_()s into main params that are leaves
     # requiring grad, outside no_grad ("a leaf Variable that requires grad is being used in an in-place op").
@@ -152,16 +165,28 @@ def patch_megatron_for_cpu() -> None:
 
 
 def _rank_main(fn: Callable[..., Any], rank: int, world: int, port: int, args: tuple, out: Connection,
-               stacks: str, stacks_after: float) -> None:
+               stacks: str, stacks_after: float, device: str = "cpu") -> None:
     # A rank still running after ``stacks_after`` seconds writes every thread's stack to ``stacks`` (and goes
     # on): launch() puts it in its timeout report, so a hang says where it waits.
     stacks_file = open(stacks, "w")  # open for the life of the process: faulthandler writes to it
     faulthandler.dump_traceback_later(stacks_after, file=stacks_file)
+    global DEVICE
+    DEVICE = device
     try:
-        patch_megatron_for_cpu()
+        if device == "cuda":
+            patch_megatron_bugs()
+            # Bit-exact resumes need the same sums in the same order (embedding backward's atomics, cuBLAS's
+            # split reductions): deterministic kernels, warning where an op has none (a resume then differs).
+            os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+            torch.use_deterministic_algorithms(True, warn_only=True)
+            torch.cuda.set_device(rank % torch.cuda.device_count())
+            backend = "nccl"
+        else:
+            patch_megatron_for_cpu()
+            backend = "gloo"
         store = dist.TCPStore("127.0.0.1", port, world, is_master=False, timeout=timedelta(seconds=60))
-        dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timedelta(seconds=120))
-        result = fn(rank, world, *args)
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timedelta(seconds=120))
+        result = _on_host(fn(rank, world, *args))
         # Plain pickle: multiprocessing's would pass tensors as shared memory that dies with this process.
         out.send_bytes(pickle.dumps(("ok", result)))
     except BaseException:
@@ -174,6 +199,17 @@ def _rank_main(fn: Callable[..., Any], rank: int, world: int, port: int, args: t
         dist.destroy_process_group()
 
 
+def _on_host(obj: Any) -> Any:
+    """``obj`` with every CUDA tensor in its dicts, lists and tuples copied to the CPU (the parent compares them)."""
+    if isinstance(obj, torch.Tensor):
+        return obj.cpu()
+    if isinstance(obj, dict):
+        return {k: _on_host(v) for k, v in obj.items()}
+    if isinstance(obj, list | tuple):
+        return type(obj)(_on_host(v) for v in obj)
+    return obj
+
+
 class LaunchError(RuntimeError):
     pass
 
@@ -183,15 +219,18 @@ _PRELOAD = ["torch", "numpy", "megatron.core.models.gpt", "megatron.core.optimiz
 
 
 def launch(fn: Callable[..., Any], world: int, *args: Any, timeout: float = 180.0,
-           expect_kill: bool = False) -> list[Any]:
-    """``fn(rank, world, *args)`` in ``world`` new processes (gloo on 127.0.0.1, a port free at run time);
-    returns their results by rank. Raises :class:`LaunchError` with every failed rank's traceback if one fails
-    or the run exceeds ``timeout`` seconds. ``expect_kill``: the ranks end themselves with SIGKILL; returns
-    their exit codes instead (and fails if one returned normally)."""
+           expect_kill: bool = False, device: str = "cpu") -> list[Any]:
+    """``fn(rank, world, *args)`` in ``world`` new processes (gloo on 127.0.0.1, a port free at run time; with
+    ``device="cuda"``, NCCL and rank ``r`` on GPU ``r``); returns their results by rank, tensors on the CPU.
+    Raises :class:`LaunchError` with every failed rank's traceback if one fails or the run exceeds ``timeout``
+    seconds. ``expect_kill``: the ranks end themselves with SIGKILL; returns their exit codes instead (and fails
+    if one returned normally)."""
     # A fork server that has imported torch and megatron once: each rank starts from it in well under a second
     # (a spawned process spends ~5 s of CPU importing them) and still inherits no state from this process.
-    ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(_PRELOAD)
+    # On CUDA, spawned: the preloaded modules touch CUDA at import, and a forked child could not use it then.
+    ctx = mp.get_context("spawn" if device == "cuda" else "forkserver")
+    if device != "cuda":
+        ctx.set_forkserver_preload(_PRELOAD)
     store = dist.TCPStore("127.0.0.1", 0, world + 1, is_master=True, timeout=timedelta(seconds=60),
                           wait_for_workers=False)
     stacks_dir = tempfile.TemporaryDirectory(prefix="megatron-real-stacks-")
@@ -200,7 +239,7 @@ def launch(fn: Callable[..., Any], world: int, *args: Any, timeout: float = 180.
     for rank in range(world):
         recv, send = ctx.Pipe(duplex=False)
         p = ctx.Process(target=_rank_main, args=(fn, rank, world, store.port, args, send, stacks[rank],
-                                                 max(1.0, timeout - 5)), name=f"rank{rank}")
+                                                 max(1.0, timeout - 5), device), name=f"rank{rank}")
         p.start()
         send.close()
         procs.append(p)
@@ -374,6 +413,7 @@ def build_job(tp: int, pp: int, precision: str = "fp32", seed: int = 1234, *, nu
         make_vocab_size_divisible_by=vocab, hidden_dropout=dropout, attention_dropout=dropout,
         tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, data_parallel_size=dp, world_size=world,
         rank=dist.get_rank(), micro_batch_size=micro_batch, global_batch_size=global_batch,
+        distributed_backend=dist.get_backend(),
         bf16=bf16, params_dtype=params_dtype, accumulate_allreduce_grads_in_fp32=bf16, seed=seed,
         overlap_grad_reduce=overlap_grad_reduce, ddp_bucket_size=bucket_size)
 
@@ -397,6 +437,8 @@ def build_job(tp: int, pp: int, precision: str = "fp32", seed: int = 1234, *, nu
                      max_sequence_length=seq, pre_process=parallel_state.is_pipeline_first_stage(),
                      post_process=parallel_state.is_pipeline_last_stage(), parallel_output=True,
                      share_embeddings_and_output_weights=True, position_embedding_type="learned_absolute")
+    if DEVICE == "cuda":
+        model.cuda(torch.cuda.current_device())  # as Megatron-LM's get_model() does after a CPU initialisation
     if bf16:
         model = Float16Module(config, model)
     ddp_config = DistributedDataParallelConfig(
@@ -441,9 +483,10 @@ def batch(job: Job, iteration: int, microbatch: int) -> dict[str, torch.Tensor]:
     gen = torch.Generator().manual_seed(int.from_bytes(hashlib.sha256(key).digest()[:8], "little"))
     seq, mbs = job.args.seq_length, job.args.micro_batch_size
     text = torch.randint(0, job.args.padded_vocab_size, (mbs, seq + 1), generator=gen)
-    return {"tokens": text[:, :-1].contiguous(), "labels": text[:, 1:].contiguous(),
-            "loss_mask": torch.ones(mbs, seq), "position_ids": torch.arange(seq).expand(mbs, seq).contiguous(),
-            "attention_mask": torch.ones(1, 1, seq, seq, dtype=torch.bool).triu(1)}
+    out = {"tokens": text[:, :-1].contiguous(), "labels": text[:, 1:].contiguous(),
+           "loss_mask": torch.ones(mbs, seq), "position_ids": torch.arange(seq).expand(mbs, seq).contiguous(),
+           "attention_mask": torch.ones(1, 1, seq, seq, dtype=torch.bool).triu(1)}
+    return {k: v.to(DEVICE) for k, v in out.items()}
 
 
 def _loss(loss_mask: torch.Tensor, output: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict[str, Any]]:
@@ -521,6 +564,8 @@ def fingerprint(job: Job) -> dict[str, torch.Tensor]:
     out["rng/python"] = torch.tensor(random.getstate()[1], dtype=torch.int64)
     out["rng/numpy"] = torch.from_numpy(np.random.get_state()[1].astype(np.int64))
     out["rng/torch"] = torch.get_rng_state()  # CUDA's generator too, on CPU (see patch_megatron_for_cpu)
+    if DEVICE == "cuda":
+        out["rng/cuda"] = torch.cuda.get_rng_state()
     for k, v in job.tracker.get_states().items():
         out[f"rng/tracker/{k}"] = v.clone()
     out["iteration"] = torch.tensor(job.iteration)

@@ -254,6 +254,10 @@ def _pickle_globals(path: Path) -> set[str]:
 def test_model_files_load_with_megatron_allow_list(saved: SavedRun) -> None:
     """(c) Every model_optim_rng.pt the engine wrote loads with torch's weights_only loader and the globals
     Megatron registers (megatron/core/safe_globals.py), its enums are Megatron's, and no global names us."""
+    check_model_files(saved)
+
+
+def check_model_files(saved: SavedRun) -> None:
     from megatron.core.enums import ModelType
     from megatron.core.safe_globals import SAFE_GLOBALS
     from megatron.core.transformer.enums import AttnBackend, CudaGraphScope
@@ -276,6 +280,33 @@ def test_model_files_load_with_megatron_allow_list(saved: SavedRun) -> None:
 
     for d in saved.files.values():
         assert cli_main(["verify", str(d)]) == 0, d
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (one rank on GPU 0, NCCL)")
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_a_job_on_cuda_resumes_bit_exact_in_both_layouts(tmp_path: Path, shm_dir: str, precision: str) -> None:
+    """(a), (b) and (c) on a GPU: the genuine Megatron job on CUDA (one rank, NCCL, dropout drawing from the CUDA
+    generator through the RNG tracker) saves step 3 through the adapter into tiers gpu + shm + file
+    (rank_sharded) and a file tier (megatron), and trains on to 5. New jobs that load either file tier train to 5
+    bit-exactly like it; the full optimizer state they load is the saved one; the model files load with
+    Megatron's allow-list."""
+    spec = Spec(1, 1, precision)
+    layouts = ("rank_sharded", "megatron")
+    files = {lay: tmp_path / lay for lay in layouts}
+    run_ids = {lay: f"real-cuda-{lay}-{uuid.uuid4().hex[:8]}" for lay in layouts}
+    cfgs = [config(run_ids["rank_sharded"], shm=shm_dir, files=files["rank_sharded"]),
+            config(run_ids["megatron"], files=files["megatron"], layout="megatron")]
+    cfgs[0]["tiers"].insert(0, {"name": "hbm", "kind": "gpu", "device": "cuda"})  # the snapshot on the device
+    [reference] = launch(rank_train_save_continue, 1, spec, cfgs, device="cuda")
+    run = SavedRun(spec, files, run_ids, [reference])
+    [resumed] = launch(rank_resume, 1, spec, file_configs(run), device="cuda")
+    for layout, (loaded, got) in zip(files, resumed, strict=True):
+        assert loaded == (SAVED_AT, FLOPS), layout
+        assert "rng/cuda" in got and differences(reference["fingerprint"], got) == [], layout
+    [full] = launch(rank_load_full_state, 1, spec, file_configs(run), device="cuda")
+    for layout, (loaded, got) in zip(files, full["loads"], strict=True):
+        assert loaded == (SAVED_AT, FLOPS) and differences(reference["full_state"], got) == [], layout
+    check_model_files(run)
 
 
 def test_load_without_the_optimizer_keeps_main_params_on_the_loaded_weights(saved: SavedRun) -> None:
