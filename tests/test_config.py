@@ -32,7 +32,7 @@ def test_full_golden_file():
     assert cfg.source == str(DATA / "full.yaml")
     assert cfg.run_id == "gpt-16b" and cfg.layout == "megatron"
     assert cfg.drain.mode == "thread" and cfg.drain.close_timeout_s == 300.0
-    assert cfg.load.copy is True and cfg.events.jsonl == "/tmp/events.jsonl"
+    assert cfg.load.copy is True and cfg.load.list_timeout_s == 120 and cfg.events.jsonl == "/tmp/events.jsonl"
     hbm, host, nvme, s3 = cfg.tiers
     assert (hbm.kind, hbm.enabled, hbm.options.max_bytes, hbm.options.device) == ("gpu", "auto", 8 << 30, "cuda")
     assert (host.slots, host.when_full, host.options.path) == (2, "skip", "/dev/shm/tiered_ckpt")

@@ -159,6 +159,30 @@ def test_transient_errors_while_listing_steps_are_retried(shm_root, tmp_path, re
         assert_same(make_items(1), engine.load().items)
 
 
+def test_a_tier_whose_listing_does_not_answer_in_time_is_left_out_of_load(shm_root, tmp_path, recorder):
+    """load.list_timeout_s: a stalled store (each listing held 3 s here) does not hold a restart for its timeouts
+    times its retries. load() takes the newest step the other tiers hold, and result.unreachable and a
+    tier_unreachable event name the stalled tier and the setting (before: it waited, and listed it)."""
+    path = tmp_path / "remote"
+    run_id = f"f{uuid.uuid4().hex[:8]}"
+    with CheckpointEngine(_config(shm_root, tmp_path, _faulty("remote", path), run_id=run_id)) as engine:
+        engine.save(1, make_items(1)).wait(timeout=60)
+    stalled = {"run_id": run_id, "drain": {"mode": "thread"}, "load": {"list_timeout_s": 0.2},
+               "tiers": [{"name": "local", "kind": "local", "path": str(tmp_path / "local")},
+                         _faulty("remote", path, latency_s=3, ops=["list"])]}
+    with CheckpointEngine(stalled) as engine:
+        result = engine.load()
+        assert (result.step, result.tier) == (1, "local")
+        assert_same(make_items(1), result.items)
+        assert list(result.unreachable) == ["remote"]
+        assert "load.list_timeout_s" in result.unreachable["remote"]
+        assert [e.tier for e in recorder.kinds("tier_unreachable")] == ["remote"]
+    patient = {**stalled, "load": {"list_timeout_s": None}}
+    with CheckpointEngine(patient) as engine:  # no limit: the slow listing is waited for
+        result = engine.load()
+        assert result.step == 1 and result.unreachable == {}
+
+
 @pytest.mark.parametrize("mode", ["thread", "process"])
 def test_a_slow_tier_below_holds_steps_above_only_until_it_has_them(shm_root, tmp_path, mode, recorder):
     """A tier below slower than the saves: the local tier (keep: 1) keeps each step until the slow tier has

@@ -92,6 +92,9 @@ class LoadConfig:
     copy: bool = True  # False: tensors loaded from shm are zero-copy views of the snapshot (see docs)
     verify: bool = True  # check checksums against the manifest
     trust_pickles: bool = False  # allow arbitrary pickles in legacy files (logged); never the default
+    # A tier whose listing has not answered by then counts as unreachable for this load (a stalled object store
+    # would otherwise hold a restart for its timeouts times its retries: minutes). None: wait for it.
+    list_timeout_s: Seconds | None = 120.0
 
 
 @dataclass(frozen=True)

@@ -272,15 +272,49 @@ class CheckpointEngine:
         return [n for n in self.pipeline.order if n != STAGING]
 
     def _list_tiers(self) -> tuple[dict[str, list[int]], dict[str, str]]:
+        """Every tier listed at once, each on a thread of its own: a slow tier costs its own time, not the sum,
+        and one that has not answered within ``load.list_timeout_s`` is unreachable for this load (its thread
+        is left to finish in the background)."""
+        answers: dict[str, tuple[str, Any]] = {}
+        done = threading.Condition()
+
+        def list_one(name: str) -> None:
+            try:
+                answer: tuple[str, Any] = ("ok", self.pipeline.stores[name].loadable_steps(self.coords))
+            except BaseException as exc:  # noqa: BLE001 - handed to the caller's thread below
+                answer = ("error", exc)
+            with done:
+                answers[name] = answer
+                done.notify_all()
+
+        for name in self.tiers:
+            threading.Thread(target=list_one, args=(name,), name=f"tiered_ckpt-list-{name}", daemon=True).start()
+        limit = self.config.load.list_timeout_s
+        deadline = None if limit is None else time.monotonic() + limit
+        with done:
+            while len(answers) < len(self.tiers):
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    break
+                done.wait(left)
+            answers = dict(answers)
         out: dict[str, list[int]] = {}
         unreachable: dict[str, str] = {}
         for name in self.tiers:
-            try:
-                out[name] = self.pipeline.stores[name].loadable_steps(self.coords)
-            except (TierError, OSError) as exc:
-                log.warning("cannot list tier %r: %s", name, exc)
-                why = str(exc).removeprefix(f"tier {name!r}: ")
-                unreachable[name] = why if isinstance(exc, TierError) else f"{type(exc).__name__}: {why}"
+            kind, value = answers.get(name, ("late", None))
+            if kind == "ok":
+                out[name] = value
+            elif kind == "late":
+                why = (f"no answer to its listing within {limit:g} s (load.list_timeout_s): stalled or slow; "
+                       f"raise load.list_timeout_s if it is only slow")
+                log.warning("cannot list tier %r: %s", name, why)
+                unreachable[name] = why
+            elif isinstance(value, TierError | OSError):
+                log.warning("cannot list tier %r: %s", name, value)
+                why = str(value).removeprefix(f"tier {name!r}: ")
+                unreachable[name] = why if isinstance(value, TierError) else f"{type(value).__name__}: {why}"
+            else:
+                raise value
         return out, unreachable
 
     def available_steps(self) -> dict[str, list[int]]:
