@@ -183,6 +183,37 @@ def test_a_tier_whose_listing_does_not_answer_in_time_is_left_out_of_load(shm_ro
         assert result.step == 1 and result.unreachable == {}
 
 
+def test_a_stalled_only_tier_is_waited_for_once_per_load_and_listed_once_at_a_time(shm_root, tmp_path, recorder):
+    """The stalled tier is the only one: load() raises TierUnavailableError (never NoCheckpointError) after one
+    list_timeout_s, not once more for its relist; and the next call waits for the listing still in flight
+    instead of starting a second one beside it."""
+    from tiered_ckpt import NoCheckpointError, TierUnavailableError
+
+    path = tmp_path / "remote"
+    run_id = f"f{uuid.uuid4().hex[:8]}"
+    with CheckpointEngine(_config(shm_root, tmp_path, _faulty("remote", path), run_id=run_id)) as engine:
+        engine.save(1, make_items(1)).wait(timeout=60)
+    only = {"run_id": run_id, "drain": {"mode": "thread"}, "load": {"list_timeout_s": 0.3},
+            "tiers": [_faulty("remote", path, latency_s=5, ops=["list"])]}
+    with CheckpointEngine(only) as engine:
+        with pytest.raises(TierUnavailableError, match="load.list_timeout_s") as info:
+            engine.load()
+        assert not isinstance(info.value, NoCheckpointError)
+        assert [e.tier for e in recorder.kinds("tier_unreachable")] == ["remote"]  # its relist left it out
+        listing = engine._listings["remote"]
+        assert engine.unreachable_tiers().keys() == {"remote"}
+        assert engine._listings["remote"] is listing  # waited on the listing in flight: no second one beside it
+        assert listing.done.wait(10) and listing.steps == [1]  # it finished in the background
+
+
+def test_list_timeout_must_be_positive(shm_root):
+    from tiered_ckpt.errors import ConfigError
+
+    cfg = {"run_id": "x", "load": {"list_timeout_s": 0}, "tiers": [{"name": "shm", "kind": "shm", "path": shm_root}]}
+    with pytest.raises(ConfigError, match="list_timeout_s: expected a positive duration or null"):
+        CheckpointEngine(cfg)
+
+
 @pytest.mark.parametrize("mode", ["thread", "process"])
 def test_a_slow_tier_below_holds_steps_above_only_until_it_has_them(shm_root, tmp_path, mode, recorder):
     """A tier below slower than the saves: the local tier (keep: 1) keeps each step until the slow tier has

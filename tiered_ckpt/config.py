@@ -96,6 +96,10 @@ class LoadConfig:
     # would otherwise hold a restart for its timeouts times its retries: minutes). None: wait for it.
     list_timeout_s: Seconds | None = 120.0
 
+    def __post_init__(self) -> None:
+        if self.list_timeout_s is not None and self.list_timeout_s <= 0:
+            raise ValueError(f"list_timeout_s: expected a positive duration or null, got {self.list_timeout_s}")
+
 
 @dataclass(frozen=True)
 class EventsConfig:

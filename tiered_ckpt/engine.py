@@ -48,6 +48,29 @@ _MAX_RELISTS = 16  # load(): listings again after every step listed vanished, be
 _live: weakref.WeakSet[CheckpointEngine] = weakref.WeakSet()
 
 
+class _Listing:
+    """One tier's listing of its loadable steps on a daemon thread: ``steps`` or ``error`` once ``done`` is set."""
+
+    def __init__(self, store: Any, coords: RankCoords, name: str):
+        self.steps: list[int] = []
+        self.error: BaseException | None = None
+        self.done = threading.Event()
+        threading.Thread(target=self._run, args=(store, coords), name=f"tiered_ckpt-list-{name}",
+                         daemon=True).start()
+
+    def _run(self, store: Any, coords: RankCoords) -> None:
+        try:
+            self.steps = store.loadable_steps(coords)
+        except BaseException as exc:  # noqa: BLE001 - handed to the thread that asked (_list_tiers)
+            self.error = exc
+        finally:
+            self.done.set()
+
+    def unexpected(self) -> bool:
+        """Failed with something other than a tier's error (a bug): raised, never a tier left out."""
+        return self.error is not None and not isinstance(self.error, TierError | OSError)
+
+
 class CheckpointEngine:
     """Tiered checkpointing for one rank. See docs/architecture.md."""
 
@@ -60,6 +83,8 @@ class CheckpointEngine:
         # rebuild is a PluginError here, not a failed save.
         self.events = self.pm.for_engine(self.config, observers)
         self.coords = detect(parallel, rank)
+        self._listings: dict[str, _Listing] = {}  # per tier, the newest listing (in flight or done): _list_tiers
+        self._listings_lock = threading.Lock()
         self._lock = RunLock(self.config.run_id, self.coords.rank, shm_paths(self.config))  # beside the slots
         self._lock.acquire()
         try:
@@ -271,50 +296,49 @@ class CheckpointEngine:
         ``_staging`` buffers): the keys :meth:`available_steps` has when every tier could be listed."""
         return [n for n in self.pipeline.order if n != STAGING]
 
-    def _list_tiers(self) -> tuple[dict[str, list[int]], dict[str, str]]:
+    def _list_tiers(self, skip: dict[str, str] | None = None) -> tuple[dict[str, list[int]], dict[str, str]]:
         """Every tier listed at once, each on a thread of its own: a slow tier costs its own time, not the sum,
-        and one that has not answered within ``load.list_timeout_s`` is unreachable for this load (its thread
-        is left to finish in the background)."""
-        answers: dict[str, tuple[str, Any]] = {}
-        done = threading.Condition()
-
-        def list_one(name: str) -> None:
-            try:
-                answer: tuple[str, Any] = ("ok", self.pipeline.stores[name].loadable_steps(self.coords))
-            except BaseException as exc:  # noqa: BLE001 - handed to the caller's thread below
-                answer = ("error", exc)
-            with done:
-                answers[name] = answer
-                done.notify_all()
-
-        for name in self.tiers:
-            threading.Thread(target=list_one, args=(name,), name=f"tiered_ckpt-list-{name}", daemon=True).start()
+        and one that has not answered within ``load.list_timeout_s`` is unreachable for this call. Its listing
+        goes on in the background, and the next call waits for that one instead of starting another.
+        ``skip``: tiers already found unreachable (tier -> why), reported so again without being listed."""
+        skip = skip or {}
+        names = [n for n in self.tiers if n not in skip]
+        with self._listings_lock:
+            listings = {}
+            for name in names:
+                listing = self._listings.get(name)
+                if listing is None or listing.done.is_set():
+                    listing = _Listing(self.pipeline.stores[name], self.coords, name)
+                    self._listings[name] = listing
+                listings[name] = listing
         limit = self.config.load.list_timeout_s
         deadline = None if limit is None else time.monotonic() + limit
-        with done:
-            while len(answers) < len(self.tiers):
-                left = None if deadline is None else deadline - time.monotonic()
-                if left is not None and left <= 0:
-                    break
-                done.wait(left)
-            answers = dict(answers)
+        for name in names:
+            listing = listings[name]
+            listing.done.wait(None if deadline is None else max(0.0, deadline - time.monotonic()))
+            if listing.done.is_set() and listing.unexpected():
+                break  # a programming error: raised below at once, not after the slow tiers' limit
         out: dict[str, list[int]] = {}
         unreachable: dict[str, str] = {}
         for name in self.tiers:
-            kind, value = answers.get(name, ("late", None))
-            if kind == "ok":
-                out[name] = value
-            elif kind == "late":
+            if name in skip:
+                unreachable[name] = skip[name]
+                continue
+            listing = listings[name]
+            if not listing.done.is_set():
                 why = (f"no answer to its listing within {limit:g} s (load.list_timeout_s): stalled or slow; "
                        f"raise load.list_timeout_s if it is only slow")
                 log.warning("cannot list tier %r: %s", name, why)
                 unreachable[name] = why
-            elif isinstance(value, TierError | OSError):
-                log.warning("cannot list tier %r: %s", name, value)
-                why = str(value).removeprefix(f"tier {name!r}: ")
-                unreachable[name] = why if isinstance(value, TierError) else f"{type(value).__name__}: {why}"
+            elif listing.error is None:
+                out[name] = listing.steps
+            elif listing.unexpected():
+                raise listing.error
             else:
-                raise value
+                exc = listing.error
+                log.warning("cannot list tier %r: %s", name, exc)
+                why = str(exc).removeprefix(f"tier {name!r}: ")
+                unreachable[name] = why if isinstance(exc, TierError) else f"{type(exc).__name__}: {why}"
         return out, unreachable
 
     def available_steps(self) -> dict[str, list[int]]:
@@ -359,7 +383,8 @@ class CheckpointEngine:
                 # The steps listed may have gone since (retention after a newer commit, in another process):
                 # only a listing that shows no step not tried yet may say "no checkpoint". Collective: every rank
                 # lists again when any rank sees a new step.
-                fresh, fresh_unreachable = self.coordinator.alone(self._list_tiers)
+                # A tier that did not answer is not waited for again: it stays unreachable for this load.
+                fresh, fresh_unreachable = self.coordinator.alone(self._list_tiers, unreachable)
                 new = {s for steps in fresh.values() for s in steps} - rejected
                 if not self.coordinator.all_succeeded(not new, "relist"):
                     relists += 1

@@ -61,7 +61,7 @@ class CommittedFiles:
         # that gave up at once would hide the tier's newest step from this rank alone.
         steps = self._retry(self.committed_steps, None, rank, "list committed steps")
         for stale in set(self._manifests) - set(steps):
-            del self._manifests[stale]
+            self._manifests.pop(stale, None)  # a listing of load() may run beside the drain's own
         out = []
         for step in steps:
             try:

@@ -416,8 +416,16 @@ class SplitDrain:
             return
         if results.get(self.shared):
             self.local.pin(self.shared, req.step)  # released when the worker is done reading it
-            self.proc.submit(DrainRequest(step=req.step, source=self.shared, slot=slots[self.shared], due=rest,
-                                          created=req.created, recover=req.recover))
+            try:
+                self.proc.submit(DrainRequest(step=req.step, source=self.shared, slot=slots[self.shared], due=rest,
+                                              created=req.created, recover=req.recover))
+            except Exception as exc:  # no worker to hand it to: those tiers failed the step, said so, never hung
+                self.local.unpin(self.shared, req.step)
+                log.exception("step %d: could not hand the snapshot on tier %r to the drain worker",
+                              req.step, self.shared)
+                for tier in rest:
+                    self.on_tier_done(req.step, tier, False, f"the drain worker could not take it: "
+                                                             f"{type(exc).__name__}: {exc}")
         else:
             for tier in rest:
                 self.on_tier_done(req.step, tier, False, f"the snapshot never reached tier {self.shared!r}")
