@@ -4,8 +4,9 @@
 # that skip without CUDA, and the genuine Megatron job on CUDA (tests/megatron_real, where megatron-core is
 # importable). Run from the repository root; results go to $OUT (default /tmp/device_check).
 #
-# tiered_ckpt is used from the checkout (PYTHONPATH), not installed. Dependencies that the machine's python3 lacks (PYTHON= picks another)
-# can be put beside it as wheels in .whl/ (installed with --no-deps into /tmp/site); nothing is fetched.
+# tiered_ckpt is used from the checkout (PYTHONPATH), not installed; PYTHON= picks another interpreter than
+# python3. Dependencies that interpreter lacks can be put beside it as wheels in .whl/ (installed with --no-deps
+# into /tmp/site); nothing is fetched.
 #
 #     bash benchmarks/device_check.sh                  # every step
 #     bash benchmarks/device_check.sh megatron         # some of: cuda_check tests megatron

@@ -144,13 +144,20 @@ def test_process_drain_from_a_script_without_main_guard(tmp_path, shm_root):
     assert (tmp_path / "local" / "iter_0000001" / "tiered_ckpt" / "manifest.json").exists()
 
 
+def _step_1_saved_on(shm_root, tmp_path, name: str) -> tuple:
+    """Step 1 saved (shm, local and a fault-free faulty tier ``name``): that tier's path and the run_id, for an
+    engine that reopens it with faults."""
+    path = tmp_path / name
+    run_id = f"f{uuid.uuid4().hex[:8]}"
+    with CheckpointEngine(_config(shm_root, tmp_path, _faulty(name, path), run_id=run_id)) as engine:
+        engine.save(1, make_items(1)).wait(timeout=60)
+    return path, run_id
+
+
 @pytest.mark.parametrize("ops", [["list"], ["read_blob"]])
 def test_transient_errors_while_listing_steps_are_retried(shm_root, tmp_path, recorder, ops):
     """A throttled listing or manifest read must not hide a tier's steps from this rank (it would resume older)."""
-    path = tmp_path / "flaky"
-    run_id = f"f{uuid.uuid4().hex[:8]}"
-    with CheckpointEngine(_config(shm_root, tmp_path, _faulty("flaky", path), run_id=run_id)) as engine:
-        engine.save(1, make_items(1)).wait(timeout=60)
+    path, run_id = _step_1_saved_on(shm_root, tmp_path, "flaky")
     only_flaky = {"run_id": run_id, "drain": {"mode": "thread"},
                   "tiers": [_faulty("flaky", path, transient_errors=2, ops=ops)]}
     with CheckpointEngine(only_flaky) as engine:
@@ -163,10 +170,7 @@ def test_a_tier_whose_listing_does_not_answer_in_time_is_left_out_of_load(shm_ro
     """load.list_timeout_s: a stalled store (each listing held 3 s here) does not hold a restart for its timeouts
     times its retries. load() takes the newest step the other tiers hold, and result.unreachable and a
     tier_unreachable event name the stalled tier and the setting (before: it waited, and listed it)."""
-    path = tmp_path / "remote"
-    run_id = f"f{uuid.uuid4().hex[:8]}"
-    with CheckpointEngine(_config(shm_root, tmp_path, _faulty("remote", path), run_id=run_id)) as engine:
-        engine.save(1, make_items(1)).wait(timeout=60)
+    path, run_id = _step_1_saved_on(shm_root, tmp_path, "remote")
     stalled = {"run_id": run_id, "drain": {"mode": "thread"}, "load": {"list_timeout_s": 0.2},
                "tiers": [{"name": "local", "kind": "local", "path": str(tmp_path / "local")},
                          _faulty("remote", path, latency_s=3, ops=["list"])]}
@@ -189,10 +193,7 @@ def test_a_stalled_only_tier_is_waited_for_once_per_load_and_listed_once_at_a_ti
     instead of starting a second one beside it."""
     from tiered_ckpt import NoCheckpointError, TierUnavailableError
 
-    path = tmp_path / "remote"
-    run_id = f"f{uuid.uuid4().hex[:8]}"
-    with CheckpointEngine(_config(shm_root, tmp_path, _faulty("remote", path), run_id=run_id)) as engine:
-        engine.save(1, make_items(1)).wait(timeout=60)
+    path, run_id = _step_1_saved_on(shm_root, tmp_path, "remote")
     only = {"run_id": run_id, "drain": {"mode": "thread"}, "load": {"list_timeout_s": 0.3},
             "tiers": [_faulty("remote", path, latency_s=5, ops=["list"])]}
     with CheckpointEngine(only) as engine:

@@ -414,21 +414,20 @@ class SplitDrain:
             rest = self._rest.pop((req.step, req.created), ())
         if not rest:
             return
+        why = f"the snapshot never reached tier {self.shared!r}"
         if results.get(self.shared):
             self.local.pin(self.shared, req.step)  # released when the worker is done reading it
             try:
                 self.proc.submit(DrainRequest(step=req.step, source=self.shared, slot=slots[self.shared], due=rest,
                                               created=req.created, recover=req.recover))
+                return
             except Exception as exc:  # no worker to hand it to: those tiers failed the step, said so, never hung
                 self.local.unpin(self.shared, req.step)
                 log.exception("step %d: could not hand the snapshot on tier %r to the drain worker",
                               req.step, self.shared)
-                for tier in rest:
-                    self.on_tier_done(req.step, tier, False, f"the drain worker could not take it: "
-                                                             f"{type(exc).__name__}: {exc}")
-        else:
-            for tier in rest:
-                self.on_tier_done(req.step, tier, False, f"the snapshot never reached tier {self.shared!r}")
+                why = f"the drain worker could not take it: {type(exc).__name__}: {exc}"
+        for tier in rest:
+            self.on_tier_done(req.step, tier, False, why)
 
     def _far_slot_released(self, tier: str, slot: int, step: int) -> None:
         if tier == self.shared:
