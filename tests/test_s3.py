@@ -10,6 +10,9 @@ from __future__ import annotations
 
 import json
 import logging
+import signal
+import subprocess
+import sys
 import time
 import uuid
 from dataclasses import dataclass
@@ -389,6 +392,49 @@ def test_deadline_exceeded_leaves_nothing_visible(remote, shm_root, tmp_path, re
         engine.save(81, make_state(81)).wait(timeout=60)
     assert not any(k.startswith("iter_0000080/") for k in remote.keys())
     assert load_from_s3(remote).step == 81
+
+
+# ----- 3. a save killed mid-upload: gc finds the upload it left open -----------------------------------------
+_KILLED_MID_UPLOAD = """
+import json, sys, torch
+from tiered_ckpt import CheckpointEngine, crashpoints
+cfg, part = json.loads(sys.argv[1]), int(sys.argv[2])
+with CheckpointEngine(cfg) as engine:
+    engine.save(1, {"state": {"w": torch.ones(1000)}}).wait(timeout=60)
+    crashpoints.arm("s3.part_sent:2")  # SIGKILL once two parts of the next upload are on the store
+    engine.save(2, {"state": {"w": torch.arange(5 * part // 4, dtype=torch.float32)}}).wait(timeout=60)
+sys.exit("step 2 was saved: the crash point was never reached")
+"""
+
+
+def test_gc_aborts_the_multipart_upload_of_a_save_killed_mid_upload(remote, shm_root, capsys, monkeypatch):
+    """A process killed while it uploads a file in parts leaves an upload no listing shows, whose parts S3 bills:
+    gc lists it with its bytes (not while it is young enough to be in flight), --delete aborts it, and the step
+    committed before it still loads."""
+    cfg = config(shm_root, remote.tier(direct=True, max_concurrency=2))
+    proc = subprocess.run([sys.executable, "-c", _KILLED_MID_UPLOAD, json.dumps(cfg), str(PART)],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr
+    (left,) = remote.uploads_in_progress()
+    assert left["Key"] == f"{remote.prefix}/{STEP_KEY.format(2)}"
+    for name, value in remote.server.env().items():
+        monkeypatch.setenv(name, value)
+    capsys.readouterr()
+    assert cli_main(["gc", remote.url, "--json"]) == 0  # the default grace: its parts are seconds old
+    assert json.loads(capsys.readouterr().out)["found"] == []
+    assert cli_main(["gc", remote.url, "--min-age", "0", "--json"]) == 0
+    found = {f["what"]: f for f in json.loads(capsys.readouterr().out)["found"]}
+    upload = found["unfinished upload"]
+    assert (upload["key"], upload["upload_id"]) == (STEP_KEY.format(2), left["UploadId"])
+    assert upload["bytes"] >= 2 * PART and upload["bytes"] % PART == 0  # at least the two parts sent, all whole
+    assert cli_main(["gc", remote.url, "--min-age", "0"]) == 0
+    assert f"would remove  unfinished upload  tier 'target': {STEP_KEY.format(2)}" in capsys.readouterr().out
+    assert remote.uploads_in_progress() == [left]  # a dry run
+    assert cli_main(["gc", remote.url, "--min-age", "0", "--delete"]) == 0
+    assert remote.uploads_in_progress() == []
+    loaded = load_from_s3(remote, direct=True)
+    assert loaded.step == 1 and loaded.tier == "s3"
+    assert_same({"state": {"w": torch.ones(1000)}}, loaded.items)
 
 
 # ----- 4. the bucket, read with plain boto3 ---------------------------------------------------------------

@@ -80,8 +80,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = add("verify", cmd_verify, "re-hash every file against the manifest; exit 1 on any mismatch")
     p.add_argument("--step", type=int, help="default: the newest committed step")
     p.add_argument("--all", action="store_true", help="every committed step")
-    p = add("gc", cmd_gc, "find debris (partial steps, temporary files) and dead runs' shared memory; "
-                          "a dry run unless --delete")
+    p = add("gc", cmd_gc, "find debris (partial steps, temporary files, an object store's unfinished uploads) and "
+                          "dead runs' shared memory; a dry run unless --delete")
     p.add_argument("--stale", action="store_true", help="also look for shared memory of runs with no live engine")
     p.add_argument("--shm-path", help=f"the shm tier's path (default: the configuration's shm tiers, else "
                                       f"{DEFAULT_SHM_PATH})")
@@ -89,8 +89,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--force", action="store_true", help="with --stale --config: also remove stale runs whose shared "
                    "memory holds steps that no file tier of the configuration has yet (their only copy); this "
                    "applies to every stale run under the shm path, not only the configuration's run_id")
-    p.add_argument("--min-age", type=float, default=3600.0, metavar="SECONDS", help="leave temporary files "
-                   "and partial steps modified less than this long ago: writes in flight (default: %(default)s)")
+    p.add_argument("--min-age", type=float, default=3600.0, metavar="SECONDS", help="leave temporary files, "
+                   "partial steps and unfinished uploads modified less than this long ago: writes in flight "
+                   "(default: %(default)s)")
     p = add("demo", cmd_demo, "train a small GPT on 4 ranks, checkpoint through shm, local and remote tiers, kill a "
                               "rank, resume, and check the resumed run matches an uninterrupted one", target=False)
     p.add_argument("--workdir", default="demo-run", help="where the demo writes (default: %(default)s)")

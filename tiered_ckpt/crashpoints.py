@@ -44,6 +44,8 @@ POINTS: dict[str, str] = {
     "megatron.upload_completed": "megatron/inplace_parts: distrib_optim.pt's upload is completed, the checkpoint "
                                  "manifest is not written",
     "fsspec.temp_written": "tiers/fsspec_tier: a temporary file is written on a renaming store, not yet moved",
+    "s3.part_sent": "tiers/_s3: a part of a multipart upload is on the store, the upload is not completed (each "
+                    "part's hit)",
 }
 
 _target: tuple[str, int] | None = None

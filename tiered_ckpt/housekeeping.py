@@ -1,4 +1,5 @@
-"""What ``tiered-ckpt gc`` finds and removes: debris on file tiers and the shared memory of dead runs.
+"""What ``tiered-ckpt gc`` finds and removes: debris on file tiers (partial steps, temporary files, an object
+store's unfinished uploads) and the shared memory of dead runs.
 
 Nothing here runs on its own: the engine's retention removes only what it owns after a commit, and this module
 only acts on an explicit command (dry run first). Finding is read-only: no directory or lock file is created.
@@ -9,7 +10,8 @@ What gc never touches (docs/operations.md, "What gc may touch"):
   whatever ``TMPDIR`` each process has): its shared memory, and, when gc knows the run (``--config``), the
   temporary files and partial steps on its file tiers;
 * a temporary file younger than ``min_age_s`` (:data:`TEMP_GRACE_S` by default), on any tier: a write in flight
-  on another node (or on a store where ownership cannot be told) keeps touching its temporary file.
+  on another node (or on a store where ownership cannot be told) keeps touching its temporary file; the same for
+  an unfinished upload whose newest part is younger.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from .tiers.base import _user_name
 if TYPE_CHECKING:
     from .file_store import FileStore
     from .snapshot_record import SlotMeta
+    from .tiers.base import UnfinishedUpload
 
 #: A temporary file modified less than this long ago may belong to a write in flight: gc leaves it.
 TEMP_GRACE_S = 3600.0
@@ -41,17 +44,22 @@ _RUN_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,127}")  # as config.py checks
 @dataclass
 class Debris:
     tier: str
-    what: str  # "partial step" or "temporary file"
+    what: str  # "partial step", "temporary file" or "unfinished upload"
     key: str
     nbytes: int
+    upload: UnfinishedUpload | None = None  # an unfinished upload's, to abort it
 
     def to_dict(self) -> dict:
-        return {"tier": self.tier, "what": self.what, "key": self.key, "bytes": self.nbytes}
+        out = {"tier": self.tier, "what": self.what, "key": self.key, "bytes": self.nbytes}
+        if self.upload is not None:
+            out["upload_id"] = self.upload.upload_id
+        return out
 
 
 def find_debris(store: FileStore, *, live: bool = False, min_age_s: float = TEMP_GRACE_S,
                 now: float | None = None) -> list[Debris]:
-    """Uncommitted steps older than the newest committed one, and temporary files of unfinished writes.
+    """Uncommitted steps older than the newest committed one, temporary files of unfinished writes, and the
+    uploads an object store holds unfinished.
 
     ``live``: an engine of the run that writes this tier holds its lock: nothing of it is debris (its own
     retention removes its partial steps after each commit). Temporary files and partial steps with a file
@@ -74,6 +82,11 @@ def find_debris(store: FileStore, *, live: bool = False, min_age_s: float = TEMP
         except (TierError, OSError):
             continue
         out.append(Debris(store.name, "temporary file", rel, size))
+    # An object store's uploads that a killed job left open: billed, and seen nowhere else. Young ones may be in
+    # flight (each part sent refreshes the age), as with temporary files.
+    for up in store.tier.unfinished_uploads():  # the Tier interface: none on kinds without such uploads
+        if min_age_s <= 0 or (up.modified is not None and now - up.modified >= min_age_s):
+            out.append(Debris(store.name, "unfinished upload", up.key, up.nbytes, upload=up))
     return out
 
 
@@ -100,6 +113,8 @@ def remove_debris(store: FileStore, debris: list[Debris], *, min_age_s: float = 
     for d in debris:
         if d.what == "partial step":
             store.tier.delete_prefix(d.key)
+        elif d.upload is not None:
+            store.tier.abort_upload(d.upload)
         elif _old_enough(store, d.key, min_age_s, now):
             store.tier.remove_temp_file(d.key)
             files = getattr(store.tier, "files", None)  # a directory tree: the directories it left empty go too

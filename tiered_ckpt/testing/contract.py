@@ -16,10 +16,10 @@ Every test applies to every tier, except those about a capability the tier says 
 ``capabilities.memory``, view semantics ``capabilities.zero_copy_read``): those are skipped with the
 capability as the reason. The semantics tested are the ones :mod:`tiered_ckpt.tiers.base` documents (the blob
 primitives, and what the engine, ``gc`` and the CLI ask of a kind: ``resolve_enabled``, ``check_usable``,
-``staging_options``, ``location``, ``missing_location``, ``temp_files``, ``modified``), plus one about
-configuration: the tier's ``options``, written into a ``tiers.yaml`` entry, load back equal through
-:func:`~tiered_ckpt.config.load_config` (every field type is one a file can express, no field is hidden by a
-common tier key such as ``keep``).
+``staging_options``, ``location``, ``missing_location``, ``temp_files``, ``unfinished_uploads``, ``modified``),
+plus one about configuration: the tier's ``options``, written into a ``tiers.yaml`` entry, load back equal
+through :func:`~tiered_ckpt.config.load_config` (every field type is one a file can express, no field is hidden
+by a common tier key such as ``keep``).
 
 The slot and zero-copy tests are in :mod:`~tiered_ckpt.testing.slot_contract`, the interface tests in
 :mod:`~tiered_ckpt.testing.interface_contract`; :class:`TierContract` includes both.

@@ -1,7 +1,7 @@
 """The contract suite's part about what the engine, ``gc`` and the CLI ask of a kind beyond the blob primitives
 (tiers/base.py: ``resolve_enabled``, ``check_usable``, ``staging_options``, ``location``, ``missing_location``,
-``temp_files``/``remove_temp_file``, ``modified``). :class:`~tiered_ckpt.testing.TierContract` includes it; the
-``tier`` fixture comes from the subclass.
+``temp_files``/``remove_temp_file``, ``unfinished_uploads``, ``modified``).
+:class:`~tiered_ckpt.testing.TierContract` includes it; the ``tier`` fixture comes from the subclass.
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from ..tiers.base import Tier, as_memoryview
+from ..tiers.base import Tier, UnfinishedUpload, as_memoryview
 
 MiB = 1 << 20
 
@@ -70,6 +70,24 @@ class InterfaceContract:
         with pytest.raises(ValueError):
             tier.remove_temp_file("dir/blob")  # a finished blob is no temporary file: gc must never delete it
         assert self.read(tier, "dir/blob") == b"a" * MiB + b"b"
+
+    def test_unfinished_uploads_are_only_those_of_writes_in_flight(self, tier: Tier) -> None:
+        seen: dict[str, Any] = {}
+
+        def chunks(fail: bool):
+            for i in range(3):  # past one 5 MiB part (S3's smallest): an object store has an upload open by now
+                yield bytes([i]) * (4 * MiB)
+            seen["open"] = tier.unfinished_uploads()
+            if fail:
+                raise RuntimeError("the producer failed")
+
+        tier.write_blob("dir/big", chunks(False))
+        assert all(isinstance(u, UnfinishedUpload) and u.key == "dir/big" for u in seen["open"]), \
+            f"unfinished_uploads() lists UnfinishedUpload entries, under the key being written: {seen['open']!r}"
+        assert tier.unfinished_uploads() == [], "a finished write leaves no upload open"
+        with pytest.raises(RuntimeError, match="the producer failed"):
+            tier.write_blob("dir/failed", chunks(True))
+        assert tier.unfinished_uploads() == [], "a write that failed leaves no upload open (it aborts its own)"
 
     def test_modified_is_a_time_or_unknown(self, tier: Tier) -> None:
         tier.write_blob("probe", [b"x"])

@@ -16,6 +16,7 @@ from concurrent.futures import FIRST_COMPLETED, Future
 from concurrent.futures import wait as wait_futures
 from typing import TYPE_CHECKING, Any
 
+from ..crashpoints import crash_point
 from ..errors import BlobNotFoundError, CorruptionError, PermanentTierError, TransientTierError
 from ..fast_crc import crc32
 from ..retry import request_retrying
@@ -357,6 +358,7 @@ class Upload:
             if owner is not None:
                 self.free.append(owner)
             self.parts[number] = fut.result()
+            crash_point("s3.part_sent")
 
     # ----- requests ----------------------------------------------------------------------------------------
     def _create(self) -> None:

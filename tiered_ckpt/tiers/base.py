@@ -100,6 +100,17 @@ def _user_name() -> str:
 
 
 @dataclass(frozen=True)
+class UnfinishedUpload:
+    """An upload a store keeps neither completed nor aborted (an S3 multipart upload whose process died): not a
+    key :meth:`Tier.list` returns, yet its parts take space (S3 bills them) until it is aborted."""
+
+    key: str  # the key it was going to create, relative to the tier
+    upload_id: str
+    nbytes: int  # the bytes of its parts on the store
+    modified: float | None  # when its newest part arrived (its start if none), seconds since the epoch; None: unknown
+
+
+@dataclass(frozen=True)
 class NoOptions:
     """For kinds that take no options of their own."""
 
@@ -322,6 +333,18 @@ class Tier(ABC):
         """Delete one key :meth:`temp_files` returned (a missing one is not an error); refuse any other key with
         ``ValueError``. Default: refuses every key (the default lists none)."""
         raise ValueError(f"{key!r} is not a temporary file of tier {self.name!r} (kind {self.kind!r} lists none)")
+
+    def unfinished_uploads(self) -> list[UnfinishedUpload]:
+        """Uploads under this tier that were started and neither completed nor aborted: what a process killed
+        mid-upload leaves on an object store, for ``tiered-ckpt gc``. Default: none (a kind without such uploads;
+        its half-written files are :meth:`temp_files`)."""
+        return []
+
+    def abort_upload(self, upload: UnfinishedUpload) -> None:
+        """Abort one upload :meth:`unfinished_uploads` returned, freeing its parts (one already gone is not an
+        error). Default: refuses every upload with ``ValueError`` (the default lists none)."""
+        raise ValueError(f"upload {upload.upload_id!r} of {upload.key!r} is not an unfinished upload of tier "
+                         f"{self.name!r} (kind {self.kind!r} lists none)")
 
     def positional(self) -> Any:
         """A writer of one file at known offsets, shared by several processes (``open``, ``write_range``,

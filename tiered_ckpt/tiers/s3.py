@@ -73,7 +73,7 @@ from ._s3 import (
 )
 from ._s3_parts import SharedParts, is_upload_token
 from ._s3_split import PieceMissing, Split, SplitUpload, drop_pieces, is_piece_name, piece_name
-from .base import Chunk, TierContext, as_memoryview, check_prefix, check_range, chunks_stable
+from .base import Chunk, TierContext, UnfinishedUpload, as_memoryview, check_prefix, check_range, chunks_stable
 from .fsspec_tier import FsspecOptions, FsspecTier
 
 log = logging.getLogger(__name__)
@@ -360,6 +360,55 @@ class S3Tier(FsspecTier):
         if is_upload_token(key):
             return SharedParts(self).abort_published(key)
         return super().remove_temp_file(key)
+
+    def unfinished_uploads(self) -> list[UnfinishedUpload]:
+        """The multipart uploads in progress under the tier's root, each with the bytes and the time of the parts
+        the store holds: a job killed mid-upload leaves them invisible and billed (module doc of ``_s3``)."""
+        bucket, top, _ = self.fs.split_path(self.root)
+        prefix = f"{top}/" if top else ""
+        out = []
+        for up in self._listed_pages("list the multipart uploads under", self.root, "list_multipart_uploads",
+                                     {"Bucket": bucket, "Prefix": prefix}, "Uploads",
+                                     {"NextKeyMarker": "KeyMarker", "NextUploadIdMarker": "UploadIdMarker"}):
+            obj, upload_id = up.get("Key", ""), up.get("UploadId", "")
+            if not obj.startswith(prefix) or not upload_id:
+                continue
+            key = obj[len(prefix):]
+            started = up.get("Initiated")
+            newest = started.timestamp() if hasattr(started, "timestamp") else None
+            nbytes = 0
+            try:
+                for part in self._listed_pages("list the parts of the multipart upload of", f"{bucket}/{obj}",
+                                               "list_parts", {"Bucket": bucket, "Key": obj, "UploadId": upload_id},
+                                               "Parts", {"NextPartNumberMarker": "PartNumberMarker"},
+                                               missing_ok=True):
+                    nbytes += int(part.get("Size", 0))
+                    when = part.get("LastModified")
+                    if hasattr(when, "timestamp") and newest is not None:
+                        newest = max(newest, when.timestamp())
+            except BlobNotFoundError:  # NoSuchUpload: completed or aborted since it was listed
+                continue
+            out.append(UnfinishedUpload(key, upload_id, nbytes, newest))
+        return out
+
+    def _listed_pages(self, op: str, path: str, call: str, params: dict[str, Any], field: str,
+                      markers: dict[str, str], missing_ok: bool = False) -> list[dict[str, Any]]:
+        """Every entry of ``field`` over the pages of a paginated S3 listing (``markers``: the answer's field
+        naming the next page -> the request's parameter asking for it). ``missing_ok``: a listing of something
+        gone raises :class:`BlobNotFoundError`."""
+        entries: list[dict[str, Any]] = []
+        page = dict(params)
+        while True:
+            resp = self.run_sync(self.arequest, op, None, path,
+                                 lambda p=dict(page): self.fs._call_s3(call, **p), missing_ok=missing_ok)
+            entries += resp.get(field) or []
+            if not resp.get("IsTruncated"):
+                return entries
+            page = {**params, **{ask: resp[got] for got, ask in markers.items() if resp.get(got) is not None}}
+
+    def abort_upload(self, upload: UnfinishedUpload) -> None:
+        """Abort a multipart upload :meth:`unfinished_uploads` listed (one already gone is not an error)."""
+        SharedParts(self).abort(upload.key, upload.upload_id)
 
     def size(self, key: str) -> int:
         head = self._head(key, self._path(key))
