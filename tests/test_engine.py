@@ -502,6 +502,34 @@ def test_a_job_whose_end_fails_still_ends(tiers, monkeypatch, caplog):
         assert engine.load().step == 2
 
 
+def test_a_tier_thread_outlives_an_unexpected_error_and_its_job_still_ends(tiers, monkeypatch, caplog):
+    """An error the drain does not expect, raised on a tier's thread after the step is committed there: logged
+    with the step, the job ends (wait() returns) and the thread drains the next step (it used to die, leaving
+    that job and every later one on the tier pending)."""
+    from tiered_ckpt.drain import DrainRuntime
+
+    settle = DrainRuntime._settle_deletion
+    calls = []
+
+    def broken(self, tier):
+        calls.append(tier)
+        if len(calls) == 2:  # the first is the commit's own; the second comes once step 1 is reported
+            raise RuntimeError("a bug in the drain")
+        return settle(self, tier)
+
+    monkeypatch.setattr(DrainRuntime, "_settle_deletion", broken)
+    with CheckpointEngine(config(tiers, "shm", "local")) as engine:
+        handle = engine.save(1, make_items(1))
+        handle.wait(timeout=30)
+        assert handle.results == {"local": True}
+        engine.wait(timeout=30)  # TimeoutError before the fix: the job never ended
+        assert "tier 'local': the drain of step 1 failed unexpectedly" in caplog.text
+        assert "a bug in the drain" in caplog.text
+        engine.save(2, make_items(2)).wait(timeout=30)  # the tier's thread is still there
+        engine.wait(timeout=30)
+        assert engine.load().step == 2
+
+
 def test_a_process_exits_while_a_deletion_still_runs(tiers, tmp_path):
     """The deletion thread never holds the process past close(): what it leaves is debris for the next
     retention or gc."""

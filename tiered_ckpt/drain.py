@@ -11,6 +11,7 @@ threads of the training process (``drain.mode: thread``) or inside the drain wor
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import queue
 import threading
@@ -18,7 +19,7 @@ import time
 from collections import Counter
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from . import events as ev
 from .drain_protocol import DrainRequest, OnSlotReleased, OnTierDone
@@ -37,6 +38,7 @@ class _Job:
     memory_slots: dict[str, int]  # memory tier -> slot that holds this step there
     released: bool = False
     tiers_left: int = 0  # due tiers whose thread has not finished with this job (its deletions may run on)
+    ended: set[str] = field(default_factory=set)  # due tiers that ended it (_end)
 
 
 class DrainRuntime:
@@ -217,7 +219,22 @@ class DrainRuntime:
             job = q.get()
             if job is None:
                 return
-            self._run(tier, job)
+            try:
+                self._run(tier, job)
+            except Exception:  # a bug past _run's own handling: the tier's later jobs must still run, this one end
+                log.exception("tier %r: the drain of step %d failed unexpectedly", tier, job.req.step)
+                self._end_after_bug(tier, job)
+
+    def _end_after_bug(self, tier: str, job: _Job) -> None:
+        """End ``job`` on ``tier`` as failed if ``_run`` had not ended it there, so wait() never hangs on it."""
+        fut = job.futures[tier]
+        if not fut.done():
+            fut.set_result(False)
+            with contextlib.suppress(Exception):
+                self.on_tier_done(job.req.step, tier, False, "the drain failed unexpectedly (see the log)")
+        if all(f.done() for f in job.futures.values()):
+            self._release(job)
+        self._end(tier, job, [])  # once per tier: a no-op where _run had ended it
 
     def _source_for(self, tier: str, job: _Job) -> str:
         idx = self.order.index(tier)
@@ -258,7 +275,10 @@ class DrainRuntime:
             self.emit(ev.Event(ev.COMMIT_FAILED, step=req.step, rank=self.coords.rank, tier=tier,
                                seconds=time.perf_counter() - t0, message=error))
         job.futures[tier].set_result(ok)
-        self.on_tier_done(req.step, tier, ok, error)
+        try:
+            self.on_tier_done(req.step, tier, ok, error)
+        except Exception:  # the job must still release its slot and end
+            log.exception("tier %r: reporting step %d's outcome failed", tier, req.step)
         if ok or all(f.done() for f in job.futures.values()):
             self._release(job)
         # The save is reported and its slot free. What its commit left (retention's deletions) may take time: on a
@@ -291,6 +311,10 @@ class DrainRuntime:
                     task()
                 except Exception as exc:  # noqa: BLE001 - the step is committed; what is left is debris for gc
                     log.warning("tier %r: housekeeping after step %d failed: %s", tier, req.step, exc)
+            with self._cond:
+                if tier in job.ended:
+                    return
+                job.ended.add(tier)
             self._note_backlog(tier, -1, req.step)
             with self._cond:
                 job.tiers_left -= 1

@@ -165,8 +165,9 @@ def test_interpreter_exit_is_bounded_with_the_worker_stopped(shm_root, tmp_path)
             code = parent.wait(timeout=HANG_GUARD_S)
         except subprocess.TimeoutExpired:
             parent.kill()
+            _release(worker)  # first: the stopped worker holds the parent's stderr open, communicate() would hang
             pytest.fail("the interpreter's exit hangs on the stopped drain worker; its threads, 20 s before:\n"
-                        + parent.communicate()[1][-6000:])
+                        + parent.communicate(timeout=60)[1][-6000:])
         assert code == 0, parent.stderr.read()[-3000:]
         assert _wait_gone(worker)
     finally:
