@@ -530,6 +530,29 @@ def test_a_tier_thread_outlives_an_unexpected_error_and_its_job_still_ends(tiers
         assert engine.load().step == 2
 
 
+def test_a_manifest_read_as_the_step_is_saved_again_is_not_cached(tiers, monkeypatch):
+    """A listing reads step 1's manifest, and before it caches it a re-save of step 1 commits there: the old
+    manifest must not go into the cache over the new one (a load would take the new files for damaged ones)."""
+    with CheckpointEngine(config(tiers, "local")) as engine:
+        engine.save(1, make_items(1)).wait(timeout=30)
+        store = engine.pipeline.stores["local"]
+        read = store._manifest_bytes
+
+        def read_then_resaved(key):
+            data = read(key)  # step 1's first manifest...
+            monkeypatch.setattr(store, "_manifest_bytes", read)
+            engine.save(1, make_items(2)).wait(timeout=30)  # ...replaced by the re-save's before it is cached
+            return data
+
+        monkeypatch.setattr(store, "_manifest_bytes", read_then_resaved)
+        store._manifests.clear()
+        old = store.read_manifest(1, cached=True)
+        assert store.read_manifest(1, cached=True) != old  # the re-save's, not the listing's late copy
+        loaded = engine.load()
+        assert (loaded.step, loaded.tier) == (1, "local")
+        assert_same(make_items(2), loaded.items)
+
+
 def test_a_process_exits_while_a_deletion_still_runs(tiers, tmp_path):
     """The deletion thread never holds the process past close(): what it leaves is debris for the next
     retention or gc."""

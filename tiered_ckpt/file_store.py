@@ -123,6 +123,7 @@ class FileStore(CommittedFiles):
         self.emit = emit
         self.run_id = run_id
         self._manifests: dict[int, CheckpointManifest] = {}  # committed manifests are immutable: cache them
+        self._manifest_changes = 0  # counts this store's commits and un-commits (a re-save replaces a manifest)
         self._started: set[tuple[int, int]] = set()  # (step, rank) whose marker this process wrote
         self._started_lock = threading.Lock()  # the tier's thread adds, its deletion thread removes
         self._held_back = False  # the last retention kept steps only because they were pinned
@@ -384,6 +385,7 @@ class FileStore(CommittedFiles):
         would pass for a plain checkpoint of their own. The ranks' own files stay."""
         key = self.layout.manifest_key(step)
         self._retry(lambda: self.tier.delete(key), step, rank, f"delete {key}")
+        self._manifest_changes += 1
         self._manifests.pop(step, None)
         for e in files:
             if self.layout.is_derived(e):
@@ -603,6 +605,7 @@ class FileStore(CommittedFiles):
             log.warning("tier %r: step %d not committed: a rank began saving it again while this save committed",
                         self.name, step)
             return None
+        self._manifest_changes += 1
         self._manifests[step] = manifest
         crash_point("store.manifest_written")
         self._update_tracker(step, coords.rank)

@@ -35,6 +35,7 @@ class CommittedFiles:
     layout: Layout
     codecs: dict[str, FileCodec]
     _manifests: dict[int, CheckpointManifest]
+    _manifest_changes: int
     name: str
     _retry: Callable[..., Any]
     read_tracker: Callable[[], int | None]
@@ -47,8 +48,10 @@ class CommittedFiles:
         if cached and step in self._manifests:
             return self._manifests[step]
         key = self.layout.manifest_key(step)
+        changes = self._manifest_changes
         manifest = load_checkpoint(self._manifest_bytes(key), key, self.name)
-        self._manifests[step] = manifest
+        if self._manifest_changes == changes:  # else a commit came meanwhile: these bytes may be the old manifest
+            self._manifests[step] = manifest
         return manifest
 
     def steps_for_rank(self, coords: RankCoords) -> list[int]:
