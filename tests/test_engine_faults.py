@@ -126,6 +126,31 @@ def test_killed_after_save_recovers_from_shm_and_drains(shm_root, tmp_path, reco
         assert_same(make_items(3), engine._load_from("local", 3, True, None)[0])
 
 
+def test_a_stalled_tier_does_not_hold_the_recovery_at_start_up(shm_root, tmp_path, recorder):
+    """The killed process left step 3 in shm only; at the restart the file tier's listing stalls (5 s here):
+    the engine is built after load.list_timeout_s, leaves step 3 in memory for a later start (tier_unreachable
+    names the setting) and loads it from shm (before: construction waited for the listing, however long)."""
+    run_id = f"k{uuid.uuid4().hex[:8]}"
+    cfg = _config(shm_root, tmp_path, run_id=run_id)
+    cfg["tiers"][1] = _faulty("local", tmp_path / "local", latency_s=60)  # the killed process never gets there
+    script = KILLED_SCRIPT.format(tests=os.path.dirname(__file__), cfg=json.dumps(cfg))
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr
+    stalled = {**_config(shm_root, tmp_path, run_id=run_id), "load": {"list_timeout_s": 0.3}}
+    stalled["tiers"][1] = _faulty("local", tmp_path / "local", latency_s=5, ops=["list"])
+    with CheckpointEngine(stalled) as engine:
+        assert engine.recovered == []
+        (event,) = recorder.kinds("tier_unreachable", "local")
+        assert "load.list_timeout_s" in event.message
+        loaded = engine.load()
+        assert (loaded.step, loaded.tier) == (3, "shm")
+        assert_same(make_items(3), loaded.items)
+    with CheckpointEngine(_config(shm_root, tmp_path, run_id=run_id)) as engine:  # reachable again: recovered
+        assert [h.step for h in engine.recovered] == [3]
+        engine.recovered[0].wait(timeout=60)
+        assert engine.available_steps()["local"] == [3]
+
+
 def test_process_drain_from_a_script_without_main_guard(tmp_path, shm_root):
     """spawn re-imports __main__: a training script without `if __name__ == "__main__"` must still work."""
     script = tmp_path / "train.py"

@@ -9,10 +9,12 @@ The engine sees its tiers only through the :class:`~tiered_ckpt.store.Store` pro
 from __future__ import annotations
 
 import atexit
+import functools
 import logging
 import threading
 import time
 import weakref
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -51,16 +53,15 @@ _live: weakref.WeakSet[CheckpointEngine] = weakref.WeakSet()
 class _Listing:
     """One tier's listing of its loadable steps on a daemon thread: ``steps`` or ``error`` once ``done`` is set."""
 
-    def __init__(self, store: Any, coords: RankCoords, name: str):
+    def __init__(self, list_steps: Callable[[], list[int]], name: str):
         self.steps: list[int] = []
         self.error: BaseException | None = None
         self.done = threading.Event()
-        threading.Thread(target=self._run, args=(store, coords), name=f"tiered_ckpt-list-{name}",
-                         daemon=True).start()
+        threading.Thread(target=self._run, args=(list_steps,), name=f"tiered_ckpt-list-{name}", daemon=True).start()
 
-    def _run(self, store: Any, coords: RankCoords) -> None:
+    def _run(self, list_steps: Callable[[], list[int]]) -> None:
         try:
-            self.steps = store.loadable_steps(coords)
+            self.steps = list_steps()
         except BaseException as exc:  # noqa: BLE001 - handed to the thread that asked (_list_tiers)
             self.error = exc
         finally:
@@ -239,16 +240,27 @@ class CheckpointEngine:
             return
         durable = self.pipeline.durable_stores()
         committed: dict[str, set[int]] = {}
-        for name, store in list(durable.items()):
-            try:
-                committed[name] = set(store.durable_steps())
-            except (TierError, OSError) as exc:
-                # An unreachable tier (an object store down) must not stop the restart: load() names it, and the
-                # snapshots stay in memory for a later start to drain there while their slots are not reused.
-                del durable[name]
-                log.warning("tier %r cannot be listed, so the snapshots in memory are not recovered to it now: %s",
-                            name, exc)
-                self._emit(ev.Event(ev.TIER_UNREACHABLE, rank=self.coords.rank, tier=name, message=str(exc)))
+        # Listed at once, each bounded by load.list_timeout_s as load()'s listings are: a stalled store must not
+        # hold the engine's construction for its timeouts times its retries.
+        listings = {name: _Listing(store.durable_steps, name) for name, store in durable.items()}
+        limit = self.config.load.list_timeout_s
+        deadline = None if limit is None else time.monotonic() + limit
+        for listing in listings.values():
+            listing.done.wait(None if deadline is None else max(0.0, deadline - time.monotonic()))
+        for name, listing in listings.items():
+            if listing.done.is_set() and listing.error is None:
+                committed[name] = set(listing.steps)
+                continue
+            if listing.done.is_set() and listing.unexpected():
+                raise listing.error
+            # An unreachable tier (an object store down) must not stop the restart: load() names it, and the
+            # snapshots stay in memory for a later start to drain there while their slots are not reused.
+            why = str(listing.error) if listing.done.is_set() else \
+                f"no answer to its listing within {limit:g} s (load.list_timeout_s)"
+            del durable[name]
+            log.warning("tier %r cannot be listed, so the snapshots in memory are not recovered to it now: %s",
+                        name, why)
+            self._emit(ev.Event(ev.TIER_UNREACHABLE, rank=self.coords.rank, tier=name, message=why))
         other_layout: list[str] = []
         for meta in metas:
             if not meta.persistent:
@@ -308,7 +320,8 @@ class CheckpointEngine:
             for name in names:
                 listing = self._listings.get(name)
                 if listing is None or listing.done.is_set():
-                    listing = _Listing(self.pipeline.stores[name], self.coords, name)
+                    listing = _Listing(functools.partial(self.pipeline.stores[name].loadable_steps, self.coords),
+                                       name)
                     self._listings[name] = listing
                 listings[name] = listing
         limit = self.config.load.list_timeout_s
