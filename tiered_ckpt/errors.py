@@ -98,6 +98,15 @@ class CorruptionError(TieredCkptError):
         super().__init__(_located(message, tier, key, noun="file"))
 
 
+class BlobTooLargeError(CorruptionError):
+    """A blob larger than the most its reader allowed (``read_blob_hashed(max_size=...)``): refused, unread."""
+
+    def __init__(self, message: str, *, size: int, max_size: int, tier: str | None = None, key: str | None = None):
+        self.size = size
+        self.max_size = max_size
+        super().__init__(message, tier=tier, key=key)
+
+
 class NoCheckpointError(TieredCkptError, FileNotFoundError):
     """No tier holds a complete, verifiable checkpoint (for the requested step)."""
 

@@ -13,7 +13,7 @@ import torch
 from .checksum import hasher_for
 from .codecs.file_codecs import FileCodec
 from .compression import decompress_to_tensor
-from .errors import BlobNotFoundError, CorruptionError, DecodeError
+from .errors import BlobNotFoundError, BlobTooLargeError, CorruptionError, DecodeError
 from .file_streams import check_entry
 from .layouts.base import Layout
 from .manifest import CheckpointManifest, FileEntry, RankManifest, load_checkpoint, load_rank
@@ -95,14 +95,19 @@ class CommittedFiles:
         return load_rank(self._manifest_bytes(key), key, self.name)
 
     def _manifest_bytes(self, key: str) -> bytes:
-        size = self.tier.size(key)
-        if size > MAX_MANIFEST_BYTES:
-            raise CorruptionError(f"{size} bytes where a manifest should be (ours stay below {MAX_MANIFEST_BYTES}): "
-                                  "not a manifest this library wrote (a load falls back to another tier or step; "
-                                  "look at the file and remove it)",
-                                  tier=self.name, key=key)
-        # max_size also bounds a file that grew since size() answered
-        return as_memoryview(self.tier.read_blob_hashed(key, None, max_size=MAX_MANIFEST_BYTES)).tobytes()
+        # A file far larger than any manifest is refused unread: by the read itself where the kind refuses before
+        # reading (every built-in one: one request on an object store, not a HEAD and a GET), else asked first.
+        try:
+            if type(self.tier).read_blob_hashed is Tier.read_blob_hashed:  # the default reads, then checks
+                size = self.tier.size(key)
+                if size > MAX_MANIFEST_BYTES:
+                    raise BlobTooLargeError("", size=size, max_size=MAX_MANIFEST_BYTES)
+            return as_memoryview(self.tier.read_blob_hashed(key, None, max_size=MAX_MANIFEST_BYTES)).tobytes()
+        except BlobTooLargeError as exc:
+            raise CorruptionError(f"{exc.size} bytes where a manifest should be (ours stay below "
+                                  f"{MAX_MANIFEST_BYTES}): not a manifest this library wrote (a load falls back to "
+                                  "another tier or step; look at the file and remove it)",
+                                  tier=self.name, key=key) from None
 
     def verify(self, entry: FileEntry, blob: torch.Tensor, hexdigest: str | None = None) -> None:
         """Raise CorruptionError unless ``blob`` is the file the manifest describes. ``hexdigest``: the blob's

@@ -14,7 +14,7 @@ import errno
 import os
 import stat
 
-from ..errors import BlobNotFoundError, CorruptionError, PermanentTierError
+from ..errors import BlobNotFoundError, BlobTooLargeError, CorruptionError, PermanentTierError
 
 # Directories below the root: never through a link (O_PATH: search permission is enough to walk through).
 _DIR_FLAGS = getattr(os, "O_PATH", os.O_RDONLY) | os.O_DIRECTORY | os.O_CLOEXEC
@@ -146,5 +146,5 @@ def real_dir(path: str) -> bool:
 def check_size(size: int, max_size: int | None, path: str, *, tier: str, key: str | None) -> None:
     """Refuse a blob larger than the size its manifest records, before reading it."""
     if max_size is not None and size > max_size:
-        raise CorruptionError(f"{path} is {size} bytes, more than the {max_size} bytes its manifest records "
-                              f"(not read)", tier=tier, key=key)
+        raise BlobTooLargeError(f"{path} is {size} bytes, more than the {max_size} bytes its manifest records "
+                                f"(not read)", size=size, max_size=max_size, tier=tier, key=key)

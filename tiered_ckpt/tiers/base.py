@@ -48,7 +48,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from ..errors import BlobNotFoundError, CorruptionError, TierError
+from ..errors import BlobNotFoundError, BlobTooLargeError, TierError
 
 Chunk = Any  # bytes, bytearray, memoryview, numpy array or a 1-D uint8 torch tensor (any device)
 
@@ -219,8 +219,8 @@ class Tier(ABC):
         """
         blob = self.read_blob(key)
         if max_size is not None and blob.numel() > max_size:
-            raise CorruptionError(f"the blob is {blob.numel()} bytes, more than the {max_size} bytes its manifest "
-                                  "records", tier=self.name, key=key)
+            raise BlobTooLargeError(f"the blob is {blob.numel()} bytes, more than the {max_size} bytes its "
+                                    "manifest records", size=blob.numel(), max_size=max_size, tier=self.name, key=key)
         if hasher is not None:
             hasher.update(as_memoryview(blob))
         return blob
