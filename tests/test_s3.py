@@ -24,6 +24,7 @@ from helpers import assert_same
 
 from tiered_ckpt import CheckpointEngine, NoCheckpointError, SaveError
 from tiered_ckpt.checksum import ALGORITHM, digest
+from tiered_ckpt.cli import EXIT_UNREADABLE
 from tiered_ckpt.cli import main as cli_main
 from tiered_ckpt.errors import ConfigError, CorruptionError
 from tiered_ckpt.testing.s3 import S3FaultProxy, S3Server, s3_operation
@@ -422,19 +423,47 @@ def test_gc_aborts_the_multipart_upload_of_a_save_killed_mid_upload(remote, shm_
     capsys.readouterr()
     assert cli_main(["gc", remote.url, "--json"]) == 0  # the default grace: its parts are seconds old
     assert json.loads(capsys.readouterr().out)["found"] == []
+    client = remote.server.client()  # another program's upload beside our steps: never ours to abort
+    theirs = client.create_multipart_upload(Bucket=remote.bucket, Key=f"{remote.prefix}/notes/big.bin")["UploadId"]
+    client.upload_part(Bucket=remote.bucket, Key=f"{remote.prefix}/notes/big.bin", UploadId=theirs, PartNumber=1,
+                       Body=b"n" * 100)
     assert cli_main(["gc", remote.url, "--min-age", "0", "--json"]) == 0
-    found = {f["what"]: f for f in json.loads(capsys.readouterr().out)["found"]}
+    found = json.loads(capsys.readouterr().out)["found"]
+    assert [f["key"] for f in found if f["what"] == "unfinished upload"] == [STEP_KEY.format(2)]
+    found = {f["what"]: f for f in found}
     upload = found["unfinished upload"]
     assert (upload["key"], upload["upload_id"]) == (STEP_KEY.format(2), left["UploadId"])
     assert upload["bytes"] >= 2 * PART and upload["bytes"] % PART == 0  # at least the two parts sent, all whole
     assert cli_main(["gc", remote.url, "--min-age", "0"]) == 0
     assert f"would remove  unfinished upload  tier 'target': {STEP_KEY.format(2)}" in capsys.readouterr().out
-    assert remote.uploads_in_progress() == [left]  # a dry run
+    assert [u["UploadId"] for u in remote.uploads_in_progress()] == [left["UploadId"], theirs]  # a dry run
     assert cli_main(["gc", remote.url, "--min-age", "0", "--delete"]) == 0
-    assert remote.uploads_in_progress() == []
+    assert [u["UploadId"] for u in remote.uploads_in_progress()] == [theirs]
     loaded = load_from_s3(remote, direct=True)
     assert loaded.step == 1 and loaded.tier == "s3"
     assert_same({"state": {"w": torch.ones(1000)}}, loaded.items)
+
+
+def test_gc_without_the_permission_to_list_uploads_says_so_and_finds_the_rest(remote, shm_root, capsys,
+                                                                              monkeypatch):
+    """Credentials that may not list multipart uploads: gc still reports the tier's other debris, and fails
+    naming what it could not list (never "nothing to remove")."""
+    with CheckpointEngine(config(shm_root, remote.tier())) as engine:
+        engine.save(2, make_state(2, mib=1)).wait(timeout=60)
+    remote.server.client().put_object(Bucket=remote.bucket, Key=f"{remote.prefix}/iter_0000001/rank_00000/x.flat",
+                                      Body=b"x" * 10)
+    remote.server.client().put_object(Bucket=remote.bucket,
+                                      Key=f"{remote.prefix}/iter_0000001/tiered_ckpt/rank_00000.started", Body=b"{}")
+    remote.proxy.inject("access_denied", op="ListMultipartUploads", times=None)
+    for name, value in remote.server.env().items():
+        monkeypatch.setenv(name, value)
+    capsys.readouterr()
+    code = cli_main(["gc", remote.url, "--endpoint-url", remote.proxy.endpoint, "--min-age", "0"])
+    out, err = capsys.readouterr()
+    assert code == EXIT_UNREADABLE, (out, err)
+    assert "would remove  partial step" in out and "iter_0000001" in out
+    assert "its unfinished uploads could not be listed" in err and "s3:ListBucketMultipartUploads" in err
+    assert "Access Denied" in err
 
 
 # ----- 4. the bucket, read with plain boto3 ---------------------------------------------------------------

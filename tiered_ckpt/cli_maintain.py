@@ -29,7 +29,14 @@ if TYPE_CHECKING:
 
 
 def cmd_gc(args: argparse.Namespace) -> int:
-    from .housekeeping import find_debris, find_stale_runs, remove_debris, remove_stale_run, run_state
+    from .housekeeping import (
+        find_debris,
+        find_stale_runs,
+        find_unfinished_uploads,
+        remove_debris,
+        remove_stale_run,
+        run_state,
+    )
     from .locking import shm_paths
 
     found: list[dict] = []
@@ -73,6 +80,12 @@ def cmd_gc(args: argparse.Namespace) -> int:
             except (TierError, OSError) as exc:
                 opened.unreadable[name] = _text(exc)
                 continue
+            try:  # apart: a store that will not list its uploads (permissions) still has its other debris found
+                debris += find_unfinished_uploads(store, live=live, min_age_s=args.min_age)
+            except (TierError, OSError) as exc:
+                opened.unreadable[name] = ("its unfinished uploads could not be listed, so none of them is reported "
+                                           "(on S3 that needs the s3:ListBucketMultipartUploads and "
+                                           f"s3:ListMultipartUploadParts permissions): {_text(exc)}")
             found += [d.to_dict() for d in debris]
             if args.delete:
                 remove_debris(store, debris, min_age_s=args.min_age)

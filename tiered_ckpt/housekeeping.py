@@ -58,8 +58,8 @@ class Debris:
 
 def find_debris(store: FileStore, *, live: bool = False, min_age_s: float = TEMP_GRACE_S,
                 now: float | None = None) -> list[Debris]:
-    """Uncommitted steps older than the newest committed one, temporary files of unfinished writes, and the
-    uploads an object store holds unfinished.
+    """Uncommitted steps older than the newest committed one, and temporary files of unfinished writes (an object
+    store's unfinished uploads: :func:`find_unfinished_uploads`).
 
     ``live``: an engine of the run that writes this tier holds its lock: nothing of it is debris (its own
     retention removes its partial steps after each commit). Temporary files and partial steps with a file
@@ -82,9 +82,24 @@ def find_debris(store: FileStore, *, live: bool = False, min_age_s: float = TEMP
         except (TierError, OSError):
             continue
         out.append(Debris(store.name, "temporary file", rel, size))
-    # An object store's uploads that a killed job left open: billed, and seen nowhere else. Young ones may be in
-    # flight (each part sent refreshes the age), as with temporary files.
-    for up in store.tier.unfinished_uploads():  # the Tier interface: none on kinds without such uploads
+    return out
+
+
+def find_unfinished_uploads(store: FileStore, *, live: bool = False, min_age_s: float = TEMP_GRACE_S,
+                            now: float | None = None) -> list[Debris]:
+    """An object store's uploads that killed saves left open (billed, and seen by no listing), into the tier's
+    step directories only: another program's uploads under the same prefix are not ours to abort. Each is left
+    while its newest part (or, with none, its start) is younger than ``min_age_s``: a drain uploading keeps
+    sending parts. Found and aborted on this listing's ages (a temporary file's age is read again before its
+    removal; an upload idle for ``min_age_s`` that resumes in between is not expected). ``live``: as for
+    :func:`find_debris`. Raises the tier's error when it cannot list them (permissions, say)."""
+    if live:
+        return []
+    now = time.time() if now is None else now
+    out = []
+    for up in store.tier.unfinished_uploads(min_age_s):  # the Tier interface: none on kinds without such uploads
+        if store.layout.parse_step_dir(up.key.split("/", 1)[0]) is None:
+            continue
         if min_age_s <= 0 or (up.modified is not None and now - up.modified >= min_age_s):
             out.append(Debris(store.name, "unfinished upload", up.key, up.nbytes, upload=up))
     return out

@@ -46,9 +46,10 @@ import pytest
 from .s3_server import LOOPBACK, S3Server, start_s3_server
 
 # ----- the fault proxy -------------------------------------------------------------------------------------
-FAULT_KINDS = ("slowdown", "internal_error", "reset", "stall")
+FAULT_KINDS = ("slowdown", "internal_error", "access_denied", "reset", "stall")
 _ERROR_ANSWERS = {
     "slowdown": (503, "Slow Down", "SlowDown", "Please reduce your request rate."),
+    "access_denied": (403, "Forbidden", "AccessDenied", "Access Denied"),  # a policy without the permission
     "internal_error": (500, "Internal Server Error", "InternalError",
                        "We encountered an internal error. Please try again."),
 }

@@ -334,10 +334,11 @@ class Tier(ABC):
         ``ValueError``. Default: refuses every key (the default lists none)."""
         raise ValueError(f"{key!r} is not a temporary file of tier {self.name!r} (kind {self.kind!r} lists none)")
 
-    def unfinished_uploads(self) -> list[UnfinishedUpload]:
+    def unfinished_uploads(self, min_age_s: float = 0.0) -> list[UnfinishedUpload]:
         """Uploads under this tier that were started and neither completed nor aborted: what a process killed
-        mid-upload leaves on an object store, for ``tiered-ckpt gc``. Default: none (a kind without such uploads;
-        its half-written files are :meth:`temp_files`)."""
+        mid-upload leaves on an object store, for ``tiered-ckpt gc``. One started less than ``min_age_s`` ago
+        may be left out without a look at its parts (it may be in flight). Default: none (a kind without such
+        uploads; its half-written files are :meth:`temp_files`)."""
         return []
 
     def abort_upload(self, upload: UnfinishedUpload) -> None:

@@ -45,6 +45,7 @@ import asyncio
 import logging
 import os
 import threading
+import time
 from collections.abc import Awaitable, Callable, Iterable
 from typing import Any
 
@@ -73,7 +74,16 @@ from ._s3 import (
 )
 from ._s3_parts import SharedParts, is_upload_token
 from ._s3_split import PieceMissing, Split, SplitUpload, drop_pieces, is_piece_name, piece_name
-from .base import Chunk, TierContext, UnfinishedUpload, as_memoryview, check_prefix, check_range, chunks_stable
+from .base import (
+    Chunk,
+    TierContext,
+    UnfinishedUpload,
+    as_memoryview,
+    check_key,
+    check_prefix,
+    check_range,
+    chunks_stable,
+)
 from .fsspec_tier import FsspecOptions, FsspecTier
 
 log = logging.getLogger(__name__)
@@ -361,41 +371,46 @@ class S3Tier(FsspecTier):
             return SharedParts(self).abort_published(key)
         return super().remove_temp_file(key)
 
-    def unfinished_uploads(self) -> list[UnfinishedUpload]:
+    def unfinished_uploads(self, min_age_s: float = 0.0) -> list[UnfinishedUpload]:
         """The multipart uploads in progress under the tier's root, each with the bytes and the time of the parts
-        the store holds: a job killed mid-upload leaves them invisible and billed (module doc of ``_s3``)."""
+        the store holds: a job killed mid-upload leaves them invisible and billed (module doc of ``_s3``). Those
+        started less than ``min_age_s`` ago are left out unasked (their parts may be arriving). Needs the
+        ``s3:ListBucketMultipartUploads`` and ``s3:ListMultipartUploadParts`` permissions."""
         bucket, top, _ = self.fs.split_path(self.root)
         prefix = f"{top}/" if top else ""
+        now = time.time()
         out = []
         for up in self._listed_pages("list the multipart uploads under", self.root, "list_multipart_uploads",
                                      {"Bucket": bucket, "Prefix": prefix}, "Uploads",
-                                     {"NextKeyMarker": "KeyMarker", "NextUploadIdMarker": "UploadIdMarker"}):
+                                     ("NextKeyMarker", "KeyMarker"), ("NextUploadIdMarker", "UploadIdMarker")):
             obj, upload_id = up.get("Key", ""), up.get("UploadId", "")
-            if not obj.startswith(prefix) or not upload_id:
+            try:
+                key = check_key(obj[len(prefix):]) if obj.startswith(prefix) and upload_id else None
+            except ValueError:  # a name no key of ours has ("a//b", "dir/"): not ours to abort
+                key = None
+            if key is None:
                 continue
-            key = obj[len(prefix):]
-            started = up.get("Initiated")
-            newest = started.timestamp() if hasattr(started, "timestamp") else None
+            times = [w.timestamp() for w in (up.get("Initiated"),) if hasattr(w, "timestamp")]
+            if times and now - times[0] < min_age_s:
+                continue
             nbytes = 0
             try:
                 for part in self._listed_pages("list the parts of the multipart upload of", f"{bucket}/{obj}",
                                                "list_parts", {"Bucket": bucket, "Key": obj, "UploadId": upload_id},
-                                               "Parts", {"NextPartNumberMarker": "PartNumberMarker"},
+                                               "Parts", ("NextPartNumberMarker", "PartNumberMarker"),
                                                missing_ok=True):
                     nbytes += int(part.get("Size", 0))
-                    when = part.get("LastModified")
-                    if hasattr(when, "timestamp") and newest is not None:
-                        newest = max(newest, when.timestamp())
+                    times += [w.timestamp() for w in (part.get("LastModified"),) if hasattr(w, "timestamp")]
             except BlobNotFoundError:  # NoSuchUpload: completed or aborted since it was listed
                 continue
-            out.append(UnfinishedUpload(key, upload_id, nbytes, newest))
+            out.append(UnfinishedUpload(key, upload_id, nbytes, max(times, default=None)))
         return out
 
     def _listed_pages(self, op: str, path: str, call: str, params: dict[str, Any], field: str,
-                      markers: dict[str, str], missing_ok: bool = False) -> list[dict[str, Any]]:
+                      *markers: tuple[str, str], missing_ok: bool = False) -> list[dict[str, Any]]:
         """Every entry of ``field`` over the pages of a paginated S3 listing (``markers``: the answer's field
-        naming the next page -> the request's parameter asking for it). ``missing_ok``: a listing of something
-        gone raises :class:`BlobNotFoundError`."""
+        naming the next page, and the request's parameter asking for it). ``missing_ok``: a listing of
+        something gone raises :class:`BlobNotFoundError`."""
         entries: list[dict[str, Any]] = []
         page = dict(params)
         while True:
@@ -404,7 +419,11 @@ class S3Tier(FsspecTier):
             entries += resp.get(field) or []
             if not resp.get("IsTruncated"):
                 return entries
-            page = {**params, **{ask: resp[got] for got, ask in markers.items() if resp.get(got) is not None}}
+            following = {**params, **{ask: resp[got] for got, ask in markers if resp.get(got) is not None}}
+            if following == page:  # a truncated answer that names no next page: asking again would loop
+                raise TransientTierError(self._redact(f"{op} {path}: the store says there is more, and not where"),
+                                         tier=self.name)
+            page = following
 
     def abort_upload(self, upload: UnfinishedUpload) -> None:
         """Abort a multipart upload :meth:`unfinished_uploads` listed (one already gone is not an error)."""

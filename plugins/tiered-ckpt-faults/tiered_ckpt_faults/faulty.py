@@ -28,7 +28,7 @@ from typing import Any, ClassVar, Literal
 import torch
 
 from tiered_ckpt.errors import ConfigError, PermanentTierError, PluginError, TransientTierError
-from tiered_ckpt.tiers.base import Capabilities, Chunk, Tier, TierContext, as_memoryview, check_key
+from tiered_ckpt.tiers.base import Capabilities, Chunk, Tier, TierContext, UnfinishedUpload, as_memoryview, check_key
 from tiered_ckpt.validate import NonNegativeInt, Seconds, Size, build_dataclass
 
 #: Primitives the error and latency faults may apply to.
@@ -401,6 +401,12 @@ class FaultyTier(Tier):
 
     def remove_temp_file(self, key: str) -> None:
         self.inner.remove_temp_file(key)
+
+    def unfinished_uploads(self, min_age_s: float = 0.0) -> list[UnfinishedUpload]:
+        return self.inner.unfinished_uploads(min_age_s)
+
+    def abort_upload(self, upload: UnfinishedUpload) -> None:
+        self.inner.abort_upload(upload)
 
     def modified(self, key: str) -> float | None:
         return self.inner.modified(key)
