@@ -16,7 +16,7 @@ import pytest
 import torch
 from helpers import assert_same, make_items
 
-from tiered_ckpt import CheckpointEngine, CheckpointUnreadableError, NoCheckpointError, StepNotFoundError
+from tiered_ckpt import CheckpointEngine, CheckpointUnreadableError, NoCheckpointError, SaveError, StepNotFoundError
 from tiered_ckpt.errors import TierError
 from tiered_ckpt.memory_store import MemoryStore, plan_items
 from tiered_ckpt.parallel import RankCoords
@@ -528,6 +528,33 @@ def test_a_tier_thread_outlives_an_unexpected_error_and_its_job_still_ends(tiers
         engine.save(2, make_items(2)).wait(timeout=30)  # the tier's thread is still there
         engine.wait(timeout=30)
         assert engine.load().step == 2
+
+
+def test_an_unexpected_error_before_a_tier_s_outcome_fails_the_save_with_its_text(tiers, monkeypatch, recorder):
+    """The error comes before the tier had an outcome for the step (here: as a re-save of step 1 starts): the
+    save fails on that tier naming the error, with a commit_failed event, its slot is released and the job
+    ends; the tier's next step commits."""
+    from tiered_ckpt.drain import DrainRuntime
+
+    settle = DrainRuntime._settle_deletion
+    with CheckpointEngine(config(tiers, "shm", "local")) as engine:
+        engine.save(1, make_items(1)).wait(timeout=30)
+
+        def broken(self, tier):
+            raise RuntimeError("a bug before the write")
+
+        monkeypatch.setattr(DrainRuntime, "_settle_deletion", broken)
+        handle = engine.save(1, make_items(2))  # step 1 again: the drain first waits for deletions there
+        with pytest.raises(SaveError, match="the drain failed unexpectedly: RuntimeError: a bug before the write"):
+            handle.wait(timeout=30)
+        assert handle.results == {"local": False}
+        assert [e.step for e in recorder.kinds("commit_failed", "local")] == [1]
+        with pytest.raises(SaveError, match="step 1 on tier 'local'"):  # the job ended, and failed
+            engine.wait(timeout=30)
+        monkeypatch.setattr(DrainRuntime, "_settle_deletion", settle)
+        for step in (2, 3):  # both slots come back: the failed job released its own
+            engine.save(step, make_items(step)).wait(timeout=30)
+        assert engine.load().step == 3
 
 
 def test_a_manifest_read_as_the_step_is_saved_again_is_not_cached(tiers, monkeypatch):

@@ -221,19 +221,28 @@ class DrainRuntime:
                 return
             try:
                 self._run(tier, job)
-            except Exception:  # a bug past _run's own handling: the tier's later jobs must still run, this one end
+            except Exception as exc:  # a bug past _run's own handling: later jobs must still run, this one end
                 log.exception("tier %r: the drain of step %d failed unexpectedly", tier, job.req.step)
-                self._end_after_bug(tier, job)
+                self._end_after_bug(tier, job, exc)
 
-    def _end_after_bug(self, tier: str, job: _Job) -> None:
+    def _end_after_bug(self, tier: str, job: _Job, exc: Exception) -> None:
         """End ``job`` on ``tier`` as failed if ``_run`` had not ended it there, so wait() never hangs on it."""
-        fut = job.futures[tier]
+        req, fut = job.req, job.futures[tier]
         if not fut.done():
+            error = f"the drain failed unexpectedly: {type(exc).__name__}: {exc}"
             fut.set_result(False)
-            with contextlib.suppress(Exception):
-                self.on_tier_done(job.req.step, tier, False, "the drain failed unexpectedly (see the log)")
+            with contextlib.suppress(Exception):  # observers are guarded; emit itself may be what failed
+                self.emit(ev.Event(ev.COMMIT_FAILED, step=req.step, rank=self.coords.rank, tier=tier, message=error))
+            try:
+                self.on_tier_done(req.step, tier, False, error)
+            except Exception:
+                log.exception("tier %r: reporting step %d's outcome failed", tier, req.step)
         if all(f.done() for f in job.futures.values()):
             self._release(job)
+        try:
+            self._settle_deletion(tier)  # jobs end in order
+        except Exception:
+            log.exception("tier %r: waiting for the deletion before step %d's failed", tier, req.step)
         self._end(tier, job, [])  # once per tier: a no-op where _run had ended it
 
     def _source_for(self, tier: str, job: _Job) -> str:

@@ -51,7 +51,8 @@ _live: weakref.WeakSet[CheckpointEngine] = weakref.WeakSet()
 
 
 class _Listing:
-    """One tier's listing of its loadable steps on a daemon thread: ``steps`` or ``error`` once ``done`` is set."""
+    """One tier's listing of its steps (``list_steps()``) on a daemon thread: ``steps`` or ``error`` once ``done``
+    is set. load()'s listings (_list_tiers) and the start-up recovery's (_recover) run on these."""
 
     def __init__(self, list_steps: Callable[[], list[int]], name: str):
         self.steps: list[int] = []
@@ -62,7 +63,7 @@ class _Listing:
     def _run(self, list_steps: Callable[[], list[int]]) -> None:
         try:
             self.steps = list_steps()
-        except BaseException as exc:  # noqa: BLE001 - handed to the thread that asked (_list_tiers)
+        except BaseException as exc:  # noqa: BLE001 - handed to the thread that asked
             self.error = exc
         finally:
             self.done.set()

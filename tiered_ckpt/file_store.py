@@ -123,7 +123,10 @@ class FileStore(CommittedFiles):
         self.emit = emit
         self.run_id = run_id
         self._manifests: dict[int, CheckpointManifest] = {}  # committed manifests are immutable: cache them
-        self._manifest_changes = 0  # counts this store's commits and un-commits (a re-save replaces a manifest)
+        # Counts this store's commits and un-commits (a re-save replaces a manifest); the lock makes "no commit
+        # since I began reading" and the cache entry one step for a reader (file_store_read.read_manifest).
+        self._manifest_changes = 0
+        self._manifest_lock = threading.Lock()
         self._started: set[tuple[int, int]] = set()  # (step, rank) whose marker this process wrote
         self._started_lock = threading.Lock()  # the tier's thread adds, its deletion thread removes
         self._held_back = False  # the last retention kept steps only because they were pinned
@@ -385,8 +388,9 @@ class FileStore(CommittedFiles):
         would pass for a plain checkpoint of their own. The ranks' own files stay."""
         key = self.layout.manifest_key(step)
         self._retry(lambda: self.tier.delete(key), step, rank, f"delete {key}")
-        self._manifest_changes += 1
-        self._manifests.pop(step, None)
+        with self._manifest_lock:
+            self._manifest_changes += 1
+            self._manifests.pop(step, None)
         for e in files:
             if self.layout.is_derived(e):
                 self._retry(lambda k=e.key: self.tier.delete(k), step, rank, f"delete {e.key}")
@@ -605,8 +609,9 @@ class FileStore(CommittedFiles):
             log.warning("tier %r: step %d not committed: a rank began saving it again while this save committed",
                         self.name, step)
             return None
-        self._manifest_changes += 1
-        self._manifests[step] = manifest
+        with self._manifest_lock:
+            self._manifest_changes += 1
+            self._manifests[step] = manifest
         crash_point("store.manifest_written")
         self._update_tracker(step, coords.rank)
         return manifest

@@ -5,6 +5,7 @@ retries, checked against the manifest and decoded (docs/architecture.md, "The tw
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -36,6 +37,7 @@ class CommittedFiles:
     codecs: dict[str, FileCodec]
     _manifests: dict[int, CheckpointManifest]
     _manifest_changes: int
+    _manifest_lock: threading.Lock
     name: str
     _retry: Callable[..., Any]
     read_tracker: Callable[[], int | None]
@@ -50,8 +52,9 @@ class CommittedFiles:
         key = self.layout.manifest_key(step)
         changes = self._manifest_changes
         manifest = load_checkpoint(self._manifest_bytes(key), key, self.name)
-        if self._manifest_changes == changes:  # else a commit came meanwhile: these bytes may be the old manifest
-            self._manifests[step] = manifest
+        with self._manifest_lock:  # a commit of this process since the read began: these bytes may be the old ones
+            if self._manifest_changes == changes:
+                self._manifests[step] = manifest
         return manifest
 
     def steps_for_rank(self, coords: RankCoords) -> list[int]:
