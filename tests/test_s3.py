@@ -24,7 +24,7 @@ from helpers import assert_same
 
 from tiered_ckpt import CheckpointEngine, NoCheckpointError, SaveError
 from tiered_ckpt.checksum import ALGORITHM, digest
-from tiered_ckpt.cli import EXIT_UNREADABLE
+from tiered_ckpt.cli import EXIT_NOT_FOUND, EXIT_UNREADABLE
 from tiered_ckpt.cli import main as cli_main
 from tiered_ckpt.errors import ConfigError, CorruptionError
 from tiered_ckpt.testing.s3 import S3FaultProxy, S3Server, s3_operation
@@ -423,10 +423,12 @@ def test_gc_aborts_the_multipart_upload_of_a_save_killed_mid_upload(remote, shm_
     capsys.readouterr()
     assert cli_main(["gc", remote.url, "--json"]) == 0  # the default grace: its parts are seconds old
     assert json.loads(capsys.readouterr().out)["found"] == []
-    client = remote.server.client()  # another program's upload beside our steps: never ours to abort
-    theirs = client.create_multipart_upload(Bucket=remote.bucket, Key=f"{remote.prefix}/notes/big.bin")["UploadId"]
-    client.upload_part(Bucket=remote.bucket, Key=f"{remote.prefix}/notes/big.bin", UploadId=theirs, PartNumber=1,
-                       Body=b"n" * 100)
+    client = remote.server.client()  # others' uploads beside our steps (not in a step directory): never ours
+    theirs = []
+    for name in ("notes/big.bin", "iter_0000003"):
+        theirs.append(client.create_multipart_upload(Bucket=remote.bucket, Key=f"{remote.prefix}/{name}")["UploadId"])
+        client.upload_part(Bucket=remote.bucket, Key=f"{remote.prefix}/{name}", UploadId=theirs[-1], PartNumber=1,
+                           Body=b"n" * 100)
     assert cli_main(["gc", remote.url, "--min-age", "0", "--json"]) == 0
     found = json.loads(capsys.readouterr().out)["found"]
     assert [f["key"] for f in found if f["what"] == "unfinished upload"] == [STEP_KEY.format(2)]
@@ -436,12 +438,30 @@ def test_gc_aborts_the_multipart_upload_of_a_save_killed_mid_upload(remote, shm_
     assert upload["bytes"] >= 2 * PART and upload["bytes"] % PART == 0  # at least the two parts sent, all whole
     assert cli_main(["gc", remote.url, "--min-age", "0"]) == 0
     assert f"would remove  unfinished upload  tier 'target': {STEP_KEY.format(2)}" in capsys.readouterr().out
-    assert [u["UploadId"] for u in remote.uploads_in_progress()] == [left["UploadId"], theirs]  # a dry run
+    assert {u["UploadId"] for u in remote.uploads_in_progress()} == {left["UploadId"], *theirs}  # a dry run
+    remote.proxy.inject("access_denied", op="AbortMultipartUpload", times=None)  # a policy without the right
+    code = cli_main(["gc", remote.url, "--endpoint-url", remote.proxy.endpoint, "--min-age", "0", "--delete"])
+    out, err = capsys.readouterr()
+    assert code == EXIT_UNREADABLE
+    assert f"could not remove  unfinished upload  tier 'target': {STEP_KEY.format(2)}" in out
+    assert "s3:AbortMultipartUpload" in err
+    remote.proxy.clear()
     assert cli_main(["gc", remote.url, "--min-age", "0", "--delete"]) == 0
-    assert [u["UploadId"] for u in remote.uploads_in_progress()] == [theirs]
+    assert {u["UploadId"] for u in remote.uploads_in_progress()} == set(theirs)
     loaded = load_from_s3(remote, direct=True)
     assert loaded.step == 1 and loaded.tier == "s3"
     assert_same({"state": {"w": torch.ones(1000)}}, loaded.items)
+
+    # The objects of a run deleted by hand, its killed save's upload left: the prefix holds nothing to list, and
+    # gc still finds (and aborts) the upload instead of saying there is nothing there.
+    gone = f"{remote.prefix}-gone"
+    key = f"{gone}/{STEP_KEY.format(7)}"
+    upload = client.create_multipart_upload(Bucket=remote.bucket, Key=key)["UploadId"]
+    client.upload_part(Bucket=remote.bucket, Key=key, UploadId=upload, PartNumber=1, Body=b"p" * 100)
+    assert cli_main(["gc", f"s3://{remote.bucket}/{gone}", "--min-age", "0", "--delete"]) == 0
+    assert f"removed  unfinished upload  tier 'target': {STEP_KEY.format(7)}" in capsys.readouterr().out
+    assert upload not in {u["UploadId"] for u in remote.uploads_in_progress()}
+    assert cli_main(["gc", f"s3://{remote.bucket}/{gone}", "--min-age", "0"]) == EXIT_NOT_FOUND  # now: nothing
 
 
 def test_gc_without_the_permission_to_list_uploads_says_so_and_finds_the_rest(remote, shm_root, capsys,

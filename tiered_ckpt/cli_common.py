@@ -178,6 +178,8 @@ class Opened:
     cfgs: dict[str, TierConfig] = field(default_factory=dict)  # every selected tier, opened or not
     stores: dict[str, Store] = field(default_factory=dict)
     absent: dict[str, str] = field(default_factory=dict)  # file tiers with nothing there: why
+    # Absent tiers that could still be built (an object-store prefix with no object): gc asks them for uploads.
+    empty: dict[str, Store] = field(default_factory=dict)
     unreadable: dict[str, str] = field(default_factory=dict)  # tiers that could not be read: why
     memory_skipped: list[str] = field(default_factory=list)  # selected shm-like tiers left closed (memory=False)
 
@@ -237,6 +239,7 @@ def _open(args: argparse.Namespace, *, memory: bool) -> Opened:
             opened.memory_skipped.append(cfg.name)  # snapshots that outlive a process, not asked for here
             continue
         opened.cfgs[cfg.name] = cfg
+        store = None
         try:
             where_set = f"{config.source or 'the configuration'}: tiers[{index}].path" if args.config else None
             why = absent_before_open(cfg, config.run_id, user, where_set)
@@ -252,6 +255,8 @@ def _open(args: argparse.Namespace, *, memory: bool) -> Opened:
         if why is not None:
             if not is_memory:
                 opened.absent[cfg.name] = why
+                if store is not None:
+                    opened.empty[cfg.name] = store
             continue
         opened.stores[cfg.name] = store
     return opened

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import argparse
 import os
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from .cli_common import (
     DEFAULT_SHM_PATH,
@@ -33,7 +33,6 @@ def cmd_gc(args: argparse.Namespace) -> int:
         find_debris,
         find_stale_runs,
         find_unfinished_uploads,
-        remove_debris,
         remove_stale_run,
         run_state,
     )
@@ -86,9 +85,18 @@ def cmd_gc(args: argparse.Namespace) -> int:
                 opened.unreadable[name] = ("its unfinished uploads could not be listed, so none of them is reported "
                                            "(on S3 that needs the s3:ListBucketMultipartUploads and "
                                            f"s3:ListMultipartUploadParts permissions): {_text(exc)}")
-            found += [d.to_dict() for d in debris]
-            if args.delete:
-                remove_debris(store, debris, min_age_s=args.min_age)
+            found += _removed(args, opened, name, store, debris)
+        # A prefix holding no object may still hold the uploads of a save killed there (after its objects were
+        # deleted, say): invisible, billed, and found only this way.
+        for name, backend in opened.empty.items():
+            store = backend.files()
+            try:
+                debris = find_unfinished_uploads(store, live=live, min_age_s=args.min_age) if store else []
+            except (TierError, OSError):
+                debris = []  # nothing stored, and nothing more to say than that
+            if debris:
+                del opened.absent[name]
+                found += _removed(args, opened, name, store, debris)
         opened.notes(args)
     problem = opened.problem(True, "") if opened is not None else None
     verb = "removed" if args.delete else "would remove"
@@ -109,7 +117,8 @@ def cmd_gc(args: argparse.Namespace) -> int:
                     print(f"      {which} not on {', '.join(map(repr, un['tiers']))} yet: the next engine of run "
                           f"{f['run_id']!r} drains {them}; {lost}")
             else:
-                print(f"{verb}  {f['what']}  tier {f['tier']!r}: {f['key']}  ({human_bytes(f['bytes'])})")
+                done = "could not remove" if f.get("error") else verb
+                print(f"{done}  {f['what']}  tier {f['tier']!r}: {f['key']}  ({human_bytes(f['bytes'])})")
         if not found:
             if problem is None:  # a tier that could not be read, or is not there, was not found empty
                 print("nothing to remove" + (f" (no shared memory at {', '.join(absent_shm)})" if absent_shm else ""))
@@ -117,6 +126,22 @@ def cmd_gc(args: argparse.Namespace) -> int:
             print("dry run: nothing was removed; add --delete to remove these")
 
     return _emit(args, {"deleted": args.delete, "found": found}, problem, text, bool(found))
+
+
+def _removed(args: argparse.Namespace, opened: Opened, name: str, store: Any, debris: list) -> list[dict]:
+    """``debris`` as gc reports it, removed first with ``--delete``: what could not be removed is reported as
+    found (not removed) and makes the tier's failure, naming the first error."""
+    if not args.delete:
+        return [d.to_dict() for d in debris]
+    from .housekeeping import remove_debris
+
+    _, failed = remove_debris(store, debris, min_age_s=args.min_age)
+    errors = {id(d): _text(exc) for d, exc in failed}
+    if failed:
+        what, _ = failed[0]
+        more = f" (and {len(failed) - 1} more)" if len(failed) > 1 else ""
+        opened.unreadable[name] = f"could not remove {what.what} {what.key}{more}: {errors[id(what)]}"
+    return [{**d.to_dict(), **({"error": errors[id(d)]} if id(d) in errors else {})} for d in debris]
 
 
 def _undrained(opened: Opened, run: StaleRun) -> dict[str, list[int]]:

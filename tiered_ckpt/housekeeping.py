@@ -97,8 +97,13 @@ def find_unfinished_uploads(store: FileStore, *, live: bool = False, min_age_s: 
         return []
     now = time.time() if now is None else now
     out = []
-    for up in store.tier.unfinished_uploads(min_age_s):  # the Tier interface: none on kinds without such uploads
-        if store.layout.parse_step_dir(up.key.split("/", 1)[0]) is None:
+    def in_a_step(key: str) -> bool:
+        top, inside, _ = key.partition("/")
+        return bool(inside) and store.layout.parse_step_dir(top) is not None
+
+    # The Tier interface: none on kinds without such uploads. ``in_a_step``: the parts of others' are not asked.
+    for up in store.tier.unfinished_uploads(min_age_s, in_a_step):
+        if not in_a_step(up.key):
             continue
         if min_age_s <= 0 or (up.modified is not None and now - up.modified >= min_age_s):
             out.append(Debris(store.name, "unfinished upload", up.key, up.nbytes, upload=up))
@@ -120,25 +125,31 @@ def _old_enough(store: FileStore, rel: str, min_age_s: float, now: float) -> boo
     return mtime is not None and now - mtime >= min_age_s
 
 
-def remove_debris(store: FileStore, debris: list[Debris], *, min_age_s: float = TEMP_GRACE_S) -> list[Debris]:
-    """Remove what :func:`find_debris` found; a temporary file touched since (a write resumed) is left. Returns
-    what was removed."""
-    removed = []
+def remove_debris(store: FileStore, debris: list[Debris], *, min_age_s: float = TEMP_GRACE_S,
+                  ) -> tuple[list[Debris], list[tuple[Debris, Exception]]]:
+    """Remove what :func:`find_debris` (or :func:`find_unfinished_uploads`) found; a temporary file touched since
+    (a write resumed) is left. Returns what was removed, and what could not be, with the tier's error (the rest
+    is removed all the same)."""
+    removed, failed = [], []
     now = time.time()
     for d in debris:
-        if d.what == "partial step":
-            store.tier.delete_prefix(d.key)
-        elif d.upload is not None:
-            store.tier.abort_upload(d.upload)
-        elif _old_enough(store, d.key, min_age_s, now):
-            store.tier.remove_temp_file(d.key)
-            files = getattr(store.tier, "files", None)  # a directory tree: the directories it left empty go too
-            if files is not None and "/" in d.key:
-                remove_empty_dirs(files.root, d.key.rsplit("/", 1)[0])
-        else:
+        try:
+            if d.what == "partial step":
+                store.tier.delete_prefix(d.key)
+            elif d.upload is not None:
+                store.tier.abort_upload(d.upload)
+            elif _old_enough(store, d.key, min_age_s, now):
+                store.tier.remove_temp_file(d.key)
+                files = getattr(store.tier, "files", None)  # a directory tree: the directories it left empty too
+                if files is not None and "/" in d.key:
+                    remove_empty_dirs(files.root, d.key.rsplit("/", 1)[0])
+            else:
+                continue
+        except (TierError, OSError) as exc:
+            failed.append((d, exc))
             continue
         removed.append(d)
-    return removed
+    return removed, failed
 
 
 @dataclass

@@ -15,6 +15,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import time
 import uuid
 from pathlib import Path
 
@@ -57,9 +58,10 @@ def _run_with_victim(spec: dict, victim: int, point: str, timeout: float = 120) 
     try:
         _, err = procs[victim].communicate(timeout=timeout)
         assert procs[victim].returncode == -signal.SIGKILL, f"rank {victim} was not killed at {point}:\n{err[-3000:]}"
+        deadline = time.monotonic() + 30  # one while for all of them, not 30 s each
         for p in procs.values():
             try:
-                p.communicate(timeout=30)
+                p.communicate(timeout=max(0.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
                 p.kill()  # a peer of a dead rank 0, stuck in gloo
                 p.communicate()

@@ -42,7 +42,7 @@ import getpass
 import os
 import socket
 from abc import ABC, abstractmethod
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -334,11 +334,12 @@ class Tier(ABC):
         ``ValueError``. Default: refuses every key (the default lists none)."""
         raise ValueError(f"{key!r} is not a temporary file of tier {self.name!r} (kind {self.kind!r} lists none)")
 
-    def unfinished_uploads(self, min_age_s: float = 0.0) -> list[UnfinishedUpload]:
+    def unfinished_uploads(self, min_age_s: float = 0.0,
+                           keys: Callable[[str], bool] | None = None) -> list[UnfinishedUpload]:
         """Uploads under this tier that were started and neither completed nor aborted: what a process killed
-        mid-upload leaves on an object store, for ``tiered-ckpt gc``. One started less than ``min_age_s`` ago
-        may be left out without a look at its parts (it may be in flight). Default: none (a kind without such
-        uploads; its half-written files are :meth:`temp_files`)."""
+        mid-upload leaves on an object store, for ``tiered-ckpt gc``. One started less than ``min_age_s`` ago,
+        or whose key ``keys`` refuses, may be left out without a look at its parts. Default: none (a kind without
+        such uploads; its half-written files are :meth:`temp_files`)."""
         return []
 
     def abort_upload(self, upload: UnfinishedUpload) -> None:

@@ -371,10 +371,11 @@ class S3Tier(FsspecTier):
             return SharedParts(self).abort_published(key)
         return super().remove_temp_file(key)
 
-    def unfinished_uploads(self, min_age_s: float = 0.0) -> list[UnfinishedUpload]:
+    def unfinished_uploads(self, min_age_s: float = 0.0,
+                           keys: Callable[[str], bool] | None = None) -> list[UnfinishedUpload]:
         """The multipart uploads in progress under the tier's root, each with the bytes and the time of the parts
         the store holds: a job killed mid-upload leaves them invisible and billed (module doc of ``_s3``). Those
-        started less than ``min_age_s`` ago are left out unasked (their parts may be arriving). Needs the
+        started less than ``min_age_s`` ago, or whose key ``keys`` refuses, are left out unasked. Needs the
         ``s3:ListBucketMultipartUploads`` and ``s3:ListMultipartUploadParts`` permissions."""
         bucket, top, _ = self.fs.split_path(self.root)
         prefix = f"{top}/" if top else ""
@@ -388,7 +389,7 @@ class S3Tier(FsspecTier):
                 key = check_key(obj[len(prefix):]) if obj.startswith(prefix) and upload_id else None
             except ValueError:  # a name no key of ours has ("a//b", "dir/"): not ours to abort
                 key = None
-            if key is None:
+            if key is None or (keys is not None and not keys(key)):
                 continue
             times = [w.timestamp() for w in (up.get("Initiated"),) if hasattr(w, "timestamp")]
             if times and now - times[0] < min_age_s:
@@ -426,8 +427,19 @@ class S3Tier(FsspecTier):
             page = following
 
     def abort_upload(self, upload: UnfinishedUpload) -> None:
-        """Abort a multipart upload :meth:`unfinished_uploads` listed (one already gone is not an error)."""
-        SharedParts(self).abort(upload.key, upload.upload_id)
+        """Abort a multipart upload :meth:`unfinished_uploads` listed (one already gone is not an error). Needs the
+        ``s3:AbortMultipartUpload`` permission."""
+        path = self._path(upload.key)
+        bucket, obj, _ = self.fs.split_path(path)
+
+        def call() -> Awaitable[Any]:
+            return self.fs._call_s3("abort_multipart_upload", Bucket=bucket, Key=obj, UploadId=upload.upload_id)
+
+        try:
+            self.run_sync(self.arequest, "abort (s3:AbortMultipartUpload) the multipart upload of", upload.key,
+                          path, call, missing_ok=True)
+        except BlobNotFoundError:  # NoSuchUpload: already gone
+            pass
 
     def size(self, key: str) -> int:
         head = self._head(key, self._path(key))

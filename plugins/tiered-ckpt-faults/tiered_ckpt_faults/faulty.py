@@ -21,7 +21,7 @@ import random
 import tempfile
 import threading
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal
 
@@ -402,8 +402,9 @@ class FaultyTier(Tier):
     def remove_temp_file(self, key: str) -> None:
         self.inner.remove_temp_file(key)
 
-    def unfinished_uploads(self, min_age_s: float = 0.0) -> list[UnfinishedUpload]:
-        return self.inner.unfinished_uploads(min_age_s)
+    def unfinished_uploads(self, min_age_s: float = 0.0,
+                           keys: Callable[[str], bool] | None = None) -> list[UnfinishedUpload]:
+        return self.inner.unfinished_uploads(min_age_s, keys)
 
     def abort_upload(self, upload: UnfinishedUpload) -> None:
         self.inner.abort_upload(upload)
