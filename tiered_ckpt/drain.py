@@ -227,23 +227,30 @@ class DrainRuntime:
 
     def _end_after_bug(self, tier: str, job: _Job, exc: Exception) -> None:
         """End ``job`` on ``tier`` as failed if ``_run`` had not ended it there, so wait() never hangs on it."""
-        req, fut = job.req, job.futures[tier]
-        if not fut.done():
+        req = job.req
+        if not job.futures[tier].done():
             error = f"the drain failed unexpectedly: {type(exc).__name__}: {exc}"
-            fut.set_result(False)
             with contextlib.suppress(Exception):  # observers are guarded; emit itself may be what failed
                 self.emit(ev.Event(ev.COMMIT_FAILED, step=req.step, rank=self.coords.rank, tier=tier, message=error))
-            try:
-                self.on_tier_done(req.step, tier, False, error)
-            except Exception:
-                log.exception("tier %r: reporting step %d's outcome failed", tier, req.step)
-        if all(f.done() for f in job.futures.values()):
-            self._release(job)
+            self._report(tier, job, False, error)
+        elif all(f.done() for f in job.futures.values()):
+            self._release(job)  # (a no-op where _run had released it)
         try:
             self._settle_deletion(tier)  # jobs end in order
         except Exception:
             log.exception("tier %r: waiting for the deletion before step %d's failed", tier, req.step)
         self._end(tier, job, [])  # once per tier: a no-op where _run had ended it
+
+    def _report(self, tier: str, job: _Job, ok: bool, error: str | None) -> None:
+        """``job``'s outcome on ``tier``: its future, the engine's callback, then the slot's release once a tier
+        below holds the step (or every tier is done with it)."""
+        job.futures[tier].set_result(ok)
+        try:
+            self.on_tier_done(job.req.step, tier, ok, error)
+        except Exception:  # the job must still release its slot and end
+            log.exception("tier %r: reporting step %d's outcome failed", tier, job.req.step)
+        if ok or all(f.done() for f in job.futures.values()):
+            self._release(job)
 
     def _source_for(self, tier: str, job: _Job) -> str:
         idx = self.order.index(tier)
@@ -283,13 +290,7 @@ class DrainRuntime:
             log.warning("tier %r could not take step %d: %s", tier, req.step, error)
             self.emit(ev.Event(ev.COMMIT_FAILED, step=req.step, rank=self.coords.rank, tier=tier,
                                seconds=time.perf_counter() - t0, message=error))
-        job.futures[tier].set_result(ok)
-        try:
-            self.on_tier_done(req.step, tier, ok, error)
-        except Exception:  # the job must still release its slot and end
-            log.exception("tier %r: reporting step %d's outcome failed", tier, req.step)
-        if ok or all(f.done() for f in job.futures.values()):
-            self._release(job)
+        self._report(tier, job, ok, error)
         # The save is reported and its slot free. What its commit left (retention's deletions) may take time: on a
         # thread of its own, beside this tier's next write, and the job ends after it (engine.wait() covers it).
         # One such thread per tier at a time, and the tier's next commit waits for it (_deliver): retention

@@ -14,7 +14,7 @@ import logging
 import threading
 import time
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -71,6 +71,16 @@ class _Listing:
     def unexpected(self) -> bool:
         """Failed with something other than a tier's error (a bug): raised, never a tier left out."""
         return self.error is not None and not isinstance(self.error, TierError | OSError)
+
+
+def _await_listings(listings: Iterable[_Listing], limit: float | None) -> None:
+    """Wait for ``listings`` until ``limit`` seconds from now (None: for ever), or until one of them met a bug
+    (raised by the caller at once, not after the slow tiers' limit)."""
+    deadline = None if limit is None else time.monotonic() + limit
+    for listing in listings:
+        listing.done.wait(None if deadline is None else max(0.0, deadline - time.monotonic()))
+        if listing.done.is_set() and listing.unexpected():
+            return
 
 
 class CheckpointEngine:
@@ -245,9 +255,7 @@ class CheckpointEngine:
         # hold the engine's construction for its timeouts times its retries.
         listings = {name: _Listing(store.durable_steps, name) for name, store in durable.items()}
         limit = self.config.load.list_timeout_s
-        deadline = None if limit is None else time.monotonic() + limit
-        for listing in listings.values():
-            listing.done.wait(None if deadline is None else max(0.0, deadline - time.monotonic()))
+        _await_listings(listings.values(), limit)
         for name, listing in listings.items():
             if listing.done.is_set() and listing.error is None:
                 committed[name] = set(listing.steps)
@@ -326,12 +334,7 @@ class CheckpointEngine:
                     self._listings[name] = listing
                 listings[name] = listing
         limit = self.config.load.list_timeout_s
-        deadline = None if limit is None else time.monotonic() + limit
-        for name in names:
-            listing = listings[name]
-            listing.done.wait(None if deadline is None else max(0.0, deadline - time.monotonic()))
-            if listing.done.is_set() and listing.unexpected():
-                break  # a programming error: raised below at once, not after the slow tiers' limit
+        _await_listings(listings.values(), limit)
         out: dict[str, list[int]] = {}
         unreachable: dict[str, str] = {}
         for name in self.tiers:

@@ -100,17 +100,19 @@ class CommittedFiles:
     def _manifest_bytes(self, key: str) -> bytes:
         # A file far larger than any manifest is refused unread: by the read itself where the kind refuses before
         # reading (every built-in one: one request on an object store, not a HEAD and a GET), else asked first.
+        if type(self.tier).read_blob_hashed is Tier.read_blob_hashed:  # the default reads, then checks
+            size = self.tier.size(key)
+            if size > MAX_MANIFEST_BYTES:
+                raise self._not_a_manifest(key, size)
         try:
-            if type(self.tier).read_blob_hashed is Tier.read_blob_hashed:  # the default reads, then checks
-                size = self.tier.size(key)
-                if size > MAX_MANIFEST_BYTES:
-                    raise BlobTooLargeError("", size=size, max_size=MAX_MANIFEST_BYTES)
             return as_memoryview(self.tier.read_blob_hashed(key, None, max_size=MAX_MANIFEST_BYTES)).tobytes()
         except BlobTooLargeError as exc:
-            raise CorruptionError(f"{exc.size} bytes where a manifest should be (ours stay below "
-                                  f"{MAX_MANIFEST_BYTES}): not a manifest this library wrote (a load falls back to "
-                                  "another tier or step; look at the file and remove it)",
-                                  tier=self.name, key=key) from None
+            raise self._not_a_manifest(key, exc.size) from None
+
+    def _not_a_manifest(self, key: str, size: int) -> CorruptionError:
+        return CorruptionError(f"{size} bytes where a manifest should be (ours stay below {MAX_MANIFEST_BYTES}): "
+                               "not a manifest this library wrote (a load falls back to another tier or step; "
+                               "look at the file and remove it)", tier=self.name, key=key)
 
     def verify(self, entry: FileEntry, blob: torch.Tensor, hexdigest: str | None = None) -> None:
         """Raise CorruptionError unless ``blob`` is the file the manifest describes. ``hexdigest``: the blob's

@@ -96,11 +96,12 @@ def find_unfinished_uploads(store: FileStore, *, live: bool = False, min_age_s: 
     if live:
         return []
     now = time.time() if now is None else now
-    out = []
+
     def in_a_step(key: str) -> bool:
         top, inside, _ = key.partition("/")
         return bool(inside) and store.layout.parse_step_dir(top) is not None
 
+    out = []
     # The Tier interface: none on kinds without such uploads. ``in_a_step``: the parts of others' are not asked.
     for up in store.tier.unfinished_uploads(min_age_s, in_a_step):
         if not in_a_step(up.key):

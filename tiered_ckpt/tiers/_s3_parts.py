@@ -213,13 +213,4 @@ class SharedParts:
 
     def abort(self, key: str, upload_id: str) -> None:
         """Abort the upload (an unknown one is not an error)."""
-        path, bucket, obj = self._where(key)
-
-        def call() -> Any:
-            return self.tier.fs._call_s3("abort_multipart_upload", Bucket=bucket, Key=obj, UploadId=upload_id)
-
-        try:
-            self.tier.run_sync(self.tier.arequest, "abort the shared multipart upload of", key, path, call,
-                               missing_ok=True)
-        except BlobNotFoundError:  # NoSuchUpload: already gone
-            pass
+        self.tier.abort_multipart("abort the shared multipart upload of", key, upload_id)

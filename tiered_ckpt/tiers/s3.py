@@ -429,15 +429,19 @@ class S3Tier(FsspecTier):
     def abort_upload(self, upload: UnfinishedUpload) -> None:
         """Abort a multipart upload :meth:`unfinished_uploads` listed (one already gone is not an error). Needs the
         ``s3:AbortMultipartUpload`` permission."""
-        path = self._path(upload.key)
+        self.abort_multipart("abort (s3:AbortMultipartUpload) the multipart upload of", upload.key, upload.upload_id)
+
+    def abort_multipart(self, op: str, key: str, upload_id: str) -> None:
+        """Abort the multipart upload ``upload_id`` of ``key`` (an unknown one is not an error); ``op`` names it
+        in errors."""
+        path = self._path(key)
         bucket, obj, _ = self.fs.split_path(path)
 
         def call() -> Awaitable[Any]:
-            return self.fs._call_s3("abort_multipart_upload", Bucket=bucket, Key=obj, UploadId=upload.upload_id)
+            return self.fs._call_s3("abort_multipart_upload", Bucket=bucket, Key=obj, UploadId=upload_id)
 
         try:
-            self.run_sync(self.arequest, "abort (s3:AbortMultipartUpload) the multipart upload of", upload.key,
-                          path, call, missing_ok=True)
+            self.run_sync(self.arequest, op, key, path, call, missing_ok=True)
         except BlobNotFoundError:  # NoSuchUpload: already gone
             pass
 
