@@ -14,6 +14,7 @@ from helpers import make_items
 
 from tiered_ckpt import CheckpointEngine
 from tiered_ckpt.cli import EXIT_FAILED, EXIT_NOT_FOUND, EXIT_OK, EXIT_USAGE, build_parser, main
+from tiered_ckpt.cli_maintain import parse_min_age
 
 
 def run(capsys, *argv: str) -> tuple[int, str]:
@@ -151,13 +152,33 @@ def test_gc_dry_run_then_delete(ckpt, capsys):
     (root / "iter_0000000" / "rank_00000").mkdir(parents=True)
     (root / "iter_0000000" / "rank_00000" / "state.flat").write_bytes(b"fresh")
     code, out = run(capsys, "gc", str(root))  # a partial step just written may be a live run's: left (--min-age)
-    assert "partial step" not in out
+    assert "would remove  partial step" not in out
+    assert "left  partial step  tier 'target': iter_0000000  (5 B; changed " in out  # and said why
+    assert "1 left: changed less than --min-age (1 h) ago" in out and "--min-age 0 takes them too" in out
+    code, out = run(capsys, "gc", str(root), "--json")
+    (young,) = json.loads(out)["left_young"]
+    assert (young["what"], young["key"], young["bytes"]) == ("partial step", "iter_0000000", 5)
+    assert 0 <= young["age_s"] < 3600
     os.utime(root / "iter_0000000" / "rank_00000" / "state.flat", (1, 1))
-    code, out = run(capsys, "gc", str(root))
-    assert "would remove  partial step" in out and "dry run" in out
+    code, out = run(capsys, "gc", str(root), "--min-age", "2d")
+    assert "would remove  partial step" in out and "dry run" in out and " left" not in out
     code, out = run(capsys, "gc", str(root), "--delete")
     assert code == EXIT_OK and not temp.exists() and not (root / "iter_0000000").exists()
     assert (root / "iter_0000003").exists() and (root / "iter_0000002").exists()
+
+
+@pytest.mark.parametrize("text, seconds", [("90", 90), ("0", 0), ("45s", 45), ("30m", 1800), ("30 min", 1800),
+                                           ("2h", 7200), ("1.5d", 129600), (" 2H ", 7200)])
+def test_gc_min_age_takes_a_unit(text, seconds):
+    assert parse_min_age(text) == seconds
+
+
+@pytest.mark.parametrize("text, says", [("-5", "cannot be negative"), ("-1h", "cannot be negative"),
+                                        ("2x", "is not an age"), ("h", "is not an age"), ("nan", "is not an age")])
+def test_gc_min_age_refuses_what_is_not_an_age(text, says, tmp_path, capsys):
+    with pytest.raises(SystemExit) as exited:
+        main(["gc", str(tmp_path), f"--min-age={text}"])
+    assert exited.value.code == EXIT_USAGE and says in capsys.readouterr().err
 
 
 def test_gc_stale_runs(shm_root, tmp_path, capsys):

@@ -422,7 +422,9 @@ def test_gc_aborts_the_multipart_upload_of_a_save_killed_mid_upload(remote, shm_
         monkeypatch.setenv(name, value)
     capsys.readouterr()
     assert cli_main(["gc", remote.url, "--json"]) == 0  # the default grace: its parts are seconds old
-    assert json.loads(capsys.readouterr().out)["found"] == []
+    result = json.loads(capsys.readouterr().out)
+    assert result["found"] == []  # left, and said so
+    assert [(d["what"], d["key"]) for d in result["left_young"]] == [("unfinished upload", STEP_KEY.format(2))]
     client = remote.server.client()  # others' uploads beside our steps (not in a step directory): never ours
     theirs = []
     for name in ("notes/big.bin", "iter_0000003"):
@@ -462,6 +464,39 @@ def test_gc_aborts_the_multipart_upload_of_a_save_killed_mid_upload(remote, shm_
     assert f"removed  unfinished upload  tier 'target': {STEP_KEY.format(7)}" in capsys.readouterr().out
     assert upload not in {u["UploadId"] for u in remote.uploads_in_progress()}
     assert cli_main(["gc", f"s3://{remote.bucket}/{gone}", "--min-age", "0"]) == EXIT_NOT_FOUND  # now: nothing
+
+
+def test_retention_aborts_the_upload_a_killed_save_left_in_the_step_it_removes(remote, shm_root, caplog):
+    """The next run's first commit removes the killed save's partial step, and the upload it left open there
+    with it (no gc needed); an upload beside the steps is not retention's. Without the permission to list
+    uploads, retention warns and still removes the step's files."""
+    cfg = config(shm_root, remote.tier(direct=True, max_concurrency=2))
+    proc = subprocess.run([sys.executable, "-c", _KILLED_MID_UPLOAD, json.dumps(cfg), str(PART)],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr
+    (left,) = remote.uploads_in_progress()
+    client = remote.server.client()
+    theirs = client.create_multipart_upload(Bucket=remote.bucket, Key=f"{remote.prefix}/notes/big.bin")["UploadId"]
+    later = {"run_id": f"n{uuid.uuid4().hex[:8]}", "drain": {"mode": "thread"}, "tiers": [remote.tier()]}
+    with CheckpointEngine(later) as engine:  # another run: the killed one's step 2 is debris, not to recover
+        engine.save(3, make_state(3, mib=1)).wait(timeout=60)
+    assert {u["UploadId"] for u in remote.uploads_in_progress()} == {theirs}
+    assert left["UploadId"] not in {u["UploadId"] for u in remote.uploads_in_progress()}
+    assert not [k for k in remote.keys() if k.startswith("iter_0000002/")]
+
+    key = f"{remote.prefix}/{STEP_KEY.format(4)}"  # a step 4 killed the same way, under credentials that may not list
+    client.put_object(Bucket=remote.bucket, Key=f"{remote.prefix}/iter_0000004/tiered_ckpt/rank_00000.started",
+                      Body=b"{}")
+    stuck = client.create_multipart_upload(Bucket=remote.bucket, Key=key)["UploadId"]
+    remote.proxy.inject("access_denied", op="ListMultipartUploads", times=None)
+    with caplog.at_level(logging.WARNING, logger="tiered_ckpt"), \
+            CheckpointEngine(later) as engine:
+        engine.save(5, make_state(5, mib=1)).wait(timeout=60)
+    remote.proxy.clear()
+    assert not [k for k in remote.keys() if k.startswith("iter_0000004/")]
+    assert "could not look for uploads left open" in caplog.text and "gc --delete" in caplog.text
+    assert {u["UploadId"] for u in remote.uploads_in_progress()} == {theirs, stuck}
+    assert load_from_s3(remote).step == 5
 
 
 def test_gc_without_the_permission_to_list_uploads_says_so_and_finds_the_rest(remote, shm_root, capsys,

@@ -41,7 +41,7 @@ from .cli_common import (  # noqa: F401  (the names tests and scripts import fro
     set_json_errors,
     storage_options,
 )
-from .cli_maintain import cmd_bench, cmd_demo, cmd_gc
+from .cli_maintain import cmd_bench, cmd_demo, cmd_gc, parse_min_age
 from .cli_read import cmd_inspect, cmd_ls, cmd_plugins, cmd_verify
 from .errors import (
     BlobNotFoundError,
@@ -89,9 +89,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--force", action="store_true", help="with --stale --config: also remove stale runs whose shared "
                    "memory holds steps that no file tier of the configuration has yet (their only copy); this "
                    "applies to every stale run under the shm path, not only the configuration's run_id")
-    p.add_argument("--min-age", type=float, default=3600.0, metavar="SECONDS", help="leave temporary files, "
-                   "partial steps and unfinished uploads modified less than this long ago: writes in flight "
-                   "(default: %(default)s)")
+    p.add_argument("--min-age", type=parse_min_age, default=3600.0, metavar="AGE", help="leave temporary files, "
+                   "partial steps and unfinished uploads modified less than this long ago: writes in flight; "
+                   "seconds, or with a unit: 30m, 2h, 1d (default: 1h)")
     p = add("demo", cmd_demo, "train a small GPT on 4 ranks, checkpoint through shm, local and remote tiers, kill a "
                               "rank, resume, and check the resumed run matches an uninterrupted one", target=False)
     p.add_argument("--workdir", default="demo-run", help="where the demo writes (default: %(default)s)")

@@ -39,6 +39,7 @@ def cmd_gc(args: argparse.Namespace) -> int:
     from .locking import shm_paths
 
     found: list[dict] = []
+    young: list = []  # debris left for being younger than --min-age (a write may be in flight): said, not removed
     absent_shm: list[str] = []  # the configuration's shm paths that do not exist (yet)
     opened = _open(args, memory=False) if args.target or args.config else None
     if opened is None and not args.stale:
@@ -75,12 +76,12 @@ def cmd_gc(args: argparse.Namespace) -> int:
         live = bool(args.config) and run_state(opened.config.run_id, shm_paths(opened.config)) == "live"
         for name, store in opened.file_stores().items():
             try:
-                debris = find_debris(store, live=live, min_age_s=args.min_age)
+                debris = find_debris(store, live=live, min_age_s=args.min_age, young=young)
             except (TierError, OSError) as exc:
                 opened.unreadable[name] = _text(exc)
                 continue
             try:  # apart: a store that will not list its uploads (permissions) still has its other debris found
-                debris += find_unfinished_uploads(store, live=live, min_age_s=args.min_age)
+                debris += find_unfinished_uploads(store, live=live, min_age_s=args.min_age, young=young)
             except (TierError, OSError) as exc:
                 opened.unreadable[name] = ("its unfinished uploads could not be listed, so none of them is reported "
                                            "(on S3 that needs the s3:ListBucketMultipartUploads and "
@@ -91,10 +92,11 @@ def cmd_gc(args: argparse.Namespace) -> int:
         for name, backend in opened.empty.items():
             store = backend.files()
             try:
-                debris = find_unfinished_uploads(store, live=live, min_age_s=args.min_age) if store else []
+                debris = find_unfinished_uploads(store, live=live, min_age_s=args.min_age, young=young) \
+                    if store else []
             except (TierError, OSError):
                 debris = []  # nothing stored, and nothing more to say than that
-            if debris:
+            if debris or any(d.tier == name for d in young):
                 del opened.absent[name]
                 found += _removed(args, opened, name, store, debris)
         opened.notes(args)
@@ -119,13 +121,43 @@ def cmd_gc(args: argparse.Namespace) -> int:
             else:
                 done = "could not remove" if f.get("error") else verb
                 print(f"{done}  {f['what']}  tier {f['tier']!r}: {f['key']}  ({human_bytes(f['bytes'])})")
+        for d in young:
+            age = "age unknown" if d.age_s is None else f"changed {_duration(d.age_s)} ago"
+            print(f"left  {d.what}  tier {d.tier!r}: {d.key}  ({human_bytes(d.nbytes)}; {age})")
+        if young:
+            print(f"{len(young)} left: changed less than --min-age ({_duration(args.min_age)}) ago, or when cannot "
+                  "be told; a write may still be in flight there (once no save runs, --min-age 0 takes them too)")
         if not found:
-            if problem is None:  # a tier that could not be read, or is not there, was not found empty
+            if problem is None and not young:  # a tier that could not be read, or is not there, is not empty
                 print("nothing to remove" + (f" (no shared memory at {', '.join(absent_shm)})" if absent_shm else ""))
         elif not args.delete and not all(f.get("kept") for f in found):
             print("dry run: nothing was removed; add --delete to remove these")
 
-    return _emit(args, {"deleted": args.delete, "found": found}, problem, text, bool(found))
+    payload = {"deleted": args.delete, "found": found, "left_young": [d.to_dict() for d in young]}
+    return _emit(args, payload, problem, text, bool(found))
+
+
+def _duration(seconds: float) -> str:
+    """``seconds`` as a person reads it: 45 s, 12 min, 3.5 h, 2 d."""
+    for unit, size in (("d", 86400), ("h", 3600), ("min", 60)):
+        if seconds >= size:
+            return f"{seconds / size:.3g} {unit}"
+    return f"{seconds:.0f} s"
+
+
+def parse_min_age(text: str) -> float:
+    """``--min-age``'s value: seconds, or a number with a unit (s, m or min, h, d): 90, 90s, 30m, 2h, 1.5d."""
+    import argparse
+    import re
+
+    match = re.fullmatch(r"\s*([-+]?(?:\d+\.?\d*|\.\d+))\s*(s|m|min|h|d)?\s*", text.lower())
+    if match is None:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an age: give seconds, or a number with s, m, h or d "
+                                         "(e.g. 3600, 30m, 2h, 1d)")
+    value = float(match[1]) * {"s": 1, "m": 60, "min": 60, "h": 3600, "d": 86400}[match[2] or "s"]
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: an age cannot be negative (0 takes debris whatever its age)")
+    return value
 
 
 def _removed(args: argparse.Namespace, opened: Opened, name: str, store: Any, debris: list) -> list[dict]:

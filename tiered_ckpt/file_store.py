@@ -134,6 +134,7 @@ class FileStore(CommittedFiles):
         # committed step alone (an earlier run's, or this one's before it went back: docs/operations.md)
         self._newest_own: int | None = None
         self._warned_newer: tuple[int, ...] = ()
+        self._warned_uploads = False  # retention could not list the uploads left open in what it removes
         self._retention = threading.Lock()  # retain() runs in whichever drain thread finishes a job
         # Steps retention un-committed whose files a deletion is removing (or is about to, beside the tier's next
         # write: drain.py): retention that runs meanwhile must not count them as debris and delete them again.
@@ -730,4 +731,30 @@ class FileStore(CommittedFiles):
             with self._started_lock:
                 self._started = {k for k in self._started if k[0] != step}
             self.emit(ev.Event(ev.EVICT, step=step, rank=rank, tier=self.name, seconds=time.perf_counter() - t0))
+        self._abort_uploads_in(removed)
         return removed
+
+    def _abort_uploads_in(self, steps: list[int]) -> None:
+        """Abort the uploads a killed save left open in ``steps``, whose files are gone: an object store bills
+        their parts and no listing shows them (``gc`` finds them too, but only when someone runs it). Nobody
+        uploads there any more: retention removes only steps older than a commit every rank voted for. A store
+        that will not list them (permissions) is warned about once; the steps are removed all the same."""
+        if not steps:
+            return
+        dirs = tuple(self.layout.step_dir(s) + "/" for s in steps)
+        try:
+            uploads = self.tier.unfinished_uploads(0.0, lambda key: key.startswith(dirs))
+        except (TierError, OSError) as exc:
+            if not self._warned_uploads:
+                self._warned_uploads = True
+                log.warning("retention on tier %r could not look for uploads left open in the steps it removed "
+                            "(tiered-ckpt gc --delete aborts them, a bucket lifecycle rule too): %s", self.name, exc)
+            return
+        for upload in uploads:
+            if not upload.key.startswith(dirs):
+                continue
+            try:
+                self.tier.abort_upload(upload)
+            except (TierError, OSError) as exc:
+                log.warning("retention on tier %r could not abort the upload of %s left open: %s", self.name,
+                            upload.key, exc)

@@ -48,51 +48,62 @@ class Debris:
     key: str
     nbytes: int
     upload: UnfinishedUpload | None = None  # an unfinished upload's, to abort it
+    age_s: float | None = None  # since its newest file (or part) changed, where gc looked at it; None: unknown
 
     def to_dict(self) -> dict:
         out = {"tier": self.tier, "what": self.what, "key": self.key, "bytes": self.nbytes}
         if self.upload is not None:
             out["upload_id"] = self.upload.upload_id
+        if self.age_s is not None:
+            out["age_s"] = round(self.age_s, 1)
         return out
 
 
 def find_debris(store: FileStore, *, live: bool = False, min_age_s: float = TEMP_GRACE_S,
-                now: float | None = None) -> list[Debris]:
+                now: float | None = None, young: list[Debris] | None = None) -> list[Debris]:
     """Uncommitted steps older than the newest committed one, and temporary files of unfinished writes (an object
     store's unfinished uploads: :func:`find_unfinished_uploads`).
 
     ``live``: an engine of the run that writes this tier holds its lock: nothing of it is debris (its own
     retention removes its partial steps after each commit). Temporary files and partial steps with a file
     modified less than ``min_age_s`` ago, or whose age cannot be told, are left too: a write in flight elsewhere
-    keeps touching its files."""
+    keeps touching its files; ``young`` (when given) receives those, so that gc can say why it left them."""
     if live:
         return []
     now = time.time() if now is None else now
+    out: list[Debris] = []
+    left: list[Debris] = young if young is not None else []
+
+    def old(age: float | None) -> bool:
+        return min_age_s <= 0 or (age is not None and age >= min_age_s)
+
     # A partial step is debris only when none of its files changed for min_age_s either: a run that saves below
     # an earlier run's steps (docs/operations.md) writes its next step beneath their newest commit.
-    out = [Debris(store.name, "partial step", store.layout.step_dir(step),
-                  store.tier.stored_bytes(store.layout.step_dir(step)))
-           for step, keys in sorted(store.partial_steps(store.tier.list("")).items())
-           if all(_old_enough(store, k, min_age_s, now) for k in keys)]
+    for step, keys in sorted(store.partial_steps(store.tier.list("")).items()):
+        ages = [_age(store, k, now) for k in keys] if min_age_s > 0 else []
+        age = None if None in ages else min(ages, default=None)
+        step_dir = store.layout.step_dir(step)
+        (out if old(age) else left).append(
+            Debris(store.name, "partial step", step_dir, store.tier.stored_bytes(step_dir), age_s=age))
     for rel in store.tier.temp_files():  # the Tier interface (tiers/base.py): every kind answers, plugins too
-        if not _old_enough(store, rel, min_age_s, now):
-            continue
+        age = _age(store, rel, now) if min_age_s > 0 else None
         try:
             size = store.tier.size(rel)
         except (TierError, OSError):
             continue
-        out.append(Debris(store.name, "temporary file", rel, size))
+        (out if old(age) else left).append(Debris(store.name, "temporary file", rel, size, age_s=age))
     return out
 
 
 def find_unfinished_uploads(store: FileStore, *, live: bool = False, min_age_s: float = TEMP_GRACE_S,
-                            now: float | None = None) -> list[Debris]:
+                            now: float | None = None, young: list[Debris] | None = None) -> list[Debris]:
     """An object store's uploads that killed saves left open (billed, and seen by no listing), into the tier's
     step directories only: another program's uploads under the same prefix are not ours to abort. Each is left
     while its newest part (or, with none, its start) is younger than ``min_age_s``: a drain uploading keeps
-    sending parts. Found and aborted on this listing's ages (a temporary file's age is read again before its
-    removal; an upload idle for ``min_age_s`` that resumes in between is not expected). ``live``: as for
-    :func:`find_debris`. Raises the tier's error when it cannot list them (permissions, say)."""
+    sending parts (``young``, when given, receives those). Found and aborted on this listing's ages (a temporary
+    file's age is read again before its removal; an upload idle for ``min_age_s`` that resumes in between is not
+    expected). ``live``: as for :func:`find_debris`. Raises the tier's error when it cannot list them
+    (permissions, say)."""
     if live:
         return []
     now = time.time() if now is None else now
@@ -103,11 +114,15 @@ def find_unfinished_uploads(store: FileStore, *, live: bool = False, min_age_s: 
 
     out = []
     # The Tier interface: none on kinds without such uploads. ``in_a_step``: the parts of others' are not asked.
-    for up in store.tier.unfinished_uploads(min_age_s, in_a_step):
+    for up in store.tier.unfinished_uploads(0.0 if young is not None else min_age_s, in_a_step):
         if not in_a_step(up.key):
             continue
-        if min_age_s <= 0 or (up.modified is not None and now - up.modified >= min_age_s):
-            out.append(Debris(store.name, "unfinished upload", up.key, up.nbytes, upload=up))
+        age = None if up.modified is None else now - up.modified
+        found = Debris(store.name, "unfinished upload", up.key, up.nbytes, upload=up, age_s=age)
+        if min_age_s <= 0 or (age is not None and age >= min_age_s):
+            out.append(found)
+        elif young is not None:
+            young.append(found)
     return out
 
 
@@ -119,11 +134,16 @@ def modified(store: FileStore, rel: str) -> float | None:
         return None
 
 
+def _age(store: FileStore, rel: str, now: float) -> float | None:
+    mtime = modified(store, rel)
+    return None if mtime is None else now - mtime
+
+
 def _old_enough(store: FileStore, rel: str, min_age_s: float, now: float) -> bool:
     if min_age_s <= 0:
         return True
-    mtime = modified(store, rel)
-    return mtime is not None and now - mtime >= min_age_s
+    age = _age(store, rel, now)
+    return age is not None and age >= min_age_s
 
 
 def remove_debris(store: FileStore, debris: list[Debris], *, min_age_s: float = TEMP_GRACE_S,

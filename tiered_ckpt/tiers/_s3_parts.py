@@ -82,23 +82,13 @@ class SharedParts:
         return self._in_progress(key, upload_id) is not None
 
     def _in_progress(self, key: str, upload_id: str) -> dict[str, Any] | None:
-        """The store's entry of the upload among those in progress under ``key`` (None: not there)."""
+        """The store's entry of the upload among those in progress under ``key`` (None: not there); the pages
+        after the one naming it are not asked for."""
         path, bucket, obj = self._where(key)
-
-        def call(marker: dict[str, str]) -> Callable[[], Any]:
-            return lambda: self.tier.fs._call_s3("list_multipart_uploads", Bucket=bucket, Prefix=obj, **marker)
-
-        marker: dict[str, str] = {}
-        while True:
-            resp = self.tier.run_sync(self.tier.arequest, "look up the multipart uploads of", key, path,
-                                      call(marker))
-            for u in resp.get("Uploads", []):
-                if u.get("Key") == obj and u.get("UploadId") == upload_id:
-                    return dict(u)
-            if not resp.get("IsTruncated"):
-                return None
-            marker = {"KeyMarker": resp.get("NextKeyMarker", ""),
-                      "UploadIdMarker": resp.get("NextUploadIdMarker", "")}
+        uploads = self.tier._listed_pages("look up the multipart uploads of", path, "list_multipart_uploads",
+                                          {"Bucket": bucket, "Prefix": obj}, "Uploads",
+                                          ("NextKeyMarker", "KeyMarker"), ("NextUploadIdMarker", "UploadIdMarker"))
+        return next((dict(u) for u in uploads if u.get("Key") == obj and u.get("UploadId") == upload_id), None)
 
     def upload(self, key: str, upload_id: str,
                parts: Sequence[tuple[int, memoryview | Callable[[], memoryview]]]) -> list[dict[str, Any]]:

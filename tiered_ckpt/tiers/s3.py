@@ -46,7 +46,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable, Iterator
 from typing import Any
 
 import fsspec
@@ -408,18 +408,17 @@ class S3Tier(FsspecTier):
         return out
 
     def _listed_pages(self, op: str, path: str, call: str, params: dict[str, Any], field: str,
-                      *markers: tuple[str, str], missing_ok: bool = False) -> list[dict[str, Any]]:
-        """Every entry of ``field`` over the pages of a paginated S3 listing (``markers``: the answer's field
-        naming the next page, and the request's parameter asking for it). ``missing_ok``: a listing of
-        something gone raises :class:`BlobNotFoundError`."""
-        entries: list[dict[str, Any]] = []
+                      *markers: tuple[str, str], missing_ok: bool = False) -> Iterator[dict[str, Any]]:
+        """Every entry of ``field`` over the pages of a paginated S3 listing, a page asked for only when the
+        entries before it are used up (``markers``: the answer's field naming the next page, and the request's
+        parameter asking for it). ``missing_ok``: a listing of something gone raises :class:`BlobNotFoundError`."""
         page = dict(params)
         while True:
             resp = self.run_sync(self.arequest, op, None, path,
                                  lambda p=dict(page): self.fs._call_s3(call, **p), missing_ok=missing_ok)
-            entries += resp.get(field) or []
+            yield from resp.get(field) or []
             if not resp.get("IsTruncated"):
-                return entries
+                return
             following = {**params, **{ask: resp[got] for got, ask in markers if resp.get(got) is not None}}
             if following == page:  # a truncated answer that names no next page: asking again would loop
                 raise TransientTierError(self._redact(f"{op} {path}: the store says there is more, and not where"),
