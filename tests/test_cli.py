@@ -168,13 +168,15 @@ def test_gc_dry_run_then_delete(ckpt, capsys):
 
 
 @pytest.mark.parametrize("text, seconds", [("90", 90), ("0", 0), ("45s", 45), ("30m", 1800), ("30 min", 1800),
-                                           ("2h", 7200), ("1.5d", 129600), (" 2H ", 7200)])
+                                           ("2h", 7200), ("1.5d", 129600), (" 2H ", 7200), ("1e3", 1000),
+                                           ("inf", float("inf"))])
 def test_gc_min_age_takes_a_unit(text, seconds):
     assert parse_min_age(text) == seconds
 
 
 @pytest.mark.parametrize("text, says", [("-5", "cannot be negative"), ("-1h", "cannot be negative"),
-                                        ("2x", "is not an age"), ("h", "is not an age"), ("nan", "is not an age")])
+                                        ("2x", "is not an age"), ("h", "is not an age"), ("nan", "is not an age"),
+                                        ("-inf", "cannot be negative")])
 def test_gc_min_age_refuses_what_is_not_an_age(text, says, tmp_path, capsys):
     with pytest.raises(SystemExit) as exited:
         main(["gc", str(tmp_path), f"--min-age={text}"])

@@ -580,6 +580,42 @@ def test_a_manifest_read_as_the_step_is_saved_again_is_not_cached(tiers, monkeyp
         assert_same(make_items(2), loaded.items)
 
 
+def test_retention_aborts_only_the_uploads_left_before_its_deletion(tiers, monkeypatch):
+    """Retention aborts the uploads left open in the steps it removes, not one that sent a part (or began) after
+    the deletion started (a rank saving that step again), and not one outside those steps; a store that cannot
+    list them is no reason to keep the step's files."""
+    from tiered_ckpt.tiers.base import UnfinishedUpload
+
+    with CheckpointEngine(config(tiers, "local")) as engine:
+        engine.save(1, make_items(1)).wait(timeout=30)
+        store = engine.pipeline.stores["local"]
+        now = time.time()
+        uploads = [UnfinishedUpload("iter_0000001/rank_00000/a.flat", "left", 10, now - 60),
+                   UnfinishedUpload("iter_0000001/rank_00001/b.flat", "unknown age", 10, None),
+                   UnfinishedUpload("iter_0000001/rank_00002/c.flat", "saving again", 10, now + 60),
+                   UnfinishedUpload("iter_00000010/x.flat", "another step", 10, now - 60)]
+        asked, aborted = [], []
+
+        def unfinished(min_age_s=0.0, keys=None):
+            asked.append(min_age_s)
+            return [u for u in uploads if keys is None or keys(u.key)]
+
+        monkeypatch.setattr(store.tier, "unfinished_uploads", unfinished)
+        monkeypatch.setattr(store.tier, "abort_upload", lambda u: aborted.append(u.upload_id))
+        assert store.remove_steps([1], 0) == [1]
+        assert asked == [0.0] and aborted == ["left", "unknown age"]
+        assert not os.path.exists(os.path.join(tiers["local"]["path"], "iter_0000001"))
+
+        engine.save(2, make_items(2)).wait(timeout=30)
+
+        def denied(min_age_s=0.0, keys=None):
+            raise TierError("Access Denied", tier="local")
+
+        monkeypatch.setattr(store.tier, "unfinished_uploads", denied)
+        assert store.remove_steps([2], 0) == [2]
+        assert not os.path.exists(os.path.join(tiers["local"]["path"], "iter_0000002"))
+
+
 def test_a_process_exits_while_a_deletion_still_runs(tiers, tmp_path):
     """The deletion thread never holds the process past close(): what it leaves is debris for the next
     retention or gc."""

@@ -146,15 +146,22 @@ def _duration(seconds: float) -> str:
 
 
 def parse_min_age(text: str) -> float:
-    """``--min-age``'s value: seconds, or a number with a unit (s, m or min, h, d): 90, 90s, 30m, 2h, 1.5d."""
+    """``--min-age``'s value: seconds (any float: 90, 1e3, inf for a listing that never removes), or a number with
+    a unit (s, m or min, h, d): 90s, 30m, 2h, 1.5d."""
     import argparse
+    import math
     import re
 
-    match = re.fullmatch(r"\s*([-+]?(?:\d+\.?\d*|\.\d+))\s*(s|m|min|h|d)?\s*", text.lower())
-    if match is None:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an age: give seconds, or a number with s, m, h or d "
-                                         "(e.g. 3600, 30m, 2h, 1d)")
-    value = float(match[1]) * {"s": 1, "m": 60, "min": 60, "h": 3600, "d": 86400}[match[2] or "s"]
+    try:
+        value = float(text)
+    except ValueError:
+        match = re.fullmatch(r"\s*([-+]?(?:\d+\.?\d*|\.\d+))\s*(s|m|min|h|d)\s*", text.lower())
+        if match is None:
+            raise argparse.ArgumentTypeError(f"{text!r} is not an age: give seconds, or a number with s, m, h or d "
+                                             "(e.g. 3600, 30m, 2h, 1d)") from None
+        value = float(match[1]) * {"s": 1, "m": 60, "min": 60, "h": 3600, "d": 86400}[match[2]]
+    if math.isnan(value):
+        raise argparse.ArgumentTypeError(f"{text!r} is not an age: give seconds, or a number with s, m, h or d")
     if value < 0:
         raise argparse.ArgumentTypeError(f"{text!r}: an age cannot be negative (0 takes debris whatever its age)")
     return value

@@ -719,6 +719,7 @@ class FileStore(CommittedFiles):
     def remove_steps(self, steps: list[int], rank: int) -> list[int]:
         """Delete the files of ``steps`` (un-committed or debris: :meth:`uncommit_expired`); those removed."""
         removed = []
+        began = time.time()
         for step in steps:
             t0 = time.perf_counter()
             try:
@@ -731,14 +732,16 @@ class FileStore(CommittedFiles):
             with self._started_lock:
                 self._started = {k for k in self._started if k[0] != step}
             self.emit(ev.Event(ev.EVICT, step=step, rank=rank, tier=self.name, seconds=time.perf_counter() - t0))
-        self._abort_uploads_in(removed)
+        self._abort_uploads_in(removed, began)
         return removed
 
-    def _abort_uploads_in(self, steps: list[int]) -> None:
+    def _abort_uploads_in(self, steps: list[int], before: float) -> None:
         """Abort the uploads a killed save left open in ``steps``, whose files are gone: an object store bills
         their parts and no listing shows them (``gc`` finds them too, but only when someone runs it). Nobody
-        uploads there any more: retention removes only steps older than a commit every rank voted for. A store
-        that will not list them (permissions) is warned about once; the steps are removed all the same."""
+        should upload there any more (retention removes only steps below a commit every rank voted for); an
+        upload that sent a part, or began, after ``before`` (the deletion's start) is left all the same: a rank
+        saving the step again. A store that will not list them (permissions) is warned about once; the steps
+        are removed all the same."""
         if not steps:
             return
         dirs = tuple(self.layout.step_dir(s) + "/" for s in steps)
@@ -751,7 +754,7 @@ class FileStore(CommittedFiles):
                             "(tiered-ckpt gc --delete aborts them, a bucket lifecycle rule too): %s", self.name, exc)
             return
         for upload in uploads:
-            if not upload.key.startswith(dirs):
+            if not upload.key.startswith(dirs) or (upload.modified is not None and upload.modified >= before):
                 continue
             try:
                 self.tier.abort_upload(upload)

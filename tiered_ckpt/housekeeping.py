@@ -83,8 +83,13 @@ def find_debris(store: FileStore, *, live: bool = False, min_age_s: float = TEMP
         ages = [_age(store, k, now) for k in keys] if min_age_s > 0 else []
         age = None if None in ages else min(ages, default=None)
         step_dir = store.layout.step_dir(step)
-        (out if old(age) else left).append(
-            Debris(store.name, "partial step", step_dir, store.tier.stored_bytes(step_dir), age_s=age))
+        if old(age):
+            out.append(Debris(store.name, "partial step", step_dir, store.tier.stored_bytes(step_dir), age_s=age))
+            continue
+        try:  # only said, never removed: a size that cannot be had is no reason to fail the tier's gc
+            left.append(Debris(store.name, "partial step", step_dir, store.tier.stored_bytes(step_dir), age_s=age))
+        except (TieredCkptError, OSError):
+            pass
     for rel in store.tier.temp_files():  # the Tier interface (tiers/base.py): every kind answers, plugins too
         age = _age(store, rel, now) if min_age_s > 0 else None
         try:
@@ -114,7 +119,9 @@ def find_unfinished_uploads(store: FileStore, *, live: bool = False, min_age_s: 
 
     out = []
     # The Tier interface: none on kinds without such uploads. ``in_a_step``: the parts of others' are not asked.
-    for up in store.tier.unfinished_uploads(0.0 if young is not None else min_age_s, in_a_step):
+    # Those started less than min_age_s ago are not asked for their parts (which a drain may be sending): not
+    # reported as left either, but their step is (a partial step, or a step a save is writing).
+    for up in store.tier.unfinished_uploads(min_age_s, in_a_step):
         if not in_a_step(up.key):
             continue
         age = None if up.modified is None else now - up.modified
