@@ -7,12 +7,12 @@ import os
 import shutil
 import signal
 import socket
-import subprocess
-import sys
+import time
 import uuid
 from pathlib import Path
 
 import pytest
+from rank_procs import start_rank
 
 WORKER = Path(__file__).with_name("multirank_worker.py")
 pytestmark = pytest.mark.slow
@@ -35,11 +35,16 @@ def run_ranks(world: int, spec: dict, node_of: dict[int, str] | None = None, tim
         if node_of:
             env["TIERED_CKPT_NODE"] = node_of[rank]
         env.update((env_of or {}).get(rank, {}))
-        procs[rank] = subprocess.Popen([sys.executable, str(worker), json.dumps(spec)], env=env,
-                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        procs[rank] = start_rank(worker, [json.dumps(spec)], env)
     results = {}
+    deadline = time.monotonic() + timeout
+    try:
+        ended = {rank: p.communicate(timeout=max(0.0, deadline - time.monotonic())) for rank, p in procs.items()}
+    finally:
+        for p in procs.values():
+            p.kill()  # those still running when one timed out
     for rank, p in procs.items():
-        out, err = p.communicate(timeout=timeout)
+        out, err = ended[rank]
         lines = [ln for ln in out.splitlines() if ln.startswith("{")]
         killed = p.returncode == -signal.SIGKILL
         assert (lines or killed) and (p.returncode == 0 or killed), f"rank {rank} exited {p.returncode}:\n{err[-3000:]}"

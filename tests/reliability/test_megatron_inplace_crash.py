@@ -12,7 +12,6 @@ import json
 import os
 import shutil
 import signal
-import subprocess
 import sys
 import tempfile
 import time
@@ -22,6 +21,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from rank_procs import start_rank  # noqa: E402
 from test_multirank import free_port, run_ranks  # noqa: E402
 
 from tiered_ckpt.cli import main as cli_main  # noqa: E402
@@ -53,23 +53,19 @@ def _run_with_victim(spec: dict, victim: int, point: str, timeout: float = 120) 
                "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1"}
         if rank == victim:
             env["TIERED_CKPT_CRASH_AT"] = point
-        procs[rank] = subprocess.Popen([sys.executable, str(WORKER), json.dumps(spec)], env=env,
-                                       stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        procs[rank] = start_rank(WORKER, [json.dumps(spec)], env)
     try:
         _, err = procs[victim].communicate(timeout=timeout)
         assert procs[victim].returncode == -signal.SIGKILL, f"rank {victim} was not killed at {point}:\n{err[-3000:]}"
         deadline = time.monotonic() + 30  # one while for all of them, not 30 s each
         for p in procs.values():
             try:
-                p.communicate(timeout=max(0.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
+                p.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except TimeoutError:
                 p.kill()  # a peer of a dead rank 0, stuck in gloo
-                p.communicate()
     finally:
         for p in procs.values():
-            if p.poll() is None:
-                p.kill()
-                p.communicate()
+            p.kill()
 
 
 def _cli(capsys: pytest.CaptureFixture, *argv: str) -> tuple[int, str]:
