@@ -15,8 +15,8 @@ WORKER = Path(__file__).with_name("dcp_worker.py")
 pytestmark = pytest.mark.slow
 
 
-def config(run_id: str, tiers: list[dict]) -> dict:
-    return {"run_id": run_id, "layout": "dcp", "drain": {"mode": "thread", "commit_timeout_s": 30},
+def config(run_id: str, tiers: list[dict], commit_timeout_s: float = 30) -> dict:
+    return {"run_id": run_id, "layout": "dcp", "drain": {"mode": "thread", "commit_timeout_s": commit_timeout_s},
             "tiers": tiers}
 
 
@@ -110,8 +110,9 @@ def test_a_failed_resave_of_a_step_never_mixes_two_saves_on_load(tmp_path, shm_r
     snapshot (and files) exist, rank 0's .metadata is the old save's. A load takes every rank's part of the old save
     (rank 1's older snapshot, still in its other slot), never a mix of the two."""
     run_id = f"dcp{uuid.uuid4().hex[:8]}"
+    # The failed save's commit waits out its timeout for the coordinator's files: 8 s, not 30.
     cfg = config(run_id, [{"name": "shm", "kind": "shm", "path": shm_root},
-                          {"name": "local", "kind": "local", "path": str(tmp_path / "local")}])
+                          {"name": "local", "kind": "local", "path": str(tmp_path / "local")}], commit_timeout_s=8)
     out = run_ranks(2, {"actions": [{"do": "save", "step": 10, "config": cfg},
                                     {"do": "train"},
                                     {"do": "save", "step": 10, "config": cfg, "fail_finish": True, "tag": "second"},

@@ -336,7 +336,8 @@ def test_no_checkpoint_anywhere_is_iteration_zero_but_an_unreachable_tier_is_an_
     from tiered_ckpt.errors import TierUnavailableError
 
     cfg["tiers"].append({"name": "remote", "kind": "fsspec", "url": f"s3://bucket/{uuid.uuid4().hex[:8]}",
-                         "timeout_s": 2, "options": {"endpoint_url": "http://127.0.0.1:9", "key": "k", "secret": "s"}})
+                         "timeout_s": 2, "retry": {"attempts": 2, "initial_s": 0.05, "max_s": 0.1},
+                         "options": {"endpoint_url": "http://127.0.0.1:9", "key": "k", "secret": "s"}})
     cfg["run_id"] = f"z{uuid.uuid4().hex[:8]}"
     rank.args.exit_on_missing_checkpoint = False
     with CheckpointEngine(cfg, ParallelLayout(), rank=0) as engine:

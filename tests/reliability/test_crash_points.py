@@ -23,6 +23,7 @@ import os
 import random
 import subprocess
 import sys
+import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
@@ -314,10 +315,14 @@ def test_gc_finds_temporary_files_on_a_shared_filesystem_tier(tmp_path):
     config = tmp_path / "tiers.json"
     config.write_text(json.dumps({"tiers": [{"name": "shared", "kind": "fsspec", "url": f"file://{shared}"}]}))
     code, out = cli("gc", "--config", str(config), "--json")
-    assert json.loads(out)["found"] == []  # seconds old: it may be a write in flight (the store tells its age)
+    result = json.loads(out)
+    assert result["found"] == []  # seconds old: it may be a write in flight (the store tells its age)
+    assert [d["key"] for d in result["left_young"]] == [f"iter_0000004/rank_00000/{left.name}"]  # and said so
     os.utime(left, (1, 1))  # a crash long ago
     code, out = cli("gc", "--config", str(config), "--json")
-    assert json.loads(out)["found"] == [{"tier": "shared", "what": "temporary file", "bytes": 10,
-                                         "key": f"iter_0000004/rank_00000/{left.name}"}]
+    (found,) = json.loads(out)["found"]
+    assert found.pop("age_s") > time.time() - 2  # since 1970-01-01 00:00:01
+    assert found == {"tier": "shared", "what": "temporary file", "bytes": 10,
+                     "key": f"iter_0000004/rank_00000/{left.name}"}
     assert cli("gc", "--config", str(config), "--delete")[0] == EXIT_OK
     assert not left.exists() and not (shared / "iter_0000004").exists()
