@@ -20,10 +20,14 @@ import threading
 import traceback
 from pathlib import Path
 
-# What every rank script imports first; megatron is left out (most ranks never import it).
-_PRELOAD = ["torch", "torch.distributed", "numpy", "tiered_ckpt", "tiered_ckpt.engine", "tiered_ckpt.builtin"]
+# What rank scripts import first. A process has one fork server, started with the list set when it is first
+# used, so tests/megatron_real/harness.py (whose ranks import megatron) takes this same list: whichever starts it,
+# neither kind of rank imports its modules again (a missing one is skipped by the server).
+PRELOAD = ["torch", "torch.distributed", "numpy", "tiered_ckpt", "tiered_ckpt.engine", "tiered_ckpt.builtin",
+           "megatron.core.models.gpt", "megatron.core.optimizer", "megatron.core.distributed",
+           "megatron.core.pipeline_parallel", "tiered_ckpt.megatron.adapter"]
 _ctx = mp.get_context("forkserver")
-_ctx.set_forkserver_preload(_PRELOAD)
+_ctx.set_forkserver_preload(PRELOAD)
 
 
 def _run_script(script: str, argv: list[str], env: dict[str, str], out: str, err: str) -> None:

@@ -39,6 +39,7 @@ from typing import Any
 import numpy as np
 import torch
 import torch.distributed as dist
+from rank_procs import PRELOAD  # one fork server per process: the multi-rank tests' list includes megatron's
 
 # ------------------------------------------------------------------------------------------------------------
 # CPU patches
@@ -214,8 +215,6 @@ class LaunchError(RuntimeError):
     pass
 
 
-_PRELOAD = ["torch", "numpy", "megatron.core.models.gpt", "megatron.core.optimizer", "megatron.core.distributed",
-            "megatron.core.pipeline_parallel", "tiered_ckpt", "tiered_ckpt.megatron.adapter"]
 
 
 def launch(fn: Callable[..., Any], world: int, *args: Any, timeout: float = 180.0,
@@ -230,7 +229,7 @@ def launch(fn: Callable[..., Any], world: int, *args: Any, timeout: float = 180.
     # On CUDA, spawned: the preloaded modules touch CUDA at import, and a forked child could not use it then.
     ctx = mp.get_context("spawn" if device == "cuda" else "forkserver")
     if device != "cuda":
-        ctx.set_forkserver_preload(_PRELOAD)
+        ctx.set_forkserver_preload(PRELOAD)
     store = dist.TCPStore("127.0.0.1", 0, world + 1, is_master=True, timeout=timedelta(seconds=60),
                           wait_for_workers=False)
     stacks_dir = tempfile.TemporaryDirectory(prefix="megatron-real-stacks-")
