@@ -142,9 +142,16 @@ def test_a_stalled_tier_does_not_hold_the_recovery_at_start_up(shm_root, tmp_pat
         assert engine.recovered == []
         (event,) = recorder.kinds("tier_unreachable", "local")
         assert "load.list_timeout_s" in event.message
-        loaded = engine.load()
+        engine._stalled_at_start["local"].done.wait = lambda timeout=None: pytest.fail(
+            "load() waited again for the tier it waited for at the start")  # noqa: ARG005
+        loaded = engine.load()  # at once: the start-up's listing of the tier has not answered yet
         assert (loaded.step, loaded.tier) == (3, "shm")
         assert_same(make_items(3), loaded.items)
+        assert "at the engine's start, and none since" in loaded.unreachable["local"]
+        del engine._stalled_at_start["local"].done.wait
+        assert engine._stalled_at_start["local"].done.wait(10)  # it answers at last: listed again, and waited for
+        why = engine.unreachable_tiers()["local"]  # (the tier is as slow as before: 5 s a listing)
+        assert "at the engine's start" not in why and "local" not in engine._stalled_at_start
     with CheckpointEngine(_config(shm_root, tmp_path, run_id=run_id)) as engine:  # reachable again: recovered
         assert [h.step for h in engine.recovered] == [3]
         engine.recovered[0].wait(timeout=60)

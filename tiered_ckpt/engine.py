@@ -97,6 +97,9 @@ class CheckpointEngine:
         self.coords = detect(parallel, rank)
         self._listings: dict[str, _Listing] = {}  # per tier, the newest listing (in flight or done): _list_tiers
         self._listings_lock = threading.Lock()
+        # per tier, the start-up recovery's listing that did not answer within load.list_timeout_s (_recover):
+        # while it still has not, load() counts the tier unreachable at once instead of waiting that long again
+        self._stalled_at_start: dict[str, _Listing] = {}
         self._lock = RunLock(self.config.run_id, self.coords.rank, shm_paths(self.config))  # beside the slots
         self._lock.acquire()
         try:
@@ -267,6 +270,8 @@ class CheckpointEngine:
             why = str(listing.error) if listing.done.is_set() else \
                 f"no answer to its listing within {limit:g} s (load.list_timeout_s)"
             del durable[name]
+            if not listing.done.is_set():
+                self._stalled_at_start[name] = listing
             log.warning("tier %r cannot be listed, so the snapshots in memory are not recovered to it now: %s",
                         name, why)
             self._emit(ev.Event(ev.TIER_UNREACHABLE, rank=self.coords.rank, tier=name, message=why))
@@ -322,9 +327,20 @@ class CheckpointEngine:
         and one that has not answered within ``load.list_timeout_s`` is unreachable for this call. Its listing
         goes on in the background, and the next call waits for that one instead of starting another.
         ``skip``: tiers already found unreachable (tier -> why), reported so again without being listed."""
-        skip = skip or {}
+        skip = dict(skip or {})
         names = [n for n in self.tiers if n not in skip]
+        limit = self.config.load.list_timeout_s
         with self._listings_lock:
+            for name in names:
+                stalled = self._stalled_at_start.get(name)
+                if stalled is not None and stalled.done.is_set():  # it answered at last: list it again
+                    del self._stalled_at_start[name]
+                elif stalled is not None:  # waited for once already, at the start: not again
+                    skip[name] = (f"no answer to its listing within {limit:g} s (load.list_timeout_s) at the "
+                                  "engine's start, and none since: stalled or slow; raise load.list_timeout_s if "
+                                  "it is only slow")
+                    log.warning("cannot list tier %r: %s", name, skip[name])
+            names = [n for n in names if n not in skip]
             listings = {}
             for name in names:
                 listing = self._listings.get(name)
@@ -333,7 +349,6 @@ class CheckpointEngine:
                                        name)
                     self._listings[name] = listing
                 listings[name] = listing
-        limit = self.config.load.list_timeout_s
         _await_listings(listings.values(), limit)
         out: dict[str, list[int]] = {}
         unreachable: dict[str, str] = {}
