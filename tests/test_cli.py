@@ -153,11 +153,17 @@ def test_gc_dry_run_then_delete(ckpt, capsys):
     (root / "iter_0000000" / "rank_00000" / "state.flat").write_bytes(b"fresh")
     code, out = run(capsys, "gc", str(root))  # a partial step just written may be a live run's: left (--min-age)
     assert "would remove  partial step" not in out
+    assert "left  partial step  tier 'target': iter_0000003  (100 B; changed " in out
+    assert "newer than every committed step: a save may be writing it" in out
     assert "left  partial step  tier 'target': iter_0000000  (5 B; changed " in out  # and said why
     assert "1 left: changed less than --min-age (1 h) ago" in out and "--min-age 0 takes them too" in out
     code, out = run(capsys, "gc", str(root), "--json")
-    (young,) = json.loads(out)["left_young"]
-    assert (young["what"], young["key"], young["bytes"]) == ("partial step", "iter_0000000", 5)
+    left = json.loads(out)["left"]
+    assert [(d["key"], d["left"]) for d in left if d["left"] != "younger than --min-age"] == [
+        ("iter_0000003", "newer than every committed step")]  # said, never removed
+    (young,) = [d for d in left if d["left"] == "younger than --min-age"]
+    assert (young["what"], young["key"], young["bytes"], young["left"]) == ("partial step", "iter_0000000", 5,
+                                                                           "younger than --min-age")
     assert 0 <= young["age_s"] < 3600
     os.utime(root / "iter_0000000" / "rank_00000" / "state.flat", (1, 1))
     code, out = run(capsys, "gc", str(root), "--min-age", "2d")
@@ -165,6 +171,27 @@ def test_gc_dry_run_then_delete(ckpt, capsys):
     code, out = run(capsys, "gc", str(root), "--delete")
     assert code == EXIT_OK and not temp.exists() and not (root / "iter_0000000").exists()
     assert (root / "iter_0000003").exists() and (root / "iter_0000002").exists()
+
+
+def test_gc_says_a_live_run_s_tiers_are_left_alone(ckpt, tmp_path, capsys):
+    """With --config and an engine of the run alive on this node, gc touches nothing on its file tiers: it says
+    so (it said "nothing to remove" beside a 2-hour-old temporary file)."""
+    root, cfg = ckpt
+    temp = root / "iter_0000002" / ".state.flat.tmp-0123456789abcdef"
+    temp.write_bytes(b"half")
+    os.utime(temp, (1, 1))
+    config = tmp_path / "tiers.json"
+    config.write_text(json.dumps(cfg))
+    with CheckpointEngine(cfg):
+        code, out = run(capsys, "gc", "--config", str(config))
+        assert code == EXIT_OK and "nothing to remove" not in out
+        assert f"run {cfg['run_id']!r} has a live engine on this node: nothing on its file tiers is touched" in out
+        code, out = run(capsys, "gc", "--config", str(config), "--json")
+        assert json.loads(out) == {"deleted": False, "found": [], "left": [], "live_run": cfg["run_id"]}
+    code, out = run(capsys, "gc", "--config", str(config), "--json")
+    result = json.loads(out)
+    assert result["live_run"] is None and [f["key"] for f in result["found"]] == [str(temp.relative_to(root))]
+    assert temp.exists()
 
 
 @pytest.mark.parametrize("text, seconds", [("90", 90), ("0", 0), ("45s", 45), ("30m", 1800), ("30 min", 1800),

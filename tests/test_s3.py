@@ -424,7 +424,9 @@ def test_gc_aborts_the_multipart_upload_of_a_save_killed_mid_upload(remote, shm_
     assert cli_main(["gc", remote.url, "--json"]) == 0  # the default grace: its parts are seconds old
     result = json.loads(capsys.readouterr().out)
     assert result["found"] == []  # left, and said so
-    assert [(d["what"], d["key"]) for d in result["left_young"]] == [("unfinished upload", STEP_KEY.format(2))]
+    assert [(d["what"], d["key"], d["left"]) for d in result["left"]] == [  # the killed save's step, its upload
+        ("partial step", "iter_0000002", "newer than every committed step"),
+        ("unfinished upload", STEP_KEY.format(2), "younger than --min-age")]
     client = remote.server.client()  # others' uploads beside our steps (not in a step directory): never ours
     theirs = []
     for name in ("notes/big.bin", "iter_0000003"):

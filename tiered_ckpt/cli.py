@@ -91,7 +91,7 @@ def build_parser() -> argparse.ArgumentParser:
                    "applies to every stale run under the shm path, not only the configuration's run_id")
     p.add_argument("--min-age", type=parse_min_age, default=3600.0, metavar="AGE", help="leave temporary files, "
                    "partial steps and unfinished uploads modified less than this long ago: writes in flight; "
-                   "seconds, or with a unit: 30m, 2h, 1d (default: 1h)")
+                   "seconds, or with a unit: 30m, 2h, 1d; inf lists without removing (default: 1h)")
     p = add("demo", cmd_demo, "train a small GPT on 4 ranks, checkpoint through shm, local and remote tiers, kill a "
                               "rank, resume, and check the resumed run matches an uninterrupted one", target=False)
     p.add_argument("--workdir", default="demo-run", help="where the demo writes (default: %(default)s)")

@@ -30,6 +30,7 @@ if TYPE_CHECKING:
 
 def cmd_gc(args: argparse.Namespace) -> int:
     from .housekeeping import (
+        LEFT_YOUNG,
         find_debris,
         find_stale_runs,
         find_unfinished_uploads,
@@ -39,8 +40,9 @@ def cmd_gc(args: argparse.Namespace) -> int:
     from .locking import shm_paths
 
     found: list[dict] = []
-    young: list = []  # debris left for being younger than --min-age (a write may be in flight): said, not removed
+    left: list = []  # found and left (younger than --min-age, a step newer than every commit): said, not removed
     absent_shm: list[str] = []  # the configuration's shm paths that do not exist (yet)
+    live_run = None  # the configuration's run, when an engine of it is live on this node
     opened = _open(args, memory=False) if args.target or args.config else None
     if opened is None and not args.stale:
         raise ConfigError("give a checkpoint directory or URL, --config tiers.yaml, or --stale")
@@ -74,14 +76,15 @@ def cmd_gc(args: argparse.Namespace) -> int:
                     remove_stale_run(run, shm_path)
     if opened is not None:
         live = bool(args.config) and run_state(opened.config.run_id, shm_paths(opened.config)) == "live"
+        live_run = opened.config.run_id if live else None
         for name, store in opened.file_stores().items():
             try:
-                debris = find_debris(store, live=live, min_age_s=args.min_age, young=young)
+                debris = find_debris(store, live=live, min_age_s=args.min_age, left=left)
             except (TierError, OSError) as exc:
                 opened.unreadable[name] = _text(exc)
                 continue
             try:  # apart: a store that will not list its uploads (permissions) still has its other debris found
-                debris += find_unfinished_uploads(store, live=live, min_age_s=args.min_age, young=young)
+                debris += find_unfinished_uploads(store, live=live, min_age_s=args.min_age, left=left)
             except (TierError, OSError) as exc:
                 opened.unreadable[name] = ("its unfinished uploads could not be listed, so none of them is reported "
                                            "(on S3 that needs the s3:ListBucketMultipartUploads and "
@@ -92,11 +95,11 @@ def cmd_gc(args: argparse.Namespace) -> int:
         for name, backend in opened.empty.items():
             store = backend.files()
             try:
-                debris = find_unfinished_uploads(store, live=live, min_age_s=args.min_age, young=young) \
+                debris = find_unfinished_uploads(store, live=live, min_age_s=args.min_age, left=left) \
                     if store else []
             except (TierError, OSError):
                 debris = []  # nothing stored, and nothing more to say than that
-            if debris or any(d.tier == name for d in young):
+            if debris or any(d.tier == name for d in left):
                 del opened.absent[name]
                 found += _removed(args, opened, name, store, debris)
         opened.notes(args)
@@ -121,27 +124,36 @@ def cmd_gc(args: argparse.Namespace) -> int:
             else:
                 done = "could not remove" if f.get("error") else verb
                 print(f"{done}  {f['what']}  tier {f['tier']!r}: {f['key']}  ({human_bytes(f['bytes'])})")
-        for d in young:
+        for d in left:
             age = "age unknown" if d.age_s is None else f"changed {_duration(d.age_s)} ago"
-            print(f"left  {d.what}  tier {d.tier!r}: {d.key}  ({human_bytes(d.nbytes)}; {age})")
+            why = "" if d.left == LEFT_YOUNG else ("; newer than every committed step: a save may be writing it, "
+                                                  "and retention removes it once a step above it is committed")
+            print(f"left  {d.what}  tier {d.tier!r}: {d.key}  ({human_bytes(d.nbytes)}; {age}{why})")
+        young = sum(d.left == LEFT_YOUNG for d in left)
         if young:
-            print(f"{len(young)} left: changed less than --min-age ({_duration(args.min_age)}) ago, or when cannot "
+            print(f"{young} left: changed less than --min-age ({_duration(args.min_age)}) ago, or whose age cannot "
                   "be told; a write may still be in flight there (once no save runs, --min-age 0 takes them too)")
+        if live_run is not None:
+            print(f"run {live_run!r} has a live engine on this node: nothing on its file tiers is touched (its own "
+                  "retention removes its debris after each commit)")
         if not found:
-            if problem is None and not young:  # a tier that could not be read, or is not there, is not empty
+            if problem is None and not left and live_run is None:  # an unreadable or absent tier is not an empty one
                 print("nothing to remove" + (f" (no shared memory at {', '.join(absent_shm)})" if absent_shm else ""))
         elif not args.delete and not all(f.get("kept") for f in found):
             print("dry run: nothing was removed; add --delete to remove these")
 
-    payload = {"deleted": args.delete, "found": found, "left_young": [d.to_dict() for d in young]}
+    payload = {"deleted": args.delete, "found": found, "left": [d.to_dict() for d in left], "live_run": live_run}
     return _emit(args, payload, problem, text, bool(found))
 
 
 def _duration(seconds: float) -> str:
-    """``seconds`` as a person reads it: 45 s, 12 min, 3.5 h, 2 d."""
+    """``seconds`` as a person reads it: 45 s, 12 min, 3.5 h, 2 d, inf."""
+    if seconds == float("inf"):
+        return "inf"
     for unit, size in (("d", 86400), ("h", 3600), ("min", 60)):
         if seconds >= size:
-            return f"{seconds / size:.3g} {unit}"
+            value = seconds / size
+            return f"{value:.1f}".removesuffix(".0") + f" {unit}" if value < 10 else f"{value:.0f} {unit}"
     return f"{seconds:.0f} s"
 
 
@@ -161,7 +173,8 @@ def parse_min_age(text: str) -> float:
                                              "(e.g. 3600, 30m, 2h, 1d)") from None
         value = float(match[1]) * {"s": 1, "m": 60, "min": 60, "h": 3600, "d": 86400}[match[2]]
     if math.isnan(value):
-        raise argparse.ArgumentTypeError(f"{text!r} is not an age: give seconds, or a number with s, m, h or d")
+        raise argparse.ArgumentTypeError(f"{text!r} is not an age: give seconds, or a number with s, m, h or d "
+                                         "(e.g. 3600, 30m, 2h, 1d)")
     if value < 0:
         raise argparse.ArgumentTypeError(f"{text!r}: an age cannot be negative (0 takes debris whatever its age)")
     return value

@@ -665,12 +665,19 @@ class FileStore(CommittedFiles):
         if not committed:
             return {}
         newest = max(committed) if newest is None else newest
+        return {step: found for step, found in self.uncommitted_steps(keys).items() if step < newest}
+
+    def uncommitted_steps(self, keys: list[str]) -> dict[int, list[str]]:
+        """Every step directory in the tier's listing ``keys`` that holds no manifest and is not another
+        program's checkpoint, each with its keys: the :meth:`partial_steps`, and those newer than every commit
+        (a save in flight, or one killed before its commit)."""
+        committed = {s for s in map(self.layout.parse_manifest_key, keys) if s is not None}
         foreign = foreign_step_dirs(keys, self.tier)
         found: dict[int, list[str]] = {}
         for key in keys:
             top = key.split("/", 1)[0]
             step = self.layout.parse_step_dir(top)
-            if step is not None and step < newest and step not in committed and top not in foreign:
+            if step is not None and step not in committed and top not in foreign:
                 found.setdefault(step, []).append(key)
         return found
 

@@ -49,6 +49,7 @@ class Debris:
     nbytes: int
     upload: UnfinishedUpload | None = None  # an unfinished upload's, to abort it
     age_s: float | None = None  # since its newest file (or part) changed, where gc looked at it; None: unknown
+    left: str | None = None  # why it is found but not debris (LEFT_YOUNG, LEFT_NEWEST); None: debris
 
     def to_dict(self) -> dict:
         out = {"tier": self.tier, "what": self.what, "key": self.key, "bytes": self.nbytes}
@@ -56,38 +57,51 @@ class Debris:
             out["upload_id"] = self.upload.upload_id
         if self.age_s is not None:
             out["age_s"] = round(self.age_s, 1)
+        if self.left is not None:
+            out["left"] = self.left
         return out
 
 
+#: Why gc leaves what it found: changed less than ``min_age_s`` ago (or when cannot be told).
+LEFT_YOUNG = "younger than --min-age"
+#: An uncommitted step newer than every committed one: a save in flight, or one killed before its commit.
+LEFT_NEWEST = "newer than every committed step"
+
+
 def find_debris(store: FileStore, *, live: bool = False, min_age_s: float = TEMP_GRACE_S,
-                now: float | None = None, young: list[Debris] | None = None) -> list[Debris]:
+                now: float | None = None, left: list[Debris] | None = None) -> list[Debris]:
     """Uncommitted steps older than the newest committed one, and temporary files of unfinished writes (an object
     store's unfinished uploads: :func:`find_unfinished_uploads`).
 
     ``live``: an engine of the run that writes this tier holds its lock: nothing of it is debris (its own
     retention removes its partial steps after each commit). Temporary files and partial steps with a file
     modified less than ``min_age_s`` ago, or whose age cannot be told, are left too: a write in flight elsewhere
-    keeps touching its files; ``young`` (when given) receives those, so that gc can say why it left them."""
+    keeps touching its files. ``left`` (when given) receives those, and the uncommitted steps newer than every
+    commit (never debris: a save may be writing them), each with why (:attr:`Debris.left`), for gc to say."""
     if live:
         return []
     now = time.time() if now is None else now
     out: list[Debris] = []
-    left: list[Debris] = young if young is not None else []
+    kept: list[Debris] = left if left is not None else []
 
     def old(age: float | None) -> bool:
         return min_age_s <= 0 or (age is not None and age >= min_age_s)
 
     # A partial step is debris only when none of its files changed for min_age_s either: a run that saves below
     # an earlier run's steps (docs/operations.md) writes its next step beneath their newest commit.
-    for step, keys in sorted(store.partial_steps(store.tier.list("")).items()):
-        ages = [_age(store, k, now) for k in keys] if min_age_s > 0 else []
+    listed = store.tier.list("")
+    partial = store.partial_steps(listed)
+    for step, keys in sorted(store.uncommitted_steps(listed).items()):
+        newest = step not in partial  # never debris: a save may be writing it (the next commit above removes it)
+        ages = [_age(store, k, now) for k in keys] if min_age_s > 0 or newest else []
         age = None if None in ages else min(ages, default=None)
         step_dir = store.layout.step_dir(step)
-        if old(age):
+        if not newest and old(age):
             out.append(Debris(store.name, "partial step", step_dir, store.tier.stored_bytes(step_dir), age_s=age))
             continue
         try:  # only said, never removed: a size that cannot be had is no reason to fail the tier's gc
-            left.append(Debris(store.name, "partial step", step_dir, store.tier.stored_bytes(step_dir), age_s=age))
+            kept.append(Debris(store.name, "partial step", step_dir, store.tier.stored_bytes(step_dir), age_s=age,
+                               left=LEFT_NEWEST if newest else LEFT_YOUNG))
         except (TieredCkptError, OSError):
             pass
     for rel in store.tier.temp_files():  # the Tier interface (tiers/base.py): every kind answers, plugins too
@@ -96,16 +110,17 @@ def find_debris(store: FileStore, *, live: bool = False, min_age_s: float = TEMP
             size = store.tier.size(rel)
         except (TierError, OSError):
             continue
-        (out if old(age) else left).append(Debris(store.name, "temporary file", rel, size, age_s=age))
+        (out if old(age) else kept).append(Debris(store.name, "temporary file", rel, size, age_s=age,
+                                                  left=None if old(age) else LEFT_YOUNG))
     return out
 
 
 def find_unfinished_uploads(store: FileStore, *, live: bool = False, min_age_s: float = TEMP_GRACE_S,
-                            now: float | None = None, young: list[Debris] | None = None) -> list[Debris]:
+                            now: float | None = None, left: list[Debris] | None = None) -> list[Debris]:
     """An object store's uploads that killed saves left open (billed, and seen by no listing), into the tier's
     step directories only: another program's uploads under the same prefix are not ours to abort. Each is left
     while its newest part (or, with none, its start) is younger than ``min_age_s``: a drain uploading keeps
-    sending parts (``young``, when given, receives those). Found and aborted on this listing's ages (a temporary
+    sending parts (``left``, when given, receives those). Found and aborted on this listing's ages (a temporary
     file's age is read again before its removal; an upload idle for ``min_age_s`` that resumes in between is not
     expected). ``live``: as for :func:`find_debris`. Raises the tier's error when it cannot list them
     (permissions, say)."""
@@ -125,11 +140,11 @@ def find_unfinished_uploads(store: FileStore, *, live: bool = False, min_age_s: 
         if not in_a_step(up.key):
             continue
         age = None if up.modified is None else now - up.modified
-        found = Debris(store.name, "unfinished upload", up.key, up.nbytes, upload=up, age_s=age)
         if min_age_s <= 0 or (age is not None and age >= min_age_s):
-            out.append(found)
-        elif young is not None:
-            young.append(found)
+            out.append(Debris(store.name, "unfinished upload", up.key, up.nbytes, upload=up, age_s=age))
+        elif left is not None:
+            left.append(Debris(store.name, "unfinished upload", up.key, up.nbytes, upload=up, age_s=age,
+                                left=LEFT_YOUNG))
     return out
 
 

@@ -317,7 +317,8 @@ def test_gc_finds_temporary_files_on_a_shared_filesystem_tier(tmp_path):
     code, out = cli("gc", "--config", str(config), "--json")
     result = json.loads(out)
     assert result["found"] == []  # seconds old: it may be a write in flight (the store tells its age)
-    assert [d["key"] for d in result["left_young"]] == [f"iter_0000004/rank_00000/{left.name}"]  # and said so
+    assert [(d["key"], d["left"]) for d in result["left"] if d["what"] == "temporary file"] == [
+        (f"iter_0000004/rank_00000/{left.name}", "younger than --min-age")]  # and said so
     os.utime(left, (1, 1))  # a crash long ago
     code, out = cli("gc", "--config", str(config), "--json")
     (found,) = json.loads(out)["found"]
