@@ -33,6 +33,7 @@ import uuid
 from pathlib import Path
 
 BENCH = Path(__file__).resolve().parent
+sys.path.insert(0, str(BENCH.parent / "tests"))  # rank_procs, which the harness takes its preload list from
 sys.path.insert(0, str(BENCH.parent / "tests" / "megatron_real"))
 sys.path.insert(0, str(BENCH))
 

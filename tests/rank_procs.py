@@ -5,6 +5,10 @@ two cores. Each rank here is forked from a ``forkserver`` that imported them bef
 inherits no state of the test process, and runs its script as a new interpreter would: its own environment and
 ``sys.argv``, ``__main__``, non-daemon threads joined and ``atexit`` handlers run at the end, its exit code (or
 the signal that killed it) reported. :class:`RankProcess` answers the part of ``subprocess.Popen`` the tests use.
+
+What it does not do as an interpreter would: tear down its modules and native objects at the end (it leaves with
+``os._exit``), so a crash there would go unseen. ``run_ranks(..., fresh=True)`` starts new interpreters instead;
+some multi-rank tests use it, so that such a crash still fails a test.
 """
 
 from __future__ import annotations
@@ -20,12 +24,17 @@ import threading
 import traceback
 from pathlib import Path
 
+import torch
+
 # What rank scripts import first. A process has one fork server, started with the list set when it is first
 # used, so tests/megatron_real/harness.py (whose ranks import megatron) takes this same list: whichever starts it,
-# neither kind of rank imports its modules again (a missing one is skipped by the server).
-PRELOAD = ["torch", "torch.distributed", "numpy", "tiered_ckpt", "tiered_ckpt.engine", "tiered_ckpt.builtin",
-           "megatron.core.models.gpt", "megatron.core.optimizer", "megatron.core.distributed",
-           "megatron.core.pipeline_parallel", "tiered_ckpt.megatron.adapter"]
+# neither kind of rank imports its modules again (a missing one is skipped by the server). Megatron's modules touch
+# CUDA at import, after which a forked child cannot use it: with CUDA, they are not preloaded (the harness spawns
+# its CUDA ranks anyway).
+PRELOAD = ["torch", "torch.distributed", "numpy", "tiered_ckpt", "tiered_ckpt.engine", "tiered_ckpt.builtin"]
+if not torch.cuda.is_available():
+    PRELOAD += ["megatron.core.models.gpt", "megatron.core.optimizer", "megatron.core.distributed",
+                "megatron.core.pipeline_parallel", "tiered_ckpt.megatron.adapter"]
 _ctx = mp.get_context("forkserver")
 _ctx.set_forkserver_preload(PRELOAD)
 
@@ -37,8 +46,6 @@ def _run_script(script: str, argv: list[str], env: dict[str, str], out: str, err
         target = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         os.dup2(target, fd)
         os.close(target)
-    import torch
-
     from tiered_ckpt import crashpoints
 
     crashpoints.arm(env.get(crashpoints.ENV))  # read from the environment at import, in the server
@@ -98,11 +105,14 @@ class RankProcess:
         return out, err
 
     def kill(self) -> None:
+        """SIGKILL it, if it still runs, and wait for it to be gone (its locks released, its files closed)."""
         if self.poll() is None:
             try:
                 os.kill(self.pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
+            self._proc.join(30)
+            self.poll()
 
     def send_signal(self, sig: int) -> None:
         if self.poll() is None:

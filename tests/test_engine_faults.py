@@ -142,20 +142,33 @@ def test_a_stalled_tier_does_not_hold_the_recovery_at_start_up(shm_root, tmp_pat
         assert engine.recovered == []
         (event,) = recorder.kinds("tier_unreachable", "local")
         assert "load.list_timeout_s" in event.message
-        engine._stalled_at_start["local"].done.wait = lambda timeout=None: pytest.fail(
-            "load() waited again for the tier it waited for at the start")  # noqa: ARG005
-        loaded = engine.load()  # at once: the start-up's listing of the tier has not answered yet
+        loaded = engine.load()  # a new listing, waited for RELIST_AFTER_STALL_S only (the limit is shorter here)
         assert (loaded.step, loaded.tier) == (3, "shm")
         assert_same(make_items(3), loaded.items)
-        assert "at the engine's start, and none since" in loaded.unreachable["local"]
-        del engine._stalled_at_start["local"].done.wait
-        assert engine._stalled_at_start["local"].done.wait(10)  # it answers at last: listed again, and waited for
-        why = engine.unreachable_tiers()["local"]  # (the tier is as slow as before: 5 s a listing)
-        assert "at the engine's start" not in why and "local" not in engine._stalled_at_start
-    with CheckpointEngine(_config(shm_root, tmp_path, run_id=run_id)) as engine:  # reachable again: recovered
-        assert [h.step for h in engine.recovered] == [3]
-        engine.recovered[0].wait(timeout=60)
-        assert engine.available_steps()["local"] == [3]
+        assert "local" in engine._stalled_at_start and "local" in loaded.unreachable
+
+
+def test_a_tier_stalled_at_start_up_is_waited_for_briefly_then_listed_again(shm_root, tmp_path, monkeypatch):
+    """The start-up's listing of a tier did not answer within load.list_timeout_s: load() lists it again but
+    waits RELIST_AFTER_STALL_S for it, not the whole limit a second time (a restart with the store down waited
+    twice list_timeout_s); a store that is back answers that listing, and is used."""
+    import tiered_ckpt.engine as engine_module
+
+    path, run_id = _step_1_saved_on(shm_root, tmp_path, "remote")
+    cfg = {"run_id": run_id, "drain": {"mode": "thread"}, "load": {"list_timeout_s": 1},
+           "tiers": [{"name": "shm", "kind": "shm", "path": shm_root}, _faulty("remote", path, latency_s=60,
+                                                                              ops=["list"])]}
+    monkeypatch.setattr(engine_module, "RELIST_AFTER_STALL_S", 0.2)
+    with CheckpointEngine(cfg) as engine:
+        assert "remote" in engine._stalled_at_start  # its start-up listing did not answer
+        loaded = engine.load()
+        assert (loaded.step, loaded.tier) == (1, "shm")
+        assert "at the engine's start, nor within 0.2 s now" in loaded.unreachable["remote"]
+    with CheckpointEngine(cfg) as engine:
+        assert "remote" in engine._stalled_at_start
+        store = engine.pipeline.stores["remote"]
+        monkeypatch.setattr(store, "loadable_steps", lambda coords: [1])  # the store is back
+        assert engine.available_steps()["remote"] == [1] and "remote" not in engine._stalled_at_start
 
 
 def test_process_drain_from_a_script_without_main_guard(tmp_path, shm_root):

@@ -7,6 +7,8 @@ import os
 import shutil
 import signal
 import socket
+import subprocess
+import sys
 import time
 import uuid
 from pathlib import Path
@@ -25,24 +27,33 @@ def free_port() -> int:
 
 
 def run_ranks(world: int, spec: dict, node_of: dict[int, str] | None = None, timeout: float = 240,
-              worker: Path = WORKER, env_of: dict[int, dict[str, str]] | None = None) -> dict[int, dict]:
-    """Start ``world`` ranks, wait for all, and return each rank's last JSON line (rank → result)."""
+              worker: Path = WORKER, env_of: dict[int, dict[str, str]] | None = None,
+              fresh: bool = False) -> dict[int, dict]:
+    """Start ``world`` ranks, wait for all, and return each rank's last JSON line (rank → result). The ranks are
+    forked from the fork server of tests/rank_procs.py; ``fresh``: new interpreters (``python worker``), whose
+    crash at exit, after the result, fails the test too."""
     port = free_port()
-    procs = {}
+    procs: dict = {}
     for rank in range(world):
         env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank),
                "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1"}
         if node_of:
             env["TIERED_CKPT_NODE"] = node_of[rank]
         env.update((env_of or {}).get(rank, {}))
-        procs[rank] = start_rank(worker, [json.dumps(spec)], env)
+        if fresh:
+            procs[rank] = subprocess.Popen([sys.executable, str(worker), json.dumps(spec)], env=env,
+                                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        else:
+            procs[rank] = start_rank(worker, [json.dumps(spec)], env)
     results = {}
     deadline = time.monotonic() + timeout
     try:
         ended = {rank: p.communicate(timeout=max(0.0, deadline - time.monotonic())) for rank, p in procs.items()}
     finally:
-        for p in procs.values():
-            p.kill()  # those still running when one timed out
+        for p in procs.values():  # those still running when one timed out
+            if p.poll() is None:
+                p.kill()
+                p.wait()
     for rank, p in procs.items():
         out, err = ended[rank]
         lines = [ln for ln in out.splitlines() if ln.startswith("{")]
@@ -106,7 +117,7 @@ def test_two_nodes_node_local_commit_and_restore_from_shared(tmp_path):
     for shm, _ in roots.values():
         shm.mkdir(parents=True)
     configs = {str(r): job_config(tiers(*roots[node_of[r]], shared), run_id) for r in range(4)}
-    first = run_ranks(4, {"configs": configs, "save": [1, 2]}, node_of)
+    first = run_ranks(4, {"configs": configs, "save": [1, 2]}, node_of, fresh=True)  # real interpreters' exits
     assert all("save_errors" not in r for r in first.values()), first
     for node in ("nodeA", "nodeB"):  # each node committed its own ranks on its local tier
         manifest = json.loads((roots[node][1] / "iter_0000002" / "tiered_ckpt" / "manifest.json").read_text())

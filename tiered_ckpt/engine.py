@@ -73,12 +73,18 @@ class _Listing:
         return self.error is not None and not isinstance(self.error, TierError | OSError)
 
 
-def _await_listings(listings: Iterable[_Listing], limit: float | None) -> None:
-    """Wait for ``listings`` until ``limit`` seconds from now (None: for ever), or until one of them met a bug
-    (raised by the caller at once, not after the slow tiers' limit)."""
-    deadline = None if limit is None else time.monotonic() + limit
-    for listing in listings:
-        listing.done.wait(None if deadline is None else max(0.0, deadline - time.monotonic()))
+#: How long load() waits for a new listing of a tier whose listing at the engine's start did not answer within
+#: load.list_timeout_s and still has not (when that is shorter): long enough for a store that is back to answer,
+#: and a restart with the store still down does not wait the whole limit twice.
+RELIST_AFTER_STALL_S = 10.0
+
+
+def _await_listings(waits: Iterable[tuple[_Listing, float | None]]) -> None:
+    """Wait for each listing until its limit in seconds from now (None: for ever), or until one of them met a
+    bug (raised by the caller at once, not after the slow tiers' limits)."""
+    now = time.monotonic()
+    for listing, limit in sorted(waits, key=lambda w: float("inf") if w[1] is None else w[1]):
+        listing.done.wait(None if limit is None else max(0.0, now + limit - time.monotonic()))
         if listing.done.is_set() and listing.unexpected():
             return
 
@@ -258,19 +264,20 @@ class CheckpointEngine:
         # hold the engine's construction for its timeouts times its retries.
         listings = {name: _Listing(store.durable_steps, name) for name, store in durable.items()}
         limit = self.config.load.list_timeout_s
-        _await_listings(listings.values(), limit)
+        _await_listings((listing, limit) for listing in listings.values())
         for name, listing in listings.items():
-            if listing.done.is_set() and listing.error is None:
+            answered = listing.done.is_set()  # once: the listing may end while this looks at it
+            if answered and listing.error is None:
                 committed[name] = set(listing.steps)
                 continue
-            if listing.done.is_set() and listing.unexpected():
+            if answered and listing.unexpected():
                 raise listing.error
             # An unreachable tier (an object store down) must not stop the restart: load() names it, and the
             # snapshots stay in memory for a later start to drain there while their slots are not reused.
-            why = str(listing.error) if listing.done.is_set() else \
+            why = str(listing.error) if answered else \
                 f"no answer to its listing within {limit:g} s (load.list_timeout_s)"
             del durable[name]
-            if not listing.done.is_set():
+            if not answered:
                 self._stalled_at_start[name] = listing
             log.warning("tier %r cannot be listed, so the snapshots in memory are not recovered to it now: %s",
                         name, why)
@@ -327,20 +334,17 @@ class CheckpointEngine:
         and one that has not answered within ``load.list_timeout_s`` is unreachable for this call. Its listing
         goes on in the background, and the next call waits for that one instead of starting another.
         ``skip``: tiers already found unreachable (tier -> why), reported so again without being listed."""
-        skip = dict(skip or {})
+        skip = skip or {}
         names = [n for n in self.tiers if n not in skip]
         limit = self.config.load.list_timeout_s
+        limits: dict[str, float | None] = dict.fromkeys(names, limit)
         with self._listings_lock:
             for name in names:
                 stalled = self._stalled_at_start.get(name)
-                if stalled is not None and stalled.done.is_set():  # it answered at last: list it again
+                if stalled is not None and stalled.done.is_set():  # it answered at last
                     del self._stalled_at_start[name]
-                elif stalled is not None:  # waited for once already, at the start: not again
-                    skip[name] = (f"no answer to its listing within {limit:g} s (load.list_timeout_s) at the "
-                                  "engine's start, and none since: stalled or slow; raise load.list_timeout_s if "
-                                  "it is only slow")
-                    log.warning("cannot list tier %r: %s", name, skip[name])
-            names = [n for n in names if n not in skip]
+                elif stalled is not None and (limit is None or limit > RELIST_AFTER_STALL_S):
+                    limits[name] = RELIST_AFTER_STALL_S  # waited for once already, at the start: not as long
             listings = {}
             for name in names:
                 listing = self._listings.get(name)
@@ -349,7 +353,7 @@ class CheckpointEngine:
                                        name)
                     self._listings[name] = listing
                 listings[name] = listing
-        _await_listings(listings.values(), limit)
+        _await_listings((listings[name], limits[name]) for name in names)
         out: dict[str, list[int]] = {}
         unreachable: dict[str, str] = {}
         for name in self.tiers:
@@ -358,12 +362,17 @@ class CheckpointEngine:
                 continue
             listing = listings[name]
             if not listing.done.is_set():
-                why = (f"no answer to its listing within {limit:g} s (load.list_timeout_s): stalled or slow; "
-                       f"raise load.list_timeout_s if it is only slow")
+                waited = limits[name]
+                why = (f"no answer to its listing within {limit:g} s (load.list_timeout_s) at the engine's start, "
+                       f"nor within {waited:g} s now" if waited != limit else
+                       f"no answer to its listing within {limit:g} s (load.list_timeout_s)")
+                why += ": stalled or slow; raise load.list_timeout_s if it is only slow"
                 log.warning("cannot list tier %r: %s", name, why)
                 unreachable[name] = why
             elif listing.error is None:
                 out[name] = listing.steps
+                with self._listings_lock:
+                    self._stalled_at_start.pop(name, None)  # answered now: waited for as long as any other
             elif listing.unexpected():
                 raise listing.error
             else:

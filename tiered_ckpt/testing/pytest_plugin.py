@@ -77,9 +77,12 @@ def tier_registry() -> Any:
 
 
 @pytest.fixture
-def make_tier(request: Any, tier_registry: Any, tier_context: Any,
-              tmp_path: Any) -> Iterator[Callable[..., Any]]:
-    """Factory: ``make_tier("local", fsync=False)``, ``make_tier("shm", min_free="1GiB")``, ..."""
+def make_tier(tier_registry: Any, tier_context: Any, tmp_path: Any, shm_root: str) -> Iterator[Callable[..., Any]]:
+    """Factory: ``make_tier("local", fsync=False)``, ``make_tier("shm", min_free="1GiB")``, ...
+
+    ``shm_root`` is asked for here, not when the first shm tier is made: fixtures end in the reverse order of
+    their start, so the directory is removed after the tiers made in it are closed (closing one may still write
+    there, which left directories behind in ``/dev/shm``)."""
     from tiered_ckpt.validate import build_dataclass
 
     made: list[Any] = []
@@ -92,7 +95,7 @@ def make_tier(request: Any, tier_registry: Any, tier_context: Any,
         options = {k: os.fspath(v) if isinstance(v, os.PathLike) else v for k, v in options.items()}
         defaulted_url = False
         if kind == "shm" and "path" not in options:
-            options["path"] = request.getfixturevalue("shm_root")
+            options["path"] = shm_root
         elif kind == "local" and "path" not in options:
             options["path"] = str(tmp_path / name)
         elif kind == "fsspec" and "url" not in options:
