@@ -104,7 +104,7 @@ class CheckpointEngine:
         self._listings: dict[str, _Listing] = {}  # per tier, the newest listing (in flight or done): _list_tiers
         self._listings_lock = threading.Lock()
         # per tier, the start-up recovery's listing that did not answer within load.list_timeout_s (_recover):
-        # while it still has not, load() counts the tier unreachable at once instead of waiting that long again
+        # while it still has not, load() waits RELIST_AFTER_STALL_S for a new listing, not that long again
         self._stalled_at_start: dict[str, _Listing] = {}
         self._lock = RunLock(self.config.run_id, self.coords.rank, shm_paths(self.config))  # beside the slots
         self._lock.acquire()

@@ -656,16 +656,20 @@ class FileStore(CommittedFiles):
                     f"publish {self.layout.tracker}")
 
     # ----- retention ---------------------------------------------------------------------------------------
-    def partial_steps(self, keys: list[str], newest: int | None = None) -> dict[int, list[str]]:
+    def partial_steps(self, keys: list[str], newest: int | None = None, *,
+                      uncommitted: dict[int, list[str]] | None = None) -> dict[int, list[str]]:
         """The uncommitted steps older than the newest committed one in the tier's listing ``keys`` (or than
         ``newest``, the newest this process committed), each with its keys: debris, since a tier takes a run's
         steps in order, so nothing older than its newest commit is still being written. A step directory that
-        Megatron-LM, DLRover or DCP wrote is their checkpoint, never one of them (layouts/foreign.py)."""
+        Megatron-LM, DLRover or DCP wrote is their checkpoint, never one of them (layouts/foreign.py).
+        ``uncommitted``: :meth:`uncommitted_steps` of ``keys``, where the caller has it already."""
         committed = {s for s in map(self.layout.parse_manifest_key, keys) if s is not None}
         if not committed:
             return {}
         newest = max(committed) if newest is None else newest
-        return {step: found for step, found in self.uncommitted_steps(keys).items() if step < newest}
+        if uncommitted is None:
+            uncommitted = self.uncommitted_steps(keys)
+        return {step: found for step, found in uncommitted.items() if step < newest}
 
     def uncommitted_steps(self, keys: list[str]) -> dict[int, list[str]]:
         """Every step directory in the tier's listing ``keys`` that holds no manifest and is not another

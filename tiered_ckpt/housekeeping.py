@@ -83,35 +83,34 @@ def find_debris(store: FileStore, *, live: bool = False, min_age_s: float = TEMP
     now = time.time() if now is None else now
     out: list[Debris] = []
     kept: list[Debris] = left if left is not None else []
-
-    def old(age: float | None) -> bool:
-        return min_age_s <= 0 or (age is not None and age >= min_age_s)
-
     # A partial step is debris only when none of its files changed for min_age_s either: a run that saves below
     # an earlier run's steps (docs/operations.md) writes its next step beneath their newest commit.
     listed = store.tier.list("")
-    partial = store.partial_steps(listed)
-    for step, keys in sorted(store.uncommitted_steps(listed).items()):
+    uncommitted = store.uncommitted_steps(listed)
+    partial = store.partial_steps(listed, uncommitted=uncommitted)
+    for step, keys in sorted(uncommitted.items()):
         newest = step not in partial  # never debris: a save may be writing it (the next commit above removes it)
         ages = [_age(store, k, now) for k in keys] if min_age_s > 0 or newest else []
         age = None if None in ages else min(ages, default=None)
+        debris = not newest and _is_old(age, min_age_s)
         step_dir = store.layout.step_dir(step)
-        if not newest and old(age):
-            out.append(Debris(store.name, "partial step", step_dir, store.tier.stored_bytes(step_dir), age_s=age))
-            continue
-        try:  # only said, never removed: a size that cannot be had is no reason to fail the tier's gc
-            kept.append(Debris(store.name, "partial step", step_dir, store.tier.stored_bytes(step_dir), age_s=age,
-                               left=LEFT_NEWEST if newest else LEFT_YOUNG))
+        try:
+            nbytes = store.tier.stored_bytes(step_dir)
         except (TieredCkptError, OSError):
-            pass
+            if debris:
+                raise
+            continue  # only said, never removed: a size that cannot be had is no reason to fail the tier's gc
+        why = None if debris else LEFT_NEWEST if newest else LEFT_YOUNG
+        (out if debris else kept).append(Debris(store.name, "partial step", step_dir, nbytes, age_s=age, left=why))
     for rel in store.tier.temp_files():  # the Tier interface (tiers/base.py): every kind answers, plugins too
         age = _age(store, rel, now) if min_age_s > 0 else None
         try:
             size = store.tier.size(rel)
         except (TierError, OSError):
             continue
-        (out if old(age) else kept).append(Debris(store.name, "temporary file", rel, size, age_s=age,
-                                                  left=None if old(age) else LEFT_YOUNG))
+        debris = _is_old(age, min_age_s)
+        (out if debris else kept).append(Debris(store.name, "temporary file", rel, size, age_s=age,
+                                                left=None if debris else LEFT_YOUNG))
     return out
 
 
@@ -140,7 +139,7 @@ def find_unfinished_uploads(store: FileStore, *, live: bool = False, min_age_s: 
         if not in_a_step(up.key):
             continue
         age = None if up.modified is None else now - up.modified
-        if min_age_s <= 0 or (age is not None and age >= min_age_s):
+        if _is_old(age, min_age_s):
             out.append(Debris(store.name, "unfinished upload", up.key, up.nbytes, upload=up, age_s=age))
         elif left is not None:
             left.append(Debris(store.name, "unfinished upload", up.key, up.nbytes, upload=up, age_s=age,
@@ -161,11 +160,13 @@ def _age(store: FileStore, rel: str, now: float) -> float | None:
     return None if mtime is None else now - mtime
 
 
+def _is_old(age: float | None, min_age_s: float) -> bool:
+    """Whether something last changed ``age`` seconds ago (None: unknown) is past gc's grace ``min_age_s``."""
+    return min_age_s <= 0 or (age is not None and age >= min_age_s)
+
+
 def _old_enough(store: FileStore, rel: str, min_age_s: float, now: float) -> bool:
-    if min_age_s <= 0:
-        return True
-    age = _age(store, rel, now)
-    return age is not None and age >= min_age_s
+    return min_age_s <= 0 or _is_old(_age(store, rel, now), min_age_s)
 
 
 def remove_debris(store: FileStore, debris: list[Debris], *, min_age_s: float = TEMP_GRACE_S,
