@@ -114,10 +114,6 @@ class RankProcess:
             self._proc.join(30)
             self.poll()
 
-    def send_signal(self, sig: int) -> None:
-        if self.poll() is None:
-            os.kill(self.pid, sig)
-
 
 def start_rank(script: str | Path, argv: list[str], env: dict[str, str]) -> RankProcess:
     """Start one rank (``env`` is its whole environment, as for ``subprocess.Popen``)."""

@@ -26,12 +26,11 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_ranks(world: int, spec: dict, node_of: dict[int, str] | None = None, timeout: float = 240,
-              worker: Path = WORKER, env_of: dict[int, dict[str, str]] | None = None,
-              fresh: bool = False) -> dict[int, dict]:
-    """Start ``world`` ranks, wait for all, and return each rank's last JSON line (rank → result). The ranks are
-    forked from the fork server of tests/rank_procs.py; ``fresh``: new interpreters (``python worker``), whose
-    crash at exit, after the result, fails the test too."""
+def start_ranks(world: int, spec: dict, *, worker: Path = WORKER, node_of: dict[int, str] | None = None,
+                env_of: dict[int, dict[str, str]] | None = None, fresh: bool = False) -> dict:
+    """Start ``world`` ranks of ``worker`` on a free port (rank → process), forked from the fork server of
+    tests/rank_procs.py; ``fresh``: new interpreters (``python worker``), whose crash at exit, after the result,
+    fails the test too. ``env_of``: a rank's own environment variables."""
     port = free_port()
     procs: dict = {}
     for rank in range(world):
@@ -45,6 +44,15 @@ def run_ranks(world: int, spec: dict, node_of: dict[int, str] | None = None, tim
                                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         else:
             procs[rank] = start_rank(worker, [json.dumps(spec)], env)
+    return procs
+
+
+def run_ranks(world: int, spec: dict, node_of: dict[int, str] | None = None, timeout: float = 240,
+              worker: Path = WORKER, env_of: dict[int, dict[str, str]] | None = None,
+              fresh: bool = False) -> dict[int, dict]:
+    """Start ``world`` ranks (:func:`start_ranks`), wait for all, and return each rank's last JSON line
+    (rank → result)."""
+    procs = start_ranks(world, spec, worker=worker, node_of=node_of, env_of=env_of, fresh=fresh)
     results = {}
     deadline = time.monotonic() + timeout
     try:

@@ -9,7 +9,6 @@ save commits, and ``gc`` removes the debris (the in-place temporary file like an
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import signal
 import sys
@@ -21,8 +20,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from rank_procs import start_rank  # noqa: E402
-from test_multirank import free_port, run_ranks  # noqa: E402
+from test_multirank import run_ranks, start_ranks  # noqa: E402
 
 from tiered_ckpt.cli import main as cli_main  # noqa: E402
 
@@ -46,14 +44,7 @@ def _with_shm(cfg: dict, shm: str) -> dict:
 def _run_with_victim(spec: dict, victim: int, point: str, timeout: float = 120) -> None:
     """Start the ranks, ``victim`` armed to die at ``point``; once it is dead, the others get a while to finish
     (with rank 0 gone, gloo may not let them), then the ones left are killed."""
-    port = free_port()
-    procs = {}
-    for rank in range(WORLD):
-        env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": str(WORLD), "LOCAL_RANK": str(rank),
-               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1"}
-        if rank == victim:
-            env["TIERED_CKPT_CRASH_AT"] = point
-        procs[rank] = start_rank(WORKER, [json.dumps(spec)], env)
+    procs = start_ranks(WORLD, spec, worker=WORKER, env_of={victim: {"TIERED_CKPT_CRASH_AT": point}})
     try:
         _, err = procs[victim].communicate(timeout=timeout)
         assert procs[victim].returncode == -signal.SIGKILL, f"rank {victim} was not killed at {point}:\n{err[-3000:]}"
