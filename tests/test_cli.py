@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import time
 import uuid
 from pathlib import Path
 
@@ -67,8 +68,14 @@ def test_ls_shows_committed_and_partial(ckpt, capsys):
     assert code == EXIT_OK
     assert [(r["step"], r["state"]) for r in rows] == [(1, "committed"), (2, "committed"), (3, "partial")]
     assert rows[0]["bytes"] > 0 and rows[0]["ranks"] == [0]
+    # A partial step's age is its newest file's: how long ago a save last wrote there.
+    flat = root / "iter_0000003" / "rank_00000" / "state.flat"
+    os.utime(flat, (time.time() - 7200, time.time() - 7200))
+    code, out = run(capsys, "ls", str(root), "--json")
+    assert 7190 < json.loads(out)[2]["age_s"] < 7300
     code, out = run(capsys, "ls", str(root))
     assert "partial" in out and "committed" in out
+    assert re.search(r"\b3 +partial .* 2 h ", out), out
 
 
 def test_ls_with_config_lists_memory_snapshots(ckpt, capsys, tmp_path):

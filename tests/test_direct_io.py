@@ -6,6 +6,7 @@ import errno
 import fcntl
 import mmap
 import os
+import threading
 
 import pytest
 import torch
@@ -19,6 +20,7 @@ from tiered_ckpt.memory_store import ITEM_ALIGN, plan_items
 from tiered_ckpt.testing.contract import host_bytes, raw_files
 from tiered_ckpt.tiers import _direct_io
 from tiered_ckpt.tiers._direct_io import BLOCK, BOUNCE, DirectWriter
+from tiered_ckpt.tiers.base import StableChunks
 
 
 def _takes_o_direct(directory) -> bool:
@@ -51,10 +53,10 @@ def _pattern(n: int, seed: int) -> bytes:
     return torch.randint(0, 256, (n,), dtype=torch.uint8, generator=g).numpy().tobytes()
 
 
-def _write_direct(path, pieces) -> int:
+def _write_direct(path, pieces, stable: bool = False) -> int:
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_DIRECT, 0o600)
     try:
-        w = DirectWriter(fd)
+        w = DirectWriter(fd, stable=stable)
         try:
             for p in pieces:
                 w.write(memoryview(p))
@@ -68,8 +70,8 @@ def _write_direct(path, pieces) -> int:
 
 @settings(max_examples=25, deadline=None)
 @given(sizes=st.lists(st.integers(0, 3 * BOUNCE // 2), min_size=1, max_size=6), aligned=st.lists(st.booleans(),
-       min_size=6, max_size=6), seed=st.integers(0, 1000))
-def test_any_stream_round_trips(tmp_path_factory, sizes, aligned, seed):
+       min_size=6, max_size=6), seed=st.integers(0, 1000), stable=st.booleans())
+def test_any_stream_round_trips(tmp_path_factory, sizes, aligned, seed, stable):
     directory = tmp_path_factory.mktemp("direct")
     if not _takes_o_direct(directory):
         pytest.skip("no O_DIRECT here")
@@ -84,7 +86,7 @@ def test_any_stream_round_trips(tmp_path_factory, sizes, aligned, seed):
         else:
             pieces.append(data)
     path = directory / "f"
-    written = _write_direct(path, pieces)
+    written = _write_direct(path, pieces, stable)
     expect = b"".join(bytes(p) for p in pieces)
     assert written == len(expect)
     assert path.read_bytes() == expect  # exact size: the tail was not padded
@@ -106,6 +108,79 @@ def test_aligned_bulk_is_written_without_the_bounce_buffer(direct_dir, monkeypat
     assert path.read_bytes() == b"h" * BLOCK + bytes(mv)
     # the header block, then the whole aligned piece in one write straight from its buffer
     assert calls == [(BLOCK, 0), (len(mv), BLOCK)]
+
+
+def test_a_stable_stream_s_piece_is_left_writing_while_the_next_is_made(direct_dir, monkeypatch):
+    """With stable memory, write() returns while the piece it was given is still being written (the disk stays
+    busy while the caller makes the next one); finish() waits for it. Without, write() waits for it."""
+    m, mv = _aligned(4 * BOUNCE)
+    mv[:] = _pattern(len(mv), 5)
+    real = os.pwrite
+    release = threading.Event()
+    started = threading.Event()
+
+    def pwrite(fd, data, pos):
+        if len(data) >= BOUNCE:
+            started.set()
+            assert release.wait(10)
+        return real(fd, data, pos)
+
+    monkeypatch.setattr(os, "pwrite", pwrite)
+    fd = os.open(direct_dir / "f", os.O_WRONLY | os.O_CREAT | os.O_DIRECT, 0o600)
+    try:
+        w = DirectWriter(fd, stable=True)
+        w.write(mv)  # returns with the piece's write still blocked
+        assert started.wait(10) and not release.is_set()
+        done = threading.Event()
+        finisher = threading.Thread(target=lambda: (w.finish(), done.set()))
+        finisher.start()
+        assert not done.wait(0.2)  # finish() waits for the running write
+        release.set()
+        finisher.join(10)
+        assert done.is_set()
+    finally:
+        os.close(fd)
+    assert (direct_dir / "f").read_bytes() == bytes(mv)
+
+    release.clear()
+    started.clear()
+    fd = os.open(direct_dir / "g", os.O_WRONLY | os.O_CREAT | os.O_DIRECT, 0o600)
+    try:
+        w = DirectWriter(fd)  # not stable: the caller may reuse its buffer once write() returns
+        writer = threading.Thread(target=w.write, args=(mv,))
+        writer.start()
+        assert started.wait(10)
+        writer.join(0.2)
+        assert writer.is_alive()  # still inside write(), waiting for its own piece
+        release.set()
+        writer.join(10)
+        w.finish()
+    finally:
+        os.close(fd)
+    assert (direct_dir / "g").read_bytes() == bytes(mv)
+
+
+def test_a_stable_write_failing_on_the_helper_fails_the_file(direct_dir, make_tier, monkeypatch):
+    """An error of a write left running reaches the caller (at the next piece or at finish), as a tier error
+    naming the key, and the old file stays."""
+    tier = make_tier("local", path=direct_dir / "ckpt")
+    tier.write_blob("a/file.flat", [b"old"])
+    m, mv = _aligned(4 * BOUNCE)
+    mv[:] = _pattern(len(mv), 6)
+    real = os.pwrite
+
+    def pwrite(fd, data, pos):
+        if len(data) >= BOUNCE and threading.current_thread() is not threading.main_thread():
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(fd, data, pos)
+
+    monkeypatch.setattr(os, "pwrite", pwrite)
+    with pytest.raises(PermanentTierError, match="disk full") as info:
+        tier.write_blob("a/file.flat", StableChunks([b"h" * BLOCK, mv]))
+    monkeypatch.undo()
+    assert "key 'a/file.flat'" in str(info.value)
+    assert raw_files(tier.root) == ["a/file.flat"]
+    assert host_bytes(tier.read_blob("a/file.flat")) == b"old"
 
 
 def test_open_refused_falls_back_to_buffered(tmp_path, make_tier, monkeypatch, caplog):
@@ -131,20 +206,24 @@ def test_open_refused_falls_back_to_buffered(tmp_path, make_tier, monkeypatch, c
     assert raw_files(tier.root) == ["a/b.bin"]  # no temporary file left by the refused open
 
 
-def test_write_refused_midway_finishes_buffered(direct_dir, monkeypatch):
+@pytest.mark.parametrize("stable", [False, True])
+def test_write_refused_midway_finishes_buffered(direct_dir, monkeypatch, stable):
     real = os.pwrite
     refused = []
 
     def pwrite(fd, data, pos):
-        if fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_DIRECT and pos >= BOUNCE:
+        if fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_DIRECT and pos + len(data) > BOUNCE:
             refused.append(pos)
             raise OSError(errno.EINVAL, "Invalid argument")
         return real(fd, data, pos)
 
     monkeypatch.setattr(os, "pwrite", pwrite)
     data = _pattern(3 * BOUNCE + 1000, 3)
+    m, mv = _aligned(len(data))
+    mv = mv[100:]  # congruent with its file offset: written in place (on the helper when stable)
+    mv[:] = data[100:]
     path = direct_dir / "f"
-    _write_direct(path, [data[:100], data[100:]])
+    _write_direct(path, [data[:100], mv, mv[:0]], stable)
     assert refused and path.read_bytes() == data
 
 

@@ -79,6 +79,17 @@ def human_bytes(n: float) -> str:
     return f"{n} B"
 
 
+def human_duration(seconds: float) -> str:
+    """``seconds`` as a person reads it: 45 s, 12 min, 3.5 h, 2 d, inf."""
+    if seconds == float("inf"):
+        return "inf"
+    for unit, size in (("d", 86400), ("h", 3600), ("min", 60)):
+        if seconds >= size:
+            value = seconds / size
+            return f"{value:.1f}".removesuffix(".0") + f" {unit}" if value < 10 else f"{value:.0f} {unit}"
+    return f"{seconds:.0f} s"
+
+
 # ----- storage options ------------------------------------------------------------------------------------
 def storage_options(items: list[str] | None, endpoint_url: str | None) -> dict[str, Any]:
     """``--storage-option KEY=VALUE`` (repeatable) and ``--endpoint-url`` as fsspec storage options.

@@ -21,6 +21,7 @@ from .cli_common import (
     _print_table,
     _text,
     human_bytes,
+    human_duration,
 )
 from .errors import ConfigError, TierError
 
@@ -125,14 +126,15 @@ def cmd_gc(args: argparse.Namespace) -> int:
                 done = "could not remove" if f.get("error") else verb
                 print(f"{done}  {f['what']}  tier {f['tier']!r}: {f['key']}  ({human_bytes(f['bytes'])})")
         for d in left:
-            age = "age unknown" if d.age_s is None else f"changed {_duration(d.age_s)} ago"
+            age = "age unknown" if d.age_s is None else f"changed {human_duration(d.age_s)} ago"
             why = "" if d.left == LEFT_YOUNG else ("; newer than every committed step: a save may be writing it, "
                                                   "and retention removes it once a step above it is committed")
             print(f"left  {d.what}  tier {d.tier!r}: {d.key}  ({human_bytes(d.nbytes)}; {age}{why})")
         young = sum(d.left == LEFT_YOUNG for d in left)
         if young:
-            print(f"{young} left: changed less than --min-age ({_duration(args.min_age)}) ago, or whose age cannot "
-                  "be told; a write may still be in flight there (once no save runs, --min-age 0 takes them too)")
+            print(f"{young} left: changed less than --min-age ({human_duration(args.min_age)}) ago, or whose age "
+                  "cannot be told; a write may still be in flight there (once no save runs, --min-age 0 takes them "
+                  "too)")
         if live_run is not None:
             print(f"run {live_run!r} has a live engine on this node: nothing on its file tiers is touched (its own "
                   "retention removes its debris after each commit)")
@@ -144,17 +146,6 @@ def cmd_gc(args: argparse.Namespace) -> int:
 
     payload = {"deleted": args.delete, "found": found, "left": [d.to_dict() for d in left], "live_run": live_run}
     return _emit(args, payload, problem, text, bool(found))
-
-
-def _duration(seconds: float) -> str:
-    """``seconds`` as a person reads it: 45 s, 12 min, 3.5 h, 2 d, inf."""
-    if seconds == float("inf"):
-        return "inf"
-    for unit, size in (("d", 86400), ("h", 3600), ("min", 60)):
-        if seconds >= size:
-            value = seconds / size
-            return f"{value:.1f}".removesuffix(".0") + f" {unit}" if value < 10 else f"{value:.0f} {unit}"
-    return f"{seconds:.0f} s"
 
 
 def parse_min_age(text: str) -> float:

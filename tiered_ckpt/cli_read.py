@@ -24,6 +24,7 @@ from .cli_common import (
     _ranks,
     _text,
     human_bytes,
+    human_duration,
     no_commit_message,
 )
 from .errors import NoCheckpointError, TierError
@@ -78,7 +79,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
 
     def text() -> None:
         _print_table([[i.tier, "-" if i.step is None else i.step, i.state, human_bytes(i.nbytes),
-                       "-" if i.age_s is None else f"{i.age_s:.0f}s", i.files, _ranks(i.ranks)] for i in infos],
+                       "-" if i.age_s is None else human_duration(i.age_s), i.files, _ranks(i.ranks)] for i in infos],
                      ["tier", "step", "state", "size", "age", "files", "ranks"])
 
     return _emit(args, [i.to_dict() for i in infos], problem, text if infos else lambda: None, bool(infos))

@@ -663,7 +663,7 @@ class FileStore(CommittedFiles):
         steps in order, so nothing older than its newest commit is still being written. A step directory that
         Megatron-LM, DLRover or DCP wrote is their checkpoint, never one of them (layouts/foreign.py).
         ``uncommitted``: :meth:`uncommitted_steps` of ``keys``, where the caller has it already."""
-        committed = {s for s in map(self.layout.parse_manifest_key, keys) if s is not None}
+        committed = self.layout.committed_in(keys)
         if not committed:
             return {}
         newest = max(committed) if newest is None else newest
@@ -675,7 +675,7 @@ class FileStore(CommittedFiles):
         """Every step directory in the tier's listing ``keys`` that holds no manifest and is not another
         program's checkpoint, each with its keys: the :meth:`partial_steps`, and those newer than every commit
         (a save in flight, or one killed before its commit)."""
-        committed = {s for s in map(self.layout.parse_manifest_key, keys) if s is not None}
+        committed = self.layout.committed_in(keys)
         foreign = foreign_step_dirs(keys, self.tier)
         found: dict[int, list[str]] = {}
         for key in keys:
@@ -696,7 +696,7 @@ class FileStore(CommittedFiles):
         alone, with a warning: counting it would make the new steps the oldest, deleted right after their
         commit (found by a new-user trial)."""
         keys = self.tier.list("")
-        committed = sorted({s for s in map(self.layout.parse_manifest_key, keys) if s is not None})
+        committed = sorted(self.layout.committed_in(keys))
         self._held_back = False
         if newest is not None:
             above = tuple(s for s in committed if s > newest)

@@ -44,7 +44,7 @@ class CommittedFiles:
 
     # ----- discovering and reading -------------------------------------------------------------------------
     def committed_steps(self) -> list[int]:
-        return sorted({s for s in map(self.layout.parse_manifest_key, self.tier.list("")) if s is not None})
+        return sorted(self.layout.committed_in(self.tier.list("")))
 
     def read_manifest(self, step: int, *, cached: bool = False) -> CheckpointManifest:
         if cached and step in self._manifests:

@@ -90,8 +90,7 @@ def find_debris(store: FileStore, *, live: bool = False, min_age_s: float = TEMP
     partial = store.partial_steps(listed, uncommitted=uncommitted)
     for step, keys in sorted(uncommitted.items()):
         newest = step not in partial  # never debris: a save may be writing it (the next commit above removes it)
-        ages = [_age(store, k, now) for k in keys] if min_age_s > 0 or newest else []
-        age = None if None in ages else min(ages, default=None)
+        age = files_age(store, keys, now) if min_age_s > 0 or newest else None
         debris = not newest and _is_old(age, min_age_s)
         step_dir = store.layout.step_dir(step)
         try:
@@ -158,6 +157,13 @@ def modified(store: FileStore, rel: str) -> float | None:
 def _age(store: FileStore, rel: str, now: float) -> float | None:
     mtime = modified(store, rel)
     return None if mtime is None else now - mtime
+
+
+def files_age(store: FileStore, keys: Sequence[str], now: float | None = None) -> float | None:
+    """Seconds since the newest of the files ``keys`` changed; None if one of them cannot tell (or none given)."""
+    now = time.time() if now is None else now
+    ages = [_age(store, k, now) for k in keys]
+    return None if None in ages else min(ages, default=None)
 
 
 def _is_old(age: float | None, min_age_s: float) -> bool:

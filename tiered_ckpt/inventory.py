@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TextIO
 
 from .errors import ConfigError, CorruptionError, TieredCkptError, TierError
+from .housekeeping import files_age
 from .layouts.foreign import DCP_STATE, foreign_step_dirs
 
 if TYPE_CHECKING:
@@ -133,7 +134,7 @@ def file_steps(store: FileStore) -> list[StepInfo]:
 
     keys = store.tier.list("")
     foreign = foreign_step_dirs(keys, store.tier)
-    committed = {s for s in map(store.layout.parse_manifest_key, keys) if s is not None}
+    committed = store.layout.committed_in(keys)
     present = {store.layout.parse_step_dir(k.split("/", 1)[0]) for k in keys} - {None}
     now = time.time()
     out = []
@@ -153,7 +154,8 @@ def file_steps(store: FileStore) -> list[StepInfo]:
         files = [k for k in keys if k.startswith(prefix)]
         size = store.tier.stored_bytes(prefix)
         state = foreign.get(store.layout.step_dir(step), "partial")  # Megatron-LM's, DLRover's or DCP's own
-        out.append(StepInfo(store.name, step, state, size, None, len(files),
+        age = files_age(store, files, now) if state == "partial" else None  # another program's: not stat'ed
+        out.append(StepInfo(store.name, step, state, size, age, len(files),
                             sorted(store.rank_manifests(step))))
     if "" in plain_step_dirs(keys):  # the directory given is a DCP checkpoint itself (issue #14)
         out.append(StepInfo(store.name, None, DCP_STATE, sum(store.tier.size(k) for k in keys), None, len(keys)))

@@ -246,6 +246,8 @@ def _parse(data: bytes, fmt: str, where: str, tier: str | None) -> tuple[_Reader
     if outside:
         raise r.fail(f"files[{outside[0]}].rank: {files[outside[0]].rank} is outside a world of {world}")
     layout = r.get(d, "layout", str, "")
+    if not layout.strip():
+        raise r.fail(f"layout: {layout!r} names no layout")
     created = r.get(d, "created", (int, float), "", optional=True) or 0.0
     if not isinstance(created, float):
         created = float(created) if abs(created) < 1 << 53 else math.inf

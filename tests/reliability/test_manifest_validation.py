@@ -76,6 +76,7 @@ RANK_CASES = {
     "another rank's file": (rank_doc(**{"files.0": _file(0)}), "files[0].rank: 0, in the manifest of rank 1"),
     "another rank's directory": (rank_doc(**{"files.0.key": "iter_0000010/rank_00000/state.flat"}),
                                  "is not rank 1's file of item 'state'"),
+    "no layout name": (rank_doc(layout=""), "layout: '' names no layout"),
     "another item's file": (rank_doc(**{"files.0.key": "iter_0000010/rank_00001/other.flat"}),
                             "is not rank 1's file of item 'state'"),
     "another step's directory": (rank_doc(**{"files.0.key": "iter_0000009/rank_00001/state.flat"}),
@@ -291,9 +292,12 @@ def test_random_rank_manifests_are_refused_or_name_only_that_ranks_sane_files(da
         return
     assert (manifest.step, manifest.rank) == (10, 1)
     for f in manifest.files:
-        assert f.rank == 1 and f.key.startswith("iter_0000010/rank_00001/")
-        if manifest.layout in ("rank_sharded", "megatron", "dcp") and f.codec in EXTENSION:
-            assert f.key == f"iter_0000010/rank_00001/{f.item}.{EXTENSION[f.codec]}"
+        assert f.rank == 1 and f.key.startswith("iter_0000010/")
+        assert not [p for p in f.key.split("/") if p.startswith("rank_") and p != "rank_00001"], f.key
+        if manifest.layout in ("rank_sharded", "megatron", "dcp"):
+            assert f.key.startswith("iter_0000010/rank_00001/")
+            if f.codec in EXTENSION:
+                assert f.key == f"iter_0000010/rank_00001/{f.item}.{EXTENSION[f.codec]}"
         # (a layout or codec this process does not have: only the rank's directory can be checked; loading it
         # is refused later, naming the unknown codec or layout)
         assert 0 <= f.size <= MAX_BYTES

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from ..errors import DecodeError
-from ..tiers.base import IO_BLOCK, Chunk, StableChunks, as_memoryview
+from ..tiers.base import IO_BLOCK, Chunk, StableChunks, StableStream, as_memoryview
 from . import flat
 from .byte_grouping import grouped_chunks, ungroup_
 
@@ -114,7 +114,10 @@ class TorchFileCodec(FileCodec):
         # Large tensors are placed page-congruent with their slot memory so the local tier's O_DIRECT writer sends
         # them without a copy; torch.load reads the padding as it reads torch.save's.
         # Every torch file we write is one Megatron-LM reads: refuse what its weights-only loader would refuse.
-        return iter_torch_save(src.materialize(), archive=src.name, page_congruent=True, megatron_loadable=True)
+        # Its tensors' bytes are views of the source (as stable as the flat codec's, above); every other piece is a
+        # buffer of its own: the stream is stable, so a writer may keep a piece past the next one.
+        return StableStream(iter_torch_save(src.materialize(), archive=src.name, page_congruent=True,
+                                            megatron_loadable=True))
 
     def decode(self, blob: torch.Tensor, *, copy: bool = True, map_location: Any = None,
                trust_pickles: bool = False, where: str = "", byte_grouping: bool = False) -> Any:

@@ -85,7 +85,7 @@ def inspect_plain(store: Any, step: int | None, as_json: bool
     directory ``step`` (None: the newest such). None when there is none."""
     keys = store.tier.list("")
     dirs = plain_step_dirs(keys)
-    committed = {s for s in map(store.layout.parse_manifest_key, keys) if s is not None}
+    committed = store.layout.committed_in(keys)
     steps = {s: d for d in dirs if (s := store.layout.parse_step_dir(d)) is not None and s not in committed}
     if step is None and "" in dirs:
         prefix = ""

@@ -65,6 +65,11 @@ class Layout:
         m = _MANIFEST.match(key)
         return int(m.group(1)) if m else None
 
+    @classmethod
+    def committed_in(cls, keys: Iterable[str]) -> set[int]:
+        """The steps whose checkpoint manifest is among ``keys`` (a tier's listing): its committed steps."""
+        return {s for s in map(cls.parse_manifest_key, keys) if s is not None}
+
     @staticmethod
     def parse_rank_manifest_key(key: str) -> tuple[int, int] | None:
         m = _RANK_MANIFEST.match(key)

@@ -38,7 +38,7 @@ from ..hostmem import FileShrankError, read_file
 from ..retry import FULL_ERRNOS, TRANSIENT_ERRNOS, repeat_on
 from ._direct_io import DIRECT_MIN, DirectWriter, buffered_io
 from ._nofollow import check_dirs, check_size, open_parent, open_regular, real_dir, refused_entry
-from .base import as_memoryview, check_key, check_prefix, check_range
+from .base import as_memoryview, check_key, check_prefix, check_range, chunks_stable
 
 log = logging.getLogger(__name__)
 
@@ -166,6 +166,7 @@ def write_chunks(fd: int, chunks: Iterable[Any], fail: Callable[[OSError], Excep
     bytes, smaller lists are written through the page cache. An ``OSError`` of the writes
     themselves becomes ``fail(exc)``; whatever the producer raises propagates unchanged.
     """
+    stable = chunks_stable(chunks)
     if isinstance(chunks, (list, tuple)):
         views = [as_memoryview(c) for c in chunks]
         total = sum(len(v) for v in views)
@@ -180,7 +181,7 @@ def write_chunks(fd: int, chunks: Iterable[Any], fail: Callable[[OSError], Excep
                 raise fail(exc) from exc
             return total
         chunks = views
-    writer = DirectWriter(fd) if direct else None
+    writer = DirectWriter(fd, stable=stable) if direct else None
     written = 0
     try:
         for chunk in chunks:

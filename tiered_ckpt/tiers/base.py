@@ -42,7 +42,7 @@ import getpass
 import os
 import socket
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -61,6 +61,19 @@ class StableChunks(list):
     say so with a ``stable`` attribute of their own (:func:`chunks_stable`)."""
 
     stable = True
+
+
+class StableStream:
+    """Chunks made one at a time with the promise of :class:`StableChunks`: each is a view of memory that stays
+    as it is until the write consuming them returns, or a buffer of its own that nothing reuses."""
+
+    stable = True
+
+    def __init__(self, chunks: Iterable[Chunk]):
+        self._chunks = chunks
+
+    def __iter__(self) -> Iterator[Chunk]:
+        return iter(self._chunks)
 
 
 def chunks_stable(chunks: Iterable[Chunk]) -> bool:
