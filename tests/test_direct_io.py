@@ -7,6 +7,7 @@ import fcntl
 import mmap
 import os
 import threading
+import time
 
 import pytest
 import torch
@@ -20,7 +21,7 @@ from tiered_ckpt.memory_store import ITEM_ALIGN, plan_items
 from tiered_ckpt.testing.contract import host_bytes, raw_files
 from tiered_ckpt.tiers import _direct_io
 from tiered_ckpt.tiers._direct_io import BLOCK, BOUNCE, DirectWriter
-from tiered_ckpt.tiers.base import StableChunks
+from tiered_ckpt.tiers.base import StableChunks, StableStream
 
 
 def _takes_o_direct(directory) -> bool:
@@ -299,3 +300,127 @@ def test_flat_files_with_the_old_64_byte_alignment_still_decode():
     blob = head + b"\0" * ((-len(head)) % ALIGN) + host_bytes(buf)
     got = FlatFileCodec().decode(torch.frombuffer(bytearray(blob), dtype=torch.uint8), where="old.flat")
     assert torch.equal(got["w"], value["w"])
+
+
+def test_a_producer_failing_waits_for_the_writes_still_running_from_its_memory(direct_dir, make_tier, monkeypatch):
+    """A stable producer that raises while a write from its memory still runs: write_blob raises its error only
+    once that write has returned (the memory may be released right after), and leaves no file."""
+    tier = make_tier("local", path=direct_dir / "ckpt")
+    m, mv = _aligned(4 * BOUNCE)
+    mv[:] = _pattern(len(mv), 7)
+    real = os.pwrite
+    running = threading.Event()
+    returned = []
+
+    def pwrite(fd, data, pos):
+        if len(data) >= BOUNCE:
+            running.set()
+            time.sleep(0.3)
+            try:
+                return real(fd, data, pos)
+            finally:
+                returned.append(time.monotonic())
+        return real(fd, data, pos)
+
+    def chunks():
+        yield mv
+        assert running.wait(10)
+        raise RuntimeError("the producer broke")
+
+    monkeypatch.setattr(os, "pwrite", pwrite)
+    with pytest.raises(RuntimeError, match="the producer broke"):
+        tier.write_blob("a/file.flat", StableStream(chunks()))
+    failed_at = time.monotonic()
+    monkeypatch.undo()
+    assert returned and returned[0] <= failed_at
+    assert raw_files(tier.root) == []
+
+
+def test_a_failed_running_write_is_reported_at_the_next_piece(direct_dir, monkeypatch):
+    """The error of a write left running reaches the caller at its next write() once it is known, not only at
+    finish(): the producer stops making pieces that would be thrown away."""
+    m, mv = _aligned(4 * BOUNCE)
+    real = os.pwrite
+
+    def pwrite(fd, data, pos):
+        if len(data) >= BOUNCE:
+            raise OSError(errno.EIO, "Input/output error")
+        return real(fd, data, pos)
+
+    monkeypatch.setattr(os, "pwrite", pwrite)
+    fd = os.open(direct_dir / "f", os.O_WRONLY | os.O_CREAT | os.O_DIRECT, 0o600)
+    try:
+        w = DirectWriter(fd, stable=True)
+        try:
+            w.write(mv[:2 * BOUNCE])
+            for _ in range(200):  # let the helper fail
+                if w._running[0].done():
+                    break
+                time.sleep(0.01)
+            with pytest.raises(OSError, match="Input/output error"):
+                w.write(memoryview(b"x" * 100))
+        finally:
+            w.close()
+    finally:
+        os.close(fd)
+
+
+def test_two_running_writes_refused_at_once_both_finish_buffered(direct_dir, monkeypatch):
+    """Two writes from stable memory refused with EINVAL at the same time, on the two threads: the descriptor is
+    switched to the page cache once and both are written again through it."""
+    data = _pattern(4 * BOUNCE, 8)
+    m, mv = _aligned(len(data))
+    mv[:] = data
+    real = os.pwrite
+    barrier = threading.Barrier(2, timeout=10)
+    refused = []
+
+    def pwrite(fd, piece, pos):
+        if fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_DIRECT and len(piece) >= BOUNCE:
+            barrier.wait()  # both in flight before either is refused
+            refused.append(pos)
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real(fd, piece, pos)
+
+    monkeypatch.setattr(os, "pwrite", pwrite)
+    path = direct_dir / "f"
+    _write_direct(path, [mv[:2 * BOUNCE], mv[2 * BOUNCE:]], stable=True)
+    assert sorted(refused) == [0, 2 * BOUNCE] and path.read_bytes() == data
+
+
+def test_the_torch_codec_s_stream_is_stable_and_written_with_writes_left_running(tmp_path, shm_root, monkeypatch):
+    """An item saved in the torch codec (Megatron's files) reaches the local tier as a stable stream through the
+    drain's wrappers, its tensors are written from the slot with writes left running, and torch.load reads it."""
+    if not _takes_o_direct(tmp_path):
+        pytest.skip("no O_DIRECT here")
+    seen = []
+    real_init = DirectWriter.__init__
+
+    def init(self, fd, start=0, *, stable=False):
+        seen.append(stable)
+        real_init(self, fd, start, stable=stable)
+
+    monkeypatch.setattr(DirectWriter, "__init__", init)
+    state = {"w": torch.arange(3 << 20, dtype=torch.float32), "b": torch.ones(7), "step": 3}
+    cfg = {"run_id": "torch-stable", "layout": "megatron", "drain": {"mode": "thread"},
+           "tiers": [{"name": "shm", "kind": "shm", "path": str(shm_root)},
+                     {"name": "disk", "kind": "local", "path": str(tmp_path / "ckpt")}]}
+    with CheckpointEngine(cfg) as engine:
+        engine.save(1, {"model_optim_rng": state}).wait(timeout=60)
+    assert True in seen
+    files = list((tmp_path / "ckpt").rglob("model_optim_rng.pt"))
+    assert len(files) == 1
+    loaded = torch.load(files[0], weights_only=True)
+    assert torch.equal(loaded["w"], state["w"]) and torch.equal(loaded["b"], state["b"]) and loaded["step"] == 3
+
+
+def test_a_streamed_tensor_is_refused_where_the_torch_stream_is_promised_stable():
+    from tiered_ckpt.errors import EncodeError
+    from tiered_ckpt.megatron.torch_zip import StreamedTensor, iter_torch_save
+
+    reused = bytearray(16)
+    obj = {"t": StreamedTensor(torch.uint8, (16,), lambda: [reused])}
+    assert len(b"".join(bytes(c) for c in iter_torch_save(obj))) > 16  # allowed where nothing is promised
+    with pytest.raises(EncodeError, match="promised stable"):
+        next(iter(iter_torch_save(obj, tensors_only=True)))
+

@@ -30,7 +30,7 @@ from tiered_ckpt.errors import ConfigError, CorruptionError
 from tiered_ckpt.testing.s3 import S3FaultProxy, S3Server, s3_operation
 from tiered_ckpt.tiers import _s3
 from tiered_ckpt.tiers._s3 import RequestBody
-from tiered_ckpt.tiers.base import StableChunks
+from tiered_ckpt.tiers.base import StableChunks, StableStream
 from tiered_ckpt.tiers.fsspec_tier import FsspecOptions, FsspecTier, redact, redacted_options, secret_values
 from tiered_ckpt.tiers.s3 import S3Tier
 from tiered_ckpt.validate import build_dataclass
@@ -197,6 +197,25 @@ def test_stable_chunks_go_out_as_views_whatever_their_sizes(remote, monkeypatch)
     small = StableChunks([data[:10], data[10:MiB]])  # under one part: one PUT of both pieces
     assert tier.write_blob("small", small) == MiB and torch.equal(tier.read_blob("small"), data[:MiB])
     assert taken == [] and remote.uploads_in_progress() == []
+
+
+def test_small_stable_pieces_are_joined_within_a_part(remote, monkeypatch):
+    """A stable stream of many small pieces (a torch-format file's headers and small tensors) goes out as a few
+    views per part: runs of pieces under JOIN_BELOW are joined into one buffer, large pieces stay views."""
+    tier = FsspecTier("s3", FsspecOptions(url=remote.url, options=remote.proxy.storage_options(), part_size=PART,
+                                          max_concurrency=2))
+    sent = []
+    real_submit = _s3.Upload._submit
+    monkeypatch.setattr(_s3.Upload, "_submit", lambda self, views, owner: sent.append(len(views)) or
+                        real_submit(self, views, owner))
+    data = torch.randint(0, 256, (2 * PART + 5000,), dtype=torch.uint8, generator=torch.Generator().manual_seed(6))
+    cuts = list(range(0, PART, 1000)) + [PART + 17, 2 * PART - 3] + list(range(2 * PART, data.numel(), 100))
+    cuts.append(data.numel())
+    pieces = StableStream(data[a:b] for a, b in zip(cuts, cuts[1:], strict=False))
+    assert tier.write_blob("many", pieces) == data.numel()
+    assert torch.equal(tier.read_blob("many"), data)
+    assert len(cuts) > 1000 and max(sent) <= 3, sent  # small runs joined, the large pieces as they are
+    assert remote.uploads_in_progress() == []
 
 
 def test_a_request_body_reads_and_iterates_its_views_in_order():

@@ -114,10 +114,10 @@ class TorchFileCodec(FileCodec):
         # Large tensors are placed page-congruent with their slot memory so the local tier's O_DIRECT writer sends
         # them without a copy; torch.load reads the padding as it reads torch.save's.
         # Every torch file we write is one Megatron-LM reads: refuse what its weights-only loader would refuse.
-        # Its tensors' bytes are views of the source (as stable as the flat codec's, above); every other piece is a
-        # buffer of its own: the stream is stable, so a writer may keep a piece past the next one.
+        # Its tensors' bytes are views of the source (as stable as the flat codec's, above) and every other piece
+        # is a buffer of its own (tensors_only): the stream is stable, so a writer may keep a piece past the next.
         return StableStream(iter_torch_save(src.materialize(), archive=src.name, page_congruent=True,
-                                            megatron_loadable=True))
+                                            megatron_loadable=True, tensors_only=True))
 
     def decode(self, blob: torch.Tensor, *, copy: bool = True, map_location: Any = None,
                trust_pickles: bool = False, where: str = "", byte_grouping: bool = False) -> Any:

@@ -128,11 +128,15 @@ class _Storages:
     """Storage keys in first-seen order, as torch.save numbers them; a storage shared by several real tensors
     is written once (torch.save's behaviour, so re-saving a loaded file gives the same bytes)."""
 
-    def __init__(self) -> None:
+    def __init__(self, tensors_only: bool = False) -> None:
         self.streams: list[StreamedTensor] = []
         self._keys: dict[int, tuple[str, torch.dtype, Any]] = {}
+        self._tensors_only = tensors_only
 
     def ref(self, stream: StreamedTensor) -> _StorageRef:
+        if self._tensors_only:  # its producer may reuse a buffer: not what a stable stream may send
+            raise EncodeError("a StreamedTensor cannot be written where the stream is promised stable (tensors "
+                              "only)")
         key = str(len(self.streams))
         self.streams.append(stream)
         return _storage_ref(stream.dtype, key, stream.numel)
@@ -187,10 +191,11 @@ class _Pickler(StandInDetector):
         return obj.pid if isinstance(obj, _StorageRef) else None
 
 
-def pickle_with_streams(obj: Any) -> tuple[bytes, list[StreamedTensor]]:
+def pickle_with_streams(obj: Any, tensors_only: bool = False) -> tuple[bytes, list[StreamedTensor]]:
     """``data.pkl`` of ``obj`` and the tensors in storage order. Containers are dicts, lists and tuples (the
-    rest is pickled as is, so anything torch.save accepts without tensors inside custom objects)."""
-    st = _Storages()
+    rest is pickled as is, so anything torch.save accepts without tensors inside custom objects).
+    ``tensors_only``: refuse a :class:`StreamedTensor` in ``obj`` (:class:`~tiered_ckpt.errors.EncodeError`)."""
+    st = _Storages(tensors_only)
     prepared = _prepare(obj, st)
     # Stand-ins of classes not imported here (Megatron's enums in a drain worker) are written under their
     # original global names, as the real objects pickle: see tiered_ckpt.pickle_by_name.
@@ -244,9 +249,10 @@ class _ZipStream:
             if pending is None:
                 crc = crc32(mv, crc)
             if len(mv) > _TAIL:
-                # Whoever writes the stream keeps the last chunk it got until it gets the next one: end each
-                # piece with a small copy, so that holding it does not keep the whole piece alive while the
-                # producer makes the next (peak memory: one piece, not two).
+                # Whoever writes the stream keeps the last chunk it got at least until it gets the next one (a
+                # writer of a stable stream, longer): end each piece with a small copy, so that holding it does
+                # not keep the whole piece alive while the producer makes the next (peak memory: one piece, not
+                # two).
                 yield mv[:-_TAIL]
                 yield bytes(mv[-_TAIL:])
             elif len(mv):
@@ -314,7 +320,7 @@ def central_directory(entries: list[_Entry], offset: int) -> bytes:
 
 
 def iter_torch_save(obj: Any, *, archive: str = "archive", page_congruent: bool = False,
-                    megatron_loadable: bool = False) -> Iterator[Any]:
+                    megatron_loadable: bool = False, tensors_only: bool = False) -> Iterator[Any]:
     """The bytes of ``torch.save(obj, f)`` as a stream of chunks, tensors' data produced as it is written.
 
     ``archive`` is the zip's top directory: torch.save names it after the file (``distrib_optim`` for
@@ -329,10 +335,15 @@ def iter_torch_save(obj: Any, *, archive: str = "archive", page_congruent: bool 
     ``megatron_loadable``: refuse (:class:`~tiered_ckpt.errors.EncodeError`, before the first byte) an object
     whose pickle names a global that Megatron's weights-only loader rejects, rather than write a file that
     Megatron-LM cannot load.
+
+    ``tensors_only``: refuse a :class:`StreamedTensor` in ``obj`` (:class:`~tiered_ckpt.errors.EncodeError`,
+    before the first byte). Every piece is then a fresh buffer or a view of one of ``obj``'s tensors (a CUDA
+    tensor's is a host copy of its own): a stream as stable as those tensors' memory
+    (:class:`~tiered_ckpt.tiers.base.StableStream`).
     """
     if sys.byteorder != "little":  # pragma: no cover - we only run on little-endian hosts
         raise RuntimeError("only little-endian hosts are supported")
-    pkl, streams = pickle_with_streams(obj)
+    pkl, streams = pickle_with_streams(obj, tensors_only)
     if megatron_loadable:
         _check_megatron_loadable(pkl, archive)
     z = _ZipStream(archive)

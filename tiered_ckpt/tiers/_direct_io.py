@@ -73,6 +73,8 @@ class DirectWriter:
 
     # ----- writing -----------------------------------------------------------------------------------------
     def write(self, mv: memoryview) -> None:
+        if self._running and self._running[0].done():
+            self._running.popleft().result()  # a write left running failed: say so now, not at finish()
         while len(mv):
             if self.direct and len(mv) >= _ZERO_COPY_MIN:
                 address = _address(mv)

@@ -161,10 +161,12 @@ def write_chunks(fd: int, chunks: Iterable[Any], fail: Callable[[OSError], Excep
     """Write ``chunks`` to ``fd``; ``check(written_so_far, next_len)`` may raise before a chunk is written.
 
     A list or tuple is written with ``writev`` in batches; any other iterable chunk by chunk, each written
-    before the next is requested (producers may reuse their buffer). ``direct``: ``fd`` was opened with
-    ``O_DIRECT``; a :class:`~._direct_io.DirectWriter` writes streams and lists of at least ``DIRECT_MIN``
-    bytes, smaller lists are written through the page cache. An ``OSError`` of the writes
-    themselves becomes ``fail(exc)``; whatever the producer raises propagates unchanged.
+    before the next is requested (producers may reuse their buffer), unless the chunks are stable
+    (:func:`~.base.chunks_stable`): then a direct write of one may still run while the next is made.
+    ``direct``: ``fd`` was opened with ``O_DIRECT``; a :class:`~._direct_io.DirectWriter` writes streams and
+    lists of at least ``DIRECT_MIN`` bytes, smaller lists are written through the page cache. An ``OSError`` of
+    the writes themselves becomes ``fail(exc)``; whatever the producer raises propagates unchanged (after every
+    write still running from its chunks has returned).
     """
     stable = chunks_stable(chunks)
     if isinstance(chunks, (list, tuple)):
@@ -196,7 +198,7 @@ def write_chunks(fd: int, chunks: Iterable[Any], fail: Callable[[OSError], Excep
             except OSError as exc:
                 raise fail(exc) from exc
             written += len(mv)
-            del chunk, mv  # neither way keeps a reference: let the producer free its piece
+            del chunk, mv  # kept only by a direct write still running from a stable chunk: let the producer free it
         if writer is not None:
             try:
                 writer.finish()

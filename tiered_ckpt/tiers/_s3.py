@@ -36,6 +36,10 @@ READ_PIECE = 16 << 20  # bytes per readinto call
 READ_ATTEMPTS = 3  # reads of a blob that is being replaced
 ABORT_ROUNDS = 3  # aborts of a multipart upload while the store still lists it
 MIN_RATE = 1 * MiB  # bytes/s a request must at least achieve before its overall ceiling ends it
+#: Stable pieces smaller than this are joined into one small buffer of the part's own, not sent as views: a
+#: torch-format file's headers and small tensors would otherwise make parts of thousands of tiny views, each a
+#: write of its own on the connection.
+JOIN_BELOW = 64 << 10
 _CHECKSUM_FIELDS = ("ChecksumCRC32", "ChecksumCRC32C", "ChecksumCRC64NVME", "ChecksumSHA1", "ChecksumSHA256")
 
 # ----- S3 error helpers --------------------------------------------------------------------------------------
@@ -227,6 +231,7 @@ class Upload:
         self.stable = False
         self.buf: bytearray | None = None  # the part being gathered, copied (chunks not stable)
         self.views: list[memoryview] = []  # the part being gathered, as views of stable chunks
+        self.small: list[memoryview] = []  # small stable pieces after the last view, joined before the next one
         self.fill = 0
         self.ready: Part | None = None  # a full part held back until we know more data follows
         self.total = 0
@@ -300,7 +305,12 @@ class Upload:
         """Add ``mv[pos:]`` to the part being gathered, up to a whole part; return the new position."""
         take = min(self.part_size - self.fill, len(mv) - pos)
         if self.stable:
-            self.views.append(mv[pos:pos + take])
+            piece = mv[pos:pos + take]
+            if len(piece) < JOIN_BELOW:
+                self.small.append(piece)
+            else:
+                self._join_small()
+                self.views.append(piece)
         else:
             if self.buf is None:
                 self.buf = self._take_buffer()
@@ -310,9 +320,15 @@ class Upload:
             self.ready = self._take_gathered()
         return pos + take
 
+    def _join_small(self) -> None:
+        if self.small:
+            self.views.append(self.small[0] if len(self.small) == 1 else memoryview(b"".join(self.small)))
+            self.small = []
+
     def _take_gathered(self) -> Part:
         """The part gathered so far (perhaps empty), handed over; gathering starts again."""
         if self.stable:
+            self._join_small()
             part: Part = (self.views, None)
             self.views = []
         else:
