@@ -20,7 +20,7 @@ import tempfile
 import uuid
 import zipfile
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -60,12 +60,15 @@ SPECS = [Spec(1, 2, "fp32", buckets=True), Spec(2, 1, "bf16"),
          pytest.param(Spec(2, 1, "fp32", buckets=True), marks=pytest.mark.slow)]
 
 
-def config(run_id: str, *, shm: str | None = None, files: Path | None = None, layout: str = "rank_sharded") -> dict:
+def config(run_id: str, *, shm: str | None = None, files: Path | None = None, local: Path | None = None,
+           layout: str = "rank_sharded") -> dict:
     tiers = []
     if shm is not None:
         tiers.append({"name": "shm", "kind": "shm", "path": shm})
     if files is not None:
         tiers.append({"name": "shared", "kind": "fsspec", "url": f"file://{files}"})
+    if local is not None:  # the local tier as configured by default: fsync, so O_DIRECT where the disk takes it
+        tiers.append({"name": "disk", "kind": "local", "path": str(local)})
     cfg: dict[str, Any] = {"run_id": run_id, "layout": layout, "tiers": tiers}
     if DRAIN:
         cfg["drain"] = {"mode": DRAIN}
@@ -186,6 +189,7 @@ class SavedRun:
     files: dict[str, Path]  # layout -> the file tier's directory
     run_ids: dict[str, str]
     ranks: list[dict[str, Any]]  # rank_train_save_continue's results
+    local: dict[str, Path] = field(default_factory=dict)  # layout -> the local tier's directory (same saves)
 
     def reference(self, coords: tuple[int, int, int]) -> dict[str, Any]:
         return next(r for r in self.ranks if r["coords"] == coords)
@@ -197,11 +201,12 @@ def saved(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFacto
     root = tmp_path_factory.mktemp(spec.id)
     layouts = ("rank_sharded", "megatron")
     files = {lay: root / lay for lay in layouts}
+    local = {lay: root / f"{lay}-local" for lay in layouts}
     run_ids = {lay: f"real-{lay}-{uuid.uuid4().hex[:8]}" for lay in layouts}
-    cfgs = [config(run_ids["rank_sharded"], shm=shm_dir, files=files["rank_sharded"]),
-            config(run_ids["megatron"], files=files["megatron"], layout="megatron")]
+    cfgs = [config(run_ids["rank_sharded"], shm=shm_dir, files=files["rank_sharded"], local=local["rank_sharded"]),
+            config(run_ids["megatron"], files=files["megatron"], local=local["megatron"], layout="megatron")]
     ranks = launch(rank_train_save_continue, 4, spec, cfgs)
-    return SavedRun(spec, files, run_ids, ranks)
+    return SavedRun(spec, files, run_ids, ranks, local)
 
 
 def file_configs(run: SavedRun) -> list[dict]:
@@ -222,6 +227,18 @@ def test_resume_same_dp_bit_exact(saved: SavedRun) -> None:
             assert loaded == (SAVED_AT, FLOPS)
             want = saved.ranks[rank]["fingerprint"]
             assert differences(want, got) == [], f"rank {rank}, layout {layout}"
+
+
+def test_resume_from_the_local_tier_bit_exact(saved: SavedRun) -> None:
+    """(a) again from the local tier (O_DIRECT, with writes from the snapshot left running while the drain makes
+    the next piece), both layouts: Megatron's files load with its allow-list, and a new job resumes exactly."""
+    check_model_files(saved, saved.local)
+    cfgs = [config(saved.run_ids[lay], local=saved.local[lay], layout=lay) for lay in saved.local]
+    results = launch(rank_resume, 4, saved.spec, cfgs)
+    for rank, per_layout in enumerate(results):
+        for layout, (loaded, got) in zip(saved.local, per_layout, strict=True):
+            assert loaded == (SAVED_AT, FLOPS)
+            assert differences(saved.ranks[rank]["fingerprint"], got) == [], f"rank {rank}, layout {layout}"
 
 
 @pytest.mark.parametrize("dp", [1, 4])
@@ -257,12 +274,14 @@ def test_model_files_load_with_megatron_allow_list(saved: SavedRun) -> None:
     check_model_files(saved)
 
 
-def check_model_files(saved: SavedRun) -> None:
+def check_model_files(saved: SavedRun, dirs: dict[str, Path] | None = None) -> None:
+    """Megatron's files in ``dirs`` (layout -> a file tier's directory; default: ``saved.files``)."""
     from megatron.core.enums import ModelType
     from megatron.core.safe_globals import SAFE_GLOBALS
     from megatron.core.transformer.enums import AttnBackend, CudaGraphScope
 
-    paths = sorted(p for d in saved.files.values() for p in d.rglob("model_optim_rng.pt"))
+    dirs = saved.files if dirs is None else dirs
+    paths = sorted(p for d in dirs.values() for p in d.rglob("model_optim_rng.pt"))
     assert len(paths) == 2 * saved.spec.tp * saved.spec.pp, paths
     for path in paths:
         names = _pickle_globals(path)
@@ -278,7 +297,7 @@ def check_model_files(saved: SavedRun) -> None:
     # and `tiered-ckpt verify` (checksums, plus the same check of Megatron's loader) passes them
     from tiered_ckpt.cli import main as cli_main
 
-    for d in saved.files.values():
+    for d in dirs.values():
         assert cli_main(["verify", str(d)]) == 0, d
 
 
