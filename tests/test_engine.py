@@ -757,6 +757,32 @@ def test_process_mode_with_gpu_entry_hops_through_shm(tiers):
         assert_same(make_items(9), engine._load_from("shm", 9, True, None)[0])
 
 
+def _mapped_paths(pid: int) -> set[str]:
+    with open(f"/proc/{pid}/maps") as f:
+        return {line.split(maxsplit=5)[5].strip() for line in f if len(line.split(maxsplit=5)) == 6}
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/maps"), reason="reads the worker's mappings from /proc")
+@pytest.mark.parametrize("names", [("shm", "local"), ("gpu", "shm", "local")], ids=["shm+local", "gpu+shm+local"])
+def test_the_worker_maps_every_slot_after_prepare_before_any_save(tiers, names):
+    """prepare() pays the first-use costs of every process: the worker maps the slots it will read then, not on
+    the drain of the first save into each (which would otherwise reach durable later)."""
+    cfg = config(tiers, *names, mode="process")
+    with CheckpointEngine(cfg) as engine:
+        drain = engine._drain
+        proc = getattr(drain, "proc", drain)._proc
+        engine.prepare(make_items(1))
+        shm = engine.pipeline.stores["shm"]
+        slot_files = {str(shm.tier.files.path(shm.data_key(i))) for i in range(shm.nslots)}
+        assert len(slot_files) == 2 and all(os.path.exists(p) for p in slot_files)
+        assert _wait_for(lambda: slot_files <= _mapped_paths(proc.pid), timeout=120), \
+            f"the worker mapped {sorted(p for p in _mapped_paths(proc.pid) if 'slot_' in p)}"
+        h = engine.save(3, make_items(3))
+        h.wait(timeout=120)
+        assert h.results["local"] is True
+        assert_same(make_items(3), engine._load_from("local", 3, True, None)[0])
+
+
 def test_snapshots_of_another_layout_are_named_in_one_warning(shm_root, tmp_path, caplog):
     """An elastic restart (DP 2 -> 1) finds this rank's old snapshots in shm: they are not recovered as this
     job's, and one warning names them all (it was one long line per slot, per rank)."""

@@ -183,6 +183,9 @@ class DrainRuntime:
             th.start()
         return q
 
+    def slots_ready(self) -> None:
+        """Nothing to map: the threads here read the saver's own slot buffers."""
+
     def busy(self) -> bool:
         """Whether a submitted request has not finished on every due tier yet."""
         with self._cond:

@@ -37,6 +37,12 @@ class Drain(Protocol):
         """Queue ``req``; never blocks for the drain itself."""
         ...
 
+    def slots_ready(self) -> None:
+        """The memory tiers' slots were allocated (``prepare()``). A drain that reads them from another process
+        maps them now, in the background: otherwise the first save into each slot pays for it on its way to
+        durable. Never blocks."""
+        ...
+
     def wait_idle(self, timeout: float | None = None) -> bool:
         """Wait until every submitted request finished on every due tier; False if ``timeout`` passed first."""
         ...

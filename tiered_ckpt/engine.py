@@ -170,6 +170,7 @@ class CheckpointEngine:
         """Allocate and pre-fault every slot for items shaped like ``template``, so even the first save is fast."""
         _, total = plan_items(template)
         self.pipeline.prepare(total)
+        self._drain.slots_ready()
 
     def _acquire_slot(self, step: int) -> tuple[int | None, float]:
         wait = self.pipeline.entry_cfg.when_full != "skip"

@@ -82,6 +82,7 @@ class MemoryStore:
         self.cfg = cfg
         self._buffers: dict[int, torch.Tensor] = {}
         self._read_cache: dict[int, tuple[tuple, torch.Tensor]] = {}
+        self._map_locks: dict[int, threading.Lock] = {}  # one mapping per slot file, whichever thread asks first
         self._reported: set[str] = set()  # malformed slot records already logged
         # Slot allocation: which step each slot holds (read from the records on first use: a restart finds the
         # slots of the process before it), and the slots a writer or the drain still holds.
@@ -441,14 +442,29 @@ class MemoryStore:
         """A reader's view of a slot written by another process, mapped once while the file stays the same:
         the saver rewrites slots in place, and a shared mapping sees what it writes."""
         key = self.data_key(slot)
-        ident = self.tier.blob_identity(key)
-        cached = self._read_cache.get(slot)
-        if ident is not None and cached is not None and cached[0] == ident:
-            return cached[1]
-        buf = self.tier.read_blob(key)
-        if ident is not None:
-            self._read_cache[slot] = (ident, buf)
-        return buf
+        with self._slot_cond:
+            lock = self._map_locks.setdefault(slot, threading.Lock())
+        with lock:
+            ident = self.tier.blob_identity(key)
+            cached = self._read_cache.get(slot)
+            if ident is not None and cached is not None and cached[0] == ident:
+                return cached[1]
+            buf = self.tier.read_blob(key)
+            if ident is not None:
+                self._read_cache[slot] = (ident, buf)
+            return buf
+
+    def map_slots(self) -> int:
+        """In a process that reads the slots another one writes (the drain worker): map every slot file there is
+        now, so that the first drain from each does not pay for it (the page tables of the whole slot, about
+        0.1 s per GiB); how many were mapped. Only files with an identity (:meth:`Tier.blob_identity`) are kept
+        mapped."""
+        mapped = 0
+        for slot in range(self.nslots):
+            if slot not in self._buffers and self.tier.blob_identity(self.data_key(slot)) is not None:
+                self._mapped(slot)
+                mapped += 1
+        return mapped
 
     def item_sources(self, meta: SlotMeta, *, cached: bool = True) -> list[ItemSource]:
         buf = self.data(meta, cached=cached)

@@ -43,6 +43,8 @@ from .store import Store
 log = logging.getLogger(__name__)
 #: After its stop message (or the close deadline), how long a worker gets to exit before it is SIGKILLed.
 STOP_GRACE_S = 10.0
+#: The request that asks the worker to map its source tier's slots ahead of the first drain from each.
+MAP_SLOTS = "map_slots"
 _drains: weakref.WeakSet[ProcessDrain] = weakref.WeakSet()
 
 
@@ -61,6 +63,20 @@ def open_drain(pipeline: Pipeline, on_tier_done: OnTierDone, on_slot_released: O
         log.info("no shared-memory tier to hand the snapshot to a worker process: the drain runs as threads")
     return DrainRuntime(stores, order, pipeline.coords, pipeline.emit, on_tier_done, on_slot_released,
                         **pipeline.drain_options())
+
+
+def _map_slots(store: Store) -> None:
+    """The worker's side of :meth:`ProcessDrain.slots_ready`: map the source tier's slots (best effort: a slot
+    that cannot be mapped now is mapped, or its error reported, by the drain that reads it)."""
+    slots = store.slots()
+    if slots is None:
+        return
+    try:
+        t0 = time.perf_counter()
+        n = slots.map_slots()
+        log.debug("drain worker: mapped %d slot(s) of tier %r in %.3f s", n, store.name, time.perf_counter() - t0)
+    except Exception as exc:  # noqa: BLE001 - the drain maps it again and says what is wrong
+        log.debug("drain worker: could not map the slots of tier %r ahead: %s", store.name, exc)
 
 
 def worker_main(config: Config, coords: RankCoords, order: list[str], local_rank: int, node_ranks: list[int],
@@ -110,6 +126,10 @@ def worker_main(config: Config, coords: RankCoords, order: list[str], local_rank
             continue  # orphaned: the parent watcher ends this process
         if req is None:
             break
+        if req == MAP_SLOTS:
+            threading.Thread(target=_map_slots, args=(stores[order[0]],), name="tiered_ckpt-map-slots",
+                             daemon=True).start()
+            continue
         runtime.submit(req)
     runtime.close()
     for store in stores.values():
@@ -253,6 +273,13 @@ class ProcessDrain:
                 return
             self._outstanding[(req.step, req.created)] = (req, set(req.due), False, self._proc)
         self._requests.put(req)
+
+    def slots_ready(self) -> None:
+        """Tell the worker to map the slots now (it does so on a thread of its own, after what is queued)."""
+        with self._cond:
+            if self._proc is None or not self._proc.is_alive():
+                return  # a new worker maps each slot at its first drain from it
+            self._requests.put(MAP_SLOTS)
 
     def _listen(self, proc: Any, results: Any) -> None:
         while True:
@@ -432,6 +459,9 @@ class SplitDrain:
     def _far_slot_released(self, tier: str, slot: int, step: int) -> None:
         if tier == self.shared:
             self.local.unpin(tier, step)
+
+    def slots_ready(self) -> None:
+        self.proc.slots_ready()  # the worker's source is the shared tier; the threads here read their own buffers
 
     def wait_idle(self, timeout: float | None = None) -> bool:
         deadline = None if timeout is None else time.monotonic() + timeout
