@@ -757,9 +757,10 @@ def test_process_mode_with_gpu_entry_hops_through_shm(tiers):
         assert_same(make_items(9), engine._load_from("shm", 9, True, None)[0])
 
 
-def _mapped_paths(pid: int) -> set[str]:
+def _mappings(pid: int) -> list[str]:
+    """The files ``pid`` maps, one entry per mapping (the kernel shows resolved paths)."""
     with open(f"/proc/{pid}/maps") as f:
-        return {line.split(maxsplit=5)[5].strip() for line in f if len(line.split(maxsplit=5)) == 6}
+        return [line.split(maxsplit=5)[5].strip() for line in f if len(line.split(maxsplit=5)) == 6]
 
 
 @pytest.mark.skipif(not os.path.exists("/proc/self/maps"), reason="reads the worker's mappings from /proc")
@@ -773,13 +774,16 @@ def test_the_worker_maps_every_slot_after_prepare_before_any_save(tiers, names):
         proc = getattr(drain, "proc", drain)._proc
         engine.prepare(make_items(1))
         shm = engine.pipeline.stores["shm"]
-        slot_files = {str(shm.tier.files.path(shm.data_key(i))) for i in range(shm.nslots)}
+        slot_files = {os.path.realpath(shm.tier.files.path(shm.data_key(i))) for i in range(shm.nslots)}
         assert len(slot_files) == 2 and all(os.path.exists(p) for p in slot_files)
-        assert _wait_for(lambda: slot_files <= _mapped_paths(proc.pid), timeout=120), \
-            f"the worker mapped {sorted(p for p in _mapped_paths(proc.pid) if 'slot_' in p)}"
+        assert _wait_for(lambda: slot_files <= set(_mappings(proc.pid)), timeout=120), \
+            f"the worker mapped {sorted(p for p in _mappings(proc.pid) if 'slot_' in p)}"
+        before = sorted(p for p in _mappings(proc.pid) if p in slot_files)
         h = engine.save(3, make_items(3))
         h.wait(timeout=120)
         assert h.results["local"] is True
+        # the drain read the slot through the mapping made ahead, not a new one
+        assert sorted(p for p in _mappings(proc.pid) if p in slot_files) == before
         assert_same(make_items(3), engine._load_from("local", 3, True, None)[0])
 
 

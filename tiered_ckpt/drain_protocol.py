@@ -40,7 +40,7 @@ class Drain(Protocol):
     def slots_ready(self) -> None:
         """The memory tiers' slots were allocated (``prepare()``). A drain that reads them from another process
         maps them now, in the background: otherwise the first save into each slot pays for it on its way to
-        durable. Never blocks."""
+        durable. Does not wait for the mapping."""
         ...
 
     def wait_idle(self, timeout: float | None = None) -> bool:

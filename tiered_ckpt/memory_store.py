@@ -454,16 +454,24 @@ class MemoryStore:
                 self._read_cache[slot] = (ident, buf)
             return buf
 
-    def map_slots(self) -> int:
+    def map_slots(self, before_each: Callable[[], bool] | None = None) -> int:
         """In a process that reads the slots another one writes (the drain worker): map every slot file there is
         now, so that the first drain from each does not pay for it (the page tables of the whole slot, about
         0.1 s per GiB); how many were mapped. Only files with an identity (:meth:`Tier.blob_identity`) are kept
-        mapped."""
+        mapped. ``before_each``: called before each slot; False stops. A slot that cannot be mapped is left to
+        the drain that reads it (which reports what is wrong); the others are still mapped."""
         mapped = 0
         for slot in range(self.nslots):
-            if slot not in self._buffers and self.tier.blob_identity(self.data_key(slot)) is not None:
+            if before_each is not None and not before_each():
+                break
+            if slot in self._buffers or self.tier.blob_identity(self.data_key(slot)) is None:
+                continue
+            try:
                 self._mapped(slot)
-                mapped += 1
+            except Exception as exc:  # noqa: BLE001 - best effort, see above
+                log.debug("tier %r: slot %d not mapped ahead: %s", self.name, slot, exc)
+                continue
+            mapped += 1
         return mapped
 
     def item_sources(self, meta: SlotMeta, *, cached: bool = True) -> list[ItemSource]:

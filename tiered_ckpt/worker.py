@@ -65,18 +65,22 @@ def open_drain(pipeline: Pipeline, on_tier_done: OnTierDone, on_slot_released: O
                         **pipeline.drain_options())
 
 
-def _map_slots(store: Store) -> None:
+def _map_slots(store: Store, stopping: threading.Event) -> None:
     """The worker's side of :meth:`ProcessDrain.slots_ready`: map the source tier's slots (best effort: a slot
-    that cannot be mapped now is mapped, or its error reported, by the drain that reads it)."""
+    that cannot be mapped now is mapped, or its error reported, by the drain that reads it). Before each slot it
+    steps aside while a save copies (the mapping is kernel work on a core the copy may want) and stops once the
+    worker is stopping."""
     slots = store.slots()
     if slots is None:
         return
-    try:
-        t0 = time.perf_counter()
-        n = slots.map_slots()
-        log.debug("drain worker: mapped %d slot(s) of tier %r in %.3f s", n, store.name, time.perf_counter() - t0)
-    except Exception as exc:  # noqa: BLE001 - the drain maps it again and says what is wrong
-        log.debug("drain worker: could not map the slots of tier %r ahead: %s", store.name, exc)
+
+    def before_each() -> bool:
+        copy_gate.wait_clear()
+        return not stopping.is_set()
+
+    t0 = time.perf_counter()
+    n = slots.map_slots(before_each)
+    log.debug("drain worker: mapped %d slot(s) of tier %r in %.3f s", n, store.name, time.perf_counter() - t0)
 
 
 def worker_main(config: Config, coords: RankCoords, order: list[str], local_rank: int, node_ranks: list[int],
@@ -119,6 +123,7 @@ def worker_main(config: Config, coords: RankCoords, order: list[str], local_rank
         results.put(("fatal", f"{type(exc).__name__}: {exc}"))
         return
     results.put(("ready", os.getpid()))
+    stopping = threading.Event()  # ends a mapping of the slots ahead (MAP_SLOTS) between two slots
     while True:
         try:
             req = requests.get(timeout=1.0)
@@ -127,10 +132,11 @@ def worker_main(config: Config, coords: RankCoords, order: list[str], local_rank
         if req is None:
             break
         if req == MAP_SLOTS:
-            threading.Thread(target=_map_slots, args=(stores[order[0]],), name="tiered_ckpt-map-slots",
+            threading.Thread(target=_map_slots, args=(stores[order[0]], stopping), name="tiered_ckpt-map-slots",
                              daemon=True).start()
             continue
         runtime.submit(req)
+    stopping.set()
     runtime.close()
     for store in stores.values():
         store.close()
@@ -212,6 +218,7 @@ class ProcessDrain:
         self._here_pending = 0  # requests the threads here took and have not finished
         self._held: list[DrainRequest] = []  # for the worker, once the threads here are done
         self.drained_here = 0  # requests drained by this process's threads while the worker was starting
+        self._slots_ready = False  # prepare() has run: every worker started maps the slots ahead
         self._start()
         _drains.add(self)
 
@@ -256,6 +263,8 @@ class ProcessDrain:
                                  daemon=False)
         with _main_module_hidden(), _sigint_ignored():
             self._proc.start()
+        if self._slots_ready:
+            self._requests.put(MAP_SLOTS)
         self._listener = threading.Thread(target=self._listen, args=(self._proc, self._results),
                                           name="tiered_ckpt-drain-listener", daemon=True)
         self._listener.start()
@@ -275,11 +284,12 @@ class ProcessDrain:
         self._requests.put(req)
 
     def slots_ready(self) -> None:
-        """Tell the worker to map the slots now (it does so on a thread of its own, after what is queued)."""
+        """Tell the worker to map the slots now (it does so on a thread of its own, after what is queued); a
+        worker started later to replace this one is told at its start."""
         with self._cond:
-            if self._proc is None or not self._proc.is_alive():
-                return  # a new worker maps each slot at its first drain from it
-            self._requests.put(MAP_SLOTS)
+            self._slots_ready = True
+            if self._proc is not None and self._proc.is_alive():
+                self._requests.put(MAP_SLOTS)
 
     def _listen(self, proc: Any, results: Any) -> None:
         while True:

@@ -52,6 +52,7 @@ import torch
 
 from .. import cuda_streams
 from ..errors import CapacityError, ConfigError, PermanentTierError, TieredCkptError
+from ..hostmem import madvise
 from ..private_dirs import private_dir
 from ..retry import FULL_ERRNOS
 from ..validate import Size
@@ -268,18 +269,18 @@ class ShmTier(FilesHousekeeping, Tier):
             if st.st_size == 0:
                 return torch.empty(0, dtype=torch.uint8)
             mm = mmap.mmap(fd, st.st_size, access=mmap.ACCESS_COPY)  # MAP_PRIVATE, PROT_READ|PROT_WRITE
-            if st.st_size >= _POPULATE_READ_MIN:
-                # Map every page in one call: a reader (the drain worker hashing and writing a snapshot) would
-                # otherwise take one page fault per 4 KiB.
-                try:
-                    mm.madvise(_MADV_POPULATE_READ)
-                except OSError:
-                    pass  # kernel < 5.14: pages fault in on first touch instead
         except OSError as exc:
             raise self.files.error(exc, key, "map", path) from exc
         finally:
             os.close(fd)
-        return torch.frombuffer(mm, dtype=torch.uint8)  # keeps mm alive as long as the tensor
+        blob = torch.frombuffer(mm, dtype=torch.uint8)  # keeps mm alive as long as the tensor
+        if st.st_size >= _POPULATE_READ_MIN:
+            # Map every page in one call: a reader (the drain worker hashing and writing a snapshot) would otherwise
+            # take one page fault per 4 KiB. Through ctypes, which lets go of the GIL (mmap.madvise holds it: about
+            # 0.1 s per GiB during which the process's other threads would stand still). Kernels before 5.14
+            # refuse it: pages then fault in on first touch.
+            madvise(blob.data_ptr(), st.st_size, _MADV_POPULATE_READ)
+        return blob
 
     def blob_identity(self, key: str) -> tuple | None:
         try:
