@@ -49,12 +49,19 @@ def _median(xs: list[float]) -> float:
 
 
 def prefaulted_shm(nbytes: int) -> tuple[str, mmap.mmap, torch.Tensor]:
+    """A shared-memory buffer of ``nbytes``, every page touched. Its file is removed at once (the mapping keeps
+    the memory until the last tensor over it goes), so a run that fails leaves nothing in /dev/shm; ``root``
+    is returned for callers that remove it (gone already)."""
     root = tempfile.mkdtemp(prefix="tiered_ckpt_bench_", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
     path = os.path.join(root, "buf")
     fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
-    os.ftruncate(fd, nbytes)
-    mm = mmap.mmap(fd, nbytes)
-    os.close(fd)
+    try:
+        os.ftruncate(fd, nbytes)
+        mm = mmap.mmap(fd, nbytes)
+    finally:
+        os.close(fd)
+        os.unlink(path)
+        os.rmdir(root)
     buf = torch.frombuffer(mm, dtype=torch.uint8)
     buf.fill_(0)
     return root, mm, buf
