@@ -20,7 +20,6 @@ from __future__ import annotations
 import ctypes
 import mmap
 import os
-import shutil
 import statistics
 import tempfile
 import time
@@ -48,10 +47,9 @@ def _median(xs: list[float]) -> float:
     return statistics.median(xs)
 
 
-def prefaulted_shm(nbytes: int) -> tuple[str, mmap.mmap, torch.Tensor]:
+def prefaulted_shm(nbytes: int) -> tuple[mmap.mmap, torch.Tensor]:
     """A shared-memory buffer of ``nbytes``, every page touched. Its file is removed at once (the mapping keeps
-    the memory until the last tensor over it goes), so a run that fails leaves nothing in /dev/shm; ``root``
-    is returned for callers that remove it (gone already)."""
+    the memory until the last tensor over it goes), so a run that fails leaves nothing in /dev/shm."""
     root = tempfile.mkdtemp(prefix="tiered_ckpt_bench_", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
     path = os.path.join(root, "buf")
     fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
@@ -64,12 +62,12 @@ def prefaulted_shm(nbytes: int) -> tuple[str, mmap.mmap, torch.Tensor]:
         os.rmdir(root)
     buf = torch.frombuffer(mm, dtype=torch.uint8)
     buf.fill_(0)
-    return root, mm, buf
+    return mm, buf
 
 
 def copy_seconds(tensors: list[torch.Tensor], repeats: int = 5) -> float:
     nbytes = sum(t.numel() * t.element_size() for t in tensors)
-    root, mm, buf = prefaulted_shm(nbytes)
+    mm, buf = prefaulted_shm(nbytes)
     try:
         views, off = [], 0
         for t in tensors:
@@ -86,7 +84,6 @@ def copy_seconds(tensors: list[torch.Tensor], repeats: int = 5) -> float:
     finally:
         del views, buf
         mm.close()
-        shutil.rmtree(root, ignore_errors=True)
 
 
 def write_fsync_seconds(tensors: list[torch.Tensor], directory: str, repeats: int = 3) -> float:
@@ -393,7 +390,7 @@ def copy_ceiling(tensors: list[torch.Tensor], repeats: int = 5) -> dict[str, obj
     """The copy ceiling into pre-faulted shared memory of the full size: medians of ``repeats`` of each of
     :data:`COPY_WAYS` (rotating), and the fastest: {"<way>_s" for each way, "method", "seconds", "threads"}."""
     nbytes = sum(t.numel() * t.element_size() for t in tensors)
-    root, mm, buf = prefaulted_shm(max(1, nbytes))
+    mm, buf = prefaulted_shm(max(1, nbytes))
     try:
         pairs, off = [], 0
         for t in tensors:
@@ -417,7 +414,6 @@ def copy_ceiling(tensors: list[torch.Tensor], repeats: int = 5) -> dict[str, obj
             mm.close()
         except BufferError:
             pass
-        shutil.rmtree(root, ignore_errors=True)
 
 
 class RawPut:

@@ -287,7 +287,7 @@ class CopyBaseline:
             pos += t.numel()
         self.nbytes = pos
         self.threads = max(1, threads or torch.get_num_threads())
-        self.root, self.mm, buf = limits.prefaulted_shm(max(self.threads, min(ring, self.nbytes)))
+        self.mm, buf = limits.prefaulted_shm(max(self.threads, min(ring, self.nbytes)))
         self.buf = buf
         size = buf.numel()
         self.pairs = self._wrapped(0, self.nbytes, 0, size)  # (piece of the state, piece of the buffer)
@@ -367,8 +367,6 @@ class CopyBaseline:
         return {"threads": self.threads, **{k: {w: list(v) for w, v in d.items()} for k, d in self.samples.items()}}
 
     def close(self) -> None:
-        import shutil
-
         self.par_in.close()
         for a, b in self.out_rounds:
             a.close()
@@ -379,7 +377,6 @@ class CopyBaseline:
             self.mm.close()
         except BufferError:
             pass
-        shutil.rmtree(self.root, ignore_errors=True)
 
 
 def write_fsync_seconds(tensors: list[torch.Tensor], directory: str) -> float:
