@@ -424,3 +424,46 @@ def test_a_streamed_tensor_is_refused_where_the_torch_stream_is_promised_stable(
     with pytest.raises(EncodeError, match="promised stable"):
         next(iter(iter_torch_save(obj, tensors_only=True)))
 
+
+
+def test_the_megatron_layout_places_optimizer_shards_so_their_ranges_are_written_from_the_slot(
+        tmp_path, shm_root, monkeypatch):
+    """With the megatron layout on a local tier, the snapshot places each optimizer shard in the slot congruent,
+    modulo a page, with its offset in Megatron's ``distrib_optim.pt``: the positional writer sends every whole
+    page of the rank's ranges from the slot (none through a bounce buffer), and the file is Megatron's own."""
+    if not _takes_o_direct(tmp_path):
+        pytest.skip("no O_DIRECT here")
+    from megatron_synthetic import SyntheticJob, spec_for_bytes, write_checkpoint
+
+    from tiered_ckpt.tiers import _positional
+
+    sent = {"bounced": [], "from_slot": 0}
+
+    class Counting(DirectWriter):
+        def _copy(self, mv):
+            if len(mv):
+                sent["bounced"].append(len(mv))
+            super()._copy(mv)
+
+        def _write_in_place(self, mv):
+            sent["from_slot"] += len(mv)
+            super()._write_in_place(mv)
+
+    monkeypatch.setattr(_positional, "DirectWriter", Counting)
+    job = SyntheticJob(spec=spec_for_bytes(48 << 20, ddp_bucket_size=1_500_000), dp=1)
+    items = job.rank_items(0)
+    cfg = {"run_id": "placed", "layout": "megatron", "drain": {"mode": "thread"},
+           "tiers": [{"name": "shm", "kind": "shm", "path": str(shm_root)},
+                     {"name": "disk", "kind": "local", "path": str(tmp_path / "ckpt")}]}
+    with CheckpointEngine(cfg) as engine:
+        engine.prepare(items)
+        for step in (job.iteration, job.iteration + 1):  # the second save reuses the first one's placement
+            sent["bounced"], sent["from_slot"] = [], 0
+            engine.save(step, items).wait(timeout=60)
+            # only a range's last pages, too few for a write of their own, may go through a bounce buffer
+            assert sent["bounced"] and max(sent["bounced"]) < _direct_io._ZERO_COPY_MIN, sent["bounced"]
+            assert sent["from_slot"] > 20 << 20
+    reference = tmp_path / "reference"
+    write_checkpoint(job, str(reference), layout="megatron", manifest=False)
+    name = f"iter_{job.iteration:07d}/mp_rank_00/distrib_optim.pt"
+    assert (tmp_path / "ckpt" / name).read_bytes() == (reference / name).read_bytes()

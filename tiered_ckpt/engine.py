@@ -168,7 +168,7 @@ class CheckpointEngine:
     # ----- saving ------------------------------------------------------------------------------------------
     def prepare(self, template: dict[str, Any]) -> None:
         """Allocate and pre-fault every slot for items shaped like ``template``, so even the first save is fast."""
-        _, total = plan_items(template)
+        _, total = plan_items(template, placement=self.pipeline.placement)
         self.pipeline.prepare(total)
         self._drain.slots_ready()
 
@@ -210,7 +210,7 @@ class CheckpointEngine:
                              "state dict given as the items, which would store each tensor as an item of its own. "
                              f"Name it: save({step}, {{\"model\": model.state_dict()}})")
         t0 = time.perf_counter()
-        placed, total = plan_items(items, self._plan_memos)
+        placed, total = plan_items(items, self._plan_memos, self.pipeline.placement)
         self._plan_memos = {name: plan.memo for name, plan, _ in placed}
         fingerprints = tuple(p.fingerprint for _, p, _ in placed)
         if self._fingerprints is not None and fingerprints != self._fingerprints:

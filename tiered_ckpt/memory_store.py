@@ -18,10 +18,11 @@ itself (:class:`SlotMeta`, its JSON form, :func:`snapshot_layout_changes`) is in
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from concurrent.futures import Executor, Future
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
@@ -45,21 +46,28 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 ALIGN = 64
-ITEM_ALIGN = IO_BLOCK  # where items start in a slot
+ITEM_ALIGN = IO_BLOCK  # where items start in a slot: a multiple of flat.PLACEMENT_MODULUS, so placements hold
 
 
 # The thread that takes snapshots' checksums after their copy (it fans the pieces out to the hash pool).
 _born_pool = LazyPool(1, "tiered_ckpt-snapshot-checksums").get
 
 
-def plan_items(items: dict[str, Any], memos: dict[str, flat.PlanMemo] | None = None
-               ) -> tuple[list[tuple[str, flat.SnapshotPlan, int]], int]:
+#: ``(item name, value) -> {id(tensor): offset modulo a page}`` or None: where a layout wants tensors of an item
+#: to sit in the slot (:func:`~tiered_ckpt.codecs.flat.plan_snapshot`'s ``placement``; ``Layout.placement``).
+ItemPlacement = Callable[[str, Any], Mapping[int, int] | None]
+
+
+def plan_items(items: dict[str, Any], memos: dict[str, flat.PlanMemo] | None = None,
+               placement: ItemPlacement | None = None) -> tuple[list[tuple[str, flat.SnapshotPlan, int]], int]:
     """Plan each item and place it in the slot: [(name, plan, offset)], total bytes. ``memos``: each item's
-    last plan's ``memo`` (what planning it again may reuse)."""
+    last plan's ``memo`` (what planning it again may reuse). ``placement``: asked about an item only when its
+    plan places a tensor anew."""
     placed, end = [], 0
     for name, value in items.items():
+        ask = None if placement is None else functools.partial(placement, name, value)
         try:
-            plan = flat.plan_snapshot(value, previous=memos.get(name) if memos else None)
+            plan = flat.plan_snapshot(value, previous=memos.get(name) if memos else None, placement=ask)
         except EncodeError as exc:
             raise EncodeError(exc.detail, path=exc.path or "", item=name) from None
         # Items start on a page boundary, so a file tier can write each one's bytes with O_DIRECT, no copy.

@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import logging
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 from . import events as ev
 from .codecs.file_codecs import FileCodec
@@ -95,6 +96,17 @@ class Pipeline:
         """Tiers below the entry that take the ``ordinal``-th save (1-based); each store decides
         (:meth:`~tiered_ckpt.store.Store.due`)."""
         return tuple(n for n in self.order[1:] if self.stores[n].due(ordinal, persistent))
+
+    def placement(self, item: str, value: Any) -> Mapping[int, int] | None:
+        """Where the first file tier whose layout has a wish wants tensors of ``item`` in the slot (see
+        :data:`~tiered_ckpt.memory_store.ItemPlacement`): the entry tier's copy lays them out once for all."""
+        for store in self.stores.values():
+            files = store.files()
+            if files is not None:
+                wish = files.layout.placement(item, value, files.tier)
+                if wish:
+                    return wish
+        return None
 
     def prepare(self, nbytes: int) -> None:
         for name in self.order:

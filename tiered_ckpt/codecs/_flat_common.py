@@ -21,6 +21,9 @@ from ..pickle_by_name import NamedReduce
 FORMAT_NAME = "tiered_ckpt.flat"
 FORMAT_VERSION = 1
 ALIGNMENT = 64
+#: A placement (:func:`~tiered_ckpt.codecs.flat.plan_snapshot`) asks for a tensor's offset modulo this: a page,
+#: what a direct write needs of memory and file offset alike.
+PLACEMENT_MODULUS = 4096
 #: ``bytes``/``bytearray``/``BytesIO`` contents up to this size are inlined (base64) in the header; larger
 #: ones get a slot in the buffer.
 INLINE_BYTES_MAX = 4096

@@ -11,6 +11,7 @@ import io
 import pathlib
 import struct
 import warnings
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import numpy as np
@@ -24,6 +25,7 @@ from tiered_ckpt.codecs._flat_common import (
     _STORABLE_DTYPES,
     ALIGNMENT,
     INLINE_BYTES_MAX,
+    PLACEMENT_MODULUS,
     EnumStandIn,
     PlanMemo,
     SnapshotPlan,
@@ -88,10 +90,14 @@ def _is_bare(v: Any) -> bool:
     return t is float and v - v == 0.0
 
 
-class _Planner:
-    __slots__ = ("entries", "sources", "seen", "cursor", "args", "source_keys", "previous", "same_sources")
+Placement = Callable[[], Mapping[int, int] | None]
 
-    def __init__(self, previous: PlanMemo | None = None) -> None:
+
+class _Planner:
+    __slots__ = ("entries", "sources", "seen", "cursor", "args", "source_keys", "previous", "same_sources",
+                 "placement", "_placed")
+
+    def __init__(self, previous: PlanMemo | None = None, placement: Placement | None = None) -> None:
         self.entries: list[TensorEntry] = []
         self.sources: list[torch.Tensor] = []
         self.seen: dict[Any, int] = {}
@@ -100,25 +106,45 @@ class _Planner:
         self.source_keys: list[Any] = []
         self.previous = previous  # None once an entry differs from the previous plan's (PlanMemo)
         self.same_sources = previous is not None
+        self.placement = placement
+        self._placed: Mapping[int, int] | None = None  # what ``placement`` gave, once an entry is placed anew
 
-    def add(self, entry_args: tuple, src: torch.Tensor, nbytes: int, source_key: Any = None) -> int:
+    def add(self, entry_args: tuple, src: torch.Tensor, nbytes: int, source_key: Any = None,
+            placed_id: int | None = None) -> int:
         """A slot for ``src``. ``source_key``: where its bytes are (address, strides, type...), None where it
-        cannot be known to be the same memory as last time (then no copy list is reused)."""
+        cannot be known to be the same memory as last time (then no copy list is reused). ``placed_id``: the
+        ``id`` of the tensor the placement may name."""
         i = len(self.entries)
-        offset = self.cursor
-        self.cursor = offset + nbytes + (-nbytes % ALIGNMENT)
         prev = self.previous
-        # Every earlier entry matched, so an entry with the same facts has the same offset: reuse it.
+        # Every earlier entry matched, so an entry with the same facts goes where it went (its placement too).
         if prev is not None and i < len(prev.args) and prev.args[i] == entry_args:
             entry = prev.entries[i]
             if source_key is None or prev.source_keys[i] != source_key:
                 self.same_sources = False
         else:
             self.previous, self.same_sources = None, False
+            offset = self.cursor
+            residue = self._residue(placed_id)
+            if residue is not None:
+                offset += (residue - offset) % PLACEMENT_MODULUS
             path, dtype, shape, kind, device, requires_grad, np_dtype = entry_args
             entry = TensorEntry(path, offset, nbytes, dtype, shape, kind, device, requires_grad, np_dtype)
+        self.cursor = entry.offset + nbytes + (-nbytes % ALIGNMENT)
         self._append(entry, entry_args, source_key, src)
         return i
+
+    def _residue(self, placed_id: int | None) -> int | None:
+        """The offset modulo :data:`PLACEMENT_MODULUS` the placement asks of the tensor ``placed_id`` (None: no
+        wish, or one the 64-byte alignment cannot meet). The placement is asked once per plan, and only when an
+        entry is placed anew: a plan that reuses the last one keeps its placement."""
+        if self.placement is None or placed_id is None:
+            return None
+        if self._placed is None:
+            self._placed = self.placement() or {}
+        residue = self._placed.get(placed_id)
+        if residue is None or residue % ALIGNMENT or not 0 <= residue < PLACEMENT_MODULUS:
+            return None
+        return residue
 
     def reuse(self, i: int, src: torch.Tensor, source_key: Any) -> None:
         """Entry ``i`` of the previous plan, for the same source (:meth:`add` found to match, without its checks)."""
@@ -277,7 +303,7 @@ class _Planner:
             src = t.view(torch.uint8) if dtype in _RAW_COPY_DTYPES else t
             args = (path, dtype, tuple(shape), kind, _device_str(device), requires_grad, None)
             source = (key, type(t)) if n else None
-            idx = self.seen[key] = self.add(args, src, n * dtype.itemsize, source)
+            idx = self.seen[key] = self.add(args, src, n * dtype.itemsize, source, id(t))
         return {"$": "tensor", "i": idx}
 
     def enc_ndarray(self, a: np.ndarray, path: str) -> Any:
@@ -386,17 +412,24 @@ _ENCODERS: dict[type, Any] = {
 }
 
 
-def plan_snapshot(items: Any, *, root: str = "", previous: PlanMemo | None = None) -> SnapshotPlan:
+def plan_snapshot(items: Any, *, root: str = "", previous: PlanMemo | None = None,
+                  placement: Placement | None = None) -> SnapshotPlan:
     """Walk ``items`` once and assign every tensor a 64-byte-aligned slot; no tensor bytes are copied.
 
     ``previous``: the ``memo`` of the last plan of the same item (:class:`PlanMemo`); what still holds is reused,
     and the plan is the same as without it.
 
+    ``placement``: called at most once, when a tensor is placed anew (not on a plan that reuses ``previous``
+    whole), it returns ``{id(tensor): offset % PLACEMENT_MODULUS}`` for tensors of ``items`` that should start at
+    that offset modulo a page (a multiple of 64; others are ignored), or None. The ``megatron`` layout asks it
+    so that each optimizer shard sits in memory as it sits in Megatron's file, and a direct write can send it
+    from the slot.
+
     ``root`` prefixes the key paths used in :class:`TensorEntry` and error messages; with the default,
     top-level identifier keys are written bare (``state['optimizer'][0]``). Raises :class:`EncodeError` naming
     the key path of the first value that cannot be encoded without pickle.
     """
-    planner = _Planner(previous)
+    planner = _Planner(previous, placement)
     try:
         with _gc_paused():
             tree = planner.enc(items, root)

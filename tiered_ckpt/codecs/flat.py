@@ -8,6 +8,8 @@ core, :mod:`tiered_ckpt.memcopy`; ``Tensor.copy_`` where CUDA or a non-contiguou
 Buffer
     Every tensor (and numpy array, and large ``bytes`` blob) gets a slot at an offset that is a multiple of
     :data:`ALIGNMENT` (64) bytes, in the order the walk meets them; ``total_bytes`` is rounded up to 64 too.
+    A placement given to :func:`plan_snapshot` may ask for a tensor's offset modulo :data:`PLACEMENT_MODULUS`
+    (a page): the tensor then starts after a gap of less than a page. Readers take every offset from the header.
     Slots hold the C-contiguous bytes in native byte order (numpy arrays: in the array's own byte order).
     Tensors that are the same object, or the same view of the same storage (tied embeddings), get one slot.
 
@@ -51,6 +53,7 @@ from tiered_ckpt.codecs._flat_common import (
     FORMAT_NAME,
     FORMAT_VERSION,
     INLINE_BYTES_MAX,
+    PLACEMENT_MODULUS,
     EnumStandIn,
     HeaderInfo,
     PlanMemo,
@@ -64,6 +67,7 @@ from tiered_ckpt.codecs._flat_encode import plan_snapshot
 
 __all__ = [
     "ALIGNMENT",
+    "PLACEMENT_MODULUS",
     "FORMAT_NAME",
     "FORMAT_VERSION",
     "INLINE_BYTES_MAX",

@@ -8,7 +8,7 @@ Megatron's go to ``iter_XXXXXXX/rank_RRRRR/<item>.<ext>`` in both.
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from ..parallel import ParallelLayout, RankCoords
@@ -129,6 +129,14 @@ class Layout:
     def is_derived(self, entry: FileEntry) -> bool:
         """Files made at commit from other files (not a rank's own item): never loaded as a rank's item."""
         return False
+
+    def placement(self, item: str, value: Any, tier: Any) -> Mapping[int, int] | None:
+        """Where tensors of ``item`` (its ``value``, as saved) should sit in the memory tier's slot for this
+        layout's writes to ``tier``: ``{id(tensor): offset modulo a page}`` (a multiple of 64), or None (the
+        default: anywhere). Asked when a save places the item anew, on the blocking path; the slot's layout
+        then serves every later save of the same structure. Only speed depends on it: whatever it says, every
+        byte is written where it belongs."""
+        return None
 
     def write_in_place(self, store: Any, step: int, coords: RankCoords, src: Any, key: str) -> FileEntry | None:
         """Write item ``src`` (whose own file would be ``key``) into a file the layout derives at commit, when the
