@@ -426,11 +426,13 @@ def test_a_streamed_tensor_is_refused_where_the_torch_stream_is_promised_stable(
 
 
 
+@pytest.mark.parametrize("entry", ["shm", "staging"])
 def test_the_megatron_layout_places_optimizer_shards_so_their_ranges_are_written_from_the_slot(
-        tmp_path, shm_root, monkeypatch):
+        tmp_path, shm_root, monkeypatch, entry):
     """With the megatron layout on a local tier, the snapshot places each optimizer shard in the slot congruent,
     modulo a page, with its offset in Megatron's ``distrib_optim.pt``: the positional writer sends every whole
-    page of the rank's ranges from the slot (none through a bounce buffer), and the file is Megatron's own."""
+    page of the rank's ranges from the slot (none through a bounce buffer), and the file is Megatron's own. The
+    same where the local tier comes first (the hidden staging tier's slots in this process's memory)."""
     if not _takes_o_direct(tmp_path):
         pytest.skip("no O_DIRECT here")
     from megatron_synthetic import SyntheticJob, spec_for_bytes, write_checkpoint
@@ -452,9 +454,9 @@ def test_the_megatron_layout_places_optimizer_shards_so_their_ranges_are_written
     monkeypatch.setattr(_positional, "DirectWriter", Counting)
     job = SyntheticJob(spec=spec_for_bytes(48 << 20, ddp_bucket_size=1_500_000), dp=1)
     items = job.rank_items(0)
+    disk = {"name": "disk", "kind": "local", "path": str(tmp_path / "ckpt")}
     cfg = {"run_id": "placed", "layout": "megatron", "drain": {"mode": "thread"},
-           "tiers": [{"name": "shm", "kind": "shm", "path": str(shm_root)},
-                     {"name": "disk", "kind": "local", "path": str(tmp_path / "ckpt")}]}
+           "tiers": [{"name": "shm", "kind": "shm", "path": str(shm_root)}, disk] if entry == "shm" else [disk]}
     with CheckpointEngine(cfg) as engine:
         engine.prepare(items)
         for step in (job.iteration, job.iteration + 1):  # the second save reuses the first one's placement

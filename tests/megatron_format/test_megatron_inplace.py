@@ -225,3 +225,49 @@ def test_write_range_direct_interiors_and_shared_edges(tmp_path, direct):
         PositionalFiles(files).close(h)
     PositionalFiles(files).rename("d/.f.tmp-0123456789abcdef", "d/f")
     assert (tmp_path / "d" / "f").read_bytes() == data.numpy().tobytes()
+
+
+class _PositionalTier:
+    def positional(self):
+        return object()
+
+
+class _ObjectStoreTier:
+    def positional(self):
+        return None
+
+
+@pytest.mark.parametrize("dp", [1, 4])
+def test_the_placement_is_each_shard_s_offset_in_megatron_s_file_modulo_a_page(dp):
+    """Every fp32 shard of the rank is named, with the offset its first byte has in the file the ranks write."""
+    from tiered_ckpt.layouts.megatron import MegatronLayout
+    from tiered_ckpt.megatron.distrib_optim import shard_key
+
+    job = SyntheticJob(dp=dp)
+    rank = dp - 1
+    item = job.rank_shard(rank)
+    wish = MegatronLayout().placement("distrib_optim", item, _PositionalTier())
+    shard = rank_shard.parse(item, where="test")
+    _, parts = inplace.directory_parts(shard)
+    plan = inplace.plan_file(parts)
+    spans = inplace.rank_spans(plan, parts, rank)
+    assert spans and len(wish) == len(spans)
+    for span in spans:
+        t = shard.optimizers[span.optimizer].shards[shard_key(span.buffer, span.bucket, span.key)]
+        assert wish[id(t)] == (plan.records[span.record].data_offset + span.pos) % 4096
+    assert MegatronLayout().placement("model_optim_rng", item, _PositionalTier()) is None
+    assert MegatronLayout().placement("distrib_optim", item, _ObjectStoreTier()) is None  # S3: parts, no pages
+
+
+def test_a_placement_that_cannot_be_made_never_fails_the_save(monkeypatch):
+    """Only speed depends on the placement: an item it cannot read, or any error while planning, gives none."""
+    from tiered_ckpt.errors import ConfigError
+    from tiered_ckpt.layouts.megatron import MegatronLayout
+
+    assert MegatronLayout().placement("distrib_optim", {"format": "other"}, _PositionalTier()) is None
+
+    def fails(shard, modulus):
+        raise ConfigError("rank 9 is outside the world of 4")
+
+    monkeypatch.setattr(inplace, "shard_placement", fails)
+    assert MegatronLayout().placement("distrib_optim", SyntheticJob(dp=2).rank_shard(0), _PositionalTier()) is None

@@ -417,7 +417,7 @@ def plan_snapshot(items: Any, *, root: str = "", previous: PlanMemo | None = Non
     """Walk ``items`` once and assign every tensor a 64-byte-aligned slot; no tensor bytes are copied.
 
     ``previous``: the ``memo`` of the last plan of the same item (:class:`PlanMemo`); what still holds is reused,
-    and the plan is the same as without it.
+    and the plan is the same as without it, but for ``placement``, which a plan reusing ``previous`` keeps.
 
     ``placement``: called at most once, when a tensor is placed anew (not on a plan that reuses ``previous``
     whole), it returns ``{id(tensor): offset % PLACEMENT_MODULUS}`` for tensors of ``items`` that should start at

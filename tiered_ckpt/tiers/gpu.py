@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .. import cuda_streams
+from .. import cuda_streams, memcopy
 from ..errors import BlobNotFoundError, CapacityError, ConfigError
 from ..validate import Size
 from .base import Capabilities, Chunk, Tier, TierContext, as_memoryview, check_key, check_prefix, check_range
@@ -241,7 +241,12 @@ class GpuTier(Tier):
             self._blobs.pop(key, None)
             del old
             self._check_limit(key, nbytes)
-            out = self._empty(key, nbytes)
+            if self.device.type == "cpu":
+                # Page-aligned (torch.empty gives 64 bytes past a page): a layout's placement of tensors at file
+                # offsets modulo a page holds at the slot's addresses, for the staging tier's direct writes too.
+                out = memcopy.fresh_buffer(nbytes)
+            else:
+                out = self._empty(key, nbytes)
             self._blobs[key] = out
             return out
 
