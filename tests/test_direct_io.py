@@ -425,7 +425,6 @@ def test_a_streamed_tensor_is_refused_where_the_torch_stream_is_promised_stable(
         next(iter(iter_torch_save(obj, tensors_only=True)))
 
 
-
 @pytest.mark.parametrize("entry", ["shm", "staging"])
 def test_the_megatron_layout_places_optimizer_shards_so_their_ranges_are_written_from_the_slot(
         tmp_path, shm_root, monkeypatch, entry):

@@ -184,9 +184,9 @@ def span_bytes(shard: Any, span: Span) -> memoryview:
 
 def shard_placement(shard: Any, modulus: int) -> dict[int, int]:
     """Where this rank's shard tensors start in its directory's file, modulo ``modulus``: ``{id(tensor): offset %
-    modulus}`` for those :func:`span_bytes` sends as they are (fp32, contiguous). A snapshot that places them so
-    in memory lets the positional writer send every whole page from the slot, with no bounce copy. Empty when the
-    rank cannot plan the file alone (:func:`directory_parts`)."""
+    modulus}`` for those :func:`span_bytes` sends as they are (fp32: a snapshot's copy is contiguous). A snapshot
+    that places them so in memory lets the positional writer send every whole page from the slot, with no bounce
+    copy. Empty when the rank cannot plan the file alone (:func:`directory_parts`)."""
     found = directory_parts(shard)
     if found is None:
         return {}
@@ -195,7 +195,7 @@ def shard_placement(shard: Any, modulus: int) -> dict[int, int]:
     out: dict[int, int] = {}
     for span in rank_spans(plan, parts, shard.rank):
         t = shard.optimizers[span.optimizer].shards[shard_key(span.buffer, span.bucket, span.key)]
-        if isinstance(t, torch.Tensor) and t.dtype == torch.float32 and t.is_contiguous():
+        if isinstance(t, torch.Tensor) and t.dtype == torch.float32:
             out[id(t)] = (plan.records[span.record].data_offset + span.pos) % modulus
     return out
 

@@ -242,8 +242,9 @@ class GpuTier(Tier):
             del old
             self._check_limit(key, nbytes)
             if self.device.type == "cpu":
-                # Page-aligned (torch.empty gives 64 bytes past a page): a layout's placement of tensors at file
-                # offsets modulo a page holds at the slot's addresses, for the staging tier's direct writes too.
+                # Pre-faulted, as a slot should be, and page-aligned (torch.empty gives 64 bytes past a page): a
+                # layout's placement of tensors at file offsets modulo a page holds at the slot's addresses, for
+                # the staging tier's direct writes too.
                 out = memcopy.fresh_buffer(nbytes)
             else:
                 out = self._empty(key, nbytes)
