@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ctypes
+import errno
 import mmap
 import os
 import platform
@@ -186,13 +187,62 @@ def test_fresh_buffer_is_zeroed_writable_and_aligned(monkeypatch, huge):
     assert memcopy.fresh_buffer(memcopy.HUGE).data_ptr() % memcopy.HUGE == 0
 
 
-def test_fresh_buffer_touches_the_pages_where_the_kernel_refuses_populate(monkeypatch):
-    def refusing_madvise(addr: int, length: int, advice: int) -> int:
+def _failing_madvise(err: int):
+    def madvise(addr: int, length: int, advice: int) -> int:
+        ctypes.set_errno(err)  # what the real call leaves for ctypes.get_errno() (use_errno=True)
         return -1
+    return madvise
 
-    monkeypatch.setattr(memcopy, "madvise", refusing_madvise)
+
+def test_fresh_buffer_touches_the_pages_where_the_kernel_refuses_populate(monkeypatch):
+    monkeypatch.setattr(memcopy, "madvise", _failing_madvise(errno.EINVAL))  # a kernel before 5.14
     buf = memcopy.fresh_buffer(3 * mmap.PAGESIZE + 5)
     assert buf.numel() == 3 * mmap.PAGESIZE + 5 and int(buf.max()) == 0
+
+
+@pytest.mark.parametrize("err", [errno.ENOMEM, errno.EFAULT])
+def test_fresh_buffer_raises_when_populating_finds_no_memory(monkeypatch, err):
+    # Touching the pages instead would bring the OOM killer, not an error the caller can report.
+    monkeypatch.setattr(memcopy, "madvise", _failing_madvise(err))
+    with pytest.raises(MemoryError, match=f"could not populate 12.0 MiB of fresh host memory: {os.strerror(err)}"):
+        memcopy.fresh_buffer(12 << 20)
+
+
+_ADDRESS_SPACE_CAPPED = """
+import resource, sys
+import tiered_ckpt.memcopy as memcopy
+from tiered_ckpt.errors import CapacityError
+from tiered_ckpt.tiers.gpu import GpuOptions, GpuTier
+with open("/proc/self/statm") as f:
+    vsz = int(f.read().split()[0]) * resource.getpagesize()
+resource.setrlimit(resource.RLIMIT_AS, (vsz + (256 << 20),) * 2)  # room for 256 MiB more, no more
+try:
+    memcopy.fresh_buffer(1 << 30)
+except MemoryError as exc:
+    print("fresh_buffer:", exc)
+tier = GpuTier("staging", GpuOptions(device="cpu"))
+try:
+    tier.allocate_slot("step_1/rank_0", 1 << 30)
+except CapacityError as exc:
+    print("allocate_slot:", exc)
+print("small:", int(memcopy.fresh_buffer(1 << 20).sum()))
+"""
+
+
+@pytest.mark.skipif(platform.system() != "Linux", reason="RLIMIT_AS and /proc/self/statm are Linux's")
+def test_host_memory_refused_by_the_kernel_is_a_clear_error_not_a_crash():
+    # A real refusal: the child caps its own address space, then asks for more than fits.
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", _ADDRESS_SPACE_CAPPED], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    assert lines[0].startswith("fresh_buffer: the host refused 1.00 GiB of fresh memory"), out.stdout
+    assert lines[1].startswith("allocate_slot: ") and "1.00 GiB" in lines[1], out.stdout
+    assert "tier 'staging'" in lines[1] and "step_1/rank_0" in lines[1] and "free some" in lines[1], out.stdout
+    assert lines[2] == "small: 0", out.stdout  # what fits is still given
 
 
 @pytest.fixture

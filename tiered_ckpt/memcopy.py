@@ -17,7 +17,9 @@ request (:data:`HUGE_PAGES`).
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
+import errno
 import mmap
 import os
 import threading
@@ -214,10 +216,19 @@ def fresh_buffer(nbytes: int) -> torch.Tensor:
 
     The mapping is aligned to :data:`HUGE` and, with :data:`HUGE_PAGES`, asks for transparent huge pages (a no-op
     where the kernel's policy is ``never``); it is populated in one ``madvise`` (where the kernel lacks
-    ``MADV_POPULATE_WRITE``: every page touched once). The tensor keeps the mapping alive."""
+    ``MADV_POPULATE_WRITE``: every page touched once). The tensor keeps the mapping alive.
+
+    Raises :class:`MemoryError` when the host cannot give the memory: the mapping refused, or the population
+    failing for lack of memory. Only a kernel without the advice (``EINVAL``) falls back to touching the pages,
+    since touching them when memory is short would wake the OOM killer instead of raising."""
     if nbytes == 0:
         return torch.empty(0, dtype=torch.uint8)
-    mm = mmap.mmap(-1, nbytes + HUGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    try:
+        mm = mmap.mmap(-1, nbytes + HUGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    except OSError as exc:
+        if exc.errno != errno.ENOMEM:
+            raise
+        raise MemoryError(f"the host refused {_gib(nbytes)} of fresh memory ({exc.strerror})") from exc
     whole = torch.frombuffer(mm, dtype=torch.uint8)
     skip = (-whole.data_ptr()) % HUGE
     out = whole[skip:skip + nbytes]
@@ -225,6 +236,16 @@ def fresh_buffer(nbytes: int) -> torch.Tensor:
     length = nbytes + (-nbytes) % mmap.PAGESIZE
     if HUGE_PAGES and nbytes >= HUGE:
         madvise(start, length - length % HUGE, _MADV_HUGEPAGE)  # advice only: a refusal changes nothing
-    if madvise(start, length, MADV_POPULATE_WRITE) != 0:  # older kernels: every page touched instead
-        out[::mmap.PAGESIZE].zero_()  # a write per page faults each in
+    if madvise(start, length, MADV_POPULATE_WRITE) != 0:
+        err = ctypes.get_errno()
+        if err != errno.EINVAL:  # ENOMEM, EFAULT, EINTR: the memory is not there; say so, do not touch it
+            del out, whole
+            with contextlib.suppress(BufferError):  # unmapped now, not when the traceback lets go of this frame
+                mm.close()
+            raise MemoryError(f"could not populate {_gib(nbytes)} of fresh host memory: {os.strerror(err)}")
+        out[::mmap.PAGESIZE].zero_()  # a kernel before 5.14: a write per page faults each in
     return out
+
+
+def _gib(nbytes: int) -> str:
+    return f"{nbytes / (1 << 30):.2f} GiB" if nbytes >= 1 << 30 else f"{nbytes / (1 << 20):.1f} MiB"

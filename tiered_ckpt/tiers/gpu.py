@@ -245,7 +245,12 @@ class GpuTier(Tier):
                 # Pre-faulted, as a slot should be, and page-aligned (torch.empty gives 64 bytes past a page): a
                 # layout's placement of tensors at file offsets modulo a page holds at the slot's addresses, for
                 # the staging tier's direct writes too.
-                out = memcopy.fresh_buffer(nbytes)
+                try:
+                    out = memcopy.fresh_buffer(nbytes)
+                except MemoryError as exc:
+                    raise CapacityError(f"no host memory for a slot of {_fmt(nbytes)}: {exc}; a snapshot needs "
+                                        "its size in host memory: free some, or save less per rank",
+                                        tier=self.name, key=key) from exc
             else:
                 out = self._empty(key, nbytes)
             self._blobs[key] = out
