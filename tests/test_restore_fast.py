@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import errno
+import fcntl
 import io
 import os
 import time
@@ -30,7 +31,10 @@ from tiered_ckpt.checksum import digest, hasher_for
 from tiered_ckpt.errors import BlobNotFoundError, CorruptionError, DecodeError, PermanentTierError, UnsafePickleError
 from tiered_ckpt.load_into import tensors
 from tiered_ckpt.megatron import safe_load
+from tiered_ckpt.tiers import _files as files_mod
+from tiered_ckpt.tiers._direct_io import direct_mode
 from tiered_ckpt.tiers.base import Tier
+from tiered_ckpt.tiers.local import LocalOptions, LocalTier
 
 FIXTURES = Path(__file__).parent / "data" / "megatron"
 MODEL_KEY = "iter_0000100/mp_rank_00/model_optim_rng.pt"
@@ -58,19 +62,61 @@ def _torch_save(obj, **kwargs) -> bytes:
 # ----- hostmem.read_file --------------------------------------------------------------------------------------
 @pytest.mark.parametrize("size", [0, 1, 4095, 4096, 3 * 4096, 3 * 4096 + 17, 10 * 4096])
 @pytest.mark.parametrize("threads", [1, 3])
-def test_read_file_returns_the_bytes_and_their_hash(tmp_path, size, threads):
+@pytest.mark.parametrize("direct", [False, True], ids=["buffered", "o_direct"])
+def test_read_file_returns_the_bytes_and_their_hash(tmp_path, size, threads, direct):
     data = os.urandom(size)
     path = tmp_path / "f"
     path.write_bytes(data)
     hasher = xxhash.xxh3_128()
     fd = os.open(path, os.O_RDONLY)
     try:
-        out = hostmem.read_file(fd, size, hasher=hasher, piece=4096, threads=threads)
+        if direct:
+            assert direct_mode(fd), "the test's filesystem refuses O_DIRECT"
+        out = hostmem.read_file(fd, size, hasher=hasher, piece=4096, threads=threads,
+                                direct_block=4096 if direct else None)
     finally:
         os.close(fd)
     assert out.dtype == torch.uint8 and out.numel() == size
-    assert bytes(out.numpy()) == data
+    assert bytes(out.numpy()) == data  # the last block's read past the end leaves nothing in the result
     assert hasher.hexdigest() == digest(data)
+
+
+def test_read_file_in_direct_mode_goes_through_the_page_cache_when_a_read_is_refused(tmp_path):
+    # Pieces of 1000 bytes: the kernel refuses the misaligned O_DIRECT reads (EINVAL), as a filesystem that takes
+    # the flag but not the I/O would; the file is then read through the page cache, whole and hashed.
+    data = os.urandom(5 * 4096 + 3)
+    path = tmp_path / "f"
+    path.write_bytes(data)
+    hasher = xxhash.xxh3_128()
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        assert direct_mode(fd)
+        out = hostmem.read_file(fd, len(data), hasher=hasher, piece=1000, threads=3, direct_block=4096)
+        assert not fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_DIRECT
+    finally:
+        os.close(fd)
+    assert bytes(out.numpy()) == data and hasher.hexdigest() == digest(data)
+
+
+def test_the_local_tier_reads_large_files_with_o_direct_and_small_ones_buffered(tmp_path, monkeypatch):
+    tier = LocalTier("local", LocalOptions(path=str(tmp_path / "t")))
+    big, small = os.urandom((2 << 20) + 5), os.urandom(300)
+    tier.write_blob("step_1/big", [big])
+    tier.write_blob("step_1/small", [small])
+    seen = []
+    real = files_mod.read_file
+
+    def spy(fd, size, **kw):
+        seen.append((size, kw.get("direct_block"), bool(fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_DIRECT)))
+        return real(fd, size, **kw)
+
+    monkeypatch.setattr(files_mod, "read_file", spy)
+    assert bytes(tier.read_blob("step_1/big").numpy()) == big
+    assert bytes(tier.read_blob("step_1/small").numpy()) == small
+    assert seen == [(len(big), 4096, True), (len(small), None, False)]
+    buffered = LocalTier("plain", LocalOptions(path=str(tmp_path / "t"), direct_io=False))
+    assert bytes(buffered.read_blob("step_1/big").numpy()) == big
+    assert seen[-1] == (len(big), None, False)
 
 
 @pytest.mark.parametrize("size", [0, 1, 4096 * 3 + 5, (1 << 20) * 3 + 123])

@@ -193,6 +193,16 @@ class DirectWriter:
                 self.direct = False
 
 
+def direct_mode(fd: int) -> bool:
+    """Switch ``fd`` to ``O_DIRECT``; False where the filesystem refuses it (the descriptor stays as it was)."""
+    try:
+        flags = fcntl.fcntl(fd, fcntl.F_GETFL)
+        fcntl.fcntl(fd, fcntl.F_SETFL, flags | os.O_DIRECT)
+    except OSError:
+        return False
+    return True
+
+
 def buffered_io(fd: int) -> None:
     """Switch ``fd`` from direct to ordinary (page cache) I/O."""
     flags = fcntl.fcntl(fd, fcntl.F_GETFL)

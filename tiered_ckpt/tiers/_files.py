@@ -36,9 +36,9 @@ from ..crashpoints import crash_point
 from ..errors import BlobNotFoundError, CorruptionError, PermanentTierError, TierError, TransientTierError
 from ..hostmem import FileShrankError, read_file
 from ..retry import FULL_ERRNOS, TRANSIENT_ERRNOS, repeat_on
-from ._direct_io import DIRECT_MIN, DirectWriter, buffered_io
+from ._direct_io import DIRECT_MIN, DirectWriter, buffered_io, direct_mode
 from ._nofollow import check_dirs, check_size, open_parent, open_regular, real_dir, refused_entry
-from .base import as_memoryview, check_key, check_prefix, check_range, chunks_stable
+from .base import IO_BLOCK, as_memoryview, check_key, check_prefix, check_range, chunks_stable
 
 log = logging.getLogger(__name__)
 
@@ -324,11 +324,13 @@ class BlobFiles:
     def read_into_tensor(self, key: str, hasher: Any = None, max_size: int | None = None) -> torch.Tensor:
         """The whole file in fresh private memory, read in parallel pieces (:func:`~..hostmem.read_file`: the
         page setup of the new memory overlaps the disk reads); ``hasher.update`` sees the pieces in order. A file
-        larger than ``max_size`` is a :class:`CorruptionError`, and nothing of it is read."""
+        larger than ``max_size`` is a :class:`CorruptionError`, and nothing of it is read. With ``direct_io``, a
+        large file is read with ``O_DIRECT``, as it was written: past the page cache, into the new memory."""
         fd, st, path = self.open_regular(key)
         try:
             check_size(st.st_size, max_size, path, tier=self.tier, key=key)
-            return read_file(fd, st.st_size, hasher=hasher)
+            block = IO_BLOCK if self.direct_io and st.st_size >= DIRECT_MIN and direct_mode(fd) else None
+            return read_file(fd, st.st_size, hasher=hasher, direct_block=block)
         except FileShrankError as exc:
             raise PermanentTierError(f"{path} shrank while being read ({exc.got} of {exc.size} bytes)",
                                      tier=self.tier, key=key) from None

@@ -31,8 +31,9 @@ from .base import Capabilities, Chunk, Tier, TierContext, check_key
 class LocalOptions:
     path: str  # the directory holding this tier's blobs (created if missing)
     fsync: bool = True  # fsync files and directories (turn off only for tests or throw-away runs)
-    # Write files with O_DIRECT, past the page cache (see _direct_io); "auto": when fsync is on and the
-    # filesystem takes it. Buffered writes are paced by the kernel's dirty-page throttling, direct ones are not.
+    # Write files with O_DIRECT, past the page cache (see _direct_io), and read large ones back that way; "auto":
+    # when fsync is on and the filesystem takes it. Buffered writes are paced by the kernel's dirty-page
+    # throttling, direct ones are not; buffered reads copy every byte out of the page cache.
     direct_io: bool | Literal["auto"] = "auto"
 
     def __post_init__(self) -> None:
