@@ -265,6 +265,25 @@ def _crashed_run(shm: str, run_id: str, step: int, persistent: bool = True) -> N
     subprocess.run([sys.executable, "-c", script], check=True, timeout=120, cwd=ROOT)
 
 
+def test_ls_counts_a_snapshot_owed_only_to_the_tiers_its_save_was_due_on(tmp_path, shm_root, capsys):
+    """A snapshot a tier's ``every`` skipped is not reported as waiting for that tier (a restart does not drain it
+    there either)."""
+    cfg = {"run_id": f"e{uuid.uuid4().hex[:8]}", "drain": {"mode": "thread"},
+           "tiers": [{"name": "shm", "kind": "shm", "path": shm_root},
+                     {"name": "local", "kind": "local", "path": str(tmp_path / "local")},
+                     {"name": "sparse", "kind": "local", "path": str(tmp_path / "sparse"), "every": 10}]}
+    with CheckpointEngine(cfg) as engine:
+        for step in range(1, 12):  # saves 1 and 11 are due on `sparse`; shm keeps 10 and 11 at close
+            engine.save(step, make_items(step))
+    path = tmp_path / "tiers.json"
+    path.write_text(json.dumps(cfg))
+    code, out, _ = run(capsys, "ls", "--config", str(path), "--json")
+    states = {r["step"]: r["state"] for r in json.loads(out) if r["tier"] == "shm" and r.get("run_id") == cfg["run_id"]}
+    assert code == EXIT_OK
+    assert states == {10: "snapshot (closed; on every file tier its save was due on)",
+                      11: "snapshot (closed; on every file tier)"}
+
+
 def test_ls_tells_live_closed_and_stale_snapshots_apart_and_prints_no_step_minus_one(tmp_path, shm_root, capsys):
     root = tmp_path / "ckpt"
     cfg = saved(root, shm_root)  # closed cleanly: whatever is left in memory is on disk too

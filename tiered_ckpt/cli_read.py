@@ -91,6 +91,7 @@ def _snapshot_rows(rows: list, run_id: str, committed: dict[str, set[int]], open
     live engine, the file tiers that never got it (the next engine of this run_id drains it there)."""
     from .housekeeping import run_state
     from .locking import shm_paths
+    from .snapshot_record import undrained_tiers
 
     state = run_state(run_id, shm_paths(opened.config))
     for info in rows:
@@ -99,14 +100,15 @@ def _snapshot_rows(rows: list, run_id: str, committed: dict[str, set[int]], open
             info.state = "snapshot (live engine" + ("; non-persistent)" if memory_only else ")")
             continue
         what = "closed" if state == "closed" else "stale: its process ended without close()"
-        missing = [n for n, steps in committed.items() if info.step not in steps and max(steps, default=-1) < info.step]
+        missing = undrained_tiers(info.snapshot, committed) if info.snapshot is not None else []
         if memory_only:
             info.state = f"snapshot ({what}; non-persistent: memory only, no file tier takes it)"
         elif missing:
             info.state = (f"snapshot ({what}; not on {', '.join(map(repr, missing))}: the next engine of run "
                           f"{run_id!r} drains it)")
         elif committed and not opened.unreadable and not opened.absent:
-            info.state = f"snapshot ({what}; on every file tier)"
+            skipped = any(info.step not in steps for steps in committed.values())  # by their `every`, or newer
+            info.state = f"snapshot ({what}; on every file tier{' its save was due on' if skipped else ''})"
         else:
             info.state = f"snapshot ({what})"
     return rows

@@ -42,7 +42,7 @@ from .memory_store import plan_items
 from .parallel import ParallelLayout, RankCoords, detect, local_rank
 from .pipeline import STAGING, Pipeline, build_pipeline
 from .plugins import PluginManager, get_plugin_manager
-from .snapshot_record import snapshot_layout_changes
+from .snapshot_record import snapshot_layout_changes, undrained_tiers
 from .worker import open_drain
 
 log = logging.getLogger(__name__)
@@ -228,7 +228,8 @@ class CheckpointEngine:
         store = self.pipeline.entry_store
         try:
             store.write_snapshot(step, slot, placed, total, coords=self.coords, layout=self.config.layout,
-                                 run_id=self.config.run_id, persistent=persistent, save_id=save_id)
+                                 run_id=self.config.run_id, persistent=persistent, save_id=save_id,
+                                 skipped=[n for n in self.pipeline.order[1:] if n not in due])
         except BaseException:
             store.release_slot(slot)
             raise
@@ -302,8 +303,8 @@ class CheckpointEngine:
                             "origin', and every load of it reports verified=False", self.pipeline.entry, meta.step,
                             meta.slot, meta.rank)
                 meta = entry.mark_unverified(meta)
-            due = tuple(n for n in self.pipeline.order[1:] if n in durable
-                        and meta.step not in committed[n] and max(committed[n], default=-1) < meta.step)
+            # the tiers that lack it, but not those its save skipped (their `every`), each once it could be listed
+            due = tuple(undrained_tiers(meta, {n: committed[n] for n in self.pipeline.order[1:] if n in durable}))
             if not due:
                 continue
             entry.hold_slot(meta.slot)

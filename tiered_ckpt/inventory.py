@@ -21,6 +21,7 @@ from .layouts.foreign import DCP_STATE, foreign_step_dirs
 if TYPE_CHECKING:
     from .config import TierConfig
     from .file_store import FileStore
+    from .snapshot_record import SlotMeta
     from .store import SnapshotStore
     from .tiers.base import Tier
 
@@ -119,6 +120,7 @@ class StepInfo:
     files: int
     ranks: list[int] = field(default_factory=list)
     run_id: str | None = None  # memory tiers: whose snapshot it is
+    snapshot: SlotMeta | None = None  # memory tiers: its record (not in to_dict)
 
     def to_dict(self) -> dict:
         out = {"tier": self.tier, "step": self.step, "state": self.state, "bytes": self.nbytes,
@@ -169,7 +171,8 @@ def memory_steps(store: SnapshotStore, ranks: list[int] | None = None) -> list[S
         view = store.for_rank(rank)
         for _, meta in sorted(view.metas().items()):
             out.append(StepInfo(store.name, meta.step, "snapshot" if meta.persistent else "snapshot (non-persistent)",
-                                meta.total_bytes, now - meta.created, len(meta.items), [rank], run_id=meta.run_id))
+                                meta.total_bytes, now - meta.created, len(meta.items), [rank], run_id=meta.run_id,
+                                snapshot=meta))
     return sorted(out, key=lambda s: (s.step, s.ranks))
 
 

@@ -22,7 +22,7 @@ import functools
 import logging
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Executor, Future
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
@@ -247,7 +247,8 @@ class MemoryStore:
                 self._slot_step[slot] = step
 
     def write_snapshot(self, step: int, slot: int, placed: list, total: int, *, coords: RankCoords, layout: str,
-                       run_id: str, persistent: bool, save_id: str = "") -> SlotMeta:
+                       run_id: str, persistent: bool, save_id: str = "",
+                       skipped: Sequence[str] = ()) -> SlotMeta:
         self.invalidate(slot)  # the slot's old step is gone from here on (and its old hashing done)
         crash_point("save.invalidated")
         buf = self.buffer(slot, total)
@@ -260,7 +261,7 @@ class MemoryStore:
                                for name, p, off in placed],
                         layout=layout, coords=coords.to_dict(), parallel=coords.layout.to_dict(), run_id=run_id,
                         persistent=persistent, checksums="pending" if self.tier.capabilities.survives_process else "",
-                        save_id=save_id)
+                        save_id=save_id, skipped=list(skipped))
         crash_point("save.before_publish")
         self.publish(meta)
         if meta.checksums == "pending":

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Collection, Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -47,6 +48,9 @@ class SlotMeta:
     # "" (none: a tier that does not outlive the process, or a record of an older version).
     checksums: str = ""
     save_id: str = ""  # the save's identity, alike on every rank (engine._save_id); "" when unknown
+    # The tiers below this one that the save was not due on (their ``every``), by name: a restart does not drain
+    # the snapshot there. A tier its engine did not have (added since) is not among them: it takes the snapshot.
+    skipped: list[str] = field(default_factory=list)
 
     @property
     def checksummed(self) -> bool:
@@ -76,6 +80,15 @@ class SlotMeta:
             return meta
         except Exception as exc:  # any malformation means: this slot holds nothing usable
             raise CorruptionError(f"malformed snapshot record: {exc}", tier=tier, key=where) from None
+
+
+def undrained_tiers(meta: SlotMeta, committed: Mapping[str, Collection[int]]) -> list[str]:
+    """The tiers of ``committed`` (name -> the steps it committed, fastest first) that ``meta``'s snapshot has yet
+    to reach: those holding neither its step nor a newer one, except the ones its save skipped
+    (:attr:`SlotMeta.skipped`). A tier with a newer step never takes an older one (its retention would have
+    removed it anyway)."""
+    return [name for name, steps in committed.items()
+            if name not in meta.skipped and meta.step not in steps and max(steps, default=-1) < meta.step]
 
 
 def snapshot_layout_changes(meta: SlotMeta, coords: RankCoords) -> list[str]:

@@ -11,7 +11,7 @@ has: :meth:`Store.slots` (the snapshot slots, for the entry tier and for readers
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
@@ -156,9 +156,11 @@ class SnapshotStore(Store, Protocol):
     def release_slot(self, slot: int) -> None: ...
 
     def write_snapshot(self, step: int, slot: int, placed: list, total: int, *, coords: RankCoords, layout: str,
-                       run_id: str, persistent: bool, save_id: str = "") -> SlotMeta:
+                       run_id: str, persistent: bool, save_id: str = "",
+                       skipped: Sequence[str] = ()) -> SlotMeta:
         """Copy the planned items (:func:`~tiered_ckpt.memory_store.plan_items`) into ``slot`` and publish its
-        record: the save's only blocking work. ``save_id``: the save's identity, kept in the record."""
+        record: the save's only blocking work. ``save_id``: the save's identity, kept in the record; ``skipped``:
+        the tiers below that this save is not due on, kept in the record for a restart's drain."""
         ...
 
     def metas(self) -> dict[int, SlotMeta]: ...
