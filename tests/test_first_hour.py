@@ -278,18 +278,22 @@ def test_two_tiers_in_one_place_are_a_configuration_error(tmp_path):
     CheckpointEngine(cfg).close()  # two places: fine
 
 
+@pytest.mark.parametrize("below", ["", "/sub/dir"], ids=["the-path", "a-parent"])
 @pytest.mark.parametrize("kind", ["local", "shm", "fsspec"])
-def test_a_tier_path_that_is_a_file_is_a_configuration_error_at_its_key_for_every_kind(tmp_path, kind):
+def test_a_tier_path_that_is_a_file_is_a_configuration_error_at_its_key_for_every_kind(tmp_path, kind, below):
     """Trial: a local tier said so at tiers[i].path; an shm tier raised a bare error without the key, and an fsspec
-    file:// tier built fine and failed only in the drain."""
+    file:// tier built fine and failed only in the drain. A second trial: with a file as a parent of the path, a
+    local tier raised an unlocated "Not a directory", shm "cannot create the lock directory", fsspec built."""
     afile = tmp_path / "afile"
     afile.write_text("not a directory")
-    tier = {"local": {"name": "t", "kind": "local", "path": str(afile)},
-            "shm": {"name": "t", "kind": "shm", "path": str(afile)},
-            "fsspec": {"name": "t", "kind": "fsspec", "url": f"file://{afile}"}}[kind]
+    path = f"{afile}{below}"
+    tier = {"local": {"name": "t", "kind": "local", "path": path},
+            "shm": {"name": "t", "kind": "shm", "path": path},
+            "fsspec": {"name": "t", "kind": "fsspec", "url": f"file://{path}"}}[kind]
     tiers = [tier] if kind != "shm" else [tier, {"name": "disk", "kind": "local", "path": str(tmp_path / "d")}]
     key = "url" if kind == "fsspec" else "path"
-    with pytest.raises(ConfigError, match=rf"tiers\[0\]\.{key}: .*afile is a file, not a directory"):
+    where = f" \\(in the tier's path {re.escape(path)}\\)" if below else ""
+    with pytest.raises(ConfigError, match=rf"tiers\[0\]\.{key}: .*afile is a file, not a directory{where}: give"):
         CheckpointEngine({"run_id": run_id(), "tiers": tiers})
     assert afile.read_text() == "not a directory"
 

@@ -128,6 +128,23 @@ class NoOptions:
     """For kinds that take no options of their own."""
 
 
+def file_in_path(path: str) -> str | None:
+    """The file that stands where ``path`` (absolute) or one of its parents must be a directory, or None: a tier
+    told to use ``/data/ckpt`` where ``/data`` is a file fails at its configuration's key, not in a drain."""
+    here = path
+    while not os.path.lexists(here):
+        parent = os.path.dirname(here)
+        if parent == here:
+            return None
+        here = parent
+    return None if os.path.isdir(here) else here
+
+
+def not_a_directory(path: str, blocker: str) -> str:
+    """The start of the error for :func:`file_in_path`'s answer."""
+    return f"{blocker} is a file, not a directory" + ("" if blocker == path else f" (in the tier's path {path})")
+
+
 def check_key(key: str) -> str:
     """Keys are relative ``/`` paths without ``..``, empty or absolute parts (manifests are data, not code).
     """

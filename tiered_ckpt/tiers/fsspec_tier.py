@@ -68,6 +68,8 @@ from .base import (
     check_key,
     check_prefix,
     check_range,
+    file_in_path,
+    not_a_directory,
 )
 
 log = logging.getLogger(__name__)
@@ -192,8 +194,9 @@ class FsspecTier(Tier):
         self._open_kw = {"block_size": options.block_size} if options.block_size else {}
         # A local path: the file tiers' own code (no links followed, no FIFO opened, vanished temp files).
         self.files: BlobFiles | None = None
-        if isinstance(self.fs, LocalFileSystem) and os.path.exists(self.root) and not os.path.isdir(self.root):
-            raise ConfigError(f"{self.root} is a file, not a directory: give the tier the directory that holds (or "
+        blocker = file_in_path(self.root) if isinstance(self.fs, LocalFileSystem) else None
+        if blocker is not None:
+            raise ConfigError(f"{not_a_directory(self.root, blocker)}: give the tier the directory that holds (or "
                               "will hold) its checkpoints", key_path=f"tier {name!r}.url")
         if isinstance(self.fs, LocalFileSystem):
             self.files = BlobFiles(name, self.root, file_mode=0o666, dir_mode=0o777, fsync=False,

@@ -14,6 +14,7 @@ they were verified, and follow any later write to the file.
 
 from __future__ import annotations
 
+import errno
 import os
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -24,7 +25,16 @@ import torch
 from ..errors import ConfigError, PermanentTierError
 from ._files import BlobFiles, FilesHousekeeping
 from ._positional import PositionalFiles
-from .base import Capabilities, Chunk, Tier, TierContext, check_key
+from .base import Capabilities, Chunk, Tier, TierContext, check_key, file_in_path, not_a_directory
+
+# Why the tier's directory could not be made, where the configuration is what to change.
+_CREATE_FIXES = {
+    errno.ENOTDIR: "a part of that path is a file: give a path whose every parent is a directory",
+    errno.EACCES: "this user may not create it there: create it beforehand, with write access, or give a path "
+                  "under a directory this user can write",
+    errno.EPERM: "this user may not create it there: create it beforehand, with write access, or give another path",
+    errno.EROFS: "that filesystem is mounted read-only: give a path on a writable one",
+}
 
 
 @dataclass(frozen=True)
@@ -50,12 +60,17 @@ class LocalTier(FilesHousekeeping, Tier):
     def __init__(self, name: str, options: LocalOptions, context: TierContext | None = None):
         super().__init__(name, options, context)
         self.root = os.path.abspath(os.path.expanduser(options.path))
-        if os.path.exists(self.root) and not os.path.isdir(self.root):
-            raise ConfigError(f"{self.root} is a file, not a directory: give the tier the directory that holds (or "
+        blocker = file_in_path(self.root)
+        if blocker is not None:
+            raise ConfigError(f"{not_a_directory(self.root, blocker)}: give the tier the directory that holds (or "
                               "will hold) its checkpoints", key_path=f"tier {name!r}.path")
         try:
             os.makedirs(self.root, exist_ok=True)
         except OSError as exc:
+            fix = _CREATE_FIXES.get(exc.errno or 0)
+            if fix is not None:
+                raise ConfigError(f"cannot create the directory {self.root}: {exc.strerror}; {fix}",
+                                  key_path=f"tier {name!r}.path") from exc
             raise PermanentTierError(f"cannot create the directory {self.root}: {exc.strerror or exc}",
                                      tier=name) from exc
         if not os.path.isdir(self.root):

@@ -58,7 +58,17 @@ from ..retry import FULL_ERRNOS
 from ..validate import Size
 from ._files import BlobFiles, FilesHousekeeping, make_dirs
 from ._nofollow import check_dirs, check_size, refused_entry
-from .base import Capabilities, Chunk, Tier, TierContext, as_memoryview, check_key, check_prefix
+from .base import (
+    Capabilities,
+    Chunk,
+    Tier,
+    TierContext,
+    as_memoryview,
+    check_key,
+    check_prefix,
+    file_in_path,
+    not_a_directory,
+)
 from .cgroup_memory import memory_headroom
 
 log = logging.getLogger(__name__)
@@ -154,8 +164,9 @@ def shm_base(path: str, key_path: str | None = None, source: str | None = None) 
     """``path`` made absolute; a :class:`ConfigError` at ``key_path`` where it names a file. The tier, the run's
     locks and the configuration's check all place things there, each before the others may have looked."""
     base = os.path.abspath(path)
-    if os.path.exists(base) and not os.path.isdir(base):
-        raise ConfigError(f"{base} is a file, not a directory: give the shm tier a directory on a tmpfs (the "
+    blocker = file_in_path(base)
+    if blocker is not None:
+        raise ConfigError(f"{not_a_directory(base, blocker)}: give the shm tier a directory on a tmpfs (the "
                           "default is /dev/shm/tiered_ckpt)", source=source, key_path=key_path)
     return base
 
