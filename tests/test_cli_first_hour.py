@@ -195,6 +195,22 @@ def test_help_texts_show_no_rst_markup(capsys):
     assert "exit status: 0 success" in texts[0]
 
 
+def test_the_exit_codes_agree_in_help_readme_and_the_docstring():
+    """--help's epilog, README's table and cli.py's docstring list the same exit codes: the ones main() returns."""
+    from tiered_ckpt import cli
+
+    codes = {cli.EXIT_OK, cli.EXIT_FAILED, cli.EXIT_USAGE, cli.EXIT_NOT_FOUND, cli.EXIT_UNREADABLE,
+             cli.EXIT_INTERRUPTED, cli.EXIT_BROKEN_PIPE}
+    assert codes == {0, 1, 2, 3, 4, 130, 141}
+    epilog = " ".join(build_parser().format_help().split()).split("exit status: ")[1].split(". With --json")[0]
+    docstring = " ".join(cli.__doc__.split()).split("Exit codes: ")[1].split(". With ``--json``")[0]
+    table = (ROOT / "README.md").read_text().split("| exit status | meaning |")[1].split("\n\n")[0]
+    assert {int(n) for n in re.findall(r"(?:^|, )(\d+) ", epilog)} == codes, epilog
+    assert {int(n) for n in re.findall(r"(?:^|; )(\d+) ", docstring)} == codes, docstring
+    assert {int(n) for n in re.findall(r"^\| (\d+) \|", table, re.M)} == codes, table
+    assert "141 the reader of the output went away" in epilog
+
+
 # ----- 5. gc --stale with a configuration; snapshot states in ls ------------------------------------------
 def test_gc_stale_with_a_configuration_looks_in_its_shm_path(tmp_path, shm_root, capsys):
     dead = f"dead{uuid.uuid4().hex[:6]}"
