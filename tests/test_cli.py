@@ -255,6 +255,49 @@ def test_demo_small(tmp_path, capsys):
     assert "from tier" in out and "time to durable" in out
 
 
+class _DemoStarted(Exception):
+    pass
+
+
+@pytest.fixture
+def demo_launch(monkeypatch, shm_root):
+    """The demo with a fake job (``launch``) that raises _DemoStarted, and its shm tier under ``shm_root``."""
+    from tiered_ckpt.demo import run as demo_run
+
+    monkeypatch.setattr(demo_run, "SHM_PATH", os.path.join(shm_root, "tiered_ckpt"))
+
+    def launch(world, spec, logs, **_):
+        raise _DemoStarted(logs)
+
+    monkeypatch.setattr(demo_run, "launch", launch)
+    return demo_run
+
+
+@pytest.mark.parametrize("stop", [KeyboardInterrupt, RuntimeError])
+def test_demo_removes_its_shared_memory_when_interrupted_or_failing(stop, demo_launch, tmp_path, monkeypatch):
+    from tiered_ckpt.tiers.base import _user_name
+
+    user_dir = Path(demo_launch.SHM_PATH) / _user_name()
+    other = user_dir / "demo-0123abcd"  # another run's: not the demo's own, it stays
+    (other / "rank_00000").mkdir(parents=True)
+    runs = []
+
+    def launch(world, spec, logs, **_):
+        if "config" not in spec:
+            return []  # the reference run
+        run_dir = user_dir / spec["config"]["run_id"]
+        (run_dir / "rank_00000").mkdir(parents=True, exist_ok=True)  # what the ranks' shm tier writes
+        (run_dir / "rank_00000" / "slot0").write_bytes(b"x" * 4096)
+        runs.append(run_dir)
+        raise stop("Ctrl-C" if stop is KeyboardInterrupt else "rank 1 failed")
+
+    monkeypatch.setattr(demo_launch, "launch", launch)
+    with pytest.raises(stop):
+        demo_launch.run_demo(str(tmp_path / "demo"), world=2, steps=12)
+    assert len(runs) == 1 and not runs[0].exists()
+    assert (other / "rank_00000").is_dir()
+
+
 def test_bench_measures_the_machine_and_each_tier(ckpt, capsys, tmp_path):
     _, cfg = ckpt
     path = tmp_path / "tiers.json"

@@ -20,6 +20,8 @@ from pathlib import Path
 
 from ..tiers.base import _user_name
 
+SHM_PATH = "/dev/shm/tiered_ckpt"  # the shm tier's path, where /dev/shm exists (else the workdir's shm folder)
+
 
 def _free_port() -> int:
     with socket.socket() as s:
@@ -34,26 +36,35 @@ def launch(world: int, spec: dict, logs: Path, *, timeout: float = 300) -> list[
     writes, and would hold a pipe open long after the job is gone."""
     port = _free_port()
     logs.mkdir(parents=True, exist_ok=True)
-    procs, outputs = [], []
-    for rank in range(world):
-        env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank),
-               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1"}
-        out, err = logs / f"rank_{rank}.out", logs / f"rank_{rank}.err"
-        with open(out, "w") as fo, open(err, "w") as fe:
-            procs.append(subprocess.Popen([sys.executable, "-m", "tiered_ckpt.demo.train", json.dumps(spec)],
-                                          env=env, stdout=fo, stderr=fe))
-        outputs.append((out, err))
-    deadline = time.monotonic() + timeout
-    while [p.poll() for p in procs].count(None):  # poll every rank, every time (no short-circuit)
-        if any(p.returncode is not None and p.returncode < 0 for p in procs):
-            for p in procs:
-                if p.poll() is None:
-                    p.send_signal(signal.SIGKILL)  # the rest of the job goes down with the failed node
-        if time.monotonic() > deadline:
-            for p in procs:
+    procs: list[subprocess.Popen] = []
+    outputs = []
+    try:
+        for rank in range(world):
+            env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank),
+                   "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1"}
+            out, err = logs / f"rank_{rank}.out", logs / f"rank_{rank}.err"
+            with open(out, "w") as fo, open(err, "w") as fe:
+                procs.append(subprocess.Popen([sys.executable, "-m", "tiered_ckpt.demo.train", json.dumps(spec)],
+                                              env=env, stdout=fo, stderr=fe))
+            outputs.append((out, err))
+        deadline = time.monotonic() + timeout
+        while [p.poll() for p in procs].count(None):  # poll every rank, every time (no short-circuit)
+            if any(p.returncode is not None and p.returncode < 0 for p in procs):
+                for p in procs:
+                    if p.poll() is None:
+                        p.send_signal(signal.SIGKILL)  # the rest of the job goes down with the failed node
+            if time.monotonic() > deadline:
+                raise TimeoutError("the demo job did not finish in time")
+            time.sleep(0.05)
+    except BaseException:
+        # Timed out, interrupted (Ctrl-C) or failed here: the job goes down with its conductor (and is reaped)
+        # before the caller removes the shared memory its ranks write to.
+        for p in procs:
+            if p.poll() is None:
                 p.kill()
-            raise TimeoutError("the demo job did not finish in time")
-        time.sleep(0.05)
+        for p in procs:
+            p.wait()
+        raise
     crashed = any(p.returncode == -signal.SIGKILL for p in procs)
     records = []
     for rank, (p, (out, err)) in enumerate(zip(procs, outputs, strict=True)):
@@ -110,7 +121,18 @@ def run_demo(workdir: str, *, world: int = 4, steps: int = 30, save_every: int =
         shutil.rmtree(work)
     work.mkdir(parents=True)
     run_id = f"demo-{uuid.uuid4().hex[:8]}"
-    shm_path = "/dev/shm/tiered_ckpt" if os.path.isdir("/dev/shm") else str(work / "shm")
+    shm_path = SHM_PATH if os.path.isdir(os.path.dirname(SHM_PATH)) else str(work / "shm")
+    # The shm tier's files of this run (and only of this run: run_id is new): removed however the demo ends.
+    shm_run = Path(shm_path) / _user_name() / run_id
+    try:
+        return _run(work, run_id, shm_path, world=world, steps=steps, save_every=save_every, kill_step=kill_step,
+                    kill_rank=kill_rank, remote=remote, keep_files=keep_files)
+    finally:
+        shutil.rmtree(shm_run, ignore_errors=True)
+
+
+def _run(work: Path, run_id: str, shm_path: str, *, world: int, steps: int, save_every: int, kill_step: int,
+         kill_rank: int, remote: str | None, keep_files: bool) -> int:
     remote_url = remote or f"file://{work / 'remote'}"
     config = {
         "run_id": run_id,
@@ -160,7 +182,6 @@ def run_demo(workdir: str, *, world: int = 4, steps: int = 30, save_every: int =
     for s in sorted(after)[:3]:
         print(f"  step {s}: loss {after[s]:.6f} resumed, {reference[s]:.6f} uninterrupted")
     print(f"  ... ({len(after)} steps compared, {time.perf_counter() - t0:.0f} s in all)")
-    shutil.rmtree(Path(shm_path) / _user_name() / run_id, ignore_errors=True)
     if not keep_files:
         shutil.rmtree(work, ignore_errors=True)
     else:
