@@ -255,6 +255,15 @@ def test_demo_small(tmp_path, capsys):
     assert "from tier" in out and "time to durable" in out
 
 
+@pytest.mark.slow
+def test_demo_at_its_fewest_steps_and_ranks_resumes(tmp_path, capsys):
+    """--steps 7 --world 1, the fewest the command line takes (a save at step 5, the kill at step 6), resume."""
+    work = tmp_path / "demo"
+    code, out = run(capsys, "demo", "--workdir", str(work), "--world", "1", "--steps", "7")
+    assert code == EXIT_OK, out
+    assert "OK: the resumed run matched the uninterrupted one exactly (from step 5 to 7)" in out
+
+
 class _DemoStarted(Exception):
     pass
 
@@ -271,6 +280,33 @@ def demo_launch(monkeypatch, shm_root):
 
     monkeypatch.setattr(demo_run, "launch", launch)
     return demo_run
+
+
+@pytest.mark.parametrize("argv, flag, allowed", [
+    (["demo", "--world", "0"], "--world", "1 or more"),
+    (["demo", "--world", "-2"], "--world", "1 or more"),
+    (["demo", "--steps", "0"], "--steps", "7 or more"),
+    (["demo", "--steps", "6"], "--steps", "7 or more"),  # the kill (step 6) would land on the only save (step 5)
+    (["bench", "--size-mib", "0"], "--size-mib", "1 or more"),
+    (["bench", "--size-mib", "-1"], "--size-mib", "1 or more"),
+])
+def test_demo_and_bench_refuse_numbers_out_of_range_up_front(argv, flag, allowed, demo_launch, tmp_path, capsys):
+    with pytest.raises(SystemExit) as exited:
+        main([*argv, *(["--workdir", str(tmp_path / "demo")] if argv[0] == "demo" else [])])
+    err = capsys.readouterr().err
+    assert exited.value.code == EXIT_USAGE, err
+    assert f"argument {flag}: must be {allowed}" in err and f"got {argv[-1]}\n" in err and "Traceback" not in err
+    assert not (tmp_path / "demo").exists()
+
+
+def test_the_demo_takes_its_fewest_steps_and_ranks():
+    from tiered_ckpt.demo import SAVE_EVERY, default_kill_step, min_steps
+
+    args = build_parser().parse_args(["demo", "--steps", "7", "--world", "1"])
+    assert (args.steps, args.world) == (7, 1)
+    # 7 is the fewest steps with a save before the kill step: with 6 the kill is at the only save, step 5.
+    assert [s for s in range(1, 8) if any(k < default_kill_step(s) for k in range(SAVE_EVERY, s + 1, SAVE_EVERY))
+            ] == [7] == [min_steps()]
 
 
 @pytest.mark.parametrize("stop", [KeyboardInterrupt, RuntimeError])

@@ -54,6 +54,22 @@ class _Parser(argparse.ArgumentParser):
         super().error(message)
 
 
+def int_at_least(minimum: int, why: str = "") -> Any:
+    """An argparse ``type``: a whole number of at least ``minimum``; a smaller one is a usage error (exit 2) naming
+    the allowed range (and ``why``, when given)."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be {minimum} or more{why}, got {value}")
+        return value
+
+    return parse
+
+
 def _print_json(obj: Any) -> None:
     print(json.dumps(obj, indent=1, default=str))
 

@@ -19,6 +19,7 @@ import uuid
 from pathlib import Path
 
 from ..tiers.base import _user_name
+from . import SAVE_EVERY, default_kill_step, min_steps
 
 SHM_PATH = "/dev/shm/tiered_ckpt"  # the shm tier's path, where /dev/shm exists (else the workdir's shm folder)
 
@@ -112,9 +113,15 @@ def _print_table(rows: list[list[str]], headers: list[str]) -> None:
             print("  " + "  ".join("-" * w for w in widths))
 
 
-def run_demo(workdir: str, *, world: int = 4, steps: int = 30, save_every: int = 5, kill_step: int | None = None,
-             kill_rank: int | None = None, remote: str | None = None, keep_files: bool = True) -> int:
-    kill_step = kill_step if kill_step is not None else steps * 3 // 4 + 1  # between two saves, late in the run
+def run_demo(workdir: str, *, world: int = 4, steps: int = 30, save_every: int = SAVE_EVERY,
+             kill_step: int | None = None, kill_rank: int | None = None, remote: str | None = None,
+             keep_files: bool = True) -> int:
+    if world < 1:
+        raise ValueError(f"world must be 1 or more, got {world}")
+    if kill_step is None and steps < min_steps(save_every):
+        raise ValueError(f"steps must be at least {min_steps(save_every)} to save every {save_every} steps before "
+                         f"the kill step, got {steps}")
+    kill_step = kill_step if kill_step is not None else default_kill_step(steps)  # late in the run
     kill_rank = kill_rank if kill_rank is not None else world // 2
     work = Path(workdir).resolve()
     if work.exists():
