@@ -256,12 +256,15 @@ def test_demo_small(tmp_path, capsys):
 
 
 @pytest.mark.slow
-def test_demo_at_its_fewest_steps_and_ranks_resumes(tmp_path, capsys):
+def test_demo_at_its_fewest_steps_and_ranks_resumes_and_leaves_a_workdir_it_takes_again(tmp_path, capsys):
     """--steps 7 --world 1, the fewest the command line takes (a save at step 5, the kill at step 6), resume."""
+    from tiered_ckpt.demo.run import workdir_problem
+
     work = tmp_path / "demo"
     code, out = run(capsys, "demo", "--workdir", str(work), "--world", "1", "--steps", "7")
     assert code == EXIT_OK, out
     assert "OK: the resumed run matched the uninterrupted one exactly (from step 5 to 7)" in out
+    assert workdir_problem(work) is None  # what the demo wrote is recognised as its own
 
 
 class _DemoStarted(Exception):
@@ -307,6 +310,70 @@ def test_the_demo_takes_its_fewest_steps_and_ranks():
     # 7 is the fewest steps with a save before the kill step: with 6 the kill is at the only save, step 5.
     assert [s for s in range(1, 8) if any(k < default_kill_step(s) for k in range(SAVE_EVERY, s + 1, SAVE_EVERY))
             ] == [7] == [min_steps()]
+
+
+@pytest.mark.parametrize("what", ["a file of yours", "an earlier demo's files and one of yours", "a file"])
+def test_demo_refuses_a_workdir_it_did_not_write(what, demo_launch, tmp_path, capsys):
+    work = tmp_path / "mine"
+    if what == "a file":
+        work.write_text("precious")
+        mine = work
+    else:
+        work.mkdir()
+        mine = work / "notes.txt"
+        mine.write_text("precious")
+        if what.startswith("an earlier demo's"):
+            (work / "tiers.json").write_text(json.dumps({"run_id": "demo-0123abcd", "tiers": [
+                {"name": "shm"}, {"name": "local"}, {"name": "remote"}]}))
+            (work / "logs").mkdir()
+    code = main(["demo", "--workdir", str(work)])
+    err = capsys.readouterr().err
+    assert code == EXIT_USAGE, err
+    assert f"tiered-ckpt demo: {work} " in err and "new or empty directory" in err and "--workdir" in err
+    assert mine.read_text() == "precious"
+    if what.startswith("an earlier demo's"):
+        assert (work / "logs").is_dir() and (work / "tiers.json").exists()
+
+
+def test_demo_runs_again_in_its_own_earlier_workdir(demo_launch, tmp_path, monkeypatch):
+    """The default workdir (demo-run), run twice: the second run empties what the first wrote and starts."""
+    monkeypatch.chdir(tmp_path)
+    work = tmp_path / "demo-run"
+    with pytest.raises(_DemoStarted):
+        main(["demo"])
+    first = json.loads((work / "tiers.json").read_text())["run_id"]
+    # What the rest of the first run would have written (the job is faked here).
+    for d in ("logs/crashed", "local/iter_0000005", "remote/iter_0000005"):
+        (work / d).mkdir(parents=True)
+    (work / "local" / "iter_0000005" / "old.flat").write_bytes(b"x")
+    (work / "events.jsonl").write_text("{}\n")
+    with pytest.raises(_DemoStarted):
+        main(["demo"])
+    assert json.loads((work / "tiers.json").read_text())["run_id"] != first
+    assert sorted(p.name for p in work.iterdir()) == ["tiers.json"]  # the job writes the rest again
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(_DemoStarted):
+        main(["demo", "--workdir", str(empty)])
+    assert (empty / "tiers.json").exists()
+
+
+def test_demo_clean_removes_what_it_wrote_and_only_a_workdir_it_made(demo_launch, tmp_path, capsys, monkeypatch):
+    def launch(world, spec, logs, **_):  # a job that trains steps 1-7, saves step 5 and resumes from it
+        logs.mkdir(parents=True)
+        losses = [{"rank": 0, "step": s, "loss": 1.0 / s} for s in range(1, 8)]
+        if "resume" in spec:
+            return [{"rank": 0, "resumed": 5, "tier": "shm", "load_s": 0.1}, *losses[5:]]
+        return losses
+
+    monkeypatch.setattr(demo_launch, "launch", launch)
+    new, yours = tmp_path / "new", tmp_path / "yours"
+    yours.mkdir()
+    for work in (new, yours):
+        code, out = run(capsys, "demo", "--workdir", str(work), "--world", "1", "--steps", "7", "--clean")
+        assert code == EXIT_OK and "OK: the resumed run matched" in out, out
+    assert not new.exists()
+    assert yours.is_dir() and list(yours.iterdir()) == []  # an empty directory given stays, empty
 
 
 @pytest.mark.parametrize("stop", [KeyboardInterrupt, RuntimeError])

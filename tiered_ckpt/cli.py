@@ -100,12 +100,14 @@ def build_parser() -> argparse.ArgumentParser:
                    "seconds, or with a unit: 30m, 2h, 1d; inf lists without removing (default: 1h)")
     p = add("demo", cmd_demo, "train a small GPT on 4 ranks, checkpoint through shm, local and remote tiers, kill a "
                               "rank, resume, and check the resumed run matches an uninterrupted one", target=False)
-    p.add_argument("--workdir", default="demo-run", help="where the demo writes (default: %(default)s)")
+    p.add_argument("--workdir", default="demo-run", help="where the demo writes (default: %(default)s): a new or "
+                   "empty directory, or one an earlier demo wrote, which it empties first; any other is refused")
     p.add_argument("--remote", help="the remote tier's URL (default: a file:// folder in the workdir)")
     p.add_argument("--world", type=int_at_least(1), default=4, help="ranks, 1 or more (default: %(default)s)")
     p.add_argument("--steps", type=int_at_least(DEMO_MIN_STEPS, DEMO_STEPS_WHY), default=30,
                    help=f"training steps, {DEMO_MIN_STEPS} or more (default: %(default)s)")
-    p.add_argument("--clean", action="store_true", help="remove the workdir afterwards")
+    p.add_argument("--clean", action="store_true",
+                   help="remove what the demo wrote afterwards (and the workdir, if the demo made it)")
     p = add("bench", cmd_bench, "this machine's memcpy, shm and disk bandwidth, and each configured tier's "
                                 "write and read throughput against them")
     p.add_argument("--size-mib", type=int_at_least(1), default=256,
