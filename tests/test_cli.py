@@ -255,6 +255,152 @@ def test_demo_small(tmp_path, capsys):
     assert "from tier" in out and "time to durable" in out
 
 
+@pytest.mark.slow
+def test_demo_at_its_fewest_steps_and_ranks_resumes_and_leaves_a_workdir_it_takes_again(tmp_path, capsys):
+    """--steps 7 --world 1, the fewest the command line takes (a save at step 5, the kill at step 6), resume."""
+    from tiered_ckpt.demo.run import workdir_problem
+
+    work = tmp_path / "demo"
+    code, out = run(capsys, "demo", "--workdir", str(work), "--world", "1", "--steps", "7")
+    assert code == EXIT_OK, out
+    assert "OK: the resumed run matched the uninterrupted one exactly (from step 5 to 7)" in out
+    assert workdir_problem(work) is None  # what the demo wrote is recognised as its own
+
+
+class _DemoStarted(Exception):
+    pass
+
+
+@pytest.fixture
+def demo_launch(monkeypatch, shm_root):
+    """The demo with a fake job (``launch``) that raises _DemoStarted, and its shm tier under ``shm_root``."""
+    from tiered_ckpt.demo import run as demo_run
+
+    monkeypatch.setattr(demo_run, "SHM_PATH", os.path.join(shm_root, "tiered_ckpt"))
+
+    def launch(world, spec, logs, **_):
+        raise _DemoStarted(logs)
+
+    monkeypatch.setattr(demo_run, "launch", launch)
+    return demo_run
+
+
+@pytest.mark.parametrize("argv, flag, allowed", [
+    (["demo", "--world", "0"], "--world", "1 or more"),
+    (["demo", "--world", "-2"], "--world", "1 or more"),
+    (["demo", "--steps", "0"], "--steps", "7 or more"),
+    (["demo", "--steps", "6"], "--steps", "7 or more"),  # the kill (step 6) would land on the only save (step 5)
+    (["bench", "--size-mib", "0"], "--size-mib", "1 or more"),
+    (["bench", "--size-mib", "-1"], "--size-mib", "1 or more"),
+])
+def test_demo_and_bench_refuse_numbers_out_of_range_up_front(argv, flag, allowed, demo_launch, tmp_path, capsys):
+    with pytest.raises(SystemExit) as exited:
+        main([*argv, *(["--workdir", str(tmp_path / "demo")] if argv[0] == "demo" else [])])
+    err = capsys.readouterr().err
+    assert exited.value.code == EXIT_USAGE, err
+    assert f"argument {flag}: must be {allowed}" in err and f"got {argv[-1]}\n" in err and "Traceback" not in err
+    assert not (tmp_path / "demo").exists()
+
+
+def test_the_demo_takes_its_fewest_steps_and_ranks():
+    from tiered_ckpt.demo import SAVE_EVERY, default_kill_step, min_steps
+
+    args = build_parser().parse_args(["demo", "--steps", "7", "--world", "1"])
+    assert (args.steps, args.world) == (7, 1)
+    # 7 is the fewest steps with a save before the kill step: with 6 the kill is at the only save, step 5.
+    assert [s for s in range(1, 8) if any(k < default_kill_step(s) for k in range(SAVE_EVERY, s + 1, SAVE_EVERY))
+            ] == [7] == [min_steps()]
+
+
+@pytest.mark.parametrize("what", ["a file of yours", "an earlier demo's files and one of yours", "a file"])
+def test_demo_refuses_a_workdir_it_did_not_write(what, demo_launch, tmp_path, capsys):
+    work = tmp_path / "mine"
+    if what == "a file":
+        work.write_text("precious")
+        mine = work
+    else:
+        work.mkdir()
+        mine = work / "notes.txt"
+        mine.write_text("precious")
+        if what.startswith("an earlier demo's"):
+            (work / "tiers.json").write_text(json.dumps({"run_id": "demo-0123abcd", "tiers": [
+                {"name": "shm"}, {"name": "local"}, {"name": "remote"}]}))
+            (work / "logs").mkdir()
+    code = main(["demo", "--workdir", str(work)])
+    err = capsys.readouterr().err
+    assert code == EXIT_USAGE, err
+    assert f"tiered-ckpt demo: {work} " in err and "new or empty directory" in err and "--workdir" in err
+    assert mine.read_text() == "precious"
+    if what.startswith("an earlier demo's"):
+        assert (work / "logs").is_dir() and (work / "tiers.json").exists()
+
+
+def test_demo_runs_again_in_its_own_earlier_workdir(demo_launch, tmp_path, monkeypatch):
+    """The default workdir (demo-run), run twice: the second run empties what the first wrote and starts."""
+    monkeypatch.chdir(tmp_path)
+    work = tmp_path / "demo-run"
+    with pytest.raises(_DemoStarted):
+        main(["demo"])
+    first = json.loads((work / "tiers.json").read_text())["run_id"]
+    # What the rest of the first run would have written (the job is faked here).
+    for d in ("logs/crashed", "local/iter_0000005", "remote/iter_0000005"):
+        (work / d).mkdir(parents=True)
+    (work / "local" / "iter_0000005" / "old.flat").write_bytes(b"x")
+    (work / "events.jsonl").write_text("{}\n")
+    with pytest.raises(_DemoStarted):
+        main(["demo"])
+    assert json.loads((work / "tiers.json").read_text())["run_id"] != first
+    assert sorted(p.name for p in work.iterdir()) == ["tiers.json"]  # the job writes the rest again
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(_DemoStarted):
+        main(["demo", "--workdir", str(empty)])
+    assert (empty / "tiers.json").exists()
+
+
+def test_demo_clean_removes_what_it_wrote_and_only_a_workdir_it_made(demo_launch, tmp_path, capsys, monkeypatch):
+    def launch(world, spec, logs, **_):  # a job that trains steps 1-7, saves step 5 and resumes from it
+        logs.mkdir(parents=True)
+        losses = [{"rank": 0, "step": s, "loss": 1.0 / s} for s in range(1, 8)]
+        if "resume" in spec:
+            return [{"rank": 0, "resumed": 5, "tier": "shm", "load_s": 0.1}, *losses[5:]]
+        return losses
+
+    monkeypatch.setattr(demo_launch, "launch", launch)
+    new, yours = tmp_path / "new", tmp_path / "yours"
+    yours.mkdir()
+    for work in (new, yours):
+        code, out = run(capsys, "demo", "--workdir", str(work), "--world", "1", "--steps", "7", "--clean")
+        assert code == EXIT_OK and "OK: the resumed run matched" in out, out
+    assert not new.exists()
+    assert yours.is_dir() and list(yours.iterdir()) == []  # an empty directory given stays, empty
+
+
+@pytest.mark.parametrize("stop", [KeyboardInterrupt, RuntimeError])
+def test_demo_removes_its_shared_memory_when_interrupted_or_failing(stop, demo_launch, tmp_path, monkeypatch):
+    from tiered_ckpt.tiers.base import _user_name
+
+    user_dir = Path(demo_launch.SHM_PATH) / _user_name()
+    other = user_dir / "demo-0123abcd"  # another run's: not the demo's own, it stays
+    (other / "rank_00000").mkdir(parents=True)
+    runs = []
+
+    def launch(world, spec, logs, **_):
+        if "config" not in spec:
+            return []  # the reference run
+        run_dir = user_dir / spec["config"]["run_id"]
+        (run_dir / "rank_00000").mkdir(parents=True, exist_ok=True)  # what the ranks' shm tier writes
+        (run_dir / "rank_00000" / "slot0").write_bytes(b"x" * 4096)
+        runs.append(run_dir)
+        raise stop("Ctrl-C" if stop is KeyboardInterrupt else "rank 1 failed")
+
+    monkeypatch.setattr(demo_launch, "launch", launch)
+    with pytest.raises(stop):
+        demo_launch.run_demo(str(tmp_path / "demo"), world=2, steps=12)
+    assert len(runs) == 1 and not runs[0].exists()
+    assert (other / "rank_00000").is_dir()
+
+
 def test_bench_measures_the_machine_and_each_tier(ckpt, capsys, tmp_path):
     _, cfg = ckpt
     path = tmp_path / "tiers.json"

@@ -7,10 +7,12 @@ import io
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
 import textwrap
+import time
 import uuid
 from pathlib import Path
 
@@ -193,6 +195,22 @@ def test_help_texts_show_no_rst_markup(capsys):
     for text in texts:
         assert "``" not in text and ":class:" not in text and ":func:" not in text
     assert "exit status: 0 success" in texts[0]
+
+
+def test_the_exit_codes_agree_in_help_readme_and_the_docstring():
+    """--help's epilog, README's table and cli.py's docstring list the same exit codes: the ones main() returns."""
+    from tiered_ckpt import cli
+
+    codes = {cli.EXIT_OK, cli.EXIT_FAILED, cli.EXIT_USAGE, cli.EXIT_NOT_FOUND, cli.EXIT_UNREADABLE,
+             cli.EXIT_INTERRUPTED, cli.EXIT_BROKEN_PIPE}
+    assert codes == {0, 1, 2, 3, 4, 130, 141}
+    epilog = " ".join(build_parser().format_help().split()).split("exit status: ")[1].split(". With --json")[0]
+    docstring = " ".join(cli.__doc__.split()).split("Exit codes: ")[1].split(". With ``--json``")[0]
+    table = (ROOT / "README.md").read_text().split("| exit status | meaning |")[1].split("\n\n")[0]
+    assert {int(n) for n in re.findall(r"(?:^|, )(\d+) ", epilog)} == codes, epilog
+    assert {int(n) for n in re.findall(r"(?:^|; )(\d+) ", docstring)} == codes, docstring
+    assert {int(n) for n in re.findall(r"^\| (\d+) \|", table, re.M)} == codes, table
+    assert "141 the reader of the output went away" in epilog
 
 
 # ----- 5. gc --stale with a configuration; snapshot states in ls ------------------------------------------
@@ -429,6 +447,64 @@ def test_ctrl_c_prints_one_line_and_exits_130(tmp_path):
     assert proc.returncode == EXIT_INTERRUPTED
     lines = err.decode().splitlines()
     assert lines.count("tiered-ckpt ls: interrupted") == 1 and not any("Traceback" in ln for ln in lines), lines
+
+
+@pytest.mark.slow
+def test_ctrl_c_during_the_demo_leaves_no_shared_memory_and_no_rank_behind(tmp_path):
+    """Ctrl-C in the middle of the demo (sent to the demo's own process, as ``kill -INT`` does: its ranks get no
+    signal): the job is stopped and the shared memory of the demo's run removed; another run's stays."""
+    from tiered_ckpt.demo.run import SHM_PATH
+    from tiered_ckpt.tiers.base import _user_name
+
+    if not os.path.isdir(os.path.dirname(SHM_PATH)):
+        pytest.skip("no /dev/shm")
+    user_dir = Path(SHM_PATH) / _user_name()
+    other = user_dir / f"demo-{uuid.uuid4().hex[:8]}"  # another run's (not this demo's): it stays
+    other.mkdir(parents=True)
+    work = tmp_path / "demo"
+
+    def as_from_a_terminal() -> None:
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+
+    proc = subprocess.Popen([*CLI, "demo", "--workdir", str(work), "--world", "2", "--steps", "40"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=ROOT, preexec_fn=as_from_a_terminal)
+    run_dir, err = None, b""
+    try:
+        deadline = time.monotonic() + 240
+        while proc.poll() is None and time.monotonic() < deadline:
+            if run_dir is None and (work / "tiers.json").exists():
+                run_dir = user_dir / json.loads((work / "tiers.json").read_text())["run_id"]
+            if run_dir is not None and run_dir.exists():
+                break  # the ranks of the checkpointing run have written their shared memory
+            time.sleep(0.02)
+        assert run_dir is not None and run_dir.exists(), proc.communicate()
+        for _ in range(12):  # as in the test above: press Ctrl-C again if the first one was lost
+            proc.send_signal(signal.SIGINT)
+            try:
+                _, err = proc.communicate(timeout=10)
+                break
+            except subprocess.TimeoutExpired:
+                continue
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+        other_stayed = other.is_dir()
+        shutil.rmtree(other, ignore_errors=True)
+    assert proc.returncode == EXIT_INTERRUPTED, err
+    assert other_stayed
+    assert "tiered-ckpt demo: interrupted" in err.decode()
+    assert not run_dir.exists()
+    ranks = [pid for pid in os.listdir("/proc") if pid.isdigit() and _cmdline_has(pid, run_dir.name)]
+    assert ranks == []  # no rank of the demo's run lives on (to write its shared memory again)
+
+
+def _cmdline_has(pid: str, text: str) -> bool:
+    try:
+        return text.encode() in Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return False
 
 
 def test_verify_with_a_configuration_says_it_skips_memory_snapshots(tmp_path, shm_root, capsys):

@@ -38,11 +38,13 @@ from .cli_common import (  # noqa: F401  (the names tests and scripts import fro
     _print_json,
     add_storage_flags,
     human_bytes,
+    int_at_least,
     set_json_errors,
     storage_options,
 )
 from .cli_maintain import cmd_bench, cmd_demo, cmd_gc, parse_min_age
 from .cli_read import cmd_inspect, cmd_ls, cmd_plugins, cmd_verify
+from .demo import SAVE_EVERY, min_steps
 from .errors import (
     BlobNotFoundError,
     ConfigError,
@@ -51,6 +53,10 @@ from .errors import (
     TierError,
     TierUnavailableError,
 )
+
+DEMO_MIN_STEPS = min_steps(SAVE_EVERY)
+DEMO_STEPS_WHY = (f" (the demo saves every {SAVE_EVERY} steps and kills a rank at step steps*3//4+1, which must come "
+                  "after a save for the job to resume)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -94,14 +100,18 @@ def build_parser() -> argparse.ArgumentParser:
                    "seconds, or with a unit: 30m, 2h, 1d; inf lists without removing (default: 1h)")
     p = add("demo", cmd_demo, "train a small GPT on 4 ranks, checkpoint through shm, local and remote tiers, kill a "
                               "rank, resume, and check the resumed run matches an uninterrupted one", target=False)
-    p.add_argument("--workdir", default="demo-run", help="where the demo writes (default: %(default)s)")
+    p.add_argument("--workdir", default="demo-run", help="where the demo writes (default: %(default)s): a new or "
+                   "empty directory, or one an earlier demo wrote, which it empties first; any other is refused")
     p.add_argument("--remote", help="the remote tier's URL (default: a file:// folder in the workdir)")
-    p.add_argument("--world", type=int, default=4, help="ranks (default: %(default)s)")
-    p.add_argument("--steps", type=int, default=30, help="training steps (default: %(default)s)")
-    p.add_argument("--clean", action="store_true", help="remove the workdir afterwards")
+    p.add_argument("--world", type=int_at_least(1), default=4, help="ranks, 1 or more (default: %(default)s)")
+    p.add_argument("--steps", type=int_at_least(DEMO_MIN_STEPS, DEMO_STEPS_WHY), default=30,
+                   help=f"training steps, {DEMO_MIN_STEPS} or more (default: %(default)s)")
+    p.add_argument("--clean", action="store_true",
+                   help="remove what the demo wrote afterwards (and the workdir, if the demo made it)")
     p = add("bench", cmd_bench, "this machine's memcpy, shm and disk bandwidth, and each configured tier's "
                                 "write and read throughput against them")
-    p.add_argument("--size-mib", type=int, default=256, help="bytes moved per measurement (default: %(default)s)")
+    p.add_argument("--size-mib", type=int_at_least(1), default=256,
+                   help="MiB moved per measurement, 1 or more (default: %(default)s)")
     from .megatron.cli_convert import add_convert_command
 
     add_convert_command(sub, add)

@@ -31,8 +31,8 @@ EXIT_BROKEN_PIPE = 141  # 128 + SIGPIPE, as a shell reports a writer whose reade
 
 DESCRIPTION = "List, inspect, verify, convert and clean up tiered_ckpt checkpoints on any tier."
 EPILOG = ("exit status: 0 success, 1 a check failed, 2 bad usage or configuration, 3 nothing found, 4 a tier "
-          "could not be read, 130 interrupted. With --json, a failure prints {\"error\": ..., \"exit_code\": N} "
-          "on stdout.")
+          "could not be read, 130 interrupted (Ctrl-C), 141 the reader of the output went away (| head). With "
+          "--json, a failure prints {\"error\": ..., \"exit_code\": N} on stdout.")
 DEFAULT_SHM_PATH = "/dev/shm/tiered_ckpt"
 _json_errors = False  # set by the CLI's main() (set_json_errors): argument errors as JSON too when --json was given
 
@@ -52,6 +52,22 @@ class _Parser(argparse.ArgumentParser):
             _print_json({"error": f"{self.prog}: {message}", "exit_code": EXIT_USAGE})
             sys.exit(EXIT_USAGE)
         super().error(message)
+
+
+def int_at_least(minimum: int, why: str = "") -> Any:
+    """An argparse ``type``: a whole number of at least ``minimum``; a smaller one is a usage error (exit 2) naming
+    the allowed range (and ``why``, when given)."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be {minimum} or more{why}, got {value}")
+        return value
+
+    return parse
 
 
 def _print_json(obj: Any) -> None:

@@ -12,6 +12,7 @@ from .cli_common import (
     DEFAULT_SHM_PATH,
     EXIT_NOT_FOUND,
     EXIT_OK,
+    EXIT_USAGE,
     CommandError,
     Opened,
     _built_stores,
@@ -248,7 +249,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    from .demo.run import run_demo
+    from .demo.run import WorkdirError, run_demo
 
-    return run_demo(args.workdir, world=args.world, steps=args.steps, remote=args.remote,
-                    keep_files=not args.clean)
+    try:
+        return run_demo(args.workdir, world=args.world, steps=args.steps, remote=args.remote,
+                        keep_files=not args.clean)
+    except WorkdirError as exc:
+        raise CommandError(str(exc), EXIT_USAGE) from None

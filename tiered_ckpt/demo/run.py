@@ -6,8 +6,10 @@ equals the uninterrupted run's, bit for bit, and prints what each tier did.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -19,6 +21,17 @@ import uuid
 from pathlib import Path
 
 from ..tiers.base import _user_name
+from . import SAVE_EVERY, default_kill_step, min_steps
+
+# What the demo writes in its workdir: its tiers' configuration, the events log, the ranks' logs, the local and
+# remote tiers' folders, and the shm tier's folder where there is no /dev/shm.
+DEMO_ENTRIES = frozenset({"tiers.json", "events.jsonl", "logs", "local", "remote", "shm"})
+_DEMO_TIERS = ["shm", "local", "remote"]
+SHM_PATH = "/dev/shm/tiered_ckpt"  # the shm tier's path, where /dev/shm exists (else the workdir's shm folder)
+
+
+class WorkdirError(ValueError):
+    """The demo's workdir cannot be used: it holds something the demo did not write (and would delete)."""
 
 
 def _free_port() -> int:
@@ -34,26 +47,35 @@ def launch(world: int, spec: dict, logs: Path, *, timeout: float = 300) -> list[
     writes, and would hold a pipe open long after the job is gone."""
     port = _free_port()
     logs.mkdir(parents=True, exist_ok=True)
-    procs, outputs = [], []
-    for rank in range(world):
-        env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank),
-               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1"}
-        out, err = logs / f"rank_{rank}.out", logs / f"rank_{rank}.err"
-        with open(out, "w") as fo, open(err, "w") as fe:
-            procs.append(subprocess.Popen([sys.executable, "-m", "tiered_ckpt.demo.train", json.dumps(spec)],
-                                          env=env, stdout=fo, stderr=fe))
-        outputs.append((out, err))
-    deadline = time.monotonic() + timeout
-    while [p.poll() for p in procs].count(None):  # poll every rank, every time (no short-circuit)
-        if any(p.returncode is not None and p.returncode < 0 for p in procs):
-            for p in procs:
-                if p.poll() is None:
-                    p.send_signal(signal.SIGKILL)  # the rest of the job goes down with the failed node
-        if time.monotonic() > deadline:
-            for p in procs:
+    procs: list[subprocess.Popen] = []
+    outputs = []
+    try:
+        for rank in range(world):
+            env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank),
+                   "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1"}
+            out, err = logs / f"rank_{rank}.out", logs / f"rank_{rank}.err"
+            with open(out, "w") as fo, open(err, "w") as fe:
+                procs.append(subprocess.Popen([sys.executable, "-m", "tiered_ckpt.demo.train", json.dumps(spec)],
+                                              env=env, stdout=fo, stderr=fe))
+            outputs.append((out, err))
+        deadline = time.monotonic() + timeout
+        while [p.poll() for p in procs].count(None):  # poll every rank, every time (no short-circuit)
+            if any(p.returncode is not None and p.returncode < 0 for p in procs):
+                for p in procs:
+                    if p.poll() is None:
+                        p.send_signal(signal.SIGKILL)  # the rest of the job goes down with the failed node
+            if time.monotonic() > deadline:
+                raise TimeoutError("the demo job did not finish in time")
+            time.sleep(0.05)
+    except BaseException:
+        # Timed out, interrupted (Ctrl-C) or failed here: the job goes down with its conductor (and is reaped)
+        # before the caller removes the shared memory its ranks write to.
+        for p in procs:
+            if p.poll() is None:
                 p.kill()
-            raise TimeoutError("the demo job did not finish in time")
-        time.sleep(0.05)
+        for p in procs:
+            p.wait()
+        raise
     crashed = any(p.returncode == -signal.SIGKILL for p in procs)
     records = []
     for rank, (p, (out, err)) in enumerate(zip(procs, outputs, strict=True)):
@@ -101,16 +123,86 @@ def _print_table(rows: list[list[str]], headers: list[str]) -> None:
             print("  " + "  ".join("-" * w for w in widths))
 
 
-def run_demo(workdir: str, *, world: int = 4, steps: int = 30, save_every: int = 5, kill_step: int | None = None,
-             kill_rank: int | None = None, remote: str | None = None, keep_files: bool = True) -> int:
-    kill_step = kill_step if kill_step is not None else steps * 3 // 4 + 1  # between two saves, late in the run
+def _earlier_demo(work: Path) -> bool:
+    """Whether ``work`` is an earlier demo's workdir: its ``tiers.json`` is the demo's configuration (a run_id
+    ``demo-`` and 8 hex digits, the tiers shm, local and remote), and it holds nothing else than the demo writes."""
+    try:
+        config = json.loads((work / "tiers.json").read_text())
+        entries = {p.name for p in work.iterdir()}
+    except (OSError, ValueError):
+        return False
+    if not isinstance(config, dict) or not isinstance(config.get("tiers"), list):
+        return False
+    names = [t.get("name") if isinstance(t, dict) else None for t in config["tiers"]]
+    return (re.fullmatch(r"demo-[0-9a-f]{8}", str(config.get("run_id"))) is not None and names == _DEMO_TIERS
+            and entries <= DEMO_ENTRIES)
+
+
+def workdir_problem(work: Path) -> str | None:
+    """Why the demo cannot use ``work`` (None: it can). The demo empties its workdir first, so it takes only a new
+    or empty directory, or one an earlier demo wrote: never a directory holding anything else."""
+    if not work.exists():
+        return None
+    if not work.is_dir():
+        return f"{work} is not a directory; give the demo a new or empty directory (--workdir DIR)"
+    try:
+        empty = next(work.iterdir(), None) is None
+    except OSError as exc:
+        return (f"{work} cannot be listed ({exc.strerror or exc}); give the demo a new or empty directory "
+                "(--workdir DIR)")
+    if empty or _earlier_demo(work):
+        return None
+    return (f"{work} is not empty and is not an earlier demo's workdir: the demo deletes what its workdir holds "
+            "before it starts. Give it a new or empty directory, or one an earlier demo made (--workdir DIR)")
+
+
+def _remove_demo_entries(work: Path, *, ignore_errors: bool = False) -> None:
+    """Remove what the demo writes in ``work`` (only the names it writes there)."""
+    for name in sorted(DEMO_ENTRIES):
+        entry = work / name
+        if entry.is_dir() and not entry.is_symlink():
+            shutil.rmtree(entry, ignore_errors=ignore_errors)
+        elif entry.exists() or entry.is_symlink():
+            with contextlib.suppress(*((OSError,) if ignore_errors else ())):
+                entry.unlink()
+
+
+def _prepare_workdir(work: Path) -> bool:
+    """An empty ``work``: created, or emptied of an earlier demo's files. Returns whether it was created."""
+    problem = workdir_problem(work)
+    if problem is not None:
+        raise WorkdirError(problem)
+    created = not work.exists()
+    work.mkdir(parents=True, exist_ok=True)
+    _remove_demo_entries(work)
+    return created
+
+
+def run_demo(workdir: str, *, world: int = 4, steps: int = 30, save_every: int = SAVE_EVERY,
+             kill_step: int | None = None, kill_rank: int | None = None, remote: str | None = None,
+             keep_files: bool = True) -> int:
+    if world < 1:
+        raise ValueError(f"world must be 1 or more, got {world}")
+    if kill_step is None and steps < min_steps(save_every):
+        raise ValueError(f"steps must be at least {min_steps(save_every)} to save every {save_every} steps before "
+                         f"the kill step, got {steps}")
+    kill_step = kill_step if kill_step is not None else default_kill_step(steps)  # late in the run
     kill_rank = kill_rank if kill_rank is not None else world // 2
     work = Path(workdir).resolve()
-    if work.exists():
-        shutil.rmtree(work)
-    work.mkdir(parents=True)
+    created = _prepare_workdir(work)
     run_id = f"demo-{uuid.uuid4().hex[:8]}"
-    shm_path = "/dev/shm/tiered_ckpt" if os.path.isdir("/dev/shm") else str(work / "shm")
+    shm_path = SHM_PATH if os.path.isdir(os.path.dirname(SHM_PATH)) else str(work / "shm")
+    # The shm tier's files of this run (and only of this run: run_id is new): removed however the demo ends.
+    shm_run = Path(shm_path) / _user_name() / run_id
+    try:
+        return _run(work, run_id, shm_path, world=world, steps=steps, save_every=save_every, kill_step=kill_step,
+                    kill_rank=kill_rank, remote=remote, keep_files=keep_files, created=created)
+    finally:
+        shutil.rmtree(shm_run, ignore_errors=True)
+
+
+def _run(work: Path, run_id: str, shm_path: str, *, world: int, steps: int, save_every: int, kill_step: int,
+         kill_rank: int, remote: str | None, keep_files: bool, created: bool) -> int:
     remote_url = remote or f"file://{work / 'remote'}"
     config = {
         "run_id": run_id,
@@ -160,9 +252,11 @@ def run_demo(workdir: str, *, world: int = 4, steps: int = 30, save_every: int =
     for s in sorted(after)[:3]:
         print(f"  step {s}: loss {after[s]:.6f} resumed, {reference[s]:.6f} uninterrupted")
     print(f"  ... ({len(after)} steps compared, {time.perf_counter() - t0:.0f} s in all)")
-    shutil.rmtree(Path(shm_path) / _user_name() / run_id, ignore_errors=True)
-    if not keep_files:
-        shutil.rmtree(work, ignore_errors=True)
+    if not keep_files:  # what the demo wrote, and the directory if the demo made it (never a directory of yours)
+        _remove_demo_entries(work, ignore_errors=True)  # a killed rank's drain worker may still be writing
+        if created:
+            with contextlib.suppress(OSError):
+                work.rmdir()
     else:
         cli = _cli_command()
         print(f"  explore: {cli} ls {work / 'local'}   {cli} verify {work / 'local'}")
