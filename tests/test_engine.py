@@ -147,6 +147,24 @@ def test_a_step_saved_again_takes_a_free_slot_before_the_one_its_drain_still_rea
     store.close()  # its checksums, taken in the background, are written before the directory goes
 
 
+def test_memory_rows_are_one_per_step_with_the_ranks_that_hold_it(make_tier):
+    """Trial: `ls --config` printed a row per snapshot: two identical rows for a step a rank saved twice, and one
+    per rank where a file tier shows `ranks 0-3` on one row."""
+    from tiered_ckpt.inventory import memory_steps
+
+    tier = make_tier("shm", pin=False)
+    stores = [MemoryStore(tier, rank, 2) for rank in (0, 1)]
+    for rank, slot, step in ((0, 0, 5), (0, 1, 5), (1, 0, 5), (1, 1, 6)):  # rank 0 saved step 5 twice
+        placed, total = plan_items({"m": {"w": torch.full((4,), float(step))}})
+        stores[rank].write_snapshot(step, slot, placed, total, coords=RankCoords(rank), layout="rank_sharded",
+                                    run_id="r", persistent=True)
+    rows = memory_steps(stores[0])
+    assert [(r.step, r.ranks, r.files, len(r.snapshots)) for r in rows] == [(5, [0, 1], 3, 3), (6, [1], 1, 1)]
+    assert rows[0].nbytes == 3 * rows[1].nbytes
+    for store in stores:
+        store.close()
+
+
 def test_files_written_from_a_slot_a_new_save_took_meanwhile_never_count(tiers, monkeypatch):
     """The drain sends views of the slot (StableChunks): if a new save of the step takes the slot while a tier is
     written from it (a memory tier below the first, pins only), the bytes written may mix two saves. The new save

@@ -133,8 +133,14 @@ def test_a_file_tier_whose_directory_cannot_be_read_is_unreachable_not_empty(tmp
         CheckpointEngine(cfg)
     if kind == "local":  # the local tier makes its directory when built: one below a file fails there
         return
-    below = {**tier, "url": f"file://{root}/run"}  # below the file: ENOTDIR when listed, not "empty"
-    with CheckpointEngine({**cfg, "tiers": [below]}) as engine:
+    below = {**tier, "url": f"file://{root}/run"}  # below the file: refused when built, as above
+    with pytest.raises(ConfigError, match=r"tiers\[0\]\.url: .*ckpt is a file, not a directory \(in the tier's"):
+        CheckpointEngine({**cfg, "tiers": [below]})
+    root.unlink()
+    os.rename(tmp_path / "moved", root)
+    with CheckpointEngine({**cfg, "tiers": [below]}) as engine:  # built while its parent was a directory
+        os.rename(root, tmp_path / "moved")
+        root.write_text("not a directory")  # ENOTDIR when listed, not "empty"
         with pytest.raises(TierUnavailableError, match="disk"):
             engine.load()
 

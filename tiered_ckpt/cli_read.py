@@ -100,7 +100,8 @@ def _snapshot_rows(rows: list, run_id: str, committed: dict[str, set[int]], open
             info.state = "snapshot (live engine" + ("; non-persistent)" if memory_only else ")")
             continue
         what = "closed" if state == "closed" else "stale: its process ended without close()"
-        missing = undrained_tiers(info.snapshot, committed) if info.snapshot is not None else []
+        owed = {name for meta in info.snapshots for name in undrained_tiers(meta, committed)}
+        missing = [name for name in committed if name in owed]
         if memory_only:
             info.state = f"snapshot ({what}; non-persistent: memory only, no file tier takes it)"
         elif missing:

@@ -120,7 +120,7 @@ class StepInfo:
     files: int
     ranks: list[int] = field(default_factory=list)
     run_id: str | None = None  # memory tiers: whose snapshot it is
-    snapshot: SlotMeta | None = None  # memory tiers: its record (not in to_dict)
+    snapshots: list[SlotMeta] = field(default_factory=list)  # memory tiers: the records of the row (not in to_dict)
 
     def to_dict(self) -> dict:
         out = {"tier": self.tier, "step": self.step, "state": self.state, "bytes": self.nbytes,
@@ -165,15 +165,26 @@ def file_steps(store: FileStore) -> list[StepInfo]:
 
 
 def memory_steps(store: SnapshotStore, ranks: list[int] | None = None) -> list[StepInfo]:
+    """One row per step (and run, and kind of save) in ``store``, as for a file tier: the ranks that hold a
+    snapshot of it, their bytes and items summed, the age of the newest. A rank with two snapshots of one step (a
+    step saved again) counts once in ``ranks``, both in the sizes."""
     now = time.time()
-    out = []
+    rows: dict[tuple, StepInfo] = {}
     for rank in ranks if ranks is not None else memory_ranks(store):
         view = store.for_rank(rank)
         for _, meta in sorted(view.metas().items()):
-            out.append(StepInfo(store.name, meta.step, "snapshot" if meta.persistent else "snapshot (non-persistent)",
-                                meta.total_bytes, now - meta.created, len(meta.items), [rank], run_id=meta.run_id,
-                                snapshot=meta))
-    return sorted(out, key=lambda s: (s.step, s.ranks))
+            key = (meta.step, meta.persistent, meta.run_id)
+            row = rows.get(key)
+            if row is None:
+                row = rows[key] = StepInfo(store.name, meta.step,
+                                           "snapshot" if meta.persistent else "snapshot (non-persistent)", 0, None,
+                                           0, [], run_id=meta.run_id)
+            row.nbytes += meta.total_bytes
+            row.files += len(meta.items)
+            row.age_s = min(now - meta.created, row.age_s if row.age_s is not None else float("inf"))
+            row.ranks = sorted({*row.ranks, rank})
+            row.snapshots.append(meta)
+    return sorted(rows.values(), key=lambda s: (s.step, s.ranks))
 
 
 def memory_ranks(store: SnapshotStore) -> list[int]:
