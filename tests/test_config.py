@@ -306,3 +306,13 @@ def test_the_dcp_layout_keeps_its_own_files_codec():
         pytest.skip("no dcp layout registered")
     msg = _err(_tiers({**LOCAL, "codecs": {"dcp": "flat"}}, layout="dcp"))
     assert msg.startswith('tiers[0].codecs.dcp: layout "dcp" writes dcp with codec "distcp" (the layout writes')
+
+
+@pytest.mark.parametrize("text", ["", "# only a comment\n"])
+def test_an_empty_configuration_file_says_it_is_empty(tmp_path, text):
+    """Trial: an empty tiers.yaml said "expected a mapping at the top level, got NoneType"."""
+    path = tmp_path / "tiers.yaml"
+    path.write_text(text)
+    with pytest.raises(ConfigError, match="the file is empty .*it needs at least run_id and tiers") as info:
+        load_config(str(path))
+    assert str(path) in str(info.value)

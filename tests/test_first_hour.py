@@ -148,8 +148,11 @@ def test_a_file_tier_whose_directory_cannot_be_read_is_unreachable_not_empty(tmp
 def test_nothing_saved_anywhere_is_still_no_checkpoint(tmp_path):
     cfg = {"run_id": run_id(), "drain": {"mode": "thread"},
            "tiers": [{"name": "disk", "kind": "local", "path": str(tmp_path / "disk")}]}
-    with CheckpointEngine(cfg) as engine, pytest.raises(NoCheckpointError):
+    with CheckpointEngine(cfg) as engine, pytest.raises(NoCheckpointError) as info:
         engine.load()
+    # where it looked, so that a wrong path or run_id shows (trial: the message named no tier)
+    assert f"(looked in 'disk' (local {tmp_path / 'disk'}" in str(info.value)
+    assert f"run_id {cfg['run_id']!r})" in str(info.value)
 
 
 def test_a_step_no_tier_holds_is_named_with_the_steps_they_do_hold(tmp_path):

@@ -268,6 +268,9 @@ def load_config(config: Any, *, registries: Any = None, env: dict[str, str] | No
             raise ConfigError(f"not valid YAML{where}: {getattr(exc, 'problem', exc)}", source=source) from None
         except Exception as exc:  # PyYAML's constructors raise anything: "2024-02-30", "!!float", deep nesting
             raise ConfigError(f"not valid YAML: {type(exc).__name__}: {exc}", source=source) from None
+    if config is None and source is not None:
+        raise ConfigError("the file is empty (or only comments): it needs at least run_id and tiers (see "
+                          "docs/configuration.md)", source=source)
     if not isinstance(config, dict):
         raise ConfigError(f"expected a mapping at the top level, got {type(config).__name__}", source=source,
                           key_path="<root>")

@@ -497,7 +497,9 @@ class CheckpointEngine:
                     "node's node-local tier, a rank-count change?): this is not \"no checkpoint\", so do not start "
                     "from scratch here. Give every rank a tier holding the step (a shared tier), or load with the "
                     "ranks that saved it", fallbacks)
-            raise (NoCheckpointError if requested is None else StepNotFoundError)(message)
+            if requested is None:  # where it looked: a wrong path or run_id shows here
+                raise NoCheckpointError(f"{message} (looked in {self._where()})")
+            raise StepNotFoundError(message)
         advice = ("This is not \"no checkpoint\": one may be on a tier that could not be looked at. Make it "
                   "reachable and load again (or set enabled: false on it to resume without it)")
         if unreachable:
@@ -506,6 +508,11 @@ class CheckpointEngine:
                                        f"tiers: {message}. {advice}", unreachable)
         raise TierUnavailableError(f"another rank could not list every tier (its log and tier_unreachable events say "
                                    f"which). Nothing loadable on the tiers listed: {message}. {advice}", {})
+
+    def _where(self) -> str:
+        """The tiers load() lists, as they describe themselves (their paths, URLs), with this run_id."""
+        tiers = ", ".join(f"{name!r} ({self.pipeline.stores[name].tier.describe()})" for name in self.tiers)
+        return f"{tiers}; run_id {self.config.run_id!r}"
 
     def _load_step(self, step: int, available: dict[str, list[int]], copy: bool, map_location: Any,
                    fallbacks: list[str], into: dict[str, Any] | None = None, damaged: list[bool] | None = None,
