@@ -412,3 +412,15 @@ def test_bench_measures_the_machine_and_each_tier(ckpt, capsys, tmp_path):
     assert any(w.startswith("write+fsync in ") for w in rows)
     for what in ("tier 'shm' (shm) write", "tier 'disk' (local) read"):
         assert rows[what]["bytes"] == 4 << 20 and rows[what]["gb_per_s"] > 0
+
+
+def test_json_goes_before_or_after_the_command(ckpt, capsys):
+    """Trial: `tiered-ckpt --json ls DIR` answered "unrecognized arguments: --json"."""
+    root, _ = ckpt
+    after = run(capsys, "ls", str(root), "--json")
+    before = run(capsys, "--json", "ls", str(root))
+    assert after[0] == before[0] == EXIT_OK
+    rows = [[(r["step"], r["state"], r["bytes"]) for r in json.loads(out)] for out in (after[1], before[1])]
+    assert rows[0] == rows[1] and rows[0]  # (ages move on between the two)
+    code, out = run(capsys, "--json", "ls", str(root / "no-such-dir"))
+    assert json.loads(out)["exit_code"] == code == 3

@@ -62,12 +62,16 @@ DEMO_STEPS_WHY = (f" (the demo saves every {SAVE_EVERY} steps and kills a rank a
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="tiered-ckpt", description=DESCRIPTION, epilog=EPILOG)
     parser.add_argument("-v", "--verbose", action="count", default=0, help="log more (-vv for debug)")
+    parser.add_argument("--json", action="store_true", help="machine-readable output (errors too); before or after "
+                        "the command")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     def add(name: str, func: Any, help: str, target: bool = True) -> argparse.ArgumentParser:
         p = sub.add_parser(name, help=help, description=help, epilog=EPILOG)
         p.set_defaults(func=func)
-        p.add_argument("--json", action="store_true", help="machine-readable output (errors too)")
+        # SUPPRESS: absent here, the top level's --json stands (`tiered-ckpt --json ls` as `tiered-ckpt ls --json`)
+        p.add_argument("--json", action="store_true", default=argparse.SUPPRESS,
+                       help="machine-readable output (errors too)")
         if target:
             p.add_argument("target", nargs="?", help="a checkpoint directory or fsspec URL")
             p.add_argument("--config", "-c", help="a tiers.yaml: use its tiers")
