@@ -302,6 +302,24 @@ def test_ls_counts_a_snapshot_owed_only_to_the_tiers_its_save_was_due_on(tmp_pat
                       11: "snapshot (closed; on every file tier)"}
 
 
+def test_gc_stale_does_not_keep_a_run_for_a_tier_whose_every_skipped_its_snapshots(tmp_path, shm_root, capsys):
+    """gc --stale keeps a run whose snapshots are the only copy for some tier; a tier that was never to take them
+    (its `every`) does not make them that."""
+    cfg = {"run_id": f"g{uuid.uuid4().hex[:8]}", "drain": {"mode": "thread"},
+           "tiers": [{"name": "shm", "kind": "shm", "path": shm_root},
+                     {"name": "local", "kind": "local", "path": str(tmp_path / "local")},
+                     {"name": "sparse", "kind": "local", "path": str(tmp_path / "sparse"), "every": 10}]}
+    with CheckpointEngine(cfg) as engine:
+        for step in range(1, 6):  # `sparse` takes step 1 only; shm keeps 4 and 5, both on `local`
+            engine.save(step, make_items(step))
+    path = tmp_path / "tiers.json"
+    path.write_text(json.dumps(cfg))
+    code, out, _ = run(capsys, "gc", "--config", str(path), "--stale", "--json")
+    mine = {f["run_id"]: f for f in json.loads(out)["found"]}[cfg["run_id"]]
+    assert code == EXIT_OK and mine["kept"] is False and mine["undrained"] is None, mine
+    assert mine["steps"] == [4, 5]
+
+
 def test_ls_tells_live_closed_and_stale_snapshots_apart_and_prints_no_step_minus_one(tmp_path, shm_root, capsys):
     root = tmp_path / "ckpt"
     cfg = saved(root, shm_root)  # closed cleanly: whatever is left in memory is on disk too

@@ -195,18 +195,26 @@ def _undrained(opened: Opened, run: StaleRun) -> dict[str, list[int]]:
     be read counts as lacking them: a failure must not look like a safe delete."""
     if run.run_id != opened.config.run_id:
         return {}
+    from .snapshot_record import undrained_tiers
+
+    def owed(name: str, committed: list[int] | None) -> list[int]:
+        """The steps ``name`` lacks and was due to take (None: it could not be read, so it lacks them all)."""
+        return sorted({m.step for m in run.records if name not in m.skipped
+                       and (committed is None or undrained_tiers(m, {name: committed}))})
+
     out: dict[str, list[int]] = {}
     for name, store in opened.file_stores().items():
         try:
-            newest = max(store.committed_steps(), default=-1)
+            committed: list[int] | None = store.committed_steps()
         except (TierError, OSError):
-            newest = None
-        missing = [s for s in run.persistent_steps if newest is None or s > newest]
+            committed = None
+        missing = owed(name, committed)
         if missing:
             out[name] = missing
     for name in [*opened.absent, *opened.unreadable]:  # nothing there yet, or could not be read
-        if run.persistent_steps:
-            out[name] = list(run.persistent_steps)
+        missing = owed(name, None)
+        if missing:
+            out[name] = missing
     return out
 
 

@@ -214,6 +214,7 @@ class StaleRun:
     age_s: float = 0.0
     steps: list[int] = field(default_factory=list)
     persistent_steps: list[int] = field(default_factory=list)  # those of snapshots meant for file tiers too
+    records: list[SlotMeta] = field(default_factory=list)  # the slot records of those snapshots (not in to_dict)
     snapshots: int = 0
     state: str = "closed"  # run_state(): "live", "closed" (close() ran) or "stale" (ended without close())
 
@@ -315,6 +316,7 @@ def list_runs(shm_path: str) -> list[StaleRun]:
                     steps.add(meta.step)
                     if meta.persistent:
                         persistent.add(meta.step)
+                        run.records.append(meta)
                     run.snapshots += 1
         run.ranks.sort()
         run.steps = sorted(steps)
