@@ -18,8 +18,9 @@ def min_steps(save_every: int = SAVE_EVERY) -> int:
     """The fewest steps with which the demo can crash and resume: a save must come *before* the kill step.
 
     A save at an earlier step is complete on every rank when the rank dies (every rank has to be in the kill
-    step's collectives for it to get there); a save on the kill step itself is not (the other ranks may still be
-    writing it when the conductor kills them), and without a save every rank finds nothing to resume from."""
+    step's collectives for it to get there), and without a save every rank finds nothing to resume from. (A save
+    on the kill step itself is complete too, since the ranks meet at a barrier before the kill, but a run whose
+    only save is at the step where it fails shows little of a resume.)"""
     steps = 1
     while default_kill_step(steps) <= save_every:
         steps += 1

@@ -88,8 +88,12 @@ def main() -> None:
         if engine is not None and step % spec["save_every"] == 0:
             handle = engine.save(step, items(step, model, opt, args, rank, world))
             print(json.dumps({"rank": rank, "saved": step, "blocking_s": handle.blocking_s}), flush=True)
-        if spec.get("kill_rank") == rank and step == spec.get("kill_step"):
-            os.kill(os.getpid(), signal.SIGKILL)  # a node failure: no clean-up of any kind
+        if step == spec.get("kill_step") and spec.get("kill_rank") is not None:
+            # Every rank is past this step's save before the failure, so where the job resumes from does not
+            # depend on how the machine scheduled the ranks (a save of the kill step in flight on one of them).
+            dist.barrier()
+            if spec["kill_rank"] == rank:
+                os.kill(os.getpid(), signal.SIGKILL)  # a node failure: no clean-up of any kind
     if engine is not None:
         engine.close()
     dist.barrier()
