@@ -680,3 +680,35 @@ def test_keeping_only_the_newest_step_everywhere_is_warned_about(tmp_path, caplo
             pass
     said = [r.getMessage() for r in caplog.records if "keeps only its newest step" in r.getMessage()]
     assert bool(said) == warned, said
+
+
+_SAVE_AND_RETURN = """
+import json, sys, torch
+from tiered_ckpt import CheckpointEngine
+engine = CheckpointEngine(json.loads(sys.argv[1]))
+for step in (1, 2):
+    engine.save(step, {"m": {"w": torch.full((50_000,), float(step))}})
+print("returning", flush=True)  # no wait(), no close(): the script just ends, as a short training job does
+"""
+
+
+@pytest.mark.parametrize("mode", ["process", "thread"])
+def test_a_script_that_saves_and_returns_without_close_still_gets_its_saves_to_disk(tmp_path, shm_root, mode):
+    """Trial (a short Megatron job through the drop-in): the exit hook closed the engine after concurrent.futures
+    had stopped the thread pools, and every save still draining failed with "cannot schedule new futures after
+    interpreter shutdown": the job's last checkpoint never reached the disk."""
+    import json
+
+    cfg = {"run_id": run_id(), "drain": {"mode": mode},
+           "tiers": [{"name": "shm", "kind": "shm", "path": shm_root},
+                     {"name": "disk", "kind": "local", "path": str(tmp_path / "disk")}]}
+    proc = subprocess.run([sys.executable, "-c", _SAVE_AND_RETURN, json.dumps(cfg)], capture_output=True, text=True,
+                          timeout=180)
+    assert proc.returncode == 0 and "returning" in proc.stdout, proc.stderr
+    assert "could not take step" not in proc.stderr, proc.stderr
+    disk_only = {**cfg, "run_id": run_id(), "tiers": cfg["tiers"][1:]}
+    with CheckpointEngine(disk_only) as engine:
+        assert engine.available_steps()["disk"] == [1, 2]
+        loaded = engine.load()
+    assert loaded.step == 2 and loaded.tier == "disk"
+    assert torch.equal(loaded.items["m"]["w"], torch.full((50_000,), 2.0))

@@ -48,6 +48,7 @@ from .worker import open_drain
 log = logging.getLogger(__name__)
 _MAX_RELISTS = 16  # load(): listings again after every step listed vanished, before "no checkpoint"
 _live: weakref.WeakSet[CheckpointEngine] = weakref.WeakSet()
+_exit_hook = False  # whether _close_all_at_exit ran (on the first engine)
 
 
 class _Listing:
@@ -132,6 +133,10 @@ class CheckpointEngine:
             for rel in store.clean_start():  # before the drain starts: no writer of ours is there yet
                 log.info("tier %r: removed %s, left by a killed process", store.name, rel)
         self._drain: Drain = open_drain(self.pipeline, self._tier_done, self._slot_released)
+        global _exit_hook
+        if not _exit_hook:
+            _exit_hook = True
+            _close_all_at_exit()
         _live.add(self)
         self._recover()
 
@@ -644,7 +649,6 @@ class CheckpointEngine:
         return self.config.tier(name)
 
 
-@atexit.register
 def _close_all() -> None:
     # Runs before multiprocessing joins its children, so the drain worker gets its stop message.
     for engine in list(_live):
@@ -652,6 +656,25 @@ def _close_all() -> None:
             engine.close()
         except Exception:
             log.exception("closing a checkpoint engine at exit failed")
+
+
+def _close_all_at_exit() -> None:
+    """Close the live engines when the interpreter exits, while thread pools still take work.
+
+    An ``atexit`` handler runs too late: by then ``concurrent.futures`` has stopped every thread pool (its own
+    hook, in ``threading``'s exit phase), and a script that saved and returned without ``close()`` lost the
+    saves still draining ("cannot schedule new futures after interpreter shutdown"). ``threading``'s exit hooks
+    run last-registered first, so this registers after ``concurrent.futures.thread`` has registered its own; the
+    ``atexit`` registration stays for interpreters without that hook."""
+    import concurrent.futures.thread  # noqa: F401  (registers its hook now, if not yet: ours must come after)
+
+    register = getattr(threading, "_register_atexit", None)
+    if register is not None:
+        try:
+            register(_close_all)
+        except RuntimeError:  # the interpreter is already shutting down: atexit's turn is all that is left
+            pass
+    atexit.register(_close_all)  # a second call closes nothing more: close() is idempotent
 
 
 def _steps_text(steps: list[int], most: int = 8) -> str:
