@@ -171,6 +171,25 @@ def rank_load_fixture(rank: int, world: int, ckpt: Path, run_id: str) -> dict[st
             "consumed_train_samples": job.args.consumed_train_samples}
 
 
+def rank_load_fixture_without_its_optimizer_state(rank: int, world: int, ckpt: Path, run_id: str) -> dict[str, Any]:
+    """The fixture's job loads a copy of it whose distrib_optim.pt files are gone: first as is, then with
+    --no-load-optim."""
+    job = build_job(1, 2, "fp32", seed=1234, micro_batch=1, global_batch=12, bucket_size=6000,
+                    overlap_grad_reduce=True)
+    cfg = {"run_id": run_id, "tiers": [{"name": "megatron", "kind": "fsspec", "url": f"file://{ckpt}"}],
+           **({"drain": {"mode": DRAIN}} if DRAIN else {})}
+    out: dict[str, Any] = {}
+    with CheckpointEngine(cfg, job.layout, rank=rank) as engine:
+        try:
+            load(job, engine)
+            out["error"] = None
+        except Exception as exc:  # noqa: BLE001 - reported to the test
+            out["error"] = f"{type(exc).__name__}: {exc}"
+        job.args.no_load_optim = True
+        out["loaded"] = load(job, engine)[0]
+    return out
+
+
 # ------------------------------------------------------------------------------------------------------------
 # fixtures
 
@@ -371,3 +390,22 @@ def test_megatron_written_checkpoint_loads_bit_exact(tmp_path: Path) -> None:
         model = safe_load.load(ckpt / f"iter_0000010/mp_rank_00_{stage:03d}/model_optim_rng.pt")["model"]
         want_model = {k: v for k, v in model.items() if isinstance(v, torch.Tensor)}
         assert differences(want_model, res["model"]) == [], f"rank {rank}"
+
+
+def test_a_checkpoint_without_the_distributed_optimizer_state_is_refused_unless_no_load_optim(tmp_path: Path) -> None:
+    """Trial: a Megatron-written checkpoint whose distrib_optim.pt is gone loaded without a word, the optimizer
+    moments not restored (and in bf16/fp16 the main params left on the new job's init). Megatron-LM stops there
+    (unless --no-load-optim); so does the adapter, saying what is missing and how to go on."""
+    src = FIXTURES / "dp2_tp1_pp2"
+    if not src.is_dir():
+        pytest.skip(f"{src} is not here")
+    ckpt = tmp_path / "dp2_tp1_pp2"
+    shutil.copytree(src, ckpt, ignore=shutil.ignore_patterns("reload_dp*", "local_shards", "truth.json",
+                                                            "distrib_optim.pt"))
+    assert not list(ckpt.rglob("distrib_optim.pt"))
+    results = launch(rank_load_fixture_without_its_optimizer_state, 4, ckpt, f"real-noopt-{uuid.uuid4().hex[:8]}")
+    for rank, res in enumerate(results):
+        assert res["error"] is not None and "LayoutMismatchError" in res["error"], (rank, res)
+        assert "no distributed-optimizer state (Megatron's distrib_optim.pt)" in res["error"], (rank, res)
+        assert "--no-load-optim" in res["error"], (rank, res)
+        assert res["loaded"] == 10, (rank, res)  # with --no-load-optim: the weights, as Megatron would

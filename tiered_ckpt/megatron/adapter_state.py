@@ -228,6 +228,14 @@ def restore(state: dict[str, Any], items: Mapping[str, Any], chunks: list[Any], 
         _update_num_microbatches(args.consumed_train_samples)
     if not (finetune or getattr(args, "no_load_optim", False)):
         if optimizer is not None:
+            if OPTIM_ITEM not in items and distributed_optimizers(optimizer):
+                # Megatron-LM stops here too (distrib_optim.pt not found). Going on would train with fresh
+                # optimizer moments, and, in bf16/fp16, fp32 main params that never saw the loaded weights.
+                raise LayoutMismatchError(
+                    f"{where}: the checkpoint has no distributed-optimizer state (Megatron's distrib_optim.pt) for "
+                    "this job's DistributedOptimizer. Point --load at a checkpoint saved with "
+                    "--use-distributed-optimizer, or set args.no_load_optim (--no-load-optim) to start the "
+                    "optimizer afresh from the loaded weights")
             if "optimizer" in state and not skip:
                 optimizer.load_state_dict(state["optimizer"])
             if OPTIM_ITEM in items:
