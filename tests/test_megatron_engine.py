@@ -340,3 +340,28 @@ def test_per_rank_items_are_refused_on_a_dp_change_never_dropped(tmp_path, dp):
                 engine.load()
             msg = str(info.value)
             assert f"DP 2 → {dp}" in msg and "items ['dataloader'] were saved per rank" in msg, msg
+
+
+@pytest.mark.parametrize(("layout", "ckpt_format", "warned"), [("rank_sharded", "torch", True),
+                                                                 ("megatron", "torch", False),
+                                                                 ("dcp", "torch_dist", False)])
+def test_the_drop_in_says_when_plain_megatron_cannot_load_what_it_writes(tmp_path, caplog, layout, ckpt_format,
+                                                                         warned):
+    """Trial: with the default layout the drop-in wrote rank_RRRRR/distrib_optim.pt and Megatron-LM's own load
+    failed on mp_rank_00/distrib_optim.pt, with no word from us at start."""
+    import argparse
+
+    from tiered_ckpt import CheckpointEngine
+    from tiered_ckpt.megatron.adapter import _warn_if_elsewhere
+
+    save = tmp_path / "ckpt"
+    cfg = {"run_id": f"w{uuid.uuid4().hex[:8]}", "layout": layout, "drain": {"mode": "thread"},
+           "tiers": [{"name": "disk", "kind": "local", "path": str(save)}]}
+    args = argparse.Namespace(save=str(save), load=str(save), ckpt_format=ckpt_format)
+    with CheckpointEngine(cfg) as engine, caplog.at_level("WARNING", logger="tiered_ckpt"):
+        _warn_if_elsewhere(engine, args)
+    said = [r.getMessage() for r in caplog.records if "plain Megatron-LM does not" in r.getMessage()]
+    assert bool(said) == warned, caplog.text
+    if warned:
+        assert "Set layout: megatron" in said[0] and "tiered-ckpt convert --to megatron" in said[0]
+    assert "is not the directory of any file tier" not in caplog.text  # --save is the tier's directory

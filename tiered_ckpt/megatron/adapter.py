@@ -152,6 +152,13 @@ def _warn_if_elsewhere(engine: Any, args: Any) -> None:
             log.warning("args.%s=%s is not the directory of any file tier in $%s (%s): checkpoints go to the "
                         "tiers; point a file tier at it if Megatron's own tools should find them there", arg, value,
                         CONFIG_ENV, ", ".join(sorted(dirs)) or "no local file tier")
+    fmt = getattr(args, "ckpt_format", "torch")
+    if fmt == "torch" and engine.config.layout != "megatron":
+        # The files are this layout's; Megatron-LM's own load_checkpoint reads only Megatron's file layout.
+        log.warning("layout %r in $%s: the adapter loads these checkpoints, but plain Megatron-LM does not (it "
+                    "reads mp_rank_*/distrib_optim.pt, which only layout: megatron writes). Set layout: megatron "
+                    "in the configuration for checkpoints Megatron's own tools load, or export a step with "
+                    "tiered-ckpt convert --to megatron", engine.config.layout, CONFIG_ENV)
 
 
 def _check_rank_args(engine: Any, **given: Any) -> None:
