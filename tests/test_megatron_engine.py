@@ -365,3 +365,21 @@ def test_the_drop_in_says_when_plain_megatron_cannot_load_what_it_writes(tmp_pat
     if warned:
         assert "Set layout: megatron" in said[0] and "tiered-ckpt convert --to megatron" in said[0]
     assert "is not the directory of any file tier" not in caplog.text  # --save is the tier's directory
+
+
+def test_a_pipeline_size_change_is_refused_with_advice_about_the_layout_not_the_tier(tmp_path):
+    """Trial: loading a PP 2 checkpoint Megatron-LM wrote (no manifest of ours) in a PP 1 job said what changed,
+    then advised "Some reads failed with the tier's errors, not proven damage: load again once the tier
+    answers", which no retry would ever fix."""
+    from megatron_synthetic import SyntheticJob, write_checkpoint
+
+    ckpt = tmp_path / "theirs"
+    write_checkpoint(SyntheticJob(dp=1, pp=2), str(ckpt), layout="megatron", manifest=False)
+    cfg = {"run_id": f"meg{uuid.uuid4().hex[:6]}", "drain": {"mode": "thread"},
+           "tiers": [{"name": "megatron", "kind": "fsspec", "url": f"file://{ckpt}"}]}
+    again = run_ranks(2, {"config": cfg, "mode": "legacy"}, worker=WORKER)  # PP 1, DP 2
+    for rank, r in again.items():
+        error = r.get("error", "")
+        assert "CheckpointUnreadableError" in error and "pp 2 -> 1" in error, (rank, r)
+        assert "saved with another parallel layout than this job's" in error, (rank, r)
+        assert "load again once the tier answers" not in error, (rank, r)

@@ -423,7 +423,7 @@ class CheckpointEngine:
         mine = {s for steps in available.values() for s in steps}
         rejected: set[int] = set()
         fallbacks: list[str] = []
-        damaged: list[bool] = []  # per failed read: damage (checksums, decoding) or a tier's error
+        damaged: list[str] = []  # per failed read: "damage" (checksums, decoding), "layout" or "error"
         relists = 0
         while True:
             chosen = self.coordinator.agree_on_step(mine - rejected, step)
@@ -474,7 +474,7 @@ class CheckpointEngine:
         return available, unreachable
 
     def _nothing_loadable(self, unreachable: dict[str, str], message: str, *, tried: list[int] | None = None,
-                          fallbacks: list[str] | None = None, damaged: list[bool] | None = None,
+                          fallbacks: list[str] | None = None, damaged: list[str] | None = None,
                           held: list[int] | None = None, requested: int | None = None) -> None:
         """Raise NoCheckpointError when every rank listed every tier and no rank found a step (StepNotFoundError
         when a step was ``requested``: not "nothing there", only not that step); else
@@ -484,9 +484,12 @@ class CheckpointEngine:
         if self.coordinator.all_succeeded(not unreachable):
             if tried:
                 steps = ", ".join(map(str, tried))
-                if damaged and all(damaged):
+                if damaged and all(d == "damage" for d in damaged):
                     advice = ("Repair or remove them (tiered-ckpt verify and ls say what is wrong; remove a step's "
                               "directory, or point the tiers at a new path), or load an older step")
+                elif damaged and all(d == "layout" for d in damaged):
+                    advice = ("They were saved with another parallel layout than this job's (the reasons above say "
+                              "what changed): resume with that layout, or from a checkpoint saved with this one")
                 else:  # a timeout or an error of the tier is no proof of damage: never advise removing
                     advice = ("Some reads failed with the tier's errors, not proven damage: load again once the "
                               "tier answers (tiered-ckpt verify says whether the files are intact); do not remove "
@@ -520,7 +523,7 @@ class CheckpointEngine:
         return f"{tiers}; run_id {self.config.run_id!r}"
 
     def _load_step(self, step: int, available: dict[str, list[int]], copy: bool, map_location: Any,
-                   fallbacks: list[str], into: dict[str, Any] | None = None, damaged: list[bool] | None = None,
+                   fallbacks: list[str], into: dict[str, Any] | None = None, damaged: list[str] | None = None,
                    explicit: bool = False) -> LoadResult | None:
         for name in self.pipeline.order:
             if step not in available.get(name, []):
@@ -531,7 +534,8 @@ class CheckpointEngine:
             except (CorruptionError, DecodeError, TierError, OSError) as exc:
                 fallbacks.append(f"tier {name!r} step {step}: {exc}")
                 if damaged is not None:
-                    damaged.append(isinstance(exc, CorruptionError | DecodeError | BlobNotFoundError))
+                    damaged.append("damage" if isinstance(exc, CorruptionError | DecodeError | BlobNotFoundError)
+                                   else "layout" if getattr(exc, "layout_mismatch", False) else "error")
                 self._emit(ev.Event(ev.FALLBACK, step=step, rank=self.coords.rank, tier=name, message=str(exc),
                                     detail={"key": getattr(exc, "key", None)}))
                 order = self.pipeline.order

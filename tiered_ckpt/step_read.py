@@ -117,6 +117,8 @@ def _read_megatron(store: FileStore, step: int, coords: RankCoords, *, verify: b
     try:
         items = legacy.load_rank_items(store.tier, step, coords, trust_pickles=trust, verify=verify)
     except (LayoutMismatchError, NoCheckpointError) as exc:
-        raise TierError(str(exc), tier=store.name) from None
+        err = TierError(str(exc), tier=store.name)  # another tier may hold this step in a form this job loads
+        err.layout_mismatch = isinstance(exc, LayoutMismatchError)  # type: ignore[attr-defined]
+        raise err from None
     nbytes = sum(t.numel() * t.element_size() for t in tensors(items))
     return dict(items), bool(items.verified), nbytes
