@@ -380,6 +380,6 @@ def test_a_pipeline_size_change_is_refused_with_advice_about_the_layout_not_the_
     again = run_ranks(2, {"config": cfg, "mode": "legacy"}, worker=WORKER)  # PP 1, DP 2
     for rank, r in again.items():
         error = r.get("error", "")
-        assert "CheckpointUnreadableError" in error and "pp 2 -> 1" in error, (rank, r)
+        assert "CheckpointUnreadableError" in error and "PP 2 → 1" in error, (rank, r)
         assert "saved with another parallel layout than this job's" in error, (rank, r)
         assert "load again once the tier answers" not in error, (rank, r)

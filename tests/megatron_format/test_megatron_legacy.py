@@ -120,7 +120,7 @@ def test_unverified_warning_is_logged_once(pp2: Path, caplog: pytest.LogCaptureF
 
 
 def test_model_parallel_changes_are_refused(pp2: Path) -> None:
-    with pytest.raises(LayoutMismatchError, match="tp 1 -> 2"):
+    with pytest.raises(LayoutMismatchError, match="TP 1 → 2"):
         legacy.load_rank_items(_tier(pp2), None, ParallelLayout(tp=2, pp=2).coords(0))
 
 

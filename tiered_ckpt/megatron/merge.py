@@ -302,5 +302,6 @@ def check_same_model_parallel(src: MegatronTopology, dst: MegatronTopology) -> N
     changed = [d for d in ("tp", "pp", "ep", "cp") if getattr(src, d) != getattr(dst, d)]
     if changed:
         raise LayoutMismatchError(
-            "only the DP size can change: " + ", ".join(f"{d} {getattr(src, d)} -> {getattr(dst, d)}" for d in changed)
+            "only the DP size can change: " + ", ".join(f"{d.upper()} {getattr(src, d)} → {getattr(dst, d)}"
+                                                        for d in changed)
             + " (Megatron's torch format cannot be re-sharded across TP, PP, EP or CP)")
