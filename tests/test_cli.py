@@ -424,3 +424,19 @@ def test_json_goes_before_or_after_the_command(ckpt, capsys):
     assert rows[0] == rows[1] and rows[0]  # (ages move on between the two)
     code, out = run(capsys, "--json", "ls", str(root / "no-such-dir"))
     assert json.loads(out)["exit_code"] == code == 3
+
+
+def test_a_step_directory_given_for_a_checkpoint_directory_says_to_give_its_parent(tmp_path, capsys, caplog):
+    """Trial: `--load .../iter_0000010` (one step's directory) started from scratch in the drop-in with no hint,
+    and convert said "step directories present: none; pass a step to load one of them", which cannot work."""
+    from tiered_ckpt.megatron.adapter import _step_directory_hint
+
+    step_dir = Path(__file__).parent / "data" / "megatron" / "dp4_tp1_pp1" / "iter_0000010"
+    if not step_dir.is_dir():
+        pytest.skip(f"{step_dir} is not here")
+    code = main(["convert", str(step_dir), str(tmp_path / "out"), "--to", "rank_sharded", "--dp", "2"])
+    err = capsys.readouterr().err
+    assert code == 3
+    assert "this is one step's directory (it holds mp_rank_* directories)" in err and "give its parent" in err, err
+    assert "give its parent" in _step_directory_hint(step_dir)
+    assert _step_directory_hint(step_dir.parent) == "" and _step_directory_hint(tmp_path / "missing") == ""

@@ -161,6 +161,21 @@ def _warn_if_elsewhere(engine: Any, args: Any) -> None:
                     "tiered-ckpt convert --to megatron", engine.config.layout, CONFIG_ENV)
 
 
+def _step_directory_hint(path: Any) -> str:
+    """What to say when ``--load`` names one step's directory (``.../iter_0000100``) instead of the checkpoint
+    directory above it: Megatron would start from scratch there too, without a word."""
+    import os
+
+    try:
+        names = os.listdir(os.path.expanduser(str(path))) if path else []
+    except OSError:
+        return ""
+    if any(n.startswith("mp_rank_") for n in names):
+        return (f". args.load={path} holds mp_rank_* directories: it is one step's directory; give its parent, the "
+                "directory holding the iter_* directories and latest_checkpointed_iteration.txt")
+    return ""
+
+
 def _check_rank_args(engine: Any, **given: Any) -> None:
     """Megatron's explicit ranks and groups must be the engine's view of this rank (else: the wrong files)."""
     c = engine.coords
@@ -377,7 +392,8 @@ def load_checkpoint(ddp_model: Any, optimizer: Any, opt_param_scheduler: Any, lo
         # TierUnavailableError instead, on every rank): Megatron's fresh start.
         if step is not None or getattr(args, "exit_on_missing_checkpoint", False):
             raise
-        log.warning("no checkpoint on any tier: starting from iteration 0 (Megatron's behaviour)")
+        log.warning("no checkpoint on any tier: starting from iteration 0 (Megatron's behaviour)%s",
+                    _step_directory_hint(getattr(args, "load", None)))
         _prepare_now(engine, lambda: _items(0, chunks, optimizer, opt_param_scheduler, 0, args, rng_tracker, engine,
                                             False, template=True))
         return 0, 0

@@ -80,6 +80,11 @@ def detect(tier: Tier, *, step: Iteration | None = None, trust_pickles: bool = F
                         is not None})
         committed = [s for s in steps if tier.exists(_manifest_key(iteration_dir_name(s)))]
         if not committed:
+            if not steps and any(k.startswith("mp_rank_") for k in tier.list("")):
+                raise NoCheckpointError(
+                    f"tier {tier.name!r} ({tier.describe()}): this is one step's directory (it holds mp_rank_* "
+                    "directories), not a checkpoint directory: give its parent, the directory holding the iter_* "
+                    f"directories and {TRACKER_FILENAME}")
             raise NoCheckpointError(
                 f"{tier_io.where(tier, TRACKER_FILENAME)}: no tracker file, so no checkpoint is named (Megatron "
                 f"would start from random weights); step directories present: {steps[:10] or 'none'}; pass a "
