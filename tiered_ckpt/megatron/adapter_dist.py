@@ -151,7 +151,8 @@ def load(chunks: list[Any], optimizer: Any, scheduler: Any, strict: bool, skip: 
             log.warning("step %d: (TP, PP) %s -> %s: the RNG state is not loaded (Megatron's behaviour)",
                         reader.step, ckpt_tp_pp, run_tp_pp)
     return restore(state, {}, chunks, optimizer, scheduler, strict, skip, args, rng_tracker, engine.coords,
-                  where=f"step {reader.step} (torch_dist, tiers {sorted(set(reader.sources.values()))})")
+                  where=f"step {reader.step} (torch_dist, tiers {sorted(set(reader.sources.values()))})",
+                  distrib_optim_item=False)
 
 
 def _check_engine(engine: Any) -> None:

@@ -207,8 +207,10 @@ def model_optim_rng_item(iteration: int, model: Sequence[Any], optimizer: Any, o
 
 def restore(state: dict[str, Any], items: Mapping[str, Any], chunks: list[Any], optimizer: Any,
            opt_param_scheduler: Any, strict: bool, skip: bool, args: Any, rng_tracker: Any, coords: Any, *,
-           where: str) -> tuple[int, float]:
-    """Megatron's restore of one rank from its ``model_optim_rng`` dict and ``distrib_optim`` item."""
+           where: str, distrib_optim_item: bool = True) -> tuple[int, float]:
+    """Megatron's restore of one rank from its ``model_optim_rng`` dict and ``distrib_optim`` item.
+    ``distrib_optim_item``: a DistributedOptimizer's state comes in that item (``torch`` format), so a checkpoint
+    without it is refused; False for ``torch_dist``, whose optimizer state is in ``state`` itself."""
     finetune = bool(getattr(args, "finetune", False))
     if "iteration" not in state and "total_iters" not in state:
         raise LayoutMismatchError(f"{where}: model_optim_rng has no iteration (Megatron stops here too)")
@@ -228,7 +230,7 @@ def restore(state: dict[str, Any], items: Mapping[str, Any], chunks: list[Any], 
         _update_num_microbatches(args.consumed_train_samples)
     if not (finetune or getattr(args, "no_load_optim", False)):
         if optimizer is not None:
-            if OPTIM_ITEM not in items and distributed_optimizers(optimizer):
+            if distrib_optim_item and OPTIM_ITEM not in items and distributed_optimizers(optimizer):
                 # Megatron-LM stops here too (distrib_optim.pt not found). Going on would train with fresh
                 # optimizer moments, and, in bf16/fp16, fp32 main params that never saw the loaded weights.
                 raise LayoutMismatchError(
