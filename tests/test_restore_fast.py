@@ -32,7 +32,6 @@ from tiered_ckpt.errors import BlobNotFoundError, CorruptionError, DecodeError, 
 from tiered_ckpt.load_into import tensors
 from tiered_ckpt.megatron import safe_load
 from tiered_ckpt.tiers import _files as files_mod
-from tiered_ckpt.tiers._direct_io import direct_mode
 from tiered_ckpt.tiers.base import Tier
 from tiered_ckpt.tiers.local import LocalOptions, LocalTier
 
@@ -71,7 +70,7 @@ def test_read_file_returns_the_bytes_and_their_hash(tmp_path, size, threads, dir
     fd = os.open(path, os.O_RDONLY)
     try:
         if direct:
-            assert direct_mode(fd), "the test's filesystem refuses O_DIRECT"
+            assert hostmem.direct_mode(fd), "the test's filesystem refuses O_DIRECT"
         out = hostmem.read_file(fd, size, hasher=hasher, piece=4096, threads=threads,
                                 direct_block=4096 if direct else None)
     finally:
@@ -90,7 +89,7 @@ def test_read_file_in_direct_mode_goes_through_the_page_cache_when_a_read_is_ref
     hasher = xxhash.xxh3_128()
     fd = os.open(path, os.O_RDONLY)
     try:
-        assert direct_mode(fd)
+        assert hostmem.direct_mode(fd)
         out = hostmem.read_file(fd, len(data), hasher=hasher, piece=1000, threads=3, direct_block=4096)
         assert not fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_DIRECT
     finally:

@@ -48,7 +48,6 @@ from .worker import open_drain
 log = logging.getLogger(__name__)
 _MAX_RELISTS = 16  # load(): listings again after every step listed vanished, before "no checkpoint"
 _live: weakref.WeakSet[CheckpointEngine] = weakref.WeakSet()
-_exit_hook = False  # whether _close_all_at_exit ran (on the first engine)
 
 
 class _Listing:
@@ -133,10 +132,6 @@ class CheckpointEngine:
             for rel in store.clean_start():  # before the drain starts: no writer of ours is there yet
                 log.info("tier %r: removed %s, left by a killed process", store.name, rel)
         self._drain: Drain = open_drain(self.pipeline, self._tier_done, self._slot_released)
-        global _exit_hook
-        if not _exit_hook:
-            _exit_hook = True
-            _close_all_at_exit()
         _live.add(self)
         self._recover()
 
@@ -679,6 +674,9 @@ def _close_all_at_exit() -> None:
         except RuntimeError:  # the interpreter is already shutting down: atexit's turn is all that is left
             pass
     atexit.register(_close_all)  # a second call closes nothing more: close() is idempotent
+
+
+_close_all_at_exit()
 
 
 def _steps_text(steps: list[int], most: int = 8) -> str:

@@ -102,6 +102,23 @@ def private_copy(data: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def direct_mode(fd: int) -> bool:
+    """Switch ``fd`` to ``O_DIRECT``; False where the filesystem refuses it (the descriptor stays as it was)."""
+    try:
+        flags = fcntl.fcntl(fd, fcntl.F_GETFL)
+        fcntl.fcntl(fd, fcntl.F_SETFL, flags | os.O_DIRECT)
+    except OSError:
+        return False
+    return True
+
+
+def buffered_io(fd: int) -> None:
+    """Switch ``fd`` from direct to ordinary (page cache) I/O."""
+    flags = fcntl.fcntl(fd, fcntl.F_GETFL)
+    if flags & os.O_DIRECT:
+        fcntl.fcntl(fd, fcntl.F_SETFL, flags & ~os.O_DIRECT)
+
+
 def read_file(fd: int, size: int, *, hasher: Any = None, piece: int = READ_PIECE,
               threads: int = READ_THREADS, direct_block: int | None = None) -> torch.Tensor:
     """The first ``size`` bytes of the open file ``fd`` in fresh private memory (a 1-D uint8 tensor).
@@ -133,8 +150,7 @@ def read_file(fd: int, size: int, *, hasher: Any = None, piece: int = READ_PIECE
                     raise
                 retried = True  # the filesystem took the open but not the read: again, through the page cache
                 with switch:
-                    flags = fcntl.fcntl(fd, fcntl.F_GETFL)
-                    fcntl.fcntl(fd, fcntl.F_SETFL, flags & ~os.O_DIRECT)
+                    buffered_io(fd)
                 continue
             if n == 0:
                 raise FileShrankError(start, size)

@@ -213,8 +213,7 @@ class StaleRun:
     nbytes: int = 0
     age_s: float = 0.0
     steps: list[int] = field(default_factory=list)
-    persistent_steps: list[int] = field(default_factory=list)  # those of snapshots meant for file tiers too
-    records: list[SlotMeta] = field(default_factory=list)  # the slot records of those snapshots (not in to_dict)
+    records: list[SlotMeta] = field(default_factory=list)  # those of snapshots meant for file tiers too
     snapshots: int = 0
     state: str = "closed"  # run_state(): "live", "closed" (close() ran) or "stale" (ended without close())
 
@@ -298,7 +297,7 @@ def list_runs(shm_path: str) -> list[StaleRun]:
             continue
         run = StaleRun(run_id, path, state=run_state(run_id, shm_path))
         newest = 0.0
-        steps, persistent = set(), set()
+        steps = set()
         for dirpath, _, files in os.walk(path):
             head = os.path.relpath(dirpath, path).split("/", 1)[0]
             if head.startswith("rank_") and head[5:].isdigit() and int(head[5:]) not in run.ranks:
@@ -315,12 +314,10 @@ def list_runs(shm_path: str) -> list[StaleRun]:
                 if meta is not None:
                     steps.add(meta.step)
                     if meta.persistent:
-                        persistent.add(meta.step)
                         run.records.append(meta)
                     run.snapshots += 1
         run.ranks.sort()
         run.steps = sorted(steps)
-        run.persistent_steps = sorted(persistent)
         run.age_s = now - newest if newest else 0.0
         out.append(run)
     return out

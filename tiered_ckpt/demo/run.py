@@ -21,13 +21,14 @@ import uuid
 from pathlib import Path
 
 from ..tiers.base import _user_name
+from ..tiers.shm import ShmOptions
 from . import SAVE_EVERY, default_kill_step, min_steps
 
 # What the demo writes in its workdir: its tiers' configuration, the events log, the ranks' logs, the local and
 # remote tiers' folders, and the shm tier's folder where there is no /dev/shm.
 DEMO_ENTRIES = frozenset({"tiers.json", "events.jsonl", "logs", "local", "remote", "shm"})
 _DEMO_TIERS = ["shm", "local", "remote"]
-SHM_PATH = "/dev/shm/tiered_ckpt"  # the shm tier's path, where /dev/shm exists (else the workdir's shm folder)
+SHM_PATH = ShmOptions.path  # the shm tier's default path, where /dev/shm exists (else the workdir's shm folder)
 
 
 class WorkdirError(ValueError):

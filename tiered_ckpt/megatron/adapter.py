@@ -166,14 +166,13 @@ def _step_directory_hint(path: Any) -> str:
     directory above it: Megatron would start from scratch there too, without a word."""
     import os
 
+    from .naming import STEP_DIRECTORY_ADVICE, is_step_directory
+
     try:
         names = os.listdir(os.path.expanduser(str(path))) if path else []
     except OSError:
         return ""
-    if any(n.startswith("mp_rank_") for n in names):
-        return (f". args.load={path} holds mp_rank_* directories: it is one step's directory; give its parent, the "
-                "directory holding the iter_* directories and latest_checkpointed_iteration.txt")
-    return ""
+    return f". args.load={path}: {STEP_DIRECTORY_ADVICE}" if is_step_directory(names) else ""
 
 
 def _check_rank_args(engine: Any, **given: Any) -> None:

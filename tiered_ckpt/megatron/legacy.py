@@ -33,9 +33,11 @@ from .naming import (
     DISTRIB_OPTIM_FILENAME,
     MODEL_FILENAME,
     RELEASE,
+    STEP_DIRECTORY_ADVICE,
     TRACKER_FILENAME,
     Iteration,
     MegatronTopology,
+    is_step_directory,
     iteration_dir_name,
     parse_iteration_dir,
     parse_tracker,
@@ -80,11 +82,8 @@ def detect(tier: Tier, *, step: Iteration | None = None, trust_pickles: bool = F
                         is not None})
         committed = [s for s in steps if tier.exists(_manifest_key(iteration_dir_name(s)))]
         if not committed:
-            if not steps and any(k.startswith("mp_rank_") for k in tier.list("")):
-                raise NoCheckpointError(
-                    f"tier {tier.name!r} ({tier.describe()}): this is one step's directory (it holds mp_rank_* "
-                    "directories), not a checkpoint directory: give its parent, the directory holding the iter_* "
-                    f"directories and {TRACKER_FILENAME}")
+            if not steps and is_step_directory(tier.list("")):
+                raise NoCheckpointError(f"tier {tier.name!r} ({tier.describe()}): {STEP_DIRECTORY_ADVICE}")
             raise NoCheckpointError(
                 f"{tier_io.where(tier, TRACKER_FILENAME)}: no tracker file, so no checkpoint is named (Megatron "
                 f"would start from random weights); step directories present: {steps[:10] or 'none'}; pass a "

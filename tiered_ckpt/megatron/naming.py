@@ -31,6 +31,14 @@ from ..errors import ConfigError, DecodeError, LayoutMismatchError
 from ..parallel import ParallelLayout, mp_rank_name
 
 TRACKER_FILENAME = "latest_checkpointed_iteration.txt"
+#: What to do with one step's directory (``iter_NNNNNNN``) given where the checkpoint directory above it belongs.
+STEP_DIRECTORY_ADVICE = ("this is one step's directory (it holds mp_rank_* directories), not a checkpoint directory: "
+                         f"give its parent, the directory holding the iter_* directories and {TRACKER_FILENAME}")
+
+
+def is_step_directory(names: Iterable[str]) -> bool:
+    """Whether a directory holding ``names`` is one step's (Megatron's ``mp_rank_*`` directories in it)."""
+    return any(n.startswith("mp_rank_") for n in names)
 RELEASE = "release"
 MODEL_FILENAME = "model_optim_rng.pt"
 DISTRIB_OPTIM_FILENAME = "distrib_optim.pt"

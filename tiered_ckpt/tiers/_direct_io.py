@@ -25,7 +25,6 @@ from __future__ import annotations
 import collections
 import contextlib
 import errno
-import fcntl
 import mmap
 import os
 import threading
@@ -33,6 +32,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import numpy as np
 
+from ..hostmem import buffered_io
 from .base import IO_BLOCK
 
 BLOCK = IO_BLOCK
@@ -193,18 +193,3 @@ class DirectWriter:
                 self.direct = False
 
 
-def direct_mode(fd: int) -> bool:
-    """Switch ``fd`` to ``O_DIRECT``; False where the filesystem refuses it (the descriptor stays as it was)."""
-    try:
-        flags = fcntl.fcntl(fd, fcntl.F_GETFL)
-        fcntl.fcntl(fd, fcntl.F_SETFL, flags | os.O_DIRECT)
-    except OSError:
-        return False
-    return True
-
-
-def buffered_io(fd: int) -> None:
-    """Switch ``fd`` from direct to ordinary (page cache) I/O."""
-    flags = fcntl.fcntl(fd, fcntl.F_GETFL)
-    if flags & os.O_DIRECT:
-        fcntl.fcntl(fd, fcntl.F_SETFL, flags & ~os.O_DIRECT)

@@ -34,9 +34,9 @@ import torch
 
 from ..crashpoints import crash_point
 from ..errors import BlobNotFoundError, CorruptionError, PermanentTierError, TierError, TransientTierError
-from ..hostmem import FileShrankError, read_file
+from ..hostmem import FileShrankError, buffered_io, direct_mode, read_file
 from ..retry import FULL_ERRNOS, TRANSIENT_ERRNOS, repeat_on
-from ._direct_io import DIRECT_MIN, DirectWriter, buffered_io, direct_mode
+from ._direct_io import DIRECT_MIN, DirectWriter
 from ._nofollow import check_dirs, check_size, open_parent, open_regular, real_dir, refused_entry
 from .base import IO_BLOCK, as_memoryview, check_key, check_prefix, check_range, chunks_stable
 
