@@ -13,13 +13,16 @@ from rank_main import rank_main  # noqa: E402
 from tiered_ckpt import CheckpointEngine, ParallelLayout  # noqa: E402
 from tiered_ckpt.errors import TieredCkptError  # noqa: E402
 
+EMPTY_RANKS: set[int] = set()  # ranks with nothing of their own to save (spec "empty_ranks")
+
 
 def items_for(step: int, rank: int, run: int = 0) -> dict:
     """A rank's state at ``step``; ``run`` tells apart the saves of one step by different jobs (a re-run)."""
-    return make_items(step * 100 + rank + run * 100_000)
+    return {} if rank in EMPTY_RANKS else make_items(step * 100 + rank + run * 100_000)
 
 
 def body(rank: int, world: int, spec: dict, out: dict) -> None:
+    EMPTY_RANKS.update(spec.get("empty_ranks", ()))
     cfg = spec["configs"][str(rank)] if "configs" in spec else spec["config"]
     parallel = ParallelLayout(**spec["parallel"]) if "parallel" in spec else None
     with CheckpointEngine(cfg, parallel) as engine:

@@ -117,6 +117,40 @@ def test_rank_killed_mid_drain_then_consistent_restore(tmp_path, shm_root, world
     assert fourth[victim]["tier"] in ("local", "shared")
 
 
+@pytest.mark.parametrize("layout", ["rank_sharded", "megatron"])
+def test_ranks_with_nothing_to_save_take_part_in_every_commit_and_load_nothing(tmp_path, shm_root, layout):
+    """A rank may hold nothing of its own (Megatron's DP rank > 0 without the distributed optimizer): it saves an
+    empty dict, the step commits on every tier with it, and each rank loads back what it saved, from memory after
+    a restart and from each file tier alone."""
+    run_id = f"e{uuid.uuid4().hex[:8]}"
+    shm, local, shared = Path(shm_root), tmp_path / "local", tmp_path / "shared"
+    cfg = {**job_config(tiers(shm, local, shared), run_id), "layout": layout}
+    first = run_ranks(3, {"config": cfg, "save": [1, 2], "empty_ranks": [1]})
+    assert all("save_errors" not in r for r in first.values()), first
+    for root in (local, shared):
+        assert committed(root) == [1, 2]
+        manifest = json.loads((root / "iter_0000002" / "tiered_ckpt" / "manifest.json").read_text())
+        assert manifest["extra"]["ranks"] == [0, 1, 2]
+        assert {f["rank"] for f in manifest["files"]} == {0, 2}
+    for tier_list, tier in ((tiers(shm, local, shared), "shm"), (tiers(shm, local, shared)[1:2], "local"),
+                            (tiers(shm, local, shared)[2:], "shared")):
+        loaded = run_ranks(3, {"config": {**job_config(tier_list, run_id), "layout": layout}, "load": True,
+                               "empty_ranks": [1]})
+        assert {r["step"] for r in loaded.values()} == {2}, tier
+        assert {r["tier"] for r in loaded.values()} == {tier}
+    verify = subprocess.run([sys.executable, "-m", "tiered_ckpt.cli", "verify", str(shared)], capture_output=True,
+                            text=True)
+    assert verify.returncode == 0, verify.stdout + verify.stderr
+
+
+def test_a_single_rank_job_saving_nothing_is_told_so(tmp_path):
+    from tiered_ckpt import CheckpointEngine
+
+    cfg = {"run_id": "alone", "tiers": [{"name": "disk", "kind": "local", "path": str(tmp_path)}]}
+    with CheckpointEngine(cfg) as engine, pytest.raises(ValueError, match="nothing to save"):
+        engine.save(1, {})
+
+
 def test_two_nodes_node_local_commit_and_restore_from_shared(tmp_path):
     run_id = f"n{uuid.uuid4().hex[:8]}"
     shared = tmp_path / "shared"

@@ -202,9 +202,11 @@ class CheckpointEngine:
             raise TieredCkptError("save() on a closed engine")
         if not isinstance(step, int) or isinstance(step, bool) or step < 0:
             raise ValueError(f"step must be a non-negative integer, got {step!r}")
-        if not isinstance(items, dict) or not items or not all(isinstance(k, str) and k for k in items):
-            raise ValueError("items must be a non-empty dict of item name (str) → state")
-        if all(isinstance(v, torch.Tensor) for v in items.values()):
+        if not isinstance(items, dict) or not all(isinstance(k, str) and k for k in items):
+            raise ValueError("items must be a dict of item name (str) → state")
+        if not items and self.coords.layout.world_size == 1:
+            raise ValueError(f"save({step}, {{}}): nothing to save; items maps item names to state dicts")
+        if items and all(isinstance(v, torch.Tensor) for v in items.values()):
             names = ", ".join(repr(k) for k in list(items)[:3]) + (", ..." if len(items) > 3 else "")
             raise ValueError(f"save({step}, items): every value of items is a tensor ({names}): this looks like one "
                              "state dict given as the items, which would store each tensor as an item of its own. "

@@ -384,7 +384,7 @@ def megatron_args(**overrides: Any) -> argparse.Namespace:
 def build_job(tp: int, pp: int, precision: str = "fp32", seed: int = 1234, *, num_layers: int = 4,
               hidden: int = 64, ffn_hidden: int = 256, heads: int = 4, vocab: int = 128, seq: int = 16,
               micro_batch: int = 2, global_batch: int = 8, bucket_size: int | None = None,
-              overlap_grad_reduce: bool = False, dropout: float = 0.0) -> Job:
+              overlap_grad_reduce: bool = False, dropout: float = 0.0, distributed_optimizer: bool = True) -> Job:
     """Inside a rank: Megatron's initialisation (model parallel groups, seeds), model, optimizer, scheduler and
     args for a GPT with the local layer spec, as ``megatron.training`` builds them."""
     from megatron.core import parallel_state, tensor_parallel
@@ -414,7 +414,8 @@ def build_job(tp: int, pp: int, precision: str = "fp32", seed: int = 1234, *, nu
         rank=dist.get_rank(), micro_batch_size=micro_batch, global_batch_size=global_batch,
         distributed_backend=dist.get_backend(),
         bf16=bf16, params_dtype=params_dtype, accumulate_allreduce_grads_in_fp32=bf16, seed=seed,
-        overlap_grad_reduce=overlap_grad_reduce, ddp_bucket_size=bucket_size)
+        overlap_grad_reduce=overlap_grad_reduce, ddp_bucket_size=bucket_size,
+        use_distributed_optimizer=distributed_optimizer)
 
     # Megatron's _set_random_seed: one seed per pipeline stage, the tracker's per TP rank.
     stage_seed = seed + 100 * parallel_state.get_pipeline_model_parallel_rank()
@@ -442,13 +443,13 @@ def build_job(tp: int, pp: int, precision: str = "fp32", seed: int = 1234, *, nu
         model = Float16Module(config, model)
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=bf16, overlap_grad_reduce=overlap_grad_reduce, overlap_param_gather=False,
-        use_distributed_optimizer=True, check_for_nan_in_grad=True, bucket_size=bucket_size)
+        use_distributed_optimizer=distributed_optimizer, check_for_nan_in_grad=True, bucket_size=bucket_size)
     chunks = [DistributedDataParallel(config, ddp_config, model)]
     optimizer = get_megatron_optimizer(
         OptimizerConfig(optimizer="adam", lr=args.lr, min_lr=args.min_lr, weight_decay=args.weight_decay,
                         adam_beta1=args.adam_beta1, adam_beta2=args.adam_beta2, adam_eps=args.adam_eps,
                         clip_grad=args.clip_grad, bf16=bf16, params_dtype=params_dtype,
-                        use_distributed_optimizer=True),
+                        use_distributed_optimizer=distributed_optimizer),
         chunks)
     gbs = args.global_batch_size
     scheduler = OptimizerParamScheduler(
@@ -529,7 +530,27 @@ def train(job: Job, iterations: int) -> None:
 
 
 def distributed_optimizers(job: Job) -> list[Any]:
-    return list(getattr(job.optimizer, "chained_optimizers", None) or [job.optimizer])
+    """The job's DistributedOptimizers (none when it trains with plain DDP: every DP rank holds the whole state)."""
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    optimizers = list(getattr(job.optimizer, "chained_optimizers", None) or [job.optimizer])
+    return [o for o in optimizers if isinstance(o, DistributedOptimizer)]
+
+
+def _replicated_optimizer_state(job: Job) -> dict[str, torch.Tensor]:
+    """Plain DDP's optimizer (fp32 here): per model param, its Adam state, the same on every DP rank."""
+    out: dict[str, torch.Tensor] = {}
+    names = {p: n for n, p in _named_params(job)}
+    if distributed_optimizers(job):
+        return out
+    for i, opt in enumerate(getattr(job.optimizer, "chained_optimizers", None) or [job.optimizer]):
+        for param, state in opt.optimizer.state.items():
+            for k, v in state.items():
+                out[f"optim{i}/{names[param]}/{k}"] = torch.as_tensor(v).detach().clone()
+        for g, group in enumerate(opt.optimizer.param_groups):
+            for k in ("lr", "weight_decay"):
+                out[f"optim{i}/group{g}/{k}"] = torch.tensor(group[k], dtype=torch.float64)
+    return out
 
 
 def _named_params(job: Job) -> Iterator[tuple[str, torch.Tensor]]:
@@ -557,6 +578,7 @@ def fingerprint(job: Job) -> dict[str, torch.Tensor]:
         for g, group in enumerate(opt.optimizer.param_groups):
             for k in ("lr", "weight_decay"):
                 out[f"optim{i}/group{g}/{k}"] = torch.tensor(group[k], dtype=torch.float64)
+    out.update(_replicated_optimizer_state(job))
     for k, v in job.scheduler.state_dict().items():
         if isinstance(v, int | float):
             out[f"scheduler/{k}"] = torch.tensor(v, dtype=torch.float64)
@@ -601,6 +623,7 @@ def full_state(job: Job) -> dict[str, torch.Tensor]:
                     continue
                 full = out.setdefault(f"{key}/{k}", torch.full((numel[key.split("/", 1)[1]],), float("nan")))
                 full[start:end] = v.reshape(-1)
+    out.update(_replicated_optimizer_state(job))
     holes = [k for k, v in out.items() if v.is_floating_point() and bool(v.isnan().any())]
     assert not holes, f"not covered by any DP rank (or NaN): {holes}"
     return out

@@ -43,16 +43,19 @@ class Spec:
     pp: int
     precision: str
     buckets: bool = False  # overlap_grad_reduce with 6000-element buckets (8 on the first stage), as the fixture
+    distributed_optimizer: bool = True  # False: plain DDP, Megatron's default (every DP rank holds the whole state)
 
     @property
     def id(self) -> str:
-        return f"tp{self.tp}-pp{self.pp}-{self.precision}" + ("-buckets" if self.buckets else "")
+        return (f"tp{self.tp}-pp{self.pp}-{self.precision}" + ("-buckets" if self.buckets else "")
+                + ("" if self.distributed_optimizer else "-ddp"))
 
     def job(self) -> harness.Job:
         # Dropout draws from the CPU generator and, in attention, from the tracker's: a resume that restores
         # the wrong RNG state trains differently.
         return build_job(self.tp, self.pp, self.precision, seed=20, dropout=0.1,
-                         bucket_size=6000 if self.buckets else None, overlap_grad_reduce=self.buckets)
+                         bucket_size=6000 if self.buckets else None, overlap_grad_reduce=self.buckets,
+                         distributed_optimizer=self.distributed_optimizer)
 
 
 SPECS = [Spec(1, 2, "fp32", buckets=True), Spec(2, 1, "bf16"),
@@ -409,3 +412,41 @@ def test_a_checkpoint_without_the_distributed_optimizer_state_is_refused_unless_
         assert "no distributed-optimizer state (Megatron's distrib_optim.pt)" in res["error"], (rank, res)
         assert "--no-load-optim" in res["error"], (rank, res)
         assert res["loaded"] == 10, (rank, res)  # with --no-load-optim: the weights, as Megatron would
+
+
+def test_plain_ddp_at_dp_2_resumes_bit_exact_from_every_tier(tmp_path: Path, shm_root: str) -> None:
+    """Megatron's default optimizer (no --use-distributed-optimizer) at DP 2: DP rank 0 of each model-parallel group
+    holds everything (model_optim_rng.pt, the optimizer's state inside), the DP rank 1s nothing of their own. Every
+    rank saves through the drop-in; a new job resumes bit-exact from the file tiers of both layouts and, after a
+    SIGKILL, from memory alone (DP rank 1 reading its holder's snapshot)."""
+    spec = Spec(1, 2, "fp32", distributed_optimizer=False)
+    cfgs = [config(f"real-ddp-{uuid.uuid4().hex[:8]}", shm=shm_root, local=tmp_path / "rank_sharded"),
+            config(f"real-ddp-{uuid.uuid4().hex[:8]}", local=tmp_path / "megatron", layout="megatron")]
+    ranks = launch(rank_train_save_continue, 4, spec, cfgs)
+    assert any(k.endswith("/exp_avg_sq") for k in ranks[1]["fingerprint"])  # the comparison covers Adam's state
+    files = [config(cfg["run_id"], local=Path(cfg["tiers"][-1]["path"]), layout=cfg["layout"]) for cfg in cfgs]
+    for rank, per_config in enumerate(launch(rank_resume, 4, spec, files)):
+        for cfg, (loaded, got) in zip(files, per_config, strict=True):
+            assert loaded == (SAVED_AT, FLOPS)
+            assert differences(ranks[rank]["fingerprint"], got) == [], f"rank {rank}, layout {cfg['layout']}"
+    # plain Megatron's files: one model_optim_rng.pt per stage, holding the optimizer's state; no distrib_optim.pt
+    step_dir = tmp_path / "megatron" / f"iter_{SAVED_AT:07d}"
+    assert sorted(p.name for p in step_dir.glob("mp_rank_*")) == ["mp_rank_00_000", "mp_rank_00_001"]
+    assert not list(step_dir.rglob("distrib_optim.pt"))
+    from tiered_ckpt.megatron import safe_load
+
+    state = safe_load.load(step_dir / "mp_rank_00_000" / "model_optim_rng.pt")
+    assert state["iteration"] == SAVED_AT and state["optimizer"]["state"]  # FP32Optimizer: torch Adam's dict
+    # rank_sharded -> megatron: nothing to merge, the model files as they are
+    from tiered_ckpt.cli import main as cli_main
+
+    assert cli_main(["convert", str(tmp_path / "rank_sharded"), str(tmp_path / "converted"), "--to", "megatron"]) == 0
+    for stage in ("mp_rank_00_000", "mp_rank_00_001"):
+        converted = tmp_path / "converted" / f"iter_{SAVED_AT:07d}" / stage / "model_optim_rng.pt"
+        assert converted.read_bytes() == (step_dir / stage / "model_optim_rng.pt").read_bytes(), stage
+
+    memory = config(f"real-ddp-mem-{uuid.uuid4().hex[:8]}", shm=shm_root)
+    assert launch(rank_save_to_memory_and_die, 4, spec, memory, expect_kill=True) == [-signal.SIGKILL] * 4
+    for rank, [(loaded, got)] in enumerate(launch(rank_resume, 4, spec, [memory])):
+        assert loaded == (SAVED_AT, FLOPS)
+        assert differences(ranks[rank]["fingerprint"], got) == [], f"rank {rank} from memory"

@@ -53,8 +53,8 @@ def config(run_id: str, *, shm: str | None = None, files: Path | None = None) ->
     return {"run_id": run_id, "layout": "dcp", "tiers": tiers, **({"drain": {"mode": DRAIN}} if DRAIN else {})}
 
 
-def job_at(tp: int, pp: int, seed: int = 20) -> harness.Job:
-    job = build_job(tp, pp, "fp32", seed=seed, dropout=0.1)
+def job_at(tp: int, pp: int, seed: int = 20, *, distributed_optimizer: bool = True) -> harness.Job:
+    job = build_job(tp, pp, "fp32", seed=seed, dropout=0.1, distributed_optimizer=distributed_optimizer)
     job.args.ckpt_format = "torch_dist"
     job.args.dist_ckpt_optim_fully_reshardable = True  # the optimizer reshards over TP too (Megatron's flag)
     job.args.distrib_optim_fully_reshardable_mem_efficient = False
@@ -306,11 +306,12 @@ def adapter_strategies(engine: CheckpointEngine) -> dict[bool, Any]:
     return adapter_dist._strategies[engine]
 
 
-def rank_megatron_load(rank: int, world: int, tp: int, pp: int, ckpt: str) -> dict[str, Any]:
+def rank_megatron_load(rank: int, world: int, tp: int, pp: int, ckpt: str, distributed_optimizer: bool = True
+                       ) -> dict[str, Any]:
     """Megatron's own dist_checkpointing.load (its default strategy, FileSystemReader) into a fresh job."""
     from megatron.core import dist_checkpointing
 
-    job = job_at(tp, pp, seed=77)
+    job = job_at(tp, pp, seed=77, distributed_optimizer=distributed_optimizer)
     state = dist_checkpointing.load(megatron_request(job, is_loading=True), ckpt)
     adapter.unwrap(job.model[0]).load_state_dict(state["model"])
     job.optimizer.load_state_dict(state["optimizer"])
@@ -371,6 +372,26 @@ def rank_our_load(rank: int, world: int, tp: int, pp: int, cfg: dict, cont: bool
         train(job, RESUMED_TO)
         out["fingerprint"] = fingerprint(job)
     return out
+
+
+def rank_plain_ddp_save(rank: int, world: int, cfg: dict) -> dict[str, Any]:
+    """Megatron's default optimizer (plain DDP, no distributed optimizer) at DP 2: save through the adapter, train
+    on to RESUMED_TO (the reference)."""
+    job = job_at(*SAVE_LAYOUT, distributed_optimizer=False)
+    train(job, SAVED_AT)
+    with CheckpointEngine(cfg, job.layout, rank=rank) as engine:
+        save(job, engine).wait(timeout=120)
+    saved = {"full_state": full_state(job)}
+    train(job, RESUMED_TO)
+    return {**saved, "fingerprint": fingerprint(job)}
+
+
+def rank_plain_ddp_resume(rank: int, world: int, cfg: dict) -> dict[str, Any]:
+    job = job_at(*SAVE_LAYOUT, distributed_optimizer=False)
+    with CheckpointEngine(cfg, job.layout, rank=rank) as engine:
+        loaded = load(job, engine)
+    train(job, RESUMED_TO)
+    return {"loaded": loaded, "fingerprint": fingerprint(job)}
 
 
 def rank_save_to_memory_and_die(rank: int, world: int, cfg: dict) -> None:
@@ -513,3 +534,21 @@ def test_saves_on_a_cached_plan_run_no_collective_and_load_exactly(tmp_path: Pat
     from tiered_ckpt.cli import main as cli_main
 
     assert cli_main(["verify", str(files)]) == 0
+
+
+def test_plain_ddp_saves_load_in_megatron_and_resume_bit_exact(tmp_path: Path, shm_dir: str) -> None:
+    """Megatron's default optimizer (no --use-distributed-optimizer) at DP 2, torch_dist: Megatron's own
+    dist_checkpointing.load of our step gives every rank its model and optimizer state bit for bit, and our load
+    resumes and trains on bit-exact."""
+    files = tmp_path / "disk"
+    cfg = config(f"td-ddp-{uuid.uuid4().hex[:8]}", shm=shm_dir, files=files)
+    saved = launch(rank_plain_ddp_save, 2, cfg)
+    assert any(k.endswith("/exp_avg_sq") for k in saved[1]["full_state"])  # the comparison covers Adam's state
+    step_dir = files / f"iter_{SAVED_AT:07d}"
+    megatron = launch(rank_megatron_load, 2, *SAVE_LAYOUT, str(step_dir), False)
+    for rank, res in enumerate(megatron):
+        assert differences(saved[rank]["full_state"], res["full_state"]) == [], f"Megatron's load, rank {rank}"
+    ours = launch(rank_plain_ddp_resume, 2, config(cfg["run_id"], files=files))
+    for rank, res in enumerate(ours):
+        assert res["loaded"] == (SAVED_AT, FLOPS)
+        assert differences(saved[rank]["fingerprint"], res["fingerprint"]) == [], f"our load, rank {rank}"

@@ -301,8 +301,6 @@ def save_checkpoint(iteration: int, model: Any, optimizer: Any, opt_param_schedu
                                  rng_key_prefix=rng_state_key_prefix, dp_cp_group=dp_cp_group)
     items = _items(iteration, chunks, optimizer, opt_param_scheduler, num_floating_point_operations_so_far, args,
                    rng_tracker, engine, model_on_every_rank)
-    if not items:
-        raise ConfigError(f"rank {engine.coords.rank} has nothing to save (no distributed optimizer, not DP rank 0)")
     _join_prepare(engine)
     handle = engine.save(iteration, items, persistent=not non_persistent_ckpt)
     # After the first save, the other slots are pre-faulted in the background (the first one already is).

@@ -235,7 +235,7 @@ def _write(source: StepSource, store: FileStore, to: str, target: MegatronTopolo
         _check_megatron_loadable(dst, key, report, source.trust_pickles)  # the verified copy: not committed yet
     same_dp = target.dp == info.topology.dp
     if to == "megatron":
-        if info.layout == "rank_sharded":
+        if info.layout == "rank_sharded" and info.rank_files:
             shards_dirs = plan_dirs(_rank_shards(source))
             for d, parts in shards_dirs.items():
                 entry = write_megatron_file(store, source.key(d, DISTRIB_OPTIM_FILENAME), parts, step=step,
@@ -264,7 +264,8 @@ def _write(source: StepSource, store: FileStore, to: str, target: MegatronTopolo
                 item=OPTIM_ITEM, rank=r, step=step))
     _carry_other_items(source, store, target, report, entries, on_read)
     if not any(e.item == OPTIM_ITEM for e in entries):
-        report.notes.append("no distributed-optimizer state in the source: only model files were converted")
+        report.notes.append("no distributed-optimizer state in the source: the model files were converted as they "
+                            "are (a job without --use-distributed-optimizer keeps its optimizer state in them)")
     report.bytes_read += read
     return entries
 
