@@ -211,6 +211,7 @@ class CheckpointEngine:
             raise ValueError(f"save({step}, items): every value of items is a tensor ({names}): this looks like one "
                              "state dict given as the items, which would store each tensor as an item of its own. "
                              f"Name it: save({step}, {{\"model\": model.state_dict()}})")
+        self.pipeline.check_items(list(items))
         t0 = time.perf_counter()
         placed, total = plan_items(items, self._plan_memos, self.pipeline.placement)
         self._plan_memos = {name: plan.memo for name, plan, _ in placed}

@@ -108,6 +108,14 @@ class Pipeline:
                     return wish
         return None
 
+    def check_items(self, names: list[str]) -> None:
+        """ConfigError when a file tier's layout cannot hold items of these names (its :meth:`refused_items`)."""
+        for store in self.stores.values():
+            files = store.files()
+            why = files.layout.refused_items(names) if files is not None else None
+            if why:
+                raise ConfigError(why, key_path="layout")
+
     def prepare(self, nbytes: int) -> None:
         for name in self.order:
             self.stores[name].prepare(nbytes)

@@ -230,3 +230,14 @@ def test_async_save_with_the_writer_as_stager_keeping_its_copy(tmp_path, shm_roo
     assert_same(sd, loaded)
     with pytest.raises(TypeError, match="thread executor"):
         pickle.dumps(writer)
+
+
+def test_engine_save_of_its_own_items_is_refused_by_the_dcp_layout(tmp_path):
+    """Trial: engine.save({"model": ...}) with layout: dcp wrote files beside DCP's that DCP could not load, and
+    `verify` failed the step; refused up front, saying what to do, and nothing is saved."""
+    cfg = {"run_id": "dcp-own-items", "layout": "dcp", "drain": {"mode": "thread"},
+           "tiers": [{"name": "disk", "kind": "local", "path": str(tmp_path)}]}
+    with CheckpointEngine(cfg) as engine:
+        with pytest.raises(ConfigError, match=r"items \['model'\].*TieredStorageWriter.*layout: rank_sharded"):
+            engine.save(1, {"model": {"w": torch.ones(4)}})
+        assert engine.available_steps() == {"disk": []}

@@ -95,6 +95,10 @@ class Layout:
             return own
         return (getattr(tier, "codecs", None) or {}).get(item) or getattr(tier, "codec", None) or own
 
+    def refused_items(self, names: Iterable[str]) -> str | None:
+        """Why a save of items with these names cannot go into this layout (asked before the copy), or None."""
+        return None
+
     def item_key(self, step: int, item: str, coords: RankCoords, extension: str) -> str | None:
         """The file of ``item`` written by ``coords`` at ``step``, or None when this rank does not write it."""
         if item == MODEL_ITEM:

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import logging
 import re
+from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 from ..parallel import ParallelLayout, RankCoords
@@ -41,6 +42,7 @@ METADATA_NAME = re.compile(r"^(?:__\d+)?\.metadata$")  # DCP's .metadata, or a r
 # Files beside DCP's that a framework on top of it writes once per step (Megatron's torch_dist: its common state and
 # its metadata.json), carried as raw bytes in the coordinator's snapshot and written at the step directory's top.
 STEP_FILES = {"megatron_common": "common.pt", "megatron_config": "metadata.json"}
+DCP_ITEMS = frozenset({DATA_ITEM, METADATA_ITEM, RANK_METADATA_ITEM, RESULTS_ITEM, *STEP_FILES})
 
 
 def rank_metadata_file(rank: int) -> str:
@@ -54,6 +56,17 @@ class DcpLayout(Layout):
     def codec_for(self, item: str) -> str:
         return "distcp" if item in (DATA_ITEM, METADATA_ITEM, RANK_METADATA_ITEM, RESULTS_ITEM) or item in STEP_FILES \
             else "flat"
+
+    def refused_items(self, names: Iterable[str]) -> str | None:
+        # Items of engine.save's own would land beside DCP's files, which DCP's reader could not load (and
+        # `verify` would fail the step): this layout holds what DCP's planner hands our storage writer.
+        foreign = sorted(set(names) - DCP_ITEMS)
+        if not foreign:
+            return None
+        return (f"layout: dcp holds what dcp.save writes through tiered_ckpt.dcp.TieredStorageWriter; engine.save "
+                f"was given items {foreign}, which DCP could not load from it. Save them with dcp.save("
+                "state_dict, storage_writer=TieredStorageWriter(engine)), or use layout: rank_sharded for "
+                "engine.save (docs/dcp.md)")
 
     def item_key(self, step: int, item: str, coords: RankCoords, extension: str) -> str | None:
         if item == DATA_ITEM:
