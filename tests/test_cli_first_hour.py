@@ -90,6 +90,20 @@ def test_an_empty_directory_is_nothing_found_not_success(tmp_path, capsys):
     assert os.listdir(tmp_path) == []
 
 
+def test_one_step_s_directory_given_for_the_checkpoint_directory_is_told_to_give_its_parent(tmp_path, shm_root,
+                                                                                            capsys):
+    saved(tmp_path, shm_root, steps=(1,))
+    step_dir = tmp_path / "iter_0000001"
+    advice = f"{step_dir} is one step's directory; give its parent, {tmp_path}, the directory that holds the iter_*"
+    for command in ("ls", "inspect", "verify"):
+        code, out, err = run(capsys, command, str(step_dir))
+        assert code == EXIT_NOT_FOUND and advice in err, (command, err)
+    code, out, err = run(capsys, "gc", str(step_dir))
+    assert code == EXIT_OK and advice in out
+    code, out, err = run(capsys, "verify", str(tmp_path))  # the parent is the checkpoint
+    assert code == EXIT_OK, err
+
+
 def test_a_file_given_as_the_directory_is_a_usage_error_that_says_so(tmp_path, capsys):
     db = tmp_path / "some.db"
     db.write_bytes(b"x")

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -227,7 +228,9 @@ class Opened:
             return CommandError(f"{self.target}: {next(iter(self.absent.values()))}", EXIT_NOT_FOUND)
         if not found:
             why = "; ".join(f"{self.label(n)}: {w}" for n, w in self.absent.items())
-            return CommandError(nothing + (f" ({why})" if why else ""), EXIT_NOT_FOUND)
+            hint = step_directory_hint(self.target) if self.target is not None else ""
+            return CommandError(nothing + (f" ({why})" if why else "") + ("" if hint in nothing else hint),
+                                EXIT_NOT_FOUND)
         return None
 
     def notes(self, args: argparse.Namespace) -> None:
@@ -235,6 +238,20 @@ class Opened:
         if self.target is None:
             for n, why in self.absent.items():
                 _note(args, f"{self.label(n)}: {why}")
+
+
+_STEP_DIR_NAME = re.compile(r"^iter_\d{7}$")
+
+
+def step_directory_hint(target: str) -> str:
+    """When ``target`` names one step's directory (``iter_0000010``) rather than the checkpoint directory above
+    it, the advice to give its parent (commands look for ``iter_*`` directories in the directory given)."""
+    stripped = target.rstrip("/")
+    parent, _, name = stripped.rpartition("/")
+    if not _STEP_DIR_NAME.match(name):
+        return ""
+    return (f": {target} is one step's directory; give its parent, {parent or '.'}, the directory that holds the "
+            "iter_* directories")
 
 
 def _open(args: argparse.Namespace, *, memory: bool) -> Opened:
@@ -369,7 +386,7 @@ def no_commit_message(store: FileStore, label: str) -> str:
         foreign = {}
     steps = sorted((n, state) for d, state in foreign.items() if (n := store.layout.parse_step_dir(d)) is not None)
     if not steps:
-        return f"{label} holds no committed checkpoint"
+        return f"{label} holds no committed checkpoint{step_directory_hint(label)}"
     megatron = [n for n, state in steps if state == MEGATRON_STATE]
     others = [n for n, state in steps if state != MEGATRON_STATE]
     parts = []

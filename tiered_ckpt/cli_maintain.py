@@ -23,6 +23,7 @@ from .cli_common import (
     _text,
     human_bytes,
     human_duration,
+    step_directory_hint,
 )
 from .errors import ConfigError, TierError
 
@@ -141,7 +142,8 @@ def cmd_gc(args: argparse.Namespace) -> int:
                   "retention removes its debris after each commit)")
         if not found:
             if problem is None and not left and live_run is None:  # an unreadable or absent tier is not an empty one
-                print("nothing to remove" + (f" (no shared memory at {', '.join(absent_shm)})" if absent_shm else ""))
+                print("nothing to remove" + (f" (no shared memory at {', '.join(absent_shm)})" if absent_shm else "")
+                      + (step_directory_hint(opened.target) if opened is not None and opened.target else ""))
         elif not args.delete and not all(f.get("kept") for f in found):
             print("dry run: nothing was removed; add --delete to remove these")
 
