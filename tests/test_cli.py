@@ -440,3 +440,10 @@ def test_a_step_directory_given_for_a_checkpoint_directory_says_to_give_its_pare
     assert "this is one step's directory (it holds mp_rank_* directories)" in err and "give its parent" in err, err
     assert "give its parent" in _step_directory_hint(step_dir)
     assert _step_directory_hint(step_dir.parent) == "" and _step_directory_hint(tmp_path / "missing") == ""
+
+
+def test_the_cli_s_default_shm_path_is_the_shm_tier_s():
+    from tiered_ckpt.cli_common import DEFAULT_SHM_PATH
+    from tiered_ckpt.tiers.shm import ShmOptions
+
+    assert DEFAULT_SHM_PATH == ShmOptions.path
