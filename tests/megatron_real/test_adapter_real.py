@@ -429,6 +429,12 @@ def test_plain_ddp_at_dp_2_resumes_bit_exact_from_every_tier(tmp_path: Path, shm
         for cfg, (loaded, got) in zip(files, per_config, strict=True):
             assert loaded == (SAVED_AT, FLOPS)
             assert differences(ranks[rank]["fingerprint"], got) == [], f"rank {rank}, layout {cfg['layout']}"
+    for dp in (1, 4):  # at another DP size every rank reads its stage's model_optim_rng.pt
+        for rank, res in enumerate(launch(rank_load_full_state, 2 * dp, spec, files)):
+            want = next(r for r in ranks if r["coords"][:2] == res["coords"][:2])["full_state"]
+            for cfg, (loaded, got) in zip(files, res["loads"], strict=True):
+                assert loaded == (SAVED_AT, FLOPS)
+                assert differences(want, got) == [], f"DP {dp} rank {rank}, layout {cfg['layout']}"
     # plain Megatron's files: one model_optim_rng.pt per stage, holding the optimizer's state; no distrib_optim.pt
     step_dir = tmp_path / "megatron" / f"iter_{SAVED_AT:07d}"
     assert sorted(p.name for p in step_dir.glob("mp_rank_*")) == ["mp_rank_00_000", "mp_rank_00_001"]
