@@ -69,7 +69,7 @@ def body(rank: int, world: int, spec: dict, out: dict) -> None:
             # "runs_of": {run: [steps]}, the job that saved each step last (default 0)
             runs = {step: int(run) for run, steps in spec.get("runs_of", {}).items() for step in steps}
             assert_same(items_for(loaded.step, rank, runs.get(loaded.step, 0)), loaded.items)
-            out.update(step=loaded.step, tier=loaded.tier)
+            out.update(step=loaded.step, tier=loaded.tier, verified=loaded.verified)
         out["available"] = engine.available_steps()
 
 

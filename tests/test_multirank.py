@@ -138,6 +138,8 @@ def test_ranks_with_nothing_to_save_take_part_in_every_commit_and_load_nothing(t
                                "empty_ranks": [1]})
         assert {r["step"] for r in loaded.values()} == {2}, tier
         assert {r["tier"] for r in loaded.values()} == {tier}
+        # an empty snapshot is checksummed (vacuously): not "unverified origin" from memory, nor after a restart
+        assert all(r["verified"] for r in loaded.values()), (tier, loaded)
     verify = subprocess.run([sys.executable, "-m", "tiered_ckpt.cli", "verify", str(shared)], capture_output=True,
                             text=True)
     assert verify.returncode == 0, verify.stdout + verify.stderr

@@ -37,6 +37,8 @@ def read_committed_step(store: FileStore, step: int, coords: RankCoords, *, copy
         if any(not c.startswith("DP ") for c in changed):
             raise _refuse(store, changed, step, "only a DP change can be re-split")
         saved = {f.item for f in manifest.files}
+        if not saved:  # every rank saved {}: no Megatron files to re-split (not a damaged Megatron checkpoint)
+            raise _refuse(store, changed, step, "no rank saved any item, so there is nothing to re-split")
         if not saved <= {MODEL_ITEM, OPTIM_ITEM}:
             raise _refuse(store, changed, step, f"items {sorted(saved - {MODEL_ITEM, OPTIM_ITEM})} were saved "
                           "per rank and cannot be re-split (Megatron's items can)")
