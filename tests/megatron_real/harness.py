@@ -9,7 +9,7 @@ CUDA with NCCL (``launch(..., device="cuda")``, one rank per GPU).
 
 megatron-core is CUDA-only in places; :func:`patch_megatron_for_cpu` maps those calls to the CPU (each patch is
 documented where it is made). It is applied in CPU rank processes only, never in the process that runs pytest.
-:func:`patch_megatron_bugs` (four megatron-core bugs on the torch-optimizer path) is applied on both devices.
+:func:`patch_megatron_bugs` (five megatron-core bugs on the torch-optimizer path) is applied on both devices.
 """
 
 from __future__ import annotations
@@ -66,7 +66,7 @@ def _on_cpu(factory: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]
 
 
 def patch_megatron_for_cpu() -> None:
-    """Make megatron-core 0.16 run on CPU, and fix four of its bugs on the torch-optimizer path (no
+    """Make megatron-core 0.16 run on CPU, and fix five of its bugs on the torch-optimizer path and MoE router (no
     TransformerEngine/Apex). Everything goes through the patched functions alike: our adapter and Megatron's own
     checkpoint code call the same DistributedOptimizer methods."""
     global _PATCHED
@@ -106,7 +106,8 @@ def patch_megatron_for_cpu() -> None:
 
 
 def patch_megatron_bugs() -> None:
-    """Four megatron-core 0.16 bugs on the torch-optimizer path (no TransformerEngine/Apex), on any device."""
+    """Five megatron-core 0.16 bugs on the torch-optimizer path and the MoE router (no TransformerEngine/Apex), on
+    any device."""
     global _BUGS_PATCHED
     if _BUGS_PATCHED:
         return
@@ -159,6 +160,14 @@ def patch_megatron_bugs() -> None:
         return state_dict(self)
 
     DistributedOptimizer.state_dict = state_dict_before_first_step
+
+    # Megatron bug 5 (MoE without TransformerEngine): RouterGatingLinearFunction tests ``te_general_gemm is not
+    # None``, a name moe_utils imports only from TransformerEngine (NameError in every MoE router's forward).
+    # Fixed: the name exists and is None, so the router takes its torch.mm/addmm path, as written for that case.
+    from megatron.core.transformer.moe import moe_utils
+
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -323,12 +332,13 @@ class Job:
     num_microbatches: int
     iteration: int = 0
     losses: list[float] = field(default_factory=list)
+    ep: int = 1  # expert_model_parallel_size; ``dp`` is Megatron's (dense) data_parallel_size, expert ranks included
 
     @property
     def layout(self) -> Any:
         from tiered_ckpt.parallel import ParallelLayout
 
-        return ParallelLayout(tp=self.tp, pp=self.pp, dp=self.dp)
+        return ParallelLayout(tp=self.tp, pp=self.pp, dp=self.dp // self.ep, ep=self.ep)
 
 
 def megatron_args(**overrides: Any) -> argparse.Namespace:
@@ -384,9 +394,16 @@ def megatron_args(**overrides: Any) -> argparse.Namespace:
 def build_job(tp: int, pp: int, precision: str = "fp32", seed: int = 1234, *, num_layers: int = 4,
               hidden: int = 64, ffn_hidden: int = 256, heads: int = 4, vocab: int = 128, seq: int = 16,
               micro_batch: int = 2, global_batch: int = 8, bucket_size: int | None = None,
-              overlap_grad_reduce: bool = False, dropout: float = 0.0, distributed_optimizer: bool = True) -> Job:
+              overlap_grad_reduce: bool = False, dropout: float = 0.0, distributed_optimizer: bool = True,
+              virtual_pipeline: int | None = None, num_experts: int | None = None, expert_parallel: int = 1) -> Job:
     """Inside a rank: Megatron's initialisation (model parallel groups, seeds), model, optimizer, scheduler and
-    args for a GPT with the local layer spec, as ``megatron.training`` builds them."""
+    args for a GPT with the local layer spec, as ``megatron.training`` builds them.
+
+    ``virtual_pipeline``: Megatron's ``--virtual-pipeline-model-parallel-size`` (PP > 1): each rank holds that many
+    model chunks, built with ``vp_stage`` and wrapped one DDP each as Megatron-LM's ``get_model`` does (bucketing
+    off from the second chunk on), and :func:`train` runs the interleaved schedule. ``num_experts`` /
+    ``expert_parallel``: MoE layers (the local spec's SequentialMLP experts, allgather dispatcher) over
+    ``expert_parallel`` expert-parallel ranks; the optimizer is then Megatron's ChainedOptimizer [dense, expert]."""
     from megatron.core import parallel_state, tensor_parallel
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.models.gpt import GPTModel
@@ -399,11 +416,14 @@ def build_job(tp: int, pp: int, precision: str = "fp32", seed: int = 1234, *, nu
     assert precision in ("fp32", "bf16"), precision
     world = dist.get_world_size()
     dp = world // (tp * pp)
+    assert virtual_pipeline is None or pp > 1, "virtual pipeline stages need PP > 1"
+    assert dp % expert_parallel == 0 and (num_experts or 0) % expert_parallel == 0, (dp, expert_parallel, num_experts)
     num_microbatches, rest = divmod(global_batch, micro_batch * dp)  # Megatron keeps the global batch at any DP
     assert num_microbatches and not rest, f"global batch {global_batch} for micro batch {micro_batch} x DP {dp}"
     if parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()
-    parallel_state.initialize_model_parallel(tp, pp)
+    parallel_state.initialize_model_parallel(tp, pp, virtual_pipeline_model_parallel_size=virtual_pipeline,
+                                             expert_model_parallel_size=expert_parallel)
     bf16 = precision == "bf16"
     params_dtype = torch.bfloat16 if bf16 else torch.float32
     args = megatron_args(
@@ -415,7 +435,8 @@ def build_job(tp: int, pp: int, precision: str = "fp32", seed: int = 1234, *, nu
         distributed_backend=dist.get_backend(),
         bf16=bf16, params_dtype=params_dtype, accumulate_allreduce_grads_in_fp32=bf16, seed=seed,
         overlap_grad_reduce=overlap_grad_reduce, ddp_bucket_size=bucket_size,
-        use_distributed_optimizer=distributed_optimizer)
+        use_distributed_optimizer=distributed_optimizer, virtual_pipeline_model_parallel_size=virtual_pipeline,
+        num_experts=num_experts, expert_model_parallel_size=expert_parallel)
 
     # Megatron's _set_random_seed: one seed per pipeline stage, the tracker's per TP rank.
     stage_seed = seed + 100 * parallel_state.get_pipeline_model_parallel_rank()
@@ -432,19 +453,30 @@ def build_job(tp: int, pp: int, precision: str = "fp32", seed: int = 1234, *, nu
         add_bias_linear=True, normalization="LayerNorm", layernorm_epsilon=1e-5, gradient_accumulation_fusion=False,
         bias_activation_fusion=False, bias_dropout_fusion=False, masked_softmax_fusion=False,
         persist_layer_norm=False, apply_rope_fusion=False, deallocate_pipeline_outputs=True,
-        sequence_parallel=False)
-    model = GPTModel(config, get_gpt_layer_local_spec(normalization="LayerNorm"), vocab_size=vocab,
-                     max_sequence_length=seq, pre_process=parallel_state.is_pipeline_first_stage(),
-                     post_process=parallel_state.is_pipeline_last_stage(), parallel_output=True,
-                     share_embeddings_and_output_weights=True, position_embedding_type="learned_absolute")
-    if DEVICE == "cuda":
-        model.cuda(torch.cuda.current_device())  # as Megatron-LM's get_model() does after a CPU initialisation
-    if bf16:
-        model = Float16Module(config, model)
+        sequence_parallel=False, virtual_pipeline_model_parallel_size=virtual_pipeline,
+        **(dict(num_moe_experts=num_experts, expert_model_parallel_size=expert_parallel, moe_grouped_gemm=False,
+                moe_router_topk=2, moe_token_dispatcher_type="allgather", moe_aux_loss_coeff=0.0)
+           if num_experts else {}))
+    layer_spec = get_gpt_layer_local_spec(num_experts=num_experts, moe_grouped_gemm=False, normalization="LayerNorm")
+    models = []
+    for vp_stage in range(virtual_pipeline or 1):  # Megatron-LM's get_model: one chunk per virtual stage
+        stage = vp_stage if virtual_pipeline else None
+        model = GPTModel(config, layer_spec, vocab_size=vocab, max_sequence_length=seq,
+                         pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=stage),
+                         post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=stage),
+                         parallel_output=True, share_embeddings_and_output_weights=True,
+                         position_embedding_type="learned_absolute", vp_stage=stage)
+        if DEVICE == "cuda":
+            model.cuda(torch.cuda.current_device())  # as Megatron-LM's get_model() does after a CPU initialisation
+        if bf16:
+            model = Float16Module(config, model)
+        models.append(model)
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=bf16, overlap_grad_reduce=overlap_grad_reduce, overlap_param_gather=False,
         use_distributed_optimizer=distributed_optimizer, check_for_nan_in_grad=True, bucket_size=bucket_size)
-    chunks = [DistributedDataParallel(config, ddp_config, model)]
+    # (Megatron-LM turns bucketing off for model chunks 2 onwards: their communication overlaps compute anyway)
+    chunks = [DistributedDataParallel(config, ddp_config, model, disable_bucketing=i > 0)
+              for i, model in enumerate(models)]
     optimizer = get_megatron_optimizer(
         OptimizerConfig(optimizer="adam", lr=args.lr, min_lr=args.min_lr, weight_decay=args.weight_decay,
                         adam_beta1=args.adam_beta1, adam_beta2=args.adam_beta2, adam_eps=args.adam_eps,
@@ -464,10 +496,10 @@ def build_job(tp: int, pp: int, precision: str = "fp32", seed: int = 1234, *, nu
     config.grad_scale_func = optimizer.scale_loss
     config.finalize_model_grads_func = finalize_model_grads
     if overlap_grad_reduce:
-        config.no_sync_func = chunks[0].no_sync
-        config.grad_sync_func = chunks[0].start_grad_sync
+        config.no_sync_func = [c.no_sync for c in chunks] if len(chunks) > 1 else chunks[0].no_sync
+        config.grad_sync_func = [c.start_grad_sync for c in chunks] if len(chunks) > 1 else chunks[0].start_grad_sync
     return Job(tp, pp, dp, precision, seed, chunks, optimizer, scheduler, tensor_parallel.get_cuda_rng_tracker(),
-               args, config, num_microbatches)
+               args, config, num_microbatches, ep=expert_parallel)
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -512,7 +544,9 @@ def train(job: Job, iterations: int) -> None:
         for chunk in job.model:
             chunk.zero_grad_buffer()
         job.optimizer.zero_grad()
-        data = iter([batch(job, job.iteration, m) for m in range(n_micro)])
+        batches = [batch(job, job.iteration, m) for m in range(n_micro)]
+        # the interleaved schedule takes one data iterator per model chunk (as Megatron-LM's train_step gets them)
+        data = iter(batches) if len(job.model) == 1 else [iter(batches) for _ in job.model]
         losses = forward_backward(forward_step_func=_forward_step, data_iterator=data, model=job.model,
                                   num_microbatches=n_micro, seq_length=job.args.seq_length,
                                   micro_batch_size=job.args.micro_batch_size, forward_only=False)
@@ -596,12 +630,14 @@ def fingerprint(job: Job) -> dict[str, torch.Tensor]:
 
 def full_state(job: Job) -> dict[str, torch.Tensor]:
     """Model params and, per param, the full (DP-gathered, unpadded) fp32 main param, Adam moments and step of
-    this rank's model-parallel shard: the same at any DP size."""
-    from megatron.core import parallel_state
-
+    this rank's model-parallel shard: the same at any DP size. Each DistributedOptimizer's shards are gathered
+    over its own DP group (with EP, the expert optimizer's is the expert-data-parallel group: the same expert
+    names on other EP ranks are other experts)."""
     names = {p: n for n, p in _named_params(job)}
-    mine: dict[str, tuple[int, int, dict[str, torch.Tensor]]] = {}  # name -> (start, end, this rank's slices)
+    out = {f"param/{n}": p.detach().clone() for n, p in _named_params(job)}
+    numel = {n: p.numel() for n, p in _named_params(job)}
     for i, opt in enumerate(distributed_optimizers(job)):
+        mine: dict[str, tuple[int, int, dict[str, torch.Tensor]]] = {}  # name -> (start, end, this rank's slices)
         for ranges in opt.gbuf_ranges:
             for buckets in ranges.values():
                 for bucket in buckets:
@@ -610,19 +646,17 @@ def full_state(job: Job) -> dict[str, torch.Tensor]:
                         mine[f"optim{i}/{names[model_param]}"] = (
                             r["param"].start, r["param"].end,
                             {k: torch.as_tensor(v).detach().clone() for k, v in tensors.items()})
-    group = parallel_state.get_data_parallel_group()
-    everyone: list[Any] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(everyone, mine, group=group)
-    out = {f"param/{n}": p.detach().clone() for n, p in _named_params(job)}
-    numel = {n: p.numel() for n, p in _named_params(job)}
-    for shards in everyone:
-        for key, (start, end, tensors) in shards.items():
-            for k, v in tensors.items():
-                if k == "step":
-                    out.setdefault(f"{key}/step", v)
-                    continue
-                full = out.setdefault(f"{key}/{k}", torch.full((numel[key.split("/", 1)[1]],), float("nan")))
-                full[start:end] = v.reshape(-1)
+        group = opt.data_parallel_group
+        everyone: list[Any] = [None] * dist.get_world_size(group)
+        dist.all_gather_object(everyone, mine, group=group)
+        for shards in everyone:
+            for key, (start, end, tensors) in shards.items():
+                for k, v in tensors.items():
+                    if k == "step":
+                        out.setdefault(f"{key}/step", v)
+                        continue
+                    full = out.setdefault(f"{key}/{k}", torch.full((numel[key.split("/", 1)[1]],), float("nan")))
+                    full[start:end] = v.reshape(-1)
     out.update(_replicated_optimizer_state(job))
     holes = [k for k, v in out.items() if v.is_floating_point() and bool(v.isnan().any())]
     assert not holes, f"not covered by any DP rank (or NaN): {holes}"
