@@ -456,3 +456,34 @@ def test_plain_ddp_at_dp_2_resumes_bit_exact_from_every_tier(tmp_path: Path, shm
     for rank, [(loaded, got)] in enumerate(launch(rank_resume, 4, spec, [memory])):
         assert loaded == (SAVED_AT, FLOPS)
         assert differences(ranks[rank]["fingerprint"], got) == [], f"rank {rank} from memory"
+
+
+def rank_save_model_only(rank: int, world: int, spec: Spec, cfg: dict) -> dict[str, Any]:
+    """Megatron's upcycling save: ``save_checkpoint(..., optimizer=None, opt_param_scheduler=None)`` on every rank."""
+    job = spec.job()
+    train(job, SAVED_AT)
+    with CheckpointEngine(cfg, job.layout, rank=rank) as engine:
+        adapter.save_checkpoint(job.iteration, job.model, None, None, FLOPS, engine=engine, args=job.args,
+                                rng_tracker=job.tracker).wait(timeout=120)
+    return {k: v for k, v in fingerprint(job).items() if k.startswith("param/")}
+
+
+def rank_load_model_only(rank: int, world: int, spec: Spec, cfg: dict) -> dict[str, Any]:
+    job = build_job(spec.tp, spec.pp, spec.precision, seed=99, distributed_optimizer=spec.distributed_optimizer)
+    job.args.no_load_optim = True
+    with CheckpointEngine(cfg, job.layout, rank=rank) as engine:
+        loaded = load(job, engine)
+    return {"loaded": loaded, "params": {k: v for k, v in fingerprint(job).items() if k.startswith("param/")}}
+
+
+@pytest.mark.parametrize("distributed_optimizer", [True, False], ids=["distopt", "ddp"])
+def test_a_model_only_save_at_dp_2_loads_the_weights(tmp_path: Path, distributed_optimizer: bool) -> None:
+    """Megatron's upcycling path saves without an optimizer (optimizer=None) on every rank: DP rank 1 has nothing
+    of its own and takes part in the commit; a job loading with --no-load-optim gets the weights bit-exact."""
+    spec = Spec(1, 2, "fp32", distributed_optimizer=distributed_optimizer)
+    cfg = config(f"real-model-only-{uuid.uuid4().hex[:8]}", local=tmp_path / "megatron", layout="megatron")
+    saved = launch(rank_save_model_only, 4, spec, cfg)
+    assert not list((tmp_path / "megatron").rglob("distrib_optim.pt"))
+    for rank, res in enumerate(launch(rank_load_model_only, 4, spec, cfg)):
+        assert res["loaded"] == (SAVED_AT, FLOPS)
+        assert differences(saved[rank], res["params"]) == [], f"rank {rank}"
