@@ -252,89 +252,31 @@ class FileStore(CommittedFiles):
 
     def commit(self, written: Written, coords: RankCoords, *, node_ranks: list[int], wait_s: float,
                pinned: Callable[[], set[int]], on_committed: Callable[[int], None]) -> None:
-        save_id = written.manifest.extra.get(SAVE_KEY, "") if written.manifest is not None else ""
         if not self._commits_here(coords, node_ranks):
-            self._await_commit(written.step, save_id, self._voters(coords, node_ranks)[0], wait_s)
             return
         crash_point("drain.before_commit")
+        save_id = written.manifest.extra.get(SAVE_KEY, "") if written.manifest is not None else ""
         with self._retention:
             # The step this run commits now: a job that went back counts from there. Set before the manifest
             # appears, so that retention running meanwhile (another tier's thread) never takes it for a newer
             # step of another run; put back if the commit fails (keep would count up to a step not committed).
             before, self._newest_own = self._newest_own, written.step
         committed = None
-        why = f"not every rank's files arrived within {wait_s:.0f} s"
         try:
             committed = self.try_commit(written.step, coords, self._voters(coords, node_ranks), wait_s=wait_s,
                                         save_id=save_id)
-        except Exception as exc:
-            why = f"{type(exc).__name__}: {exc}"
-            raise
         finally:
             if committed is None:
                 with self._retention:
                     if self._newest_own == written.step:
                         self._newest_own = before
-                self._mark_not_committed(written.step, save_id, coords.rank, why)
         if committed is None:
-            raise TierError(f"step {written.step} not committed: {why}", tier=self.name)
+            raise TierError(f"step {written.step} not committed: not every rank's files arrived within "
+                            f"{wait_s:.0f} s", tier=self.name)
         on_committed(committed.total_bytes)
         # The steps retention drops are un-committed now; deleting their files (slow for big files: an unlink of
         # 1 GiB took 0.3 s on the development VM's ext4) waits until this step's save is reported durable.
         written.housekeeping += self._apply_retention(coords, pinned, always=True)
-
-    def _mark_not_committed(self, step: int, save_id: str, rank: int, why: str) -> None:
-        """The committing rank gave up on this save of ``step``: say so where the other ranks wait for its
-        decision (:meth:`_await_commit`), so they report the failure now rather than at their deadline."""
-        if not save_id:
-            return
-        key = self.layout.not_committed_key(step)
-        record = json.dumps({"run_id": self.run_id, SAVE_KEY: save_id, "rank": rank, "why": why[:2000]})
-        try:
-            self.tier.publish(key, record.encode() + b"\n")
-        except Exception as exc:  # noqa: BLE001 - the other ranks then give up at their own deadline
-            log.warning("tier %r: could not record that step %d was not committed (%s): the other ranks will "
-                        "report it once they stop waiting for its commit", self.name, step, exc)
-
-    def _await_commit(self, step: int, save_id: str, committer: int, wait_s: float) -> None:
-        """A rank that does not commit: once its part is here, wait for the committing rank's decision on this
-        save (its checkpoint manifest, or its record of giving up), so that this rank's handle reports what
-        happened to the step, as the committing rank's does. The tier's next step waits meanwhile: retention
-        never removes this step before it is seen committed (that takes a later commit, which needs this rank's
-        part of it). Without a save id (no torch.distributed) nothing tells this save's commit from another's:
-        the part written is the outcome, as before."""
-        if not save_id:
-            return
-        manifest_key, given_up_key = self.layout.manifest_key(step), self.layout.not_committed_key(step)
-        # The committing rank waits up to wait_s for every part, then writes what the layout derives (a merge
-        # may take a while): past that much again, it is taken to be gone.
-        limit = 2 * wait_s
-        deadline = time.monotonic() + limit
-        pause = 0.01
-        while True:
-            manifest = self._read_small(manifest_key)
-            if manifest is not None and _save_of(manifest) == save_id:
-                return
-            given_up = self._read_small(given_up_key)
-            if given_up is not None and _save_of(given_up) == save_id:
-                why = given_up.get("why", "") if isinstance(given_up, dict) else ""
-                raise TierError(f"step {step} not committed: the committing rank {committer} gave it up ({why})",
-                                tier=self.name)
-            if time.monotonic() >= deadline:
-                raise TierError(f"step {step} not committed: this rank's files are here, but the committing rank "
-                                f"{committer} neither committed the step nor gave it up within {limit:.0f} s "
-                                "(did it stop?)", tier=self.name)
-            time.sleep(pause)
-            pause = min(pause * 1.5, 0.5)
-
-    def _read_small(self, key: str) -> Any:
-        """The JSON object at ``key`` (a manifest or a record of a few hundred bytes), or None while it is not
-        there or cannot be read (the caller polls on)."""
-        try:
-            data = as_memoryview(self.tier.read_blob_hashed(key, None, max_size=1 << 24)).tobytes()
-            return json.loads(data)
-        except (TierError, OSError, ValueError):
-            return None
 
     def retain(self, coords: RankCoords, *, node_ranks: list[int], pinned: Callable[[], set[int]]
                ) -> list[Callable[[], None]]:
@@ -830,11 +772,3 @@ class FileStore(CommittedFiles):
             except (TierError, OSError) as exc:
                 log.warning("retention on tier %r could not abort the upload of %s left open: %s", self.name,
                             upload.key, exc)
-
-
-def _save_of(record: Any) -> str | None:
-    """The save id a checkpoint manifest (``extra.save``) or a not-committed record names."""
-    if not isinstance(record, dict):
-        return None
-    extra = record.get("extra")
-    return extra.get(SAVE_KEY) if isinstance(extra, dict) else record.get(SAVE_KEY)

@@ -123,8 +123,6 @@ def test_a_failed_resave_of_a_step_never_mixes_two_saves_on_load(tmp_path, shm_r
         assert "error" not in res, res["error"]
         assert res["save_failed"] and res["second"] != res["saved_10"]
         assert res["loaded"]["step"] == 10 and res["loaded"]["fingerprint"] == res["saved_10"], (rank, res)
-    # rank 1 wrote its part of the failed save: its engine.wait() says the step was not committed
-    assert "not committed" in out[1]["wait_error"], out[1]
 
 
 def test_a_save_without_collectives_writes_dcp_per_rank_metadata_and_loads_back(tmp_path, shm_root):

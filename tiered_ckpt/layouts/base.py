@@ -57,10 +57,6 @@ class Layout:
         even if the save fails before any manifest (layouts/foreign.py tells Megatron-LM's directories by it)."""
         return f"{self.step_dir(step)}/{META_DIR}/rank_{rank:05d}.started"
 
-    def not_committed_key(self, step: int) -> str:
-        """The committing rank's record that it gave up on a save of ``step`` (read by the other ranks)."""
-        return f"{self.step_dir(step)}/{META_DIR}/not_committed.json"
-
     def rank_manifest_prefix(self, step: int) -> str:
         return f"{self.step_dir(step)}/{META_DIR}/"
 
