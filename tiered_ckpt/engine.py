@@ -569,8 +569,9 @@ class CheckpointEngine:
     def wait(self, timeout: float | None = None, *, progress: bool = False) -> None:
         """Wait until every save so far has drained (committed or failed) on every due tier; then raise
         :class:`~tiered_ckpt.handles.SavesFailedError` (a SaveError) naming every step and tier that failed since
-        the previous ``wait()``, as ``handle.wait()`` does for its own step. ``progress``: a bar on stderr
-        counting the (step, tier) deliveries still due."""
+        the previous ``wait()``, as ``handle.wait()`` does for its own step (on ranks that do not commit a tier:
+        their part written and voted, see :meth:`SaveHandle.wait`). ``progress``: a bar on stderr counting the
+        (step, tier) deliveries still due."""
         if progress:
             self._wait_with_bar(timeout)
         elif not self._drain.wait_idle(timeout):

@@ -59,7 +59,14 @@ class SaveHandle:
         return all(f.done() for f in futs)
 
     def wait(self, tier: str | None = None, timeout: float | None = None) -> None:
-        """Wait until every due tier (or ``tier``) has committed the step; raise :class:`SaveError` on failure."""
+        """Wait until every due tier (or ``tier``) has taken the step; raise :class:`SaveError` on failure.
+
+        On the rank that commits a file tier's steps (global rank 0; a node-local tier: the node's first rank),
+        "taken" means committed. On the other ranks of a multi-rank job it means this rank's part is on the tier
+        and voted: whether the step then commits is the committing rank's to tell (its handle, the ``commit`` /
+        ``commit_failed`` events). A step that does not commit is never loaded (``load()`` takes the newest
+        committed one), so nothing is lost; but a script that acts on a commit should do so on the committing
+        rank."""
         if isinstance(tier, int | float) and not isinstance(tier, bool):  # engine.wait(60) takes a timeout there
             raise TypeError(f"SaveHandle.wait's first argument is a tier name, got {tier!r}: pass a timeout as "
                             f"wait(timeout={tier!r})")
