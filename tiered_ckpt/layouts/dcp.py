@@ -25,7 +25,7 @@ from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 from ..parallel import ParallelLayout, RankCoords
-from .base import META_DIR, OPTIM_ITEM, Layout
+from .base import META_DIR, MODEL_ITEM, OPTIM_ITEM, Layout
 
 if TYPE_CHECKING:
     from ..manifest import FileEntry
@@ -63,10 +63,12 @@ class DcpLayout(Layout):
         foreign = sorted(set(names) - DCP_ITEMS)
         if not foreign:
             return None
+        megatron = " (Megatron's torch format: layout: megatron; its torch_dist format is what writes DCP's files)" \
+            if {MODEL_ITEM, OPTIM_ITEM} & set(foreign) else ""
         return (f"layout: dcp holds what dcp.save writes through tiered_ckpt.dcp.TieredStorageWriter; engine.save "
                 f"was given items {foreign}, which DCP could not load from it. Save them with dcp.save("
                 "state_dict, storage_writer=TieredStorageWriter(engine)), or use layout: rank_sharded for "
-                "engine.save (docs/dcp.md)")
+                f"engine.save{megatron} (docs/dcp.md)")
 
     def item_key(self, step: int, item: str, coords: RankCoords, extension: str) -> str | None:
         if item == DATA_ITEM:
