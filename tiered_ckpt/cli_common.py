@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 import sys
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -230,9 +229,7 @@ class Opened:
             return CommandError(f"{self.target}: {next(iter(self.absent.values()))}", EXIT_NOT_FOUND)
         if not found:
             why = "; ".join(f"{self.label(n)}: {w}" for n, w in self.absent.items())
-            hint = step_directory_hint(self.target) if self.target is not None else ""
-            return CommandError(nothing + (f" ({why})" if why else "") + ("" if hint in nothing else hint),
-                                EXIT_NOT_FOUND)
+            return CommandError(nothing + (f" ({why})" if why else ""), EXIT_NOT_FOUND)
         return None
 
     def notes(self, args: argparse.Namespace) -> None:
@@ -242,15 +239,13 @@ class Opened:
                 _note(args, f"{self.label(n)}: {why}")
 
 
-_STEP_DIR_NAME = re.compile(r"^iter_\d{7}$")
-
-
 def step_directory_hint(target: str) -> str:
     """When ``target`` names one step's directory (``iter_0000010``) rather than the checkpoint directory above
     it, the advice to give its parent (commands look for ``iter_*`` directories in the directory given)."""
-    stripped = target.rstrip("/")
-    parent, _, name = stripped.rpartition("/")
-    if not _STEP_DIR_NAME.match(name):
+    from .layouts.base import Layout
+
+    parent, _, name = target.rstrip("/").rpartition("/")
+    if Layout().parse_step_dir(name) is None:
         return ""
     return (f": {target} is one step's directory; give its parent, {parent or '.'}, the directory that holds the "
             "iter_* directories")

@@ -26,6 +26,7 @@ from .cli_common import (
     human_bytes,
     human_duration,
     no_commit_message,
+    step_directory_hint,
 )
 from .errors import NoCheckpointError, TierError
 
@@ -73,8 +74,8 @@ def cmd_ls(args: argparse.Namespace) -> int:
             infos.extend(_snapshot_rows(memory_steps(slots), run_id, committed, opened))
     for name, base in shm_bases:
         infos.extend(_other_runs(name, base, run_id))
-    problem = opened.problem(bool(infos), f"no checkpoints in {opened.target}" if opened.target else
-                             "no checkpoints on any tier")
+    problem = opened.problem(bool(infos), f"no checkpoints in {opened.target}{step_directory_hint(opened.target)}"
+                             if opened.target else "no checkpoints on any tier")
     opened.notes(args)
 
     def text() -> None:
