@@ -204,8 +204,7 @@ class FileStore(CommittedFiles):
         mem.check_layout(meta, coords)  # never another layout's snapshot under this layout's name
         crash_point("drain.before_write")
         sources = mem.item_sources(meta)
-        if sole or meta.save_id:
-            self._uncommit_for_rewrite(step, coords.rank, meta.save_id)
+        replaced = self._uncommit_for_rewrite(step, coords, meta.save_id) if sole or meta.save_id else []
 
         def checked() -> SlotMeta:
             # On another core while this tier is written: the checksums the saving process takes right after
@@ -246,6 +245,7 @@ class FileStore(CommittedFiles):
                 log.warning("tier %r: the files step %d wrote before failing stay (retention or gc removes them): "
                             "%s", self.name, step, cleanup)
             raise failure
+        self._remove_replaced(step, coords.rank, replaced, entries)
         manifest = self._publish_rank(step, coords, entries, meta.save_id)
         crash_point("drain.after_write")
         return Written(step, sum(f.size for f in manifest.files), manifest=manifest)
@@ -344,7 +344,7 @@ class FileStore(CommittedFiles):
         return coords.world_size == 1 or (node_ranks is not None and self.tier.capabilities.node_local
                                           and len(set(node_ranks)) == 1)
 
-    def _uncommit_for_rewrite(self, step: int, rank: int, save_id: str = "") -> None:
+    def _uncommit_for_rewrite(self, step: int, coords: RankCoords, save_id: str = "") -> list[str]:
         """Before a rank writes a step the tier holds committed by another save (a job saving again the step it
         resumed at, a script re-run with the same directory): un-commit it first, so that no manifest vouches
         for files being replaced. The manifest goes first, then the files the commit derived from the ranks'
@@ -356,11 +356,16 @@ class FileStore(CommittedFiles):
         With several writers it is done only when the save has an identity (``save_id``): a commit of this save
         needs this rank's vote, which comes after this, so a manifest found here is another save's; one of this
         very save (a recovery drain of a step committed meanwhile) is kept. Without an identity only the sole
-        writer does it (docs/architecture.md, "Save identity")."""
+        writer does it (docs/architecture.md, "Save identity").
+
+        Returns the keys of this rank's files of the earlier save, for :meth:`_remove_replaced`."""
+        rank = coords.rank
         # This rank's vote goes first: a commit of an earlier save still under way re-reads its votes after
         # publishing (try_commit) and withdraws itself if one is gone, so no manifest vouches for these files.
         mine = self.layout.rank_manifest_key(step, rank)
+        earlier: list[str] = []
         if self._retry(lambda: self.tier.exists(mine), step, rank, f"look for {mine}"):
+            earlier = self._own_files_of_another_save(step, coords, save_id)
             self._retry(lambda: self.tier.delete(mine), step, rank, f"delete {mine}")
         key = self.layout.manifest_key(step)
         if self._retry(lambda: self.tier.exists(key), step, rank, f"look for {key}"):
@@ -369,7 +374,7 @@ class FileStore(CommittedFiles):
             except (CorruptionError, BlobNotFoundError):
                 old = None  # unreadable (or un-committed meanwhile by another rank): it vouches for nothing
             if old is not None and save_id and old.extra.get(SAVE_KEY) == save_id:
-                return
+                return earlier
             log.warning("tier %r: step %d is committed here and is being saved again: it is un-committed until "
                         "the new save commits (a crash before then leaves the previous step the newest)",
                         self.name, step)
@@ -382,6 +387,33 @@ class FileStore(CommittedFiles):
                 else:
                     self._retry(lambda: self.tier.delete(self.layout.tracker), step, rank,
                                 f"delete {self.layout.tracker}")
+
+        return earlier
+
+    def _own_files_of_another_save(self, step: int, coords: RankCoords, save_id: str) -> list[str]:
+        """The keys this rank's manifest of ``step`` lists, when it is another save's of this very layout: with
+        the same parallel layout a key names the same rank's file in every save, so none of them is another
+        rank's now. Derived files and ranges of Megatron's merged file (every rank's) are never among them."""
+        try:
+            old = self.read_rank_manifest(step, coords.rank)
+        except (CorruptionError, BlobNotFoundError):
+            return []
+        if (save_id and old.extra.get(SAVE_KEY) == save_id) or old.layout != self.layout.name \
+                or ParallelLayout.from_dict(old.parallel) != coords.layout:
+            return []
+        return [e.key for e in old.files
+                if e.rank == coords.rank and "in_place" not in e.meta and not self.layout.is_derived(e)]
+
+    def _remove_replaced(self, step: int, rank: int, earlier: list[str], entries: list[FileEntry]) -> None:
+        """Delete this rank's files of an earlier save of ``step`` that this save did not write again (an item
+        renamed or gone): no manifest lists them, so nothing else ever would. Before this rank votes, so a
+        commit never sees them; a failure only leaves them behind."""
+        for key in sorted(set(earlier) - {e.key for e in entries}):
+            try:
+                self._retry(lambda k=key: self.tier.delete(k), step, rank, f"delete {key}")
+            except Exception as failure:  # noqa: BLE001 - the save itself is sound
+                log.warning("tier %r: %s, a file of an earlier save of step %d that this one does not use, stays: "
+                            "%s", self.name, key, step, failure)
 
     def _drop_commit(self, step: int, rank: int, files: Iterable[FileEntry]) -> None:
         """Un-commit ``step``: its checkpoint manifest first, then the files that commit derived from the ranks'
@@ -505,8 +537,7 @@ class FileStore(CommittedFiles):
         save_id = rank_manifest.extra.get(SAVE_KEY, "")  # the save the files come from, on every rank alike
         if any("in_place" in e.meta for e in rank_manifest.files):
             source.wait_committed(step, coords.rank, wait_s)
-        if sole_writer or save_id:
-            self._uncommit_for_rewrite(step, coords.rank, save_id)
+        replaced = self._uncommit_for_rewrite(step, coords, save_id) if sole_writer or save_id else []
         entries = []
         for entry in rank_manifest.files:
             if "in_place" in entry.meta:  # this rank's ranges of Megatron's merged file: its own file here
@@ -541,6 +572,7 @@ class FileStore(CommittedFiles):
             entries.append(FileEntry(key=entry.key, item=entry.item, rank=entry.rank, codec=entry.codec,
                                      size=size, checksum=checksum, compression=self.compression_name,
                                      raw_size=raw, meta=meta))
+        self._remove_replaced(step, coords.rank, replaced, entries)
         return self._publish_rank(step, coords, entries, save_id)
 
     # ----- committing --------------------------------------------------------------------------------------

@@ -96,6 +96,36 @@ def test_saving_a_committed_step_again_replaces_it_and_says_so(tmp_path, caplog)
     assert code == EXIT_OK, out
 
 
+def files_of_step(root: Path, step: int) -> set[str]:
+    return {str(p.relative_to(root)) for p in (root / f"iter_{step:07d}").rglob("*") if p.is_file()}
+
+
+@pytest.mark.parametrize("tiers", [("local",), ("shm", "local")], ids=["from-memory", "copied-from-a-tier-above"])
+def test_a_step_saved_again_without_an_item_keeps_no_file_of_it(tmp_path, shm_root, tiers):
+    """The earlier save's file of an item the new save no longer has (renamed, dropped) would stay in the committed
+    step with no manifest listing it: nothing would ever remove it (found as a leftover in a review). The second
+    local tier is written by copying from the first, the other way a rank writes its files."""
+    cfg = config(tmp_path, tiers=tiers, shm_root=shm_root)
+    if len(tiers) == 2:
+        cfg["tiers"].insert(1, {"name": "near", "kind": "local", "path": str(tmp_path / "near"), "fsync": False})
+    with CheckpointEngine(cfg) as engine:
+        engine.save(7, state(7.0)).wait()
+    first = files_of_step(tmp_path / "ckpt", 7)
+    assert any("extra" in f for f in first), first
+    renamed = {"model": state(8.0)["model"], "more": {"v": torch.full((1000,), 8.0)}}
+    with CheckpointEngine(cfg) as engine:
+        engine.save(7, renamed).wait()
+    again = files_of_step(tmp_path / "ckpt", 7)
+    assert not any("extra" in f for f in again), again  # the dropped item's file went with its manifest entry
+    assert any("more" in f for f in again), again
+    code, out = cli("verify", str(tmp_path / "ckpt"), "--all")
+    assert code == EXIT_OK, out
+    with CheckpointEngine(config(tmp_path)) as engine:
+        got = engine.load()
+        assert got.step == 7 and set(got.items) == {"model", "more"}
+        assert torch.equal(got.items["more"]["v"], renamed["more"]["v"])
+
+
 def test_a_crashed_save_again_of_the_only_step_is_recovered_from_shared_memory(tmp_path, shm_root):
     """keep: 1 and the step saved again: the disk holds nothing committed after the crash, but never mixed files
     as committed; the new snapshot in shared memory is what the restart loads and drains."""
@@ -159,7 +189,7 @@ def test_an_earlier_save_s_commit_withdraws_when_a_rank_moves_on_to_a_later_save
     r0, r1 = open_store(str(tmp_path), "rank_sharded", "shared"), open_store(str(tmp_path), "rank_sharded", "shared")
 
     def write(store, rank: int, save: str, payload: bytes) -> None:
-        store._uncommit_for_rewrite(step, rank, save)
+        store._uncommit_for_rewrite(step, layout.coords(rank), save)
         entry = store.write_file(f"iter_{step:07d}/rank_{rank:05d}/state.flat", lambda: [payload], item="state",
                                  rank=rank, step=step, codec="flat")
         store._publish_rank(step, layout.coords(rank), [entry], save)
