@@ -11,6 +11,7 @@ from __future__ import annotations
 import atexit
 import functools
 import logging
+import os
 import threading
 import time
 import weakref
@@ -95,6 +96,7 @@ class CheckpointEngine:
     def __init__(self, config: Any, parallel: ParallelLayout | RankCoords | None = None, *,
                  rank: int | None = None, plugin_manager: PluginManager | None = None,
                  observers: Any = ()):
+        self._pid = os.getpid()  # close() in a forked child leaves the parent's engine alone
         self.pm = plugin_manager or get_plugin_manager()
         self.config: Config = load_config(config, registries=self.pm.registries)
         # plugins.py: this engine's own observers and run_id on its events; a plugin the drain worker could not
@@ -603,6 +605,10 @@ class CheckpointEngine:
         if self._closed:
             return
         self._closed = True
+        if os.getpid() != self._pid:
+            # A forked child (a DataLoader worker) holds a copy of the parent's engine: closing it would delete
+            # the parent's slots, unlock its run lock (flock is shared with the child) and stop its drain.
+            return
         timeout = self.config.drain.close_timeout_s if timeout is None else timeout
         try:
             if not self._drain.close(timeout):
@@ -654,7 +660,7 @@ class CheckpointEngine:
 
 def _close_all() -> None:
     # Runs before multiprocessing joins its children, so the drain worker gets its stop message.
-    for engine in list(_live):
+    for engine in list(_live):  # none in a forked child (_forget_engines_in_child)
         try:
             engine.close()
         except Exception:
@@ -681,6 +687,15 @@ def _close_all_at_exit() -> None:
 
 
 _close_all_at_exit()
+
+
+def _forget_engines_in_child() -> None:
+    """A forked child (a DataLoader worker: fork is Linux's default) runs ``threading``'s exit hooks when it ends;
+    the parent's engines it inherited are not its own to close."""
+    _live.clear()
+
+
+os.register_at_fork(after_in_child=_forget_engines_in_child)
 
 
 def _steps_text(steps: list[int], most: int = 8) -> str:

@@ -46,6 +46,9 @@ STOP_GRACE_S = 10.0
 #: The request that asks the worker to map its source tier's slots ahead of the first drain from each.
 MAP_SLOTS = "map_slots"
 _drains: weakref.WeakSet[ProcessDrain] = weakref.WeakSet()
+# A forked child (a DataLoader worker) shares the parent's request queue: a stop message from its exit hook
+# would stop the parent's drain worker.
+os.register_at_fork(after_in_child=_drains.clear)
 
 
 def open_drain(pipeline: Pipeline, on_tier_done: OnTierDone, on_slot_released: OnSlotReleased) -> Drain:

@@ -214,3 +214,41 @@ def test_worker_killed_at_random_points(shm_root, tmp_path, seed):
             assert_same(make_items(step), engine._load_from("local", step, True, None)[0])
     finally:
         engine.close(timeout=HANG_GUARD_S)
+
+
+def test_forked_children_leave_the_parent_s_engine_alone(shm_root, tmp_path):
+    """A DataLoader's workers are forked (Linux's default) and run ``threading``'s exit hooks when they end: they
+    closed their copy of the parent's engine, deleting its slots (``on_close: release``), unlocking its run lock
+    and stopping its drain worker (found by a review). A child that calls ``close()`` itself does no harm either."""
+    import torch
+
+    cfg = _config(shm_root, tmp_path)
+    cfg["tiers"][0]["on_close"] = "release"
+    run_dir = Path(shm_root)
+
+    def slots() -> list[str]:
+        return sorted(str(p.relative_to(run_dir)) for p in run_dir.rglob("slot_*"))
+
+    with CheckpointEngine(cfg) as engine:
+        assert engine._drain._ready.wait(HANG_GUARD_S)
+        engine.save(1, make_items(1)).wait(timeout=HANG_GUARD_S)
+        before = slots()
+        assert before
+        loader = torch.utils.data.DataLoader(list(range(8)), num_workers=2,
+                                             multiprocessing_context="fork")
+        assert [int(b) for b in loader] == list(range(8))
+        child = os.fork()
+        if child == 0:  # pragma: no cover - the child's exit code says how it went
+            try:
+                engine.close()
+            finally:
+                os._exit(0)
+        assert os.waitpid(child, 0)[1] == 0
+        assert slots() == before, "a forked child deleted the parent's slots"
+        with pytest.raises(Exception, match="already in use"):
+            CheckpointEngine(cfg)  # the run lock is still the parent's
+        engine.save(2, make_items(2)).wait(timeout=HANG_GUARD_S)  # its drain worker still drains
+    with CheckpointEngine(cfg) as again:
+        loaded = again.load()
+        assert loaded.step == 2
+        assert_same(make_items(2), loaded.items)
