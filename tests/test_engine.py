@@ -823,3 +823,17 @@ def test_snapshots_of_another_layout_are_named_in_one_warning(shm_root, tmp_path
     said = [r.getMessage() for r in caplog.records if "not recovered" in r.getMessage()]
     assert len(said) == 1 and "2 snapshot(s)" in said[0] and "step 1" in said[0] and "step 2" in said[0], said
     assert "DP 2 → 1" in said[0], said
+
+
+def test_saves_no_tier_is_due_for_keep_nothing_behind(tmp_path, shm_root):
+    """A save with no file tier due (``every: 4``, or ``persistent=False``) is done when save() returns: its handle
+    was kept for ever, one more per such save (found by a review)."""
+    cfg = {"run_id": f"e{uuid.uuid4().hex[:8]}", "drain": {"mode": "thread"},
+           "tiers": [{"name": "mem", "kind": "shm", "path": str(shm_root)},
+                     {"name": "local", "kind": "local", "path": str(tmp_path / "l"), "fsync": False, "every": 4}]}
+    with CheckpointEngine(cfg) as engine:
+        for step in range(1, 41):
+            engine.save(step, {"m": {"w": torch.full((4,), float(step))}}, persistent=step % 3 != 0).wait(timeout=60)
+        engine.wait(timeout=60)
+        assert engine._handles == {}
+        assert engine.load().step == 40

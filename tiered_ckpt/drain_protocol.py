@@ -28,6 +28,7 @@ class DrainRequest:
     due: tuple[str, ...]  # tiers to write, in pipeline order
     created: float = field(default_factory=time.time)  # when the snapshot was taken (time to durable)
     recover: bool = False
+    save_id: str = ""  # the save's identity (engine._save_id): a commit found after a worker died is this save's
 
 
 class Drain(Protocol):

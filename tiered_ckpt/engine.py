@@ -240,13 +240,29 @@ class CheckpointEngine:
             raise
         blocking = time.perf_counter() - t0
         handle = SaveHandle(step, blocking, self.pipeline.entry, due)
-        with self._cond:
-            self._handles.setdefault(step, []).append(handle)
-        self._emit(ev.Event(ev.SNAPSHOT, step=step, rank=self.coords.rank, tier=self.pipeline.entry,
-                            seconds=blocking, nbytes=total, detail={"slot": slot, "due": list(due)}))
-        self._drain.submit(DrainRequest(step=step, source=self.pipeline.entry, slot=slot, due=due,
-                                        created=handle.created))
+        try:
+            if due:  # one with no tier due is done already: nothing reports on it, so nothing would drop it
+                with self._cond:
+                    self._handles.setdefault(step, []).append(handle)
+            self._emit(ev.Event(ev.SNAPSHOT, step=step, rank=self.coords.rank, tier=self.pipeline.entry,
+                                seconds=blocking, nbytes=total, detail={"slot": slot, "due": list(due)}))
+            self._drain.submit(DrainRequest(step=step, source=self.pipeline.entry, slot=slot, due=due,
+                                            created=handle.created, save_id=save_id))
+        except BaseException:
+            # Not handed to the drain (its worker could not be started, an interrupt): nothing would ever release
+            # the slot or report on the handle, and a later save would wait for the slot for ever. The snapshot
+            # stays loadable from memory until the slot is reused.
+            self._forget(handle)
+            store.release_slot(slot)
+            raise
         return handle
+
+    def _forget(self, handle: SaveHandle) -> None:
+        with self._cond:
+            handles = self._handles.get(handle.step, [])
+            handles[:] = [h for h in handles if h is not handle]
+            if not handles:
+                self._handles.pop(handle.step, None)
 
     def _save_id(self, step: int) -> str:
         """This save's identity, the same on every rank that saves the same steps in the same order; "" where
@@ -321,7 +337,7 @@ class CheckpointEngine:
                                 nbytes=meta.total_bytes, detail={"due": list(due), "slot": meta.slot},
                                 message="a snapshot left in memory by an earlier process is drained"))
             self._drain.submit(DrainRequest(step=meta.step, source=self.pipeline.entry, slot=meta.slot, due=due,
-                                            created=meta.created, recover=True))
+                                            created=meta.created, recover=True, save_id=meta.save_id))
         if other_layout:  # one line for all of them (an elastic restart finds one per slot)
             log.warning("tier %r: %d snapshot(s) of this rank (%s) are not recovered: saved with another parallel "
                         "layout than this job's (rank %d of %s). They stay in memory, are never loaded as this "

@@ -35,6 +35,7 @@ from .drain import DrainRuntime
 from .drain_protocol import Drain, DrainRequest, OnSlotReleased, OnTierDone
 from .errors import TieredCkptError
 from .fencing import hold_worker_lock, owner_alive, release_worker_lock, watch_parent, worker_lock_path
+from .manifest import SAVE_KEY
 from .parallel import RankCoords
 from .pipeline import Pipeline, build_stores
 from .plugins import manager_for_worker
@@ -284,7 +285,13 @@ class ProcessDrain:
                 self._held.append(req)
                 return
             self._outstanding[(req.step, req.created)] = (req, set(req.due), False, self._proc)
-        self._requests.put(req)
+        try:
+            self._requests.put(req)
+        except BaseException:
+            with self._cond:  # never sent: nothing would ever take it out, and wait_idle() would wait for ever
+                self._outstanding.pop((req.step, req.created), None)
+                self._cond.notify_all()
+            raise
 
     def slots_ready(self) -> None:
         """Tell the worker to map the slots now (it does so on a thread of its own, after what is queued); a
@@ -349,29 +356,39 @@ class ProcessDrain:
             if proc is self._proc:
                 self._ready.clear()
             lost = [(k, v) for k, v in self._outstanding.items() if v[3] is proc]  # its replacement's stay
-            for key, _ in lost:
-                del self._outstanding[key]
-            self._cond.notify_all()
         if lost and not self._closing:
             log.error("%s with %d drains pending; those not committed are reported failed (the shm snapshot stays "
                       "loadable)", reason, len(lost))
-        for _, (req, left, released, _owner) in lost:
-            for tier in req.due:
-                if tier in left:
-                    ok = self._committed(tier, req.step)
-                    self.on_tier_done(req.step, tier, ok, None if ok else reason)
-            if not released:  # the worker is dead: nothing reads the slot for this request any more
-                self.on_slot_released(req.source, req.slot, req.step)
+        try:
+            # Reported before the requests leave _outstanding: wait_idle() must not return (and engine.wait()
+            # find no failure) while a dead worker's steps are still being looked up.
+            for _, (req, left, released, _owner) in lost:
+                for tier in req.due:
+                    if tier in left:
+                        ok = self._committed(tier, req)
+                        self.on_tier_done(req.step, tier, ok, None if ok else reason)
+                if not released:  # the worker is dead: nothing reads the slot for this request any more
+                    self.on_slot_released(req.source, req.slot, req.step)
+        finally:
+            with self._cond:
+                for key, _ in lost:
+                    self._outstanding.pop(key, None)
+                self._cond.notify_all()
 
-    def _committed(self, tier: str, step: int) -> bool:
-        """Whether ``tier`` committed ``step`` (a worker killed between its commit and its report)."""
+    def _committed(self, tier: str, req: DrainRequest) -> bool:
+        """Whether ``tier`` committed this save of ``req.step`` (a worker killed between its commit and its
+        report); a commit of another save of the step (one this save was to replace) is not this save's."""
         store = self._all_stores.get(tier)
-        if store is None or store.files() is None:
+        files = store.files() if store is not None else None
+        if files is None:
             return False
         try:
-            return step in store.durable_steps()
+            if req.step not in files.durable_steps():
+                return False
+            return not req.save_id or files.read_manifest(req.step).extra.get(SAVE_KEY) == req.save_id
         except Exception as exc:  # cannot tell: reported failed, which is what a reader must assume
-            log.warning("tier %r: cannot list its committed steps after the drain worker died: %s", tier, exc)
+            log.warning("tier %r: cannot tell whether it committed step %d after the drain worker died: %s", tier,
+                        req.step, exc)
             return False
 
     def wait_idle(self, timeout: float | None = None) -> bool:
@@ -458,8 +475,7 @@ class SplitDrain:
         if results.get(self.shared):
             self.local.pin(self.shared, req.step)  # released when the worker is done reading it
             try:
-                self.proc.submit(DrainRequest(step=req.step, source=self.shared, slot=slots[self.shared], due=rest,
-                                              created=req.created, recover=req.recover))
+                self.proc.submit(replace(req, source=self.shared, slot=slots[self.shared], due=rest))
                 return
             except Exception as exc:  # no worker to hand it to: those tiers failed the step, said so, never hung
                 self.local.unpin(self.shared, req.step)

@@ -252,3 +252,96 @@ def test_forked_children_leave_the_parent_s_engine_alone(shm_root, tmp_path):
         loaded = again.load()
         assert loaded.step == 2
         assert_same(make_items(2), loaded.items)
+
+
+def test_a_step_saved_again_is_not_reported_saved_by_the_earlier_save_s_commit(shm_root, tmp_path):
+    """The drain worker dies before it touches the second save of step 5: the tier still holds the first save's
+    commit of step 5, which is not this save's (it was reported saved; found by a review)."""
+    import torch
+
+    with CheckpointEngine(_config(shm_root, tmp_path)) as engine:
+        assert engine._drain._ready.wait(HANG_GUARD_S)
+        engine.save(5, {"state": {"w": torch.zeros(4)}}).wait(timeout=HANG_GUARD_S)
+        worker = engine._drain._proc.pid
+        os.kill(worker, signal.SIGSTOP)  # it cannot take the next request
+        try:
+            again = engine.save(5, {"state": {"w": torch.ones(4)}})
+        finally:
+            os.kill(worker, signal.SIGKILL)
+        with pytest.raises(SaveError, match="drain worker exited"):
+            again.wait(timeout=HANG_GUARD_S)
+        with pytest.raises(SaveError, match="step 5"):
+            engine.wait(timeout=HANG_GUARD_S)
+
+
+def test_engine_wait_reports_the_steps_of_a_worker_that_dies_while_it_waits(shm_root, tmp_path):
+    """wait() was woken when the dead worker's requests were dropped, before their failures were reported: it
+    returned normally, and the failure surfaced only at the next wait (found by a review)."""
+    with CheckpointEngine(_config(shm_root, tmp_path)) as engine:
+        assert engine._drain._ready.wait(HANG_GUARD_S)
+        drain = engine._drain
+        looked_up = drain._committed
+
+        def slow_lookup(*args):  # an object store's listing takes a while: wait() must not return meanwhile
+            time.sleep(0.5)
+            return looked_up(*args)
+
+        drain._committed = slow_lookup
+        worker = drain._proc.pid
+        os.kill(worker, signal.SIGSTOP)
+        engine.save(1, make_items(1))
+        outcome: list[BaseException | None] = []
+
+        def wait() -> None:
+            try:
+                engine.wait(timeout=HANG_GUARD_S)
+                outcome.append(None)
+            except BaseException as exc:  # noqa: BLE001 - the test looks at it
+                outcome.append(exc)
+
+        waiter = threading.Thread(target=wait, daemon=True)
+        waiter.start()
+        time.sleep(0.3)  # wait() is waiting
+        os.kill(worker, signal.SIGKILL)
+        waiter.join(HANG_GUARD_S)
+        assert outcome and isinstance(outcome[0], SaveError), outcome
+        assert "step 1 on tier 'local'" in str(outcome[0])
+
+
+def test_a_save_the_drain_cannot_take_frees_its_slot(shm_root, tmp_path, monkeypatch):
+    """The worker is dead and starting a new one fails (EAGAIN from fork/spawn): save() raises, and its slot and
+    handle are let go. They were kept for ever, so the third save waited for a slot for ever (found by a
+    review)."""
+    from tiered_ckpt import worker as worker_module
+
+    cfg = _config(shm_root, tmp_path)
+    with CheckpointEngine(cfg) as engine:
+        drain = engine._drain
+        assert drain._ready.wait(HANG_GUARD_S)
+        engine.save(1, make_items(1)).wait(timeout=HANG_GUARD_S)
+        os.kill(drain._proc.pid, signal.SIGKILL)
+        drain._proc.join(HANG_GUARD_S)
+        start = worker_module.ProcessDrain._start
+        failures = [2]
+
+        def failing_start(self):
+            if failures[0]:
+                failures[0] -= 1
+                raise BlockingIOError(11, "Resource temporarily unavailable")
+            return start(self)
+
+        monkeypatch.setattr(worker_module.ProcessDrain, "_start", failing_start)
+        for step in (2, 3):  # the shm tier has two slots: both would be held
+            with pytest.raises(BlockingIOError):
+                engine.save(step, make_items(step))
+        assert engine.pending() == {}
+        saved = []
+        saver = threading.Thread(target=lambda: saved.append(engine.save(4, make_items(4))), daemon=True)
+        saver.start()
+        saver.join(HANG_GUARD_S)
+        assert saved, "save(4) waits for a slot the failed saves still hold"
+        saved[0].wait(timeout=HANG_GUARD_S)
+    with CheckpointEngine(cfg) as again:
+        loaded = again.load()
+        assert loaded.step == 4
+        assert_same(make_items(4), loaded.items)
