@@ -487,3 +487,81 @@ def test_a_model_only_save_at_dp_2_loads_the_weights(tmp_path: Path, distributed
     for rank, res in enumerate(launch(rank_load_model_only, 4, spec, cfg)):
         assert res["loaded"] == (SAVED_AT, FLOPS)
         assert differences(saved[rank], res["params"]) == [], f"rank {rank}"
+
+
+def rank_save_two_steps(rank: int, world: int, spec: Spec, cfg: dict) -> dict[str, Any]:
+    """Save step SAVED_AT and SAVED_AT + 1, train on to RESUMED_TO (the reference)."""
+    job = spec.job()
+    with CheckpointEngine(cfg, job.layout, rank=rank) as engine:
+        for step in (SAVED_AT, SAVED_AT + 1):
+            train(job, step)
+            save(job, engine).wait(timeout=120)
+        train(job, RESUMED_TO)
+    return fingerprint(job)
+
+
+def rank_load_ckpt_step(rank: int, world: int, spec: Spec, cfg: dict) -> dict[str, Any]:
+    """args.ckpt_step (Megatron's --ckpt-step) = SAVED_AT, then train to RESUMED_TO; then a step no tier holds."""
+    job = spec.job()
+    job.args.ckpt_step = SAVED_AT
+    with CheckpointEngine(cfg, job.layout, rank=rank) as engine:
+        loaded = load(job, engine)
+    train(job, RESUMED_TO)
+    out: dict[str, Any] = {"loaded": loaded, "fingerprint": fingerprint(job)}
+    job = spec.job()
+    job.args.ckpt_step = 7
+    with CheckpointEngine(cfg, job.layout, rank=rank) as engine:
+        try:
+            out["missing"] = load(job, engine)
+        except Exception as exc:  # noqa: BLE001 - reported to the test
+            out["missing"] = type(exc).__name__
+    return out
+
+
+def test_ckpt_step_loads_that_step_and_resumes_bit_exact(tmp_path: Path) -> None:
+    """Trial: --ckpt-step (args.ckpt_step) was ignored by the drop-in: the newest step was loaded instead of the one
+    asked for. Now it picks the step, as Megatron's _load_base_checkpoint does, and a step no tier holds is an error
+    (never a fresh start)."""
+    spec = Spec(1, 2, "fp32")
+    cfg = config(f"real-ckpt-step-{uuid.uuid4().hex[:8]}", local=tmp_path / "megatron", layout="megatron")
+    reference = launch(rank_save_two_steps, 4, spec, cfg)
+    for rank, res in enumerate(launch(rank_load_ckpt_step, 4, spec, cfg)):
+        assert res["loaded"] == (SAVED_AT, FLOPS), (rank, res["loaded"])
+        assert differences(reference[rank], res["fingerprint"]) == [], f"rank {rank}"
+        assert res["missing"] == "StepNotFoundError", (rank, res["missing"])
+
+
+def rank_load_pretrained(rank: int, world: int, empty: Path, pretrained: Path, run_id: str) -> dict[str, Any]:
+    """A job whose tiers hold nothing, with args.pretrained_checkpoint (Megatron's --pretrained-checkpoint)."""
+    job = build_job(1, 2, "fp32", seed=99, micro_batch=1, global_batch=12, bucket_size=6000,
+                    overlap_grad_reduce=True)
+    job.args.load, job.args.pretrained_checkpoint = str(empty), str(pretrained)
+    cfg = config(run_id, local=empty, layout="megatron")
+    with CheckpointEngine(cfg, job.layout, rank=rank) as engine:
+        loaded = load(job, engine)
+    model = {k: v.clone() for k, v in adapter.unwrap(job.model[0]).state_dict_for_save_checkpoint().items()
+             if isinstance(v, torch.Tensor)}
+    return {"loaded": loaded, "finetune": job.args.finetune, "model": model,
+            "consumed_train_samples": job.args.consumed_train_samples, "scheduler_steps": job.scheduler.num_steps}
+
+
+def test_pretrained_checkpoint_is_finetuned_from_when_no_tier_holds_a_checkpoint(tmp_path: Path) -> None:
+    """Trial: with --pretrained-checkpoint and nothing in --load yet (Megatron-LM's finetuning start), the drop-in
+    started from random weights, its warning calling that Megatron's behaviour. Megatron loads the pretrained
+    checkpoint with --finetune semantics; so does the adapter now (here a checkpoint Megatron-LM wrote)."""
+    src = FIXTURES / "dp2_tp1_pp2"
+    if not src.is_dir():
+        pytest.skip(f"{src} is not here")
+    pretrained = tmp_path / "pretrained"
+    shutil.copytree(src, pretrained, ignore=shutil.ignore_patterns("reload_dp*", "local_shards", "truth.json"))
+    (tmp_path / "run").mkdir()
+    results = launch(rank_load_pretrained, 4, tmp_path / "run", pretrained, f"real-pre-{uuid.uuid4().hex[:8]}")
+    from tiered_ckpt.megatron import safe_load
+
+    for rank, res in enumerate(results):
+        stage = rank // 2  # rank = tp + TP * (dp + DP * pp)
+        want = safe_load.load(pretrained / f"iter_0000010/mp_rank_00_{stage:03d}/model_optim_rng.pt")
+        assert res["loaded"] == (0, want["num_floating_point_operations_so_far"]), (rank, res["loaded"])
+        assert res["finetune"] is True and res["consumed_train_samples"] == 0 and res["scheduler_steps"] == 0, rank
+        want_model = {k: v for k, v in want["model"].items() if isinstance(v, torch.Tensor)}
+        assert differences(want_model, res["model"]) == [], f"rank {rank}"

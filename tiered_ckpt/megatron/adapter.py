@@ -356,8 +356,11 @@ def load_checkpoint(ddp_model: Any, optimizer: Any, opt_param_scheduler: Any, lo
     * ``skip_load_to_model_and_opt``: the model's and optimizer's ``load_state_dict`` are skipped; the
       distributed-optimizer shards, scheduler and RNG are still restored (Megatron's behaviour).
     * ``checkpointing_context``, groups, ``rng_state_key_prefix``: as in :func:`save_checkpoint`.
-    * ``step``: a given iteration instead of the newest; ``model``: an alias of ``ddp_model`` (Megatron's
-      upcycling code passes it under that name).
+    * ``args.pretrained_checkpoint`` (``--pretrained-checkpoint``): when no tier holds a checkpoint, the Megatron
+      checkpoint in that directory is loaded with ``args.finetune`` set, as Megatron does (``torch`` format).
+    * ``step``: a given iteration instead of the newest (default: ``args.ckpt_step``, Megatron's
+      ``--ckpt-step``; a step no tier holds is an error, never a fresh start); ``model``: an alias of
+      ``ddp_model`` (Megatron's upcycling code passes it under that name).
     * a DP rank > 0 resumes from memory without ``model_on_every_rank``: see :mod:`.model_item`.
     Honours ``args.finetune``, ``no_load_optim``, ``no_load_rng`` and ``exit_on_missing_checkpoint`` like Megatron.
     """
@@ -369,6 +372,8 @@ def load_checkpoint(ddp_model: Any, optimizer: Any, opt_param_scheduler: Any, lo
             raise ConfigError("load_checkpoint: give the model once (ddp_model or model)")
         ddp_model = model
     args, rng_tracker = _megatron_defaults(args, rng_tracker)
+    if step is None:
+        step = _ckpt_step(args)
     engine = engine_for(engine, checkpointing_context, args)
     _check_rank_args(engine, tp_group=tp_group, pp_group=pp_group)
     _check_dp_groups(engine, optimizer, dp_group, expt_dp_group)
@@ -381,12 +386,23 @@ def load_checkpoint(ddp_model: Any, optimizer: Any, opt_param_scheduler: Any, lo
                                  dp_cp_group=dp_cp_group)
     if load_arg != "load":
         return _load_megatron_dir(getattr(args, load_arg, None), load_arg, chunks, optimizer, opt_param_scheduler,
-                                  strict, skip_load_to_model_and_opt, args, rng_tracker, engine)
+                                  strict, skip_load_to_model_and_opt, args, rng_tracker, engine, step)
     try:
         loaded = engine.load(step)
     except NoCheckpointError:
         # Every rank listed every tier and found nothing (a tier that could not be listed makes load() raise
         # TierUnavailableError instead, on every rank): Megatron's fresh start.
+        pretrained = getattr(args, "pretrained_checkpoint", None)
+        if pretrained:
+            # Megatron-LM's finetuning start: nothing in --load yet, so the weights come from
+            # --pretrained-checkpoint, loaded with --finetune semantics (iteration 0, no optimizer, scheduler or
+            # RNG). Later launches find the job's own checkpoints on the tiers and resume from them.
+            log.warning("no checkpoint on any tier: finetuning from args.pretrained_checkpoint=%s (Megatron's "
+                        "behaviour: args.finetune is set)", pretrained)
+            args.finetune = True
+            return _load_megatron_dir(pretrained, "pretrained_checkpoint", chunks, optimizer, opt_param_scheduler,
+                                      strict, skip_load_to_model_and_opt, args, rng_tracker, engine, step,
+                                      required=True)
         if step is not None or getattr(args, "exit_on_missing_checkpoint", False):
             raise
         log.warning("no checkpoint on any tier: starting from iteration 0 (Megatron's behaviour)%s",
@@ -404,9 +420,18 @@ def load_checkpoint(ddp_model: Any, optimizer: Any, opt_param_scheduler: Any, lo
     return result
 
 
+def _ckpt_step(args: Any) -> int | None:
+    """Megatron's ``--ckpt-step``: the iteration to load instead of the newest (unset or 0: the newest, as
+    Megatron's ``if getattr(args, 'ckpt_step', None)`` reads it)."""
+    value = getattr(args, "ckpt_step", None)
+    return int(value) if value else None
+
+
 def _load_megatron_dir(path: Any, load_arg: str, chunks: list[Any], optimizer: Any, opt_param_scheduler: Any,
-                       strict: bool, skip: bool, args: Any, rng_tracker: Any, engine: Any) -> tuple[int, float]:
-    """``load_arg`` other than ``"load"``: the Megatron checkpoint in ``getattr(args, load_arg)``."""
+                       strict: bool, skip: bool, args: Any, rng_tracker: Any, engine: Any,
+                       step: int | None = None, *, required: bool = False) -> tuple[int, float]:
+    """``load_arg`` other than ``"load"`` (or ``--pretrained-checkpoint`` when no tier holds a checkpoint): the
+    Megatron checkpoint in ``getattr(args, load_arg)``. ``required``: none there is an error, not a fresh start."""
     from ..errors import NoCheckpointError
     from . import legacy
     from .convert import open_store
@@ -415,9 +440,12 @@ def _load_megatron_dir(path: Any, load_arg: str, chunks: list[Any], optimizer: A
         raise ConfigError(f"load_arg={load_arg!r}: args.{load_arg} is not set")
     store = open_store(path, engine.config.layout, load_arg)
     try:
-        items = legacy.load_rank_items(store.tier, None, engine.coords, trust_pickles=engine.config.load.trust_pickles)
+        items = legacy.load_rank_items(store.tier, step, engine.coords, trust_pickles=engine.config.load.trust_pickles)
     except NoCheckpointError:
-        if getattr(args, "exit_on_missing_checkpoint", False):
+        if required:
+            raise NoCheckpointError(f"no checkpoint on any tier of the engine (args.load) nor in "
+                                    f"args.{load_arg}={path} (Megatron stops here too)") from None
+        if step is not None or getattr(args, "exit_on_missing_checkpoint", False):
             raise
         log.warning("args.%s=%s holds no checkpoint: starting from iteration 0", load_arg, path)
         return 0, 0

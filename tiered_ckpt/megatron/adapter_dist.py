@@ -118,6 +118,12 @@ def load(chunks: list[Any], optimizer: Any, scheduler: Any, strict: bool, skip: 
     try:
         reader, common = torch_dist.open_step(engine, step)
     except NoCheckpointError:
+        if getattr(args, "pretrained_checkpoint", None):
+            # Megatron would finetune from it; starting from random weights instead must not pass unnoticed.
+            raise ConfigError(f"no torch_dist checkpoint on any tier, and args.pretrained_checkpoint="
+                              f"{args.pretrained_checkpoint}: the adapter loads --pretrained-checkpoint for "
+                              "--ckpt-format torch only (Megatron would finetune from it here); for the first "
+                              "launch, load it with Megatron's own load_checkpoint") from None
         if step is not None or getattr(args, "exit_on_missing_checkpoint", False):
             raise
         log.warning("no torch_dist checkpoint on any tier: starting from iteration 0 (Megatron's behaviour)")
