@@ -837,3 +837,30 @@ def test_saves_no_tier_is_due_for_keep_nothing_behind(tmp_path, shm_root):
         engine.wait(timeout=60)
         assert engine._handles == {}
         assert engine.load().step == 40
+
+
+def test_a_commit_whose_retention_fails_is_reported_committed_and_retention_catches_up(tmp_path, shm_root):
+    """Retention runs after the manifest and the tracker are published: its failure (a listing that times out)
+    turned a committed step into a failed save (found by a review). Nor does the store cache every manifest it
+    ever committed: retention drops those it un-commits."""
+    cfg = {"run_id": f"e{uuid.uuid4().hex[:8]}", "drain": {"mode": "thread"},
+           "tiers": [{"name": "mem", "kind": "shm", "path": str(shm_root)},
+                     {"name": "local", "kind": "local", "path": str(tmp_path / "l"), "fsync": False, "keep": 2}]}
+    with CheckpointEngine(cfg) as engine:
+        local = engine.pipeline.stores["local"]
+        real = local.uncommit_expired
+        calls = []
+
+        def fails_once(*args, **kwargs):
+            calls.append(1)
+            if len(calls) == 1:
+                raise TierError("listing timed out", tier="local")
+            return real(*args, **kwargs)
+
+        local.uncommit_expired = fails_once
+        for step in range(1, 13):
+            engine.save(step, {"m": {"w": torch.full((4,), float(step))}}).wait(timeout=60)
+        engine.wait(timeout=60)
+        assert local.committed_steps() == [11, 12]
+        assert set(local._manifests) <= {11, 12}  # the drain's store: it never loads, so nothing else trims it
+        assert engine.load().step == 12

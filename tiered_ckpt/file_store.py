@@ -276,7 +276,13 @@ class FileStore(CommittedFiles):
         on_committed(committed.total_bytes)
         # The steps retention drops are un-committed now; deleting their files (slow for big files: an unlink of
         # 1 GiB took 0.3 s on the development VM's ext4) waits until this step's save is reported durable.
-        written.housekeeping += self._apply_retention(coords, pinned, always=True)
+        try:
+            written.housekeeping += self._apply_retention(coords, pinned, always=True)
+        except Exception as exc:  # noqa: BLE001 - the step is committed: a failed retention must not say otherwise
+            with self._retention:
+                self._held_back = True  # the drain's next retain() tries again
+            log.warning("tier %r: step %d is committed, but retention failed (tried again later): %s", self.name,
+                        written.step, exc)
 
     def retain(self, coords: RankCoords, *, node_ranks: list[int], pinned: Callable[[], set[int]]
                ) -> list[Callable[[], None]]:
@@ -755,6 +761,9 @@ class FileStore(CommittedFiles):
             except TierError as exc:
                 log.warning("retention on tier %r could not un-commit step %d: %s", self.name, step, exc)
                 continue
+            with self._manifest_lock:  # a long run would otherwise cache every manifest it ever committed
+                self._manifest_changes += 1
+                self._manifests.pop(step, None)
             crash_point("store.retain_uncommitted")
             uncommitted.append(step)
         return uncommitted + debris
