@@ -565,3 +565,48 @@ def test_pretrained_checkpoint_is_finetuned_from_when_no_tier_holds_a_checkpoint
         assert res["finetune"] is True and res["consumed_train_samples"] == 0 and res["scheduler_steps"] == 0, rank
         want_model = {k: v for k, v in want["model"].items() if isinstance(v, torch.Tensor)}
         assert differences(want_model, res["model"]) == [], f"rank {rank}"
+
+
+def rank_save_without_optimizer_and_rng(rank: int, world: int, spec: Spec, cfg: dict) -> dict[str, Any]:
+    """Save step SAVED_AT with --no-save-optim and --no-save-rng; then a new job loads it: as is, and with
+    --no-load-optim (the RNG warning is looked for on the way)."""
+    import logging
+
+    job = spec.job()
+    job.args.no_save_optim = job.args.no_save_rng = True
+    with CheckpointEngine(cfg, job.layout, rank=rank) as engine:
+        train(job, SAVED_AT)
+        save(job, engine).wait(timeout=120)
+    out: dict[str, Any] = {}
+    job = spec.job()
+    with CheckpointEngine(cfg, job.layout, rank=rank) as engine:
+        try:
+            load(job, engine)
+            out["error"] = None
+        except Exception as exc:  # noqa: BLE001 - reported to the test
+            out["error"] = f"{type(exc).__name__}: {exc}"
+        job.args.no_load_optim = True
+        seen: list[str] = []
+        handler = logging.Handler()
+        handler.emit = lambda record: seen.append(record.getMessage())  # type: ignore[method-assign]
+        logging.getLogger("tiered_ckpt").addHandler(handler)
+        try:
+            out["loaded"] = load(job, engine)
+        finally:
+            logging.getLogger("tiered_ckpt").removeHandler(handler)
+        out["rng_warning"] = [m for m in seen if "no RNG state" in m]
+    return out
+
+
+def test_a_checkpoint_saved_without_optimizer_or_rng_says_so_on_load(tmp_path: Path) -> None:
+    """Trial: a checkpoint saved with --no-save-optim was refused with advice to save with
+    --use-distributed-optimizer (it was); one saved with --no-save-rng loaded without a word, where Megatron-LM
+    stops. The refusal now says the optimizer state was not saved, and a missing RNG state is a warning."""
+    spec = Spec(1, 2, "fp32")
+    cfg = config(f"real-nosave-{uuid.uuid4().hex[:8]}", local=tmp_path / "megatron", layout="megatron")
+    for rank, res in enumerate(launch(rank_save_without_optimizer_and_rng, 4, spec, cfg)):
+        assert res["error"] is not None and "holds no optimizer state (saved with --no-save-optim" in res["error"], \
+            (rank, res["error"])
+        assert "--no-load-optim" in res["error"] and "--use-distributed-optimizer" not in res["error"], rank
+        assert res["loaded"] == (SAVED_AT, FLOPS), (rank, res["loaded"])
+        assert res["rng_warning"] and "--no-load-rng" in res["rng_warning"][0], (rank, res["rng_warning"])

@@ -233,11 +233,15 @@ def restore(state: dict[str, Any], items: Mapping[str, Any], chunks: list[Any], 
             if distrib_optim_item and OPTIM_ITEM not in items and distributed_optimizers(optimizer):
                 # Megatron-LM stops here too (distrib_optim.pt not found). Going on would train with fresh
                 # optimizer moments, and, in bf16/fp16, fp32 main params that never saw the loaded weights.
+                if "optimizer" not in state:  # Megatron leaves it out with --no-save-optim (or no optimizer)
+                    what, other = ("holds no optimizer state (saved with --no-save-optim, or by a job without an "
+                                   "optimizer)", "saved with its optimizer state")
+                else:
+                    what, other = ("has no distributed-optimizer state (Megatron's distrib_optim.pt) for this job's "
+                                   "DistributedOptimizer", "saved with --use-distributed-optimizer")
                 raise LayoutMismatchError(
-                    f"{where}: the checkpoint has no distributed-optimizer state (Megatron's distrib_optim.pt) for "
-                    "this job's DistributedOptimizer. Point --load at a checkpoint saved with "
-                    "--use-distributed-optimizer, or set args.no_load_optim (--no-load-optim) to start the "
-                    "optimizer afresh from the loaded weights")
+                    f"{where}: the checkpoint {what}. Point --load at a checkpoint {other}, or set "
+                    "args.no_load_optim (--no-load-optim) to start the optimizer afresh from the loaded weights")
             if "optimizer" in state and not skip:
                 optimizer.load_state_dict(state["optimizer"])
             if OPTIM_ITEM in items:
@@ -250,8 +254,13 @@ def restore(state: dict[str, Any], items: Mapping[str, Any], chunks: list[Any], 
         # The optimizer's fp32 main params must follow the loaded model weights (Megatron does the same here),
         # or the first step would put back the weights the job started with.
         optimizer.reload_model_params()
-    if not (finetune or getattr(args, "no_load_rng", False)) and "rng_state" in state:
-        _set_rng(state["rng_state"], args, coords, rng_tracker)
+    if not (finetune or getattr(args, "no_load_rng", False)):
+        if "rng_state" in state:
+            _set_rng(state["rng_state"], args, coords, rng_tracker)
+        else:  # Megatron-LM stops here ("Unable to load rng state"); the weights and optimizer are sound
+            log.warning("%s: the checkpoint holds no RNG state (saved with --no-save-rng): this job keeps its own "
+                        "fresh RNG state. Set args.no_load_rng (--no-load-rng) to say that is wanted (Megatron-LM "
+                        "refuses such a checkpoint without it)", where)
     _megatron_hook("set_loaded_iteration", iteration)  # what training.py's get_loaded_iteration() reads
     return iteration, state.get("num_floating_point_operations_so_far", 0)
 
