@@ -94,6 +94,10 @@ def worker_main(config: Config, coords: RankCoords, order: list[str], local_rank
     # Ctrl-C in a terminal reaches the whole process group: the training process decides (its close() finishes
     # or abandons the drain); the worker neither dies mid-write nor prints a KeyboardInterrupt traceback.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    # The same for SIGTERM, which a scheduler (SLURM, torchrun) sends to the whole process group: a training
+    # process that handles it (Megatron-LM's --exit-signal-handler saves a last checkpoint, then exits) needs its
+    # drain to go on; one that dies of it takes the worker with it (watch_parent), which then writes nothing more.
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     watch_parent(parent_pid)  # an orphan exits at once: it never writes what a newer owner may own
     import torch
 

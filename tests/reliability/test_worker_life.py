@@ -345,3 +345,17 @@ def test_a_save_the_drain_cannot_take_frees_its_slot(shm_root, tmp_path, monkeyp
         loaded = again.load()
         assert loaded.step == 4
         assert_same(make_items(4), loaded.items)
+
+
+def test_the_worker_lives_through_a_sigterm_its_training_process_handles(shm_root, tmp_path):
+    """A scheduler's SIGTERM goes to the whole process group. A training process that handles it (Megatron-LM's
+    --exit-signal-handler saves a last checkpoint, then exits) still needs its drain: the worker died of it,
+    failing the step in flight (found by a review). A training process that dies of it takes the worker along
+    (test_orphaned_worker_commits_nothing_after_its_owner_died)."""
+    with CheckpointEngine(_config(shm_root, tmp_path)) as engine:
+        drain = engine._drain
+        assert drain._ready.wait(HANG_GUARD_S)
+        worker = drain._proc.pid
+        os.kill(worker, signal.SIGTERM)
+        engine.save(1, make_items(1)).wait(timeout=HANG_GUARD_S)
+        assert drain._proc.pid == worker and drain._proc.is_alive()
