@@ -231,9 +231,13 @@ def test_saving_into_the_directory_megatron_wrote_keeps_its_checkpoint(tmp_path,
     shutil.copytree(FIXTURES / "dp4_tp1_pp1" / "iter_0000010", ckpt / "iter_0000010")
     shutil.copy(FIXTURES / "dp4_tp1_pp1" / "latest_checkpointed_iteration.txt", ckpt)
     theirs = sorted(p.relative_to(ckpt) for p in (ckpt / "iter_0000010").rglob("*"))
-    assert main(["verify", str(ckpt)]) == 3  # nothing of ours to verify: say what is there instead
+    assert main(["inspect", str(ckpt)]) == 3  # nothing of ours to inspect: say what is there instead
     err = capsys.readouterr().err
     assert "no committed checkpoint of tiered_ckpt, only step(s) 10 written by Megatron-LM or DLRover" in err, err
+    assert main(["verify", str(ckpt), "--json"]) == 0  # checked as far as Megatron's files allow
+    report = json.loads(capsys.readouterr().out)
+    assert [(r["step"], r["ok"], r["files"]) for r in report] == [(10, True, 2)], report
+    assert report[0]["checked_against"].startswith("zip CRC-32s"), report
     ours_partial = ckpt / "iter_0000015" / "tiered_ckpt" / "rank_00000.json"
     ours_partial.parent.mkdir(parents=True)
     ours_partial.write_text("{}")
@@ -247,7 +251,7 @@ def test_saving_into_the_directory_megatron_wrote_keeps_its_checkpoint(tmp_path,
     assert not (ckpt / "iter_0000015").exists() and not (ckpt / "iter_0000020").exists()
     assert main(["ls", str(ckpt), "--json"]) == 0
     rows = {r["step"]: r["state"] for r in json.loads(capsys.readouterr().out)}
-    assert rows == {10: "megatron, no manifest (written by Megatron-LM or DLRover: nothing to verify)",
+    assert rows == {10: "megatron, no manifest (written by Megatron-LM or DLRover)",
                     40: "committed"}, rows
     assert main(["gc", str(ckpt), "--json", "--min-age", "0"]) == 0
     assert json.loads(capsys.readouterr().out)["found"] == []
@@ -383,3 +387,68 @@ def test_a_pipeline_size_change_is_refused_with_advice_about_the_layout_not_the_
         assert "CheckpointUnreadableError" in error and "PP 2 → 1" in error, (rank, r)
         assert "saved with another parallel layout than this job's" in error, (rank, r)
         assert "load again once the tier answers" not in error, (rank, r)
+
+
+def _megatron_dir(tmp_path: Path) -> Path:
+    import shutil
+
+    ckpt = tmp_path / "megatron-ckpt"
+    shutil.copytree(FIXTURES / "dp2_tp1_pp2" / "iter_0000010", ckpt / "iter_0000010")
+    shutil.copy(FIXTURES / "dp2_tp1_pp2" / "latest_checkpointed_iteration.txt", ckpt)
+    return ckpt
+
+
+def test_verify_checks_a_step_megatron_wrote_against_its_zip_crcs(tmp_path, capsys):
+    """A step Megatron-LM wrote has no manifest of ours: verify said only that (exit 3), though torch writes a
+    CRC-32 for every record of its files. It checks those now, and Megatron's allow-list on each pickle: a byte
+    flipped in a tensor, or a file cut short, fails the step and names the file and record."""
+    from tiered_ckpt.cli import main
+
+    ckpt = _megatron_dir(tmp_path)
+    assert main(["verify", str(ckpt)]) == 0
+    assert "OK  tier" in capsys.readouterr().out
+    optim = ckpt / "iter_0000010" / "mp_rank_00_001" / "distrib_optim.pt"
+    data = bytearray(optim.read_bytes())
+    data[len(data) // 2] ^= 0x10
+    optim.write_bytes(data)
+    model = ckpt / "iter_0000010" / "mp_rank_00_000" / "model_optim_rng.pt"
+    model.write_bytes(model.read_bytes()[:-4096])
+    assert main(["verify", str(ckpt), "--json"]) == 1
+    (report,) = json.loads(capsys.readouterr().out)
+    assert report["step"] == 10 and not report["ok"] and report["files"] == 3, report  # one could not be read
+    assert any("mp_rank_00_001/distrib_optim.pt: record distrib_optim/data/" in p and "CRC-32" in p
+               for p in report["problems"]), report
+    assert any("mp_rank_00_000/model_optim_rng.pt: not a readable torch file" in p for p in report["problems"]), report
+
+
+def test_verify_all_checks_megatron_s_steps_beside_ours_and_says_when_a_file_has_no_crcs(tmp_path, capsys):
+    """A job that switched to tiered_ckpt in Megatron's --save directory: --all verifies both kinds, --step picks
+    either. A torch file written without CRC-32s (torch's config.save.compute_crc32 = False) is checked for its
+    structure and pickle, with a note, not failed."""
+    from torch.utils.serialization import config as serialization_config
+
+    from tiered_ckpt import CheckpointEngine
+    from tiered_ckpt.cli import main
+
+    ckpt = _megatron_dir(tmp_path)
+    cfg = {"run_id": f"mix{uuid.uuid4().hex[:6]}", "drain": {"mode": "thread"},
+           "tiers": [{"name": "disk", "kind": "local", "path": str(ckpt)}]}
+    with CheckpointEngine(cfg) as engine:
+        engine.save(20, {"state": {"w": torch.full((8,), 20.0)}}).wait(timeout=60)
+    optim = ckpt / "iter_0000010" / "mp_rank_00_000" / "distrib_optim.pt"
+    content = torch.load(optim, weights_only=True)
+    before = serialization_config.save.compute_crc32
+    serialization_config.save.compute_crc32 = False
+    try:
+        torch.save(content, optim)
+    finally:
+        serialization_config.save.compute_crc32 = before
+    assert main(["verify", str(ckpt), "--all", "--json"]) == 0
+    report = {r["step"]: r for r in json.loads(capsys.readouterr().out)}
+    assert sorted(report) == [10, 20] and report[20]["checked_against"] == "manifest", report
+    assert report[10]["ok"] and report[10]["files"] == 4, report[10]
+    assert "written without CRC-32s" in report[10]["notes"][0] and "mp_rank_00_000" in report[10]["notes"][0]
+    assert main(["verify", str(ckpt), "--json"]) == 0  # the newest of ours, as load() would read
+    assert [r["step"] for r in json.loads(capsys.readouterr().out)] == [20]
+    assert main(["verify", str(ckpt), "--step", "10", "--json"]) == 0
+    assert [r["step"] for r in json.loads(capsys.readouterr().out)] == [10]

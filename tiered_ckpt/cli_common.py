@@ -391,9 +391,9 @@ def no_commit_message(store: FileStore, label: str) -> str:
         parts.append(f"step(s) {', '.join(map(str, megatron))} written by Megatron-LM or DLRover")
     if others:
         parts.append(f"step(s) {', '.join(map(str, others))} written by DCP")
-    return (f"{label} holds no committed checkpoint of tiered_ckpt, only {' and '.join(parts)}: without our manifest "
-            "there are no checksums to verify them against (engine.load() and convert read them, unverified; "
-            "`ls` lists them)")
+    checked = "; `verify` checks the zip CRC-32s of Megatron-LM's files" if megatron else ""
+    return (f"{label} holds no committed checkpoint of tiered_ckpt, only {' and '.join(parts)}, with no manifest of "
+            f"ours (engine.load() and convert read them, unverified; `ls` lists them{checked})")
 
 
 def _pick_step(store: FileStore, step: int | None, label: str) -> int:

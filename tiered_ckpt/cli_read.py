@@ -176,8 +176,25 @@ def _inspect_dcp(store: FileStore, args: argparse.Namespace) -> int | None:
     return EXIT_OK
 
 
+def _steps_to_verify(store: FileStore, args: argparse.Namespace, label: str) -> tuple[list[int], list[int]]:
+    """The committed steps of ours to verify, and the steps Megatron-LM wrote (no manifest) to check as far as
+    their files allow: ``--all`` both kinds; ``--step N`` that step, whichever kind; else the newest committed
+    step of ours, or without one the newest step Megatron-LM wrote (the one ``load()`` would read)."""
+    from .inventory import foreign_megatron_steps
+
+    committed = store.committed_steps()
+    foreign = [s for s in foreign_megatron_steps(store) if s not in committed]
+    if args.all:
+        return committed, foreign
+    if args.step is not None and args.step in foreign:
+        return [], [args.step]
+    if args.step is None and not committed and foreign:
+        return [], foreign[-1:]
+    return [_pick_step(store, args.step, label)], []
+
+
 def cmd_verify(args: argparse.Namespace) -> int:
-    from .inventory import verify_step
+    from .inventory import verify_foreign_step, verify_step
 
     opened = _open(args, memory=False)
     stores = _file_tiers(opened)
@@ -188,32 +205,37 @@ def cmd_verify(args: argparse.Namespace) -> int:
     results, empty = [], []
     for name, store in stores.items():
         try:
-            steps = store.committed_steps() if args.all else [_pick_step(store, args.step, opened.label(name))]
+            steps, foreign = _steps_to_verify(store, args, opened.label(name))
         except NoCheckpointError as exc:
             empty.append(str(exc))
             continue
         except (TierError, OSError) as exc:
             opened.unreadable[name] = _text(exc)
             continue
-        if not steps:
+        if not steps and not foreign:
             empty.append(no_commit_message(store, opened.label(name)))
             continue
         progress = sys.stderr.isatty() and not args.json
         results.extend(verify_step(store, s, progress=progress) for s in steps)
+        results.extend(verify_foreign_step(store, s, progress=progress) for s in foreign)
     if len(stores) > 1:
         for text in empty:
             _note(args, text)
     bad = [r for r in results if not r.ok]
     payload = [{"tier": r.tier, "step": r.step, "files": r.checked, "bytes": r.nbytes, "ok": r.ok,
-                "problems": r.problems} for r in results]
+                "problems": r.problems, "checked_against": r.against, **({"notes": r.notes} if r.notes else {})}
+               for r in results]
     problem = None if bad else opened.problem(bool(results), "; ".join(empty) or "no committed checkpoint")
 
     def text() -> None:
         for r in results:
             status = "OK" if r.ok else "FAILED"
-            print(f"{status}  tier {r.tier!r} step {r.step}: {r.checked} files, {human_bytes(r.nbytes)}")
+            against = "" if r.against == "manifest" else f"; checked against {r.against}"
+            print(f"{status}  tier {r.tier!r} step {r.step}: {r.checked} files, {human_bytes(r.nbytes)}{against}")
             for p in r.problems:
                 print(f"    {p}")
+            for n in r.notes:
+                print(f"    note: {n}")
 
     code = _emit(args, payload, problem, text, bool(results))
     return EXIT_FAILED if bad else code

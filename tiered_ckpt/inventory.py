@@ -203,6 +203,8 @@ class VerifyReport:
     checked: int = 0
     nbytes: int = 0
     problems: list[str] = field(default_factory=list)
+    against: str = "manifest"  # what the bytes were checked against (FOREIGN_CHECK: a step Megatron-LM wrote)
+    notes: list[str] = field(default_factory=list)  # said, not failures
 
     @property
     def ok(self) -> bool:
@@ -269,6 +271,65 @@ def _verify_file(store: FileStore, entry: Any, report: VerifyReport, is_megatron
         problem = _megatron_refusal(store, entry.key)
         if problem:
             report.problems.append(problem)
+
+
+#: What a step Megatron-LM (or DLRover) wrote is verified against: it has no manifest of ours.
+FOREIGN_CHECK = "zip CRC-32s and Megatron's allow-list (no manifest: written by Megatron-LM or DLRover)"
+
+
+def foreign_megatron_steps(store: FileStore) -> list[int]:
+    """The steps of ``store`` that Megatron-LM or DLRover wrote (their files, no manifest of ours), oldest first."""
+    from .layouts.foreign import MEGATRON_STATE
+
+    found = foreign_step_dirs(store.tier.list(""), store.tier)
+    return sorted(n for d, state in found.items()
+                  if state == MEGATRON_STATE and (n := store.layout.parse_step_dir(d)) is not None)
+
+
+def verify_foreign_step(store: FileStore, step: int, progress: bool | TextIO = False) -> VerifyReport:
+    """Check a step Megatron-LM wrote as far as its files allow: each torch file's records against the CRC-32s
+    its zip directory gives (torch computes them on save), and its pickle against Megatron's weights-only
+    loader. Damage in place is found; a file missing altogether is not (nothing lists the files it should have)."""
+    from .megatron.lazy_torch import open_lazy
+    from .megatron.loadable import explain, is_megatron_file, refused_globals
+    from .progress import progress_bar
+
+    report = VerifyReport(store.name, step, against=FOREIGN_CHECK)
+    step_dir = store.layout.step_dir(step)
+    try:
+        keys = sorted(k for k in store.tier.list(step_dir + "/") if is_megatron_file(k))
+        sizes = {k: store.tier.size(k) for k in keys}
+    except (TierError, OSError) as exc:
+        report.problems.append(f"{step_dir}: cannot list its files: {exc}")
+        return report
+    stream_out: Any = None if isinstance(progress, bool) else progress
+    no_crcs = []
+    with progress_bar(total=sum(sizes.values()), desc=f"verify {store.name} step {step}", disable=not progress,
+                      file=stream_out, leave=True) as bar:
+        for key in keys:
+            try:
+                torch_file = open_lazy(store.tier, key, unpickle=False)
+                if torch_file.has_crcs:
+                    report.problems += [f"{key}: record {m} (damaged)" for m in torch_file.crc_mismatches(bar.update)]
+                else:
+                    no_crcs.append(key)
+                refused = refused_globals(torch_file.pickle_bytes())
+                if refused:
+                    report.problems.append(explain(key, refused))
+            except (TierError, OSError) as exc:
+                report.problems.append(f"{key}: cannot read: {exc}")
+                continue
+            except Exception as exc:  # noqa: BLE001 - a truncated or overwritten file: this file failed
+                report.problems.append(f"{key}: not a readable torch file ({type(exc).__name__}: {exc})")
+                continue
+            report.checked += 1
+            report.nbytes += sizes[key]
+    if no_crcs:
+        report.notes.append(f"{len(no_crcs)} file(s) written without CRC-32s (torch's config.save.compute_crc32 = "
+                            f"False): only their structure and pickle were checked ({', '.join(no_crcs[:3])})")
+    if not keys:
+        report.problems.append(f"{step_dir}: no Megatron file (model_optim_rng.pt, distrib_optim.pt) is there")
+    return report
 
 
 def _megatron_refusal(store: FileStore, key: str) -> str | None:

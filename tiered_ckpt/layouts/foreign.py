@@ -22,7 +22,7 @@ from .dcp import METADATA_NAME
 
 MEGATRON_FILES = frozenset({"model_optim_rng.pt", "distrib_optim.pt"})  # Megatron-LM's and DLRover's names
 DCP_STATE = "dcp, no manifest (written by DCP: nothing to verify)"
-MEGATRON_STATE = "megatron, no manifest (written by Megatron-LM or DLRover: nothing to verify)"
+MEGATRON_STATE = "megatron, no manifest (written by Megatron-LM or DLRover)"
 
 
 def foreign_step_dirs(keys: Iterable[str], tier: Any = None) -> dict[str, str]:

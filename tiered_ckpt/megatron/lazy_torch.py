@@ -51,6 +51,7 @@ class _Record:
     header_offset: int
     size: int
     data_offset: int | None = None
+    crc: int = 0  # the CRC-32 the zip directory gives for the record's bytes
 
 
 class LazyArray:
@@ -180,15 +181,15 @@ class LazyTorchFile:
         for _ in range(entries):
             if cd[p:p + 4] != b"PK\x01\x02":
                 raise DecodeError(f"{self.where}: corrupt zip central directory")
-            (method, csize, usize, nlen, xlen, clen, hoff) = (
-                struct.unpack("<H", cd[p + 10:p + 12])[0], *struct.unpack("<II", cd[p + 20:p + 28]),
+            (method, crc, csize, usize, nlen, xlen, clen, hoff) = (
+                struct.unpack("<H", cd[p + 10:p + 12])[0], *struct.unpack("<III", cd[p + 16:p + 28]),
                 *struct.unpack("<HHH", cd[p + 28:p + 34]), struct.unpack("<I", cd[p + 42:p + 46])[0])
             name = cd[p + 46:p + 46 + nlen].decode("utf-8", "replace")
             extra = cd[p + 46 + nlen:p + 46 + nlen + xlen]
             usize, csize, hoff = _zip64_fields(extra, usize, csize, hoff)
             if method != 0 or csize != usize:
                 raise DecodeError(f"{self.where}: record {name} is compressed; torch files store records")
-            records[name] = _Record(hoff, usize)
+            records[name] = _Record(hoff, usize, crc=crc)
             p += 46 + nlen + xlen + clen
         return records
 
@@ -203,6 +204,31 @@ class LazyTorchFile:
             if rec.data_offset + rec.size > self.size:
                 raise DecodeError(f"{self.where}: record {name} runs past the end of the file")
         return rec
+
+    @property
+    def has_crcs(self) -> bool:
+        """False for a file torch wrote without CRC-32s (``torch.utils.serialization.config.save.compute_crc32 =
+        False``: every record's is 0)."""
+        return any(rec.crc for rec in self.records.values() if rec.size)
+
+    def crc_mismatches(self, on_bytes: Any = None) -> list[str]:
+        """Each record whose bytes do not hash to the CRC-32 the zip directory gives for it (read in pieces of
+        :data:`READ_PIECE`; ``on_bytes(n)`` after each), as ``"name: CRC-32 ..."``."""
+        from ..fast_crc import crc32
+
+        out = []
+        for name in self.records:
+            rec = self._data_offset(name)
+            crc, done = 0, 0
+            while done < rec.size:
+                n = min(READ_PIECE, rec.size - done)
+                crc = crc32(self.reader.read(rec.data_offset + done, n), crc)
+                done += n
+                if on_bytes is not None:
+                    on_bytes(n)
+            if crc != rec.crc:
+                out.append(f"{name}: CRC-32 {crc:08x}, the zip directory says {rec.crc:08x}")
+        return out
 
     def pickle_bytes(self, limit: int | None = None) -> bytes:
         """The file's ``data.pkl`` record (its pickle, tensors as persistent ids)."""
