@@ -31,7 +31,9 @@ def read_committed_step(store: FileStore, step: int, coords: RankCoords, *, copy
         return apply_into(items, into, f"step {step} on tier {store.name!r}"), verified, nbytes
     if not store.tier.exists(store.layout.manifest_key(step)):
         return _read_megatron(store, step, coords, verify=verify, trust=trust_pickles)  # written by Megatron-LM
-    manifest = store.read_manifest(step, cached=True)
+    # Read afresh: this process's cache may hold an earlier commit of a step saved again since (its drain worker
+    # commits in another process, another rank may have un-committed it), whose checksums the files no longer match.
+    manifest = store.read_manifest(step)
     changed = layout_changes(manifest.parallel, coords.layout)
     if changed:
         if any(not c.startswith("DP ") for c in changed):

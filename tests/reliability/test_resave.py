@@ -206,3 +206,21 @@ def test_an_earlier_save_s_commit_withdraws_when_a_rank_moves_on_to_a_later_save
     assert r0.try_commit(step, layout.coords(0), save_id="X.0") is None
     assert r0.committed_steps() == []
     assert r0.read_rank_manifest(step, 1).extra["save"] == "Y.1"  # rank 1's vote is the later save's now
+
+
+def test_a_step_saved_again_loads_its_new_files_in_the_process_that_loaded_it_before(tmp_path, shm_root):
+    """The training process caches the manifests a load read; the drain worker (another process) commits the step
+    saved again with new checksums. The next load in the same process used the old manifest and took the new files
+    for damaged (found by a review)."""
+    cfg = config(tmp_path, keep=5, tiers=("shm", "local"), shm_root=shm_root)
+    cfg["drain"] = {"mode": "process"}
+    with CheckpointEngine(cfg) as engine:
+        for step in (1, 2, 3):
+            engine.save(step, state(float(step))).wait(timeout=120)
+        assert engine.load(step=1).tier == "local"  # shm's two slots hold 2 and 3
+        assert engine._drain._ready.wait(120)  # the worker commits from now on (until then, threads here did)
+        for step in (1, 2, 3):  # the job went back to step 1
+            engine.save(step, state(100.0 + step)).wait(timeout=120)
+        got = engine.load(step=1)
+        assert got.tier == "local" and got.verified and not got.fallbacks
+        assert torch.equal(got.items["model"]["w"], state(101.0)["model"]["w"])

@@ -84,6 +84,9 @@ class TieredStorageReader(StorageReader):
         self._metadata_tier: str | None = None
         self._metadata_error: Exception | None = None
         self._committed: dict[str, set[int]] = {}  # file tier → committed steps, listed once per load
+        # (tier, step) → its manifest, read once per load: a cache kept across loads could be another process's
+        # earlier commit of a step saved again (the drain worker commits, not this process)
+        self._manifests: dict[tuple[str, int], Any] = {}
         self._t0, self._nbytes = 0.0, 0  # this load's start and bytes read (the load event)
         self._metadata_created: float | None = None  # the coordinator's snapshot, when .metadata came from memory
         # A save on a cached plan, its .metadata merged from memory: each rank's snapshot of that save (created)
@@ -93,6 +96,7 @@ class TieredStorageReader(StorageReader):
     def reset(self, checkpoint_id: Any = None) -> None:
         self.storage_data = {}
         self._committed = {}
+        self._manifests = {}
         self._metadata_error = None
         self.sources = {}
         self.verified = True
@@ -360,7 +364,11 @@ class TieredStorageReader(StorageReader):
         committed = self._committed.get(store.name)
         if committed is None:  # not listed by this load (a tier that could not be listed then)
             committed = self._committed[store.name] = set(store.committed_steps())
-        return store.read_manifest(step, cached=True) if step in committed else None
+        if step not in committed:
+            return None
+        if (store.name, step) not in self._manifests:
+            self._manifests[store.name, step] = store.read_manifest(step)
+        return self._manifests[store.name, step]
 
     # ----- fetching data files -----------------------------------------------------------------------------
     def _fetch(self, name: str, reqs: list[ReadItem]) -> tuple[Fetched, str, bool]:
