@@ -452,3 +452,28 @@ def test_verify_all_checks_megatron_s_steps_beside_ours_and_says_when_a_file_has
     assert [r["step"] for r in json.loads(capsys.readouterr().out)] == [20]
     assert main(["verify", str(ckpt), "--step", "10", "--json"]) == 0
     assert [r["step"] for r in json.loads(capsys.readouterr().out)] == [10]
+
+
+def test_a_step_of_unverified_origin_loads_unverified_at_another_dp_size_too(tmp_path):
+    """Files drained from a snapshot whose checksums were never taken (its process died first) carry
+    ``origin: unverified``, and loads of them say verified=False. A load at another DP size re-splits them and
+    said verified=True (found by a review)."""
+    from megatron_synthetic import SyntheticJob, write_checkpoint
+
+    from tiered_ckpt import CheckpointEngine
+    from tiered_ckpt.manifest import dump_with_digest
+    from tiered_ckpt.parallel import ParallelLayout
+
+    write_checkpoint(SyntheticJob(dp=2), tmp_path, layout="rank_sharded", manifest=True)
+    cfg = {"run_id": f"o{uuid.uuid4().hex[:6]}", "layout": "rank_sharded", "drain": {"mode": "thread"},
+           "tiers": [{"name": "disk", "kind": "local", "path": str(tmp_path)}]}
+    with CheckpointEngine(cfg, ParallelLayout(dp=1), rank=0) as engine:
+        assert engine.load().verified  # as written: every file checked against its manifest
+    key = tmp_path / "iter_0000100" / "tiered_ckpt" / "manifest.json"
+    doc = json.loads(key.read_text())
+    doc.pop("digest")
+    doc["files"][0]["meta"] = {**doc["files"][0].get("meta", {}), "origin": "unverified"}  # one old rank's file
+    key.write_bytes(dump_with_digest(doc))
+    with CheckpointEngine(cfg, ParallelLayout(dp=1), rank=0) as engine:
+        got = engine.load()
+        assert got.step == 100 and not got.verified

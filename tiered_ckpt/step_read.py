@@ -44,7 +44,8 @@ def read_committed_step(store: FileStore, step: int, coords: RankCoords, *, copy
         if not saved <= {MODEL_ITEM, OPTIM_ITEM}:
             raise _refuse(store, changed, step, f"items {sorted(saved - {MODEL_ITEM, OPTIM_ITEM})} were saved "
                           "per rank and cannot be re-split (Megatron's items can)")
-        return _read_megatron(store, step, coords, verify=verify, trust=trust_pickles)
+        items, verified, nbytes = _read_megatron(store, step, coords, verify=verify, trust=trust_pickles)
+        return items, verified and _origins_verified(store, manifest, coords.rank), nbytes
     if _merged_only(manifest, coords):
         items, verified, nbytes = _read_megatron(store, step, coords, verify=verify, trust=trust_pickles)
         # the rank's other items (a dataloader's state, carried by convert at the same DP) are its own files
@@ -54,8 +55,8 @@ def read_committed_step(store: FileStore, step: int, coords: RankCoords, *, copy
             blob = store.read_verified(entry, step, coords.rank, verify=verify)
             items[entry.item] = store.decode_entry(entry, blob, copy=copy, map_location=map_location,
                                                    trust_pickles=trust_pickles)
-        origin_ok = not any(f.meta.get("origin") == "unverified" for f in others)
-        return items, verified and origin_ok, nbytes + sum(f.size for f in others)
+        return items, verified and _origins_verified(store, manifest, coords.rank), \
+            nbytes + sum(f.size for f in others)
     items = store.load_rank(manifest, coords, verify=verify, copy=copy, map_location=map_location,
                             trust_pickles=trust_pickles)
     mine = store.layout.files_for_rank(manifest.files, manifest.parallel, coords)
@@ -67,6 +68,22 @@ def read_committed_step(store: FileStore, step: int, coords: RankCoords, *, copy
     # nothing showed those bytes were the ones saved
     origin_ok = not any(f.meta.get("origin") == "unverified" for f in mine)
     return items, verify and origin_ok, sum(f.size for f in mine)
+
+
+def _origins_verified(store: FileStore, manifest: Any, rank: int) -> bool:
+    """Whether no file of ``manifest`` was drained from a snapshot of unverified origin: a re-split reads every
+    old rank's part, so one such rank makes the result unverified. Ranges written in place into Megatron's merged
+    file say so in their rank's own manifest."""
+    if any(f.meta.get("origin") == "unverified" for f in manifest.files):
+        return False
+    for merged in (f for f in manifest.files if f.meta.get("written") == "in_place"):
+        for r in merged.meta.get("merged_from", ()):
+            key = store.layout.rank_manifest_key(manifest.step, r)
+            ranks = store._retry(lambda r=r: store.read_rank_manifest(manifest.step, r), manifest.step, rank,
+                                 f"read {key}")
+            if any(f.meta.get("origin") == "unverified" for f in ranks.files):
+                return False
+    return True
 
 
 def _merged_only(manifest: Any, coords: RankCoords) -> bool:
