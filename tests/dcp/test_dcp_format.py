@@ -241,3 +241,37 @@ def test_engine_save_of_its_own_items_is_refused_by_the_dcp_layout(tmp_path):
         with pytest.raises(ConfigError, match=r"items \['model'\].*TieredStorageWriter.*layout: rank_sharded"):
             engine.save(1, {"model": {"w": torch.ones(4)}})
         assert engine.available_steps() == {"disk": []}
+
+
+def test_a_tier_that_cannot_be_listed_is_not_no_dcp_checkpoint(tmp_path):
+    """The reader logged a tier it could not list and said "no tier holds a DCP checkpoint": a job would start from
+    scratch while its checkpoint sat on a tier that was down. It raises what engine.load() raises (found by a
+    review)."""
+    save(cfg := engine_config(tmp_path), state(1), 10)
+    with CheckpointEngine(cfg) as engine:
+        def down(*args, **kwargs):
+            raise OSError(111, "Connection refused")
+
+        engine.pipeline.stores["disk"].tier.list = down
+        with pytest.raises(CheckpointException) as err:
+            dcp.load(zeros_like(state()), storage_reader=TieredStorageReader(engine))
+    text = str(err.value)  # DCP passes on the message only
+    assert "could not list tier 'disk'" in text and 'This is not "no checkpoint"' in text, text
+    assert "no tier holds a DCP checkpoint" not in text.split("Nothing loadable")[0], text
+
+
+def test_the_reader_says_unverified_for_a_snapshot_of_unverified_origin(tmp_path, shm_root):
+    """A snapshot recovered after its saver died before its checksums (marked unverified) loads with
+    verified=False through engine.load(); the DCP reader said verified=True (found by a review)."""
+    with CheckpointEngine(engine_config(tmp_path, shm=shm_root)) as engine:
+        writer = TieredStorageWriter(engine)
+        dcp.save(state(2), storage_writer=writer, checkpoint_id=20)
+        writer.wait(timeout=60)
+        memory = engine.pipeline.stores["shm"]
+        for meta in list(memory.metas().values()):
+            memory.mark_unverified(meta)
+        reader = TieredStorageReader(engine)
+        loaded = zeros_like(state())
+        dcp.load(loaded, storage_reader=reader)
+    assert_same(state(2), loaded)
+    assert reader.sources and set(reader.sources.values()) == {"shm"} and reader.verified is False

@@ -34,7 +34,7 @@ from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future as TorchFuture
 
 from .. import events as ev
-from ..errors import CorruptionError, NoCheckpointError, TieredCkptError, TierError
+from ..errors import CorruptionError, TieredCkptError, TierError
 from ..layouts.dcp import (
     DATA_ITEM,
     METADATA_FILE,
@@ -84,6 +84,7 @@ class TieredStorageReader(StorageReader):
         self._metadata_tier: str | None = None
         self._metadata_error: Exception | None = None
         self._committed: dict[str, set[int]] = {}  # file tier → committed steps, listed once per load
+        self._unreachable: dict[str, str] = {}  # tiers this load could not list → why
         # (tier, step) → its manifest, read once per load: a cache kept across loads could be another process's
         # earlier commit of a step saved again (the drain worker commits, not this process)
         self._manifests: dict[tuple[str, int], Any] = {}
@@ -228,6 +229,7 @@ class TieredStorageReader(StorageReader):
 
     def _loadable_here(self) -> set[int]:
         steps: set[int] = set()
+        self._unreachable = {}
         for name, store in self._stores():
             try:
                 if (slots := store.slots()) is not None:
@@ -240,6 +242,7 @@ class TieredStorageReader(StorageReader):
             except (TierError, OSError, CorruptionError) as exc:
                 log.warning("dcp load: cannot list tier %r: %s", name, exc)
                 self._emit(ev.TIER_UNREACHABLE, name, message=str(exc))
+                self._unreachable[name] = str(exc)
         return steps
 
     @staticmethod
@@ -258,9 +261,12 @@ class TieredStorageReader(StorageReader):
         chosen = self.engine.coordinator.agree_on_step(mine, self.requested)  # collective with several ranks
         if chosen is None:
             what = f"step {self.requested}" if self.requested is not None else "a DCP checkpoint"
-            raise NoCheckpointError(f"rank {self.engine.coords.rank}: no tier holds {what} that every rank can "
-                                    f"read (this rank sees steps {sorted(mine) or 'none'} on tiers "
-                                    f"{', '.join(self.engine.tiers)})")
+            # NoCheckpointError (or StepNotFoundError) only when every rank listed every tier; else, on every
+            # rank, TierUnavailableError: a tier that could not be listed may hold one (the engine's rule)
+            self.engine._nothing_loadable(
+                self._unreachable, f"rank {self.engine.coords.rank}: no tier holds {what} that every rank can read "
+                f"(this rank sees steps {sorted(mine) or 'none'} on tiers {', '.join(self.engine.tiers)})",
+                requested=self.requested)
         return chosen
 
     # ----- the metadata ------------------------------------------------------------------------------------
@@ -277,7 +283,7 @@ class TieredStorageReader(StorageReader):
                     view, meta = found
                     state = view.load(meta, copy=True, verify=True, only={item})[item]
                     data = bytes(as_memoryview(state["metadata"]))
-                    verified = all(it.checksum for it in meta.items if it.name == item)
+                    verified = meta.verified_origin  # a restart's checksums of what it found prove nothing
                     if rank is None:
                         where = f"tier {name!r} step {step} {METADATA_FILE}"
                         metadata = load_metadata(data, where)
@@ -335,7 +341,7 @@ class TieredStorageReader(StorageReader):
                 part = load_rank_results(as_memoryview(state["metadata"]), f"{where}: rank {rank}'s write results")
                 if part["save_id"] == sid:
                     parts[rank], created[rank] = part, meta.created
-                    verified = verified and all(it.checksum for it in meta.items if it.name == RESULTS_ITEM)
+                    verified = verified and meta.verified_origin
                     break
             if rank not in parts:
                 log.info("dcp load: step %d: rank %d's snapshot of save %s is not in this node's memory: the "
@@ -355,7 +361,7 @@ class TieredStorageReader(StorageReader):
             if entry is None:
                 return None, False
             blob = store.read_verified(entry, step, self.engine.coords.rank)
-            return bytes(as_memoryview(store.decode_stored(entry, blob))), True
+            return bytes(as_memoryview(store.decode_stored(entry, blob))), _origin_verified(entry)
         if not store.tier.exists(key):
             return None, False
         return bytes(as_memoryview(store.tier.read_blob(key))), False
@@ -424,7 +430,7 @@ class TieredStorageReader(StorageReader):
                                       f"metadata says {length}", tier=store.name)
             return entry if tensor else bytes(as_memoryview(entry))
 
-        return get, all(it.checksum for it in meta.items if it.name == DATA_ITEM)
+        return get, meta.verified_origin
 
     def _from_files(self, store: FileStore, name: str, step: int, reqs: list[ReadItem]
                     ) -> tuple[Fetched, bool] | None:
@@ -439,7 +445,7 @@ class TieredStorageReader(StorageReader):
         if entry is None:
             return None
         blob = store.decode_stored(entry, store.read_verified(entry, step, self.engine.coords.rank))
-        return _blob_getter(blob, key), True
+        return _blob_getter(blob, key), _origin_verified(entry)
 
     @staticmethod
     def _from_directory(path: str) -> Fetched:
@@ -451,6 +457,12 @@ class TieredStorageReader(StorageReader):
             return data
 
         return _range_getter(read, path)
+
+
+def _origin_verified(entry: Any) -> bool:
+    """A file drained from a snapshot of unverified origin matches its checksums, but nothing showed its bytes
+    were the ones saved (snapshot_record.UNVERIFIED)."""
+    return entry.meta.get("origin") != "unverified"
 
 
 def _is_dcp_step(store: FileStore, step: int) -> bool:
