@@ -263,7 +263,8 @@ def test_failing_producer_aborts_the_multipart_upload(remote):
 
 # ----- 3. faults: retried, committed ------------------------------------------------------------------------
 @pytest.mark.parametrize("kind, text", [("slowdown", "SlowDown"), ("internal_error", "InternalError"),
-                                        ("reset", "")])
+                                        ("reset", ""), ("bad_gateway", "HTTP 502"),
+                                        ("too_many_requests", "HTTP 429")])
 def test_fault_on_a_part_is_retried_by_the_engine_and_committed(remote, shm_root, recorder, kind, text):
     # request_attempts=1: the tier does not try again itself, so failures reach the engine's retry. (aiohttp
     # itself resends an idempotent request once when a reused connection breaks: part 2 is reset twice.)
@@ -296,7 +297,7 @@ def test_a_failed_part_is_sent_again_alone(remote, shm_root, recorder, caplog):
     assert_same(items, load_from_s3(remote).items)
 
 
-@pytest.mark.parametrize("kind", ["slowdown", "internal_error", "reset"])
+@pytest.mark.parametrize("kind", ["slowdown", "internal_error", "reset", "gateway_timeout"])
 def test_fault_on_the_manifest_put_is_retried_and_committed(remote, shm_root, recorder, kind):
     items = make_state(4, mib=1)
     fault = remote.proxy.inject(kind, op="PutObject", path=MANIFEST, times=2)
@@ -679,3 +680,19 @@ def test_an_answer_without_a_byte_count_is_a_corruption_error(remote, monkeypatc
         with pytest.raises(CorruptionError, match="the store's answer gives no byte count") as info:
             read("k")
         assert "tier 's3'" in str(info.value)
+
+
+def test_a_bucket_that_does_not_exist_is_not_no_checkpoint(remote, shm_root):
+    """s3fs lists a missing bucket as an empty prefix: load() said "no checkpoint", and a resume script would start
+    afresh while every save failed (found by a review). The tier is unusable, and load() says which bucket."""
+    from dataclasses import replace
+
+    from tiered_ckpt.errors import TierUnavailableError
+
+    typo = replace(remote, bucket=f"{remote.bucket}-typo")
+    cfg = {"run_id": f"r{uuid.uuid4().hex[:8]}", "drain": {"mode": "thread"}, "tiers": [typo.tier(direct=True)]}
+    with CheckpointEngine(cfg) as engine, pytest.raises(TierUnavailableError, match="no such bucket"):
+        engine.load()
+    with CheckpointEngine({**cfg, "tiers": [remote.tier(direct=True)]}) as engine, \
+            pytest.raises(NoCheckpointError):  # the bucket is there, nothing under the prefix yet
+        engine.load()

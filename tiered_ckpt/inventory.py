@@ -84,19 +84,15 @@ def absent_location(tier: Tier) -> str | None:
         if info.get("type") == "file":
             raise ConfigError(_redacted(tier, f"{url} is a file, not a checkpoint directory"))
         return None
+    from .tiers.fsspec_tier import BUCKET_PROTOCOLS, missing_bucket
+
     protocol = fs.protocol[0] if isinstance(fs.protocol, (tuple, list)) else fs.protocol
-    if protocol in ("s3", "s3a", "gs", "gcs", "az", "abfs"):  # is it the bucket that is missing?
-        bucket = root.split("/", 1)[0]
+    if protocol in BUCKET_PROTOCOLS:  # is it the bucket that is missing?
         try:
-            if protocol in ("s3", "s3a") and hasattr(fs, "call_s3"):
-                fs.call_s3("head_bucket", Bucket=bucket)  # older s3fs's info() of an empty bucket says "not found"
-            else:
-                fs.info(bucket)
-        except FileNotFoundError:
-            return f"no such bucket {bucket!r}"
+            why = missing_bucket(fs, root)
         except Exception as exc:
-            raise Unreadable(_redacted(tier, f"bucket {bucket!r}: {_why(exc)}")) from None
-        return "nothing stored under this prefix"
+            raise Unreadable(_redacted(tier, f"bucket {root.split('/', 1)[0]!r}: {_why(exc)}")) from None
+        return why or "nothing stored under this prefix"
     return "no such directory"
 
 

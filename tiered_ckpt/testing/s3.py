@@ -46,7 +46,14 @@ import pytest
 from .s3_server import LOOPBACK, S3Server, start_s3_server
 
 # ----- the fault proxy -------------------------------------------------------------------------------------
-FAULT_KINDS = ("slowdown", "internal_error", "access_denied", "reset", "stall")
+FAULT_KINDS = ("slowdown", "internal_error", "access_denied", "reset", "stall", "bad_gateway", "gateway_timeout",
+               "too_many_requests")
+# What a load balancer or gateway in front of the store answers: HTML, no S3 error code
+_HTML_ANSWERS = {
+    "bad_gateway": (502, "Bad Gateway"),
+    "gateway_timeout": (504, "Gateway Timeout"),
+    "too_many_requests": (429, "Too Many Requests"),
+}
 _ERROR_ANSWERS = {
     "slowdown": (503, "Slow Down", "SlowDown", "Please reduce your request rate."),
     "access_denied": (403, "Forbidden", "AccessDenied", "Access Denied"),  # a policy without the permission
@@ -185,7 +192,7 @@ class _Handler(BaseHTTPRequestHandler):
                                checksum_crc32=self.headers.get("x-amz-checksum-crc32"))
         fault = proxy._begin(record)
         try:
-            if fault is not None and fault.kind in _ERROR_ANSWERS:
+            if fault is not None and (fault.kind in _ERROR_ANSWERS or fault.kind in _HTML_ANSWERS):
                 self._send_error_answer(record, fault.kind)
                 return
             answer = proxy._forward(self.command, self.path, self.headers, body) \
@@ -227,6 +234,11 @@ class _Handler(BaseHTTPRequestHandler):
         self.wfile.flush()
 
     def _send_error_answer(self, record: RequestRecord, kind: str) -> None:
+        if kind in _HTML_ANSWERS:
+            status, reason = _HTML_ANSWERS[kind]
+            html = f"<html><body><h1>{status} {reason}</h1></body></html>".encode()
+            self._send(record, status, reason, [("Content-Type", "text/html")], html)
+            return
         status, reason, code, message = _ERROR_ANSWERS[kind]
         request_id = uuid.uuid4().hex[:16].upper()
         xml = (f'<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>{code}</Code><Message>{message}</Message>'

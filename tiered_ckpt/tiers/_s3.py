@@ -81,6 +81,20 @@ def s3_error_code(exc: BaseException | None) -> str | None:
     return None
 
 
+def s3_http_status(exc: BaseException | None) -> int | None:
+    """The HTTP status of the S3 answer behind an exception (502 from a load balancer, 429...), if any."""
+    for _ in range(6):
+        if exc is None:
+            return None
+        response = getattr(exc, "response", None)
+        if isinstance(response, dict):
+            status = response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+            if isinstance(status, int):
+                return status
+        exc = exc.__cause__ or exc.__context__
+    return None
+
+
 class Replaced(Exception):
     """The object changed between two requests of one read (its ETag no longer matches)."""
 

@@ -140,6 +140,26 @@ def is_s3_url(url: str) -> bool:
 
 
 # ----- the tier --------------------------------------------------------------------------------------------
+BUCKET_PROTOCOLS = ("s3", "s3a", "gs", "gcs", "az", "abfs")
+
+
+def missing_bucket(fs: Any, root: str) -> str | None:
+    """``"no such bucket 'b'"`` when ``root`` is on an object store whose bucket does not exist; None when it does,
+    or the file system has no buckets. Raises what the store raises when it cannot be asked."""
+    protocol = fs.protocol[0] if isinstance(fs.protocol, (tuple, list)) else fs.protocol
+    if protocol not in BUCKET_PROTOCOLS:
+        return None
+    bucket = root.split("/", 1)[0]
+    try:
+        if protocol in ("s3", "s3a") and hasattr(fs, "call_s3"):
+            fs.call_s3("head_bucket", Bucket=bucket)  # older s3fs's info() of an empty bucket says "not found"
+        else:
+            fs.info(bucket)
+    except FileNotFoundError:
+        return f"no such bucket {bucket!r}"
+    return None
+
+
 class FsspecTier(Tier):
     """The ``fsspec`` kind. Built for an S3 URL it is an :class:`~tiered_ckpt.tiers.s3.S3Tier` (a subclass), so
     ``kind: fsspec`` with ``url: s3://...`` and ``FsspecTier(name, FsspecOptions(url="s3://..."))`` both get
@@ -491,6 +511,12 @@ class FsspecTier(Tier):
         try:
             return self.fs.find(top, detail=False)
         except FileNotFoundError:
+            # Nothing under the prefix yet, or no bucket at all (s3fs says the same for both): a bucket that is
+            # not there is a tier that cannot be used, never "no checkpoint" (a resume would start afresh)
+            why = missing_bucket(self.fs, self.root)
+            if why is not None:
+                raise PermanentTierError(f"{why} ({self.location}): create it, or correct the tier's url",
+                                         tier=self.name) from None
             return []
 
     def delete(self, key: str) -> None:

@@ -71,6 +71,7 @@ from ._s3 import (
     library_errors,
     object_size,
     s3_error_code,
+    s3_http_status,
 )
 from ._s3_parts import SharedParts, is_upload_token
 from ._s3_split import PieceMissing, Split, SplitUpload, drop_pieces, is_piece_name, piece_name
@@ -211,6 +212,11 @@ class S3Tier(FsspecTier):
         err = super()._tier_exception(exc, key, op, path, missing_ok)
         if err is None:  # the S3 stack's other errors: a redacted message; the retry policy reads the cause
             err = TierError(f"{where}: {self._redact(f'{type(exc).__name__}: {exc}')}", tier=self.name, key=key)
+        status = s3_http_status(exc)
+        if isinstance(err, PermanentTierError) and status is not None and (status >= 500 or status == 429):
+            # 5xx and 429 mean "try again" whatever the body: s3fs makes a code it does not know (a load
+            # balancer's HTML 502/504, a 429) an OSError(EIO), which would pass for a permanent failure
+            return TransientTierError(f"{where}: HTTP {status}: {self._redact(str(exc))}", tier=self.name, key=key)
         return err
 
     def _log_retry(self, attempt: int, err: BaseException, delay: float) -> None:
