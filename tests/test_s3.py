@@ -696,3 +696,17 @@ def test_a_bucket_that_does_not_exist_is_not_no_checkpoint(remote, shm_root):
     with CheckpointEngine({**cfg, "tiers": [remote.tier(direct=True)]}) as engine, \
             pytest.raises(NoCheckpointError):  # the bucket is there, nothing under the prefix yet
         engine.load()
+
+
+def test_a_throttled_tracker_read_after_the_manifest_does_not_fail_the_commit(remote, shm_root):
+    """The commit reads Megatron's tracker after publishing the checkpoint manifest, outside the retry policy: a
+    throttled read failed a step that was committed (found by a review). It is retried like the rest."""
+    with CheckpointEngine(config(shm_root, remote.tier())) as engine:
+        engine.save(1, make_state(1, mib=1)).wait(timeout=60)
+        fault = remote.proxy.inject("slowdown", op="GetObject", path=r"latest_checkpointed_iteration", times=3)
+        engine.save(2, make_state(2, mib=1)).wait(timeout=60)
+    assert fault.hits == 3
+    tracker = remote.server.client().get_object(Bucket=remote.bucket,
+                                                Key=f"{remote.prefix}/latest_checkpointed_iteration.txt")
+    assert tracker["Body"].read() == b"2"
+    assert load_from_s3(remote).step == 2

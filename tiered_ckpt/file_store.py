@@ -689,11 +689,21 @@ class FileStore(CommittedFiles):
         return int(text) if text.isascii() and text.isdigit() and len(text) <= 18 else None  # not "²", not 5000 digits
 
     def _update_tracker(self, step: int, rank: int) -> None:
-        current = self.read_tracker()
-        if current is not None and current > step and self.tier.exists(self.layout.manifest_key(current)):
-            return  # never move the tracker backwards (a late, older commit); a damaged one names no commit
-        self._retry(lambda: self.tier.publish(self.layout.tracker, str(step).encode()), step, rank,
-                    f"publish {self.layout.tracker}")
+        """Point Megatron-LM's tracker at ``step``, just committed. Its reads are retried like its write (a
+        throttled read must not fail a step whose manifest is written); if the tier still fails, the step stays
+        committed for tiered_ckpt's loads, and the error says the tracker names an older step."""
+        tracker = self.layout.tracker
+        try:
+            current = self._retry(self.read_tracker, step, rank, f"read {tracker}")
+            newer = current is not None and current > step and self._retry(
+                lambda: self.tier.exists(self.layout.manifest_key(current)), step, rank, f"look for step {current}")
+            if newer:
+                return  # never move the tracker backwards (a late, older commit); a damaged one names no commit
+            self._retry(lambda: self.tier.publish(tracker, str(step).encode()), step, rank, f"publish {tracker}")
+        except TierError as exc:
+            log.error("tier %r: step %d is committed (loads through tiered_ckpt see it), but %s could not be "
+                      "updated, so Megatron-LM's own loader still resumes from the step it names: %s", self.name,
+                      step, tracker, exc)
 
     # ----- retention ---------------------------------------------------------------------------------------
     def partial_steps(self, keys: list[str], newest: int | None = None, *,
