@@ -422,3 +422,37 @@ def test_checksums_off_in_the_aws_config_file_are_off(make_tier, s3_fault_proxy,
     s3_fault_proxy.reset_log()
     tier.write_blob("small", [b"abc"])
     assert [r.checksum_crc32 for r in s3_fault_proxy.ops("PutObject")] == [None]
+
+
+def test_a_piece_listing_that_says_more_and_not_where_is_an_error_not_a_loop(tier, s3_server, where, monkeypatch):
+    """A store answering IsTruncated with the continuation token it was given: the listing of a blob's pieces
+    asked again for ever (found by a review). It gives up with a transient error, as the tier's other listings do."""
+    import threading
+
+    from tiered_ckpt.errors import TransientTierError
+
+    tier.write_private_blob("a/one", [blob(2 * PART + 1, 4)])
+    call = tier.fs._call_s3
+
+    async def stuck(method, *args, **kwargs):
+        kwargs.pop("ContinuationToken", None)
+        answer = await call(method, *args, **kwargs)
+        if method == "list_objects_v2" and ".tcsplit-" in kwargs.get("Prefix", ""):
+            answer = {**answer, "IsTruncated": True, "NextContinuationToken": "the same"}
+        return answer
+
+    monkeypatch.setattr(tier.fs, "_call_s3", stuck)
+    outcome: list[BaseException | None] = []
+
+    def delete() -> None:
+        try:
+            tier.delete("a/one")
+            outcome.append(None)
+        except BaseException as exc:  # noqa: BLE001 - looked at below
+            outcome.append(exc)
+
+    worker = threading.Thread(target=delete, daemon=True)
+    worker.start()
+    worker.join(60)
+    assert outcome and isinstance(outcome[0], TransientTierError), outcome
+    assert "the store says there is more, and not where" in str(outcome[0])

@@ -195,7 +195,11 @@ async def piece_objects(tier: S3Tier, bucket: str, obj: str) -> list[str]:
         found += [o["Key"] for o in resp.get("Contents", []) if is_piece_name(o["Key"])]
         if not resp.get("IsTruncated"):
             return found
-        token = {"ContinuationToken": resp["NextContinuationToken"]}
+        following = {"ContinuationToken": resp.get("NextContinuationToken")}
+        if following["ContinuationToken"] is None or following == token:  # asking again would loop for ever
+            raise TransientTierError(tier._redact(f"list the pieces of {bucket}/{obj}: the store says there is "
+                                                  "more, and not where"), tier=tier.name)
+        token = following
 
 
 async def drop_pieces(tier: S3Tier, bucket: str, obj: str, keep: str | None = None, only: str | None = None
