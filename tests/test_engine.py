@@ -864,3 +864,31 @@ def test_a_commit_whose_retention_fails_is_reported_committed_and_retention_catc
         assert local.committed_steps() == [11, 12]
         assert set(local._manifests) <= {11, 12}  # the drain's store: it never loads, so nothing else trims it
         assert engine.load().step == 12
+
+
+def test_a_rank_that_read_a_step_another_rank_could_not_says_why_it_moves_on(tmp_path, shm_root, recorder,
+                                                                              monkeypatch):
+    """Every rank moves to an older step when one rank cannot read its part. The ranks that read theirs did so
+    silently, after a 'load' event for a step they did not load (found by a review): they now record a fallback
+    naming the reason, and emit 'load' only for the step loaded."""
+    cfg = {"run_id": f"e{uuid.uuid4().hex[:8]}", "drain": {"mode": "thread"},
+           "tiers": [{"name": "mem", "kind": "shm", "path": str(shm_root)},
+                     {"name": "local", "kind": "local", "path": str(tmp_path / "l"), "fsync": False}]}
+    with CheckpointEngine(cfg) as engine:
+        for step in (1, 2):
+            engine.save(step, {"m": {"w": torch.full((4,), float(step))}}).wait(timeout=60)
+        agree = engine.coordinator.all_succeeded
+        first = []
+
+        def another_rank_fails_step_2(ok: bool, what: str = "") -> bool:  # what a peer's failure looks like here
+            if what == "loaded" and not first:
+                first.append(ok)
+                return False
+            return agree(ok, what)
+
+        monkeypatch.setattr(engine.coordinator, "all_succeeded", another_rank_fails_step_2)
+        got = engine.load()
+    assert got.step == 1 and first == [True]
+    assert any("step 2: another rank could not load its part" in f for f in got.fallbacks), got.fallbacks
+    assert [e.step for e in recorder.kinds("load")] == [1]
+    assert [e.step for e in recorder.kinds("fallback")] == [2]

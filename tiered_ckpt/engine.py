@@ -468,12 +468,21 @@ class CheckpointEngine:
                                             damaged, step is not None)
             if self.coordinator.all_succeeded(result is not None, "loaded"):
                 assert result is not None
+                # emitted once every rank has its part: a step some rank could not read is not loaded here either
+                self._emit(ev.Event(ev.LOAD, step=result.step, rank=self.coords.rank, tier=result.tier,
+                                    seconds=result.seconds, nbytes=result.nbytes, detail={"verified": result.verified}))
                 result.unreachable = dict(unreachable)
                 if unreachable:
                     log.warning("load: step %d from tier %r without seeing tier(s) %s: a newer step may be there",
                                 result.step, result.tier, ", ".join(repr(t) for t in unreachable))
                 return result
             # Some rank could not read its part of this step anywhere: everyone moves to an older one together.
+            if result is not None:  # this rank read its part: say why it is not used
+                why = f"step {chosen}: another rank could not load its part of it (its log says why)"
+                fallbacks.append(why)
+                self._emit(ev.Event(ev.FALLBACK, step=chosen, rank=self.coords.rank, tier=result.tier, message=why))
+                log.warning("load: %s; this rank read its part from tier %r, but every rank moves on together%s",
+                            why, result.tier, "" if step is not None else " to an older step")
             rejected.add(chosen)
             if step is not None:
                 self._nothing_loadable(unreachable, f"step {step} cannot be loaded by every rank "
@@ -561,8 +570,6 @@ class CheckpointEngine:
                 log.warning("load: tier %r step %d: %s; %s", name, step, exc, then)
                 continue
             seconds = time.perf_counter() - t0
-            self._emit(ev.Event(ev.LOAD, step=step, rank=self.coords.rank, tier=name, seconds=seconds,
-                                nbytes=nbytes, detail={"verified": verified}))
             return LoadResult(step, items, name, verified, seconds, nbytes, list(fallbacks))
         return None
 
