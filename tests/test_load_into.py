@@ -171,3 +171,25 @@ def test_pair_into_keeps_non_tensor_values_from_the_checkpoint():
     assert result["n"] == 5 and result["l"][1] == "x"
     assert result["w"] is target["w"] and result["l"][0] is target["l"][0]
     assert len(pairs) == 2
+
+
+def test_a_target_only_a_failed_step_held_is_never_handed_on_as_loaded(shm_root, tmp_path):
+    """The newest step (in shm alone) fails its checksum after its bytes were copied into the targets; the older
+    step loaded instead lacks one of them, which then kept the damaged step's bytes while load() said verified
+    (found by a review). load() refuses, naming the target."""
+    from tiered_ckpt.errors import LoadIntoError
+
+    cfg = _config(shm_root, tmp_path, "shm", "local")
+    cfg["tiers"][1]["every"] = 2  # step 2 stays in shm
+    with CheckpointEngine(cfg) as engine:
+        engine.save(1, {"state": {"a": torch.full((1024,), 1.0)}}).wait(timeout=60)
+        engine.save(2, {"state": {"a": torch.full((1024,), 2.0), "b": torch.full((1024,), 2.0)}}).wait(timeout=60)
+        store = engine.pipeline.stores["shm"]
+        meta = next(m for m in store.metas().values() if m.step == 2)
+        meta = store.await_checksums(meta)  # damage after the checksums, as a stray write would
+        store.buffer(meta.slot, meta.total_bytes)[meta.items[0].offset + meta.items[0].nbytes - 4] ^= 0xFF
+        target = {"state": {"a": torch.zeros(1024), "b": torch.zeros(1024)}}
+        with pytest.raises(LoadIntoError, match=r"does not hold 'state'\['b'\], which a failed read of step 2"):
+            engine.load(into=target)
+        fine = {"state": {"a": torch.zeros(1024)}}  # what the older step holds: loaded as asked
+        assert engine.load(into=fine).step == 1 and torch.equal(fine["state"]["a"], torch.full((1024,), 1.0))

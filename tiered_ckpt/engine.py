@@ -30,6 +30,7 @@ from .errors import (
     CheckpointUnreadableError,
     CorruptionError,
     DecodeError,
+    LoadIntoError,
     NoCheckpointError,
     StepNotFoundError,
     TieredCkptError,
@@ -38,6 +39,7 @@ from .errors import (
 )
 from .fencing import fence_previous_worker
 from .handles import LoadResult, SaveHandle, SavesFailedError
+from .load_into import unfilled_targets
 from .locking import RunLock, shm_paths
 from .memory_store import plan_items
 from .parallel import ParallelLayout, RankCoords, detect, local_rank
@@ -440,6 +442,7 @@ class CheckpointEngine:
         rejected: set[int] = set()
         fallbacks: list[str] = []
         damaged: list[str] = []  # per failed read: "damage" (checksums, decoding), "layout" or "error"
+        written_into: list[int] = []  # steps whose failed reads may have written into the targets of ``into``
         relists = 0
         while True:
             chosen = self.coordinator.agree_on_step(mine - rejected, step)
@@ -465,7 +468,7 @@ class CheckpointEngine:
                                        tried=sorted(rejected), fallbacks=fallbacks, damaged=damaged,
                                        held=sorted(mine) if step is None else sorted(mine & {step}), requested=step)
             result = self.coordinator.alone(self._load_step, chosen, available, copy, map_location, fallbacks, into,
-                                            damaged, step is not None)
+                                            damaged, step is not None, written_into)
             if self.coordinator.all_succeeded(result is not None, "loaded"):
                 assert result is not None
                 # emitted once every rank has its part: a step some rank could not read is not loaded here either
@@ -549,7 +552,7 @@ class CheckpointEngine:
 
     def _load_step(self, step: int, available: dict[str, list[int]], copy: bool, map_location: Any,
                    fallbacks: list[str], into: dict[str, Any] | None = None, damaged: list[str] | None = None,
-                   explicit: bool = False) -> LoadResult | None:
+                   explicit: bool = False, written_into: list[int] | None = None) -> LoadResult | None:
         for name in self.pipeline.order:
             if step not in available.get(name, []):
                 continue
@@ -557,6 +560,8 @@ class CheckpointEngine:
             try:
                 items, verified, nbytes = self._load_from(name, step, copy, map_location, into)
             except (CorruptionError, DecodeError, TierError, OSError) as exc:
+                if into is not None and written_into is not None:
+                    written_into.append(step)  # a verified copy writes the targets before its verdict
                 fallbacks.append(f"tier {name!r} step {step}: {exc}")
                 if damaged is not None:
                     damaged.append("damage" if isinstance(exc, CorruptionError | DecodeError | BlobNotFoundError)
@@ -570,6 +575,17 @@ class CheckpointEngine:
                 log.warning("load: tier %r step %d: %s; %s", name, step, exc, then)
                 continue
             seconds = time.perf_counter() - t0
+            others = [s for s in (written_into or []) if s != step]
+            if into is not None and others:
+                left = unfilled_targets(into, items)
+                if left:
+                    # They keep bytes of the failed read, not values of their own: never hand them on as loaded.
+                    raise LoadIntoError(
+                        f"load(into=...): step {step} from tier {name!r} does not hold {left[0]}"
+                        f"{f' (and {len(left) - 1} more)' if len(left) > 1 else ''}, which a failed read of step "
+                        f"{others[-1]} may have written part-way (every read copies before its checksum verdict): "
+                        "its values are neither the checkpoint's nor the ones it had. Load without into= (then "
+                        "load_state_dict), or give into= only what the checkpoint holds")
             return LoadResult(step, items, name, verified, seconds, nbytes, list(fallbacks))
         return None
 

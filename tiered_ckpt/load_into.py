@@ -14,7 +14,9 @@ counterpart in ``into`` has another shape or dtype is an error naming the item a
 counterpart is returned as loaded. A tensor of ``into`` the checkpoint does not hold (a renamed or misspelt
 key) keeps its values, with a warning naming it. Values that are not tensors (step counters, ``args``)
 come from the checkpoint. If verification fails part-way, the targets hold partial data: the engine then loads the
-next tier into them, and if no tier can be loaded they must not be used.
+next tier (or an older step) into them, and if no tier can be loaded they must not be used. A target that the step
+finally loaded does not hold, after a failed read that may have written it, is refused (``LoadIntoError``):
+it holds neither its own values nor the checkpoint's.
 """
 
 from __future__ import annotations
@@ -57,6 +59,24 @@ def pair_into(loaded: Any, into: Any, where: str, unmatched: Callable[[torch.Ten
                     "current values (a renamed or misspelt key? optimizer state of a parameter that never had a "
                     "gradient is expected here)", left[0], more)
     return out, pairs
+
+
+def unfilled_targets(into: dict[str, Any], items: dict[str, Any]) -> list[str]:
+    """The paths of the tensors of ``into`` that a load's ``items`` (which hold the targets they filled) do not."""
+    filled: set[int] = set()
+
+    def collect(obj: Any) -> None:
+        if isinstance(obj, torch.Tensor):
+            filled.add(id(obj))
+        elif isinstance(obj, dict):
+            for v in obj.values():
+                collect(v)
+        elif type(obj) in (list, tuple):
+            for v in obj:
+                collect(v)
+
+    collect(items)
+    return [path for name, state in into.items() for path, t in _targets(state, repr(name)) if id(t) not in filled]
 
 
 def _targets(into: Any, path: str) -> Iterator[tuple[str, torch.Tensor]]:
