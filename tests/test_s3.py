@@ -710,3 +710,35 @@ def test_a_throttled_tracker_read_after_the_manifest_does_not_fail_the_commit(re
                                                 Key=f"{remote.prefix}/latest_checkpointed_iteration.txt")
     assert tracker["Body"].read() == b"2"
     assert load_from_s3(remote).step == 2
+
+
+def test_a_shared_upload_whose_completion_answer_was_lost_is_complete(remote, make_tier):
+    """Megatron's file written in place on S3 is one multipart upload the ranks share. Its completion's answer was
+    lost and the store answered the retry NoSuchUpload (it forgets a completed upload, as MinIO and S3 do): the
+    commit failed for good, though the object was complete (found by a review). As for a plain upload, the
+    object is looked at: made of these parts, it is the completion."""
+    from botocore.exceptions import ClientError
+    from s3fs.errors import translate_boto_error
+
+    tier = make_tier("fsspec", url=remote.url, options=remote.proxy.storage_options(), part_size=PART,
+                     timeout_s=5)
+    patient = tier.patient_fs()
+    call, completions = patient._call_s3, []
+
+    async def forgetful(method, *args, **kwargs):
+        if method == "complete_multipart_upload":
+            completions.append(kwargs["UploadId"])
+            if len(completions) > 1:
+                raise translate_boto_error(ClientError({"Error": {"Code": "NoSuchUpload", "Message": "gone"}},
+                                                       "CompleteMultipartUpload"))
+        return await call(method, *args, **kwargs)
+
+    patient._call_s3 = forgetful
+    remote.proxy.inject("reset", op="CompleteMultipartUpload", times=1)  # done, the answer cut off
+    shared, key = tier.shared_parts(), "iter_0000001/mp_rank_00/distrib_optim.pt"
+    upload = shared.create(key)
+    parts = shared.upload(key, upload, [(1, memoryview(bytes(PART))), (2, memoryview(b"x" * 100))])
+    shared.complete(key, upload, parts, nbytes=PART + 100)
+    assert len(completions) == 2
+    head = remote.server.client().head_object(Bucket=remote.bucket, Key=f"{remote.prefix}/{key}")
+    assert head["ContentLength"] == PART + 100

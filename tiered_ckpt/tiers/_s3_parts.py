@@ -141,11 +141,31 @@ class SharedParts:
         keep = ("PartNumber", "ETag", *(_CHECKSUM_FIELDS if entry.get("ChecksumAlgorithm") else ()))
         ordered = [{k: p[k] for k in keep if k in p} for p in sorted(parts, key=lambda p: p["PartNumber"])]
 
-        def call() -> Any:  # the server may assemble the object for long before it answers: the patient client
-            return tier.patient_fs()._call_s3("complete_multipart_upload", Bucket=bucket, Key=obj,
-                                              UploadId=upload_id, MultipartUpload={"Parts": ordered})
+        tries = [0]
+
+        async def call() -> Any:  # the server may assemble the object for long before it answers: the patient client
+            tries[0] += 1
+            try:
+                return await tier.patient_fs()._call_s3("complete_multipart_upload", Bucket=bucket, Key=obj,
+                                                        UploadId=upload_id, MultipartUpload={"Parts": ordered})
+            except FileNotFoundError:
+                # NoSuchUpload on a second try: the first one completed, its answer lost (the store forgot the
+                # upload since)? Then the object is there, made of these very parts.
+                if tries[0] > 1 and await self._completed_as(bucket, obj, ordered):
+                    return None
+                raise
 
         tier.run_sync(tier.arequest, "complete the shared multipart upload of", key, path, call, nbytes=nbytes)
+
+    async def _completed_as(self, bucket: str, obj: str, parts: Sequence[dict[str, Any]]) -> bool:
+        expected = multipart_etag(list(parts))
+        if expected is None:
+            return False
+        try:
+            head = await self.tier.fs._call_s3("head_object", Bucket=bucket, Key=obj)
+        except FileNotFoundError:
+            return False
+        return head.get("ETag") == expected
 
     def completed_as(self, key: str, parts: Sequence[dict[str, Any]]) -> bool:
         """Whether ``key`` is the object these parts complete (its multipart ETag; False where the store's ETags
