@@ -299,3 +299,37 @@ def test_a_slow_tier_below_holds_steps_above_only_until_it_has_them(shm_root, tm
     assert sorted(p.name for p in (tmp_path / "local").iterdir() if p.name.startswith("iter_")) == ["iter_0000006"]
     behind = recorder.kinds("tier_behind")  # the user is told that saves outpace the tier
     assert behind and {e.tier for e in behind} == {"remote"} and behind[0].detail["steps"] == 4, behind
+
+
+def _recovery_that_fails(shm_root, tmp_path) -> dict:
+    """A closed engine's snapshot of step 3 kept in shared memory, which the local tier lost; a file stands where
+    the step's directory goes, so the next engine's recovery of it there fails."""
+    cfg = _config(shm_root, tmp_path)
+    with CheckpointEngine(cfg) as engine:
+        engine.save(3, make_items(3)).wait(timeout=60)
+    shutil.rmtree(tmp_path / "local" / "iter_0000003")
+    (tmp_path / "local" / "iter_0000003").write_text("in the way")
+    return cfg
+
+
+def test_a_failed_recovery_is_reported_as_the_earlier_process_s_snapshot(shm_root, tmp_path):
+    with CheckpointEngine(_recovery_that_fails(shm_root, tmp_path)) as engine:
+        [recovered] = engine.recovered
+        with pytest.raises(SaveError):
+            recovered.wait(timeout=60)
+        with pytest.raises(SaveError, match="step 3 on tier 'local'.*an earlier process left in shared memory"):
+            engine.wait(timeout=60)
+
+
+def test_a_failed_recovery_superseded_by_a_new_save_of_its_step_is_no_failure(shm_root, tmp_path):
+    """A restart resumes below a snapshot it could not drain and saves that step again: once the tier commits the
+    new save, engine.wait() does not report the step as missing from it (found on 2 ranks, where rank 0's
+    recovery of a step the dead rank never saved timed out and its new save of the step committed)."""
+    with CheckpointEngine(_recovery_that_fails(shm_root, tmp_path)) as engine:
+        [recovered] = engine.recovered
+        with pytest.raises(SaveError):
+            recovered.wait(timeout=60)
+        (tmp_path / "local" / "iter_0000003").unlink()
+        engine.save(3, make_items(3)).wait(timeout=60)
+        engine.wait(timeout=60)  # no SavesFailedError: the tier holds step 3, from this process's save
+        assert engine.available_steps()["local"] == [3]

@@ -128,6 +128,7 @@ class CheckpointEngine:
         self._generation_high = -1
         self._handles: dict[int, list[SaveHandle]] = {}  # per step, oldest first: a step may be saved twice
         self._failures: dict[int, dict[str, str]] = {}  # since the last engine.wait(): step → tier → why
+        self._recovered_failures: set[tuple[int, str]] = set()  # those of _failures from start-up recovery
         self._fingerprints: tuple[str, ...] | None = None
         self._plan_memos: dict[str, PlanMemo] = {}  # what planning each item at the next save may reuse
         self._cond = threading.Condition()
@@ -155,10 +156,24 @@ class CheckpointEngine:
     def _tier_done(self, step: int, tier: str, ok: bool, error: str | None) -> None:
         # Each tier drains its steps in order, so an outcome is the oldest pending save of that step on that tier.
         with self._cond:
-            if not ok:
-                self._failures.setdefault(step, {})[tier] = error or "failed"
             handles = self._handles.get(step, [])
             handle = next((h for h in handles if tier in h.due and not h.done(tier)), None)
+            recovered = handle is not None and any(handle is h for h in self.recovered)
+            if not ok:
+                why = error or "failed"
+                if recovered:  # not a save of this process: say so, or a restart reads it as its own step failing
+                    why += (" (the snapshot of this step an earlier process left in shared memory, drained at "
+                            "start-up)")
+                    self._recovered_failures.add((step, tier))
+                self._failures.setdefault(step, {})[tier] = why
+            elif (step, tier) in self._recovered_failures:
+                # This process saved the step again and the tier committed that save: the failed recovery of the
+                # earlier process's snapshot is superseded, not a step the tier lacks.
+                self._recovered_failures.discard((step, tier))
+                failed = self._failures.get(step, {})
+                failed.pop(tier, None)
+                if not failed:
+                    self._failures.pop(step, None)
             if handle is not None:
                 handle._resolve(tier, ok, error)
             handles[:] = [h for h in handles if not h.done()]
@@ -611,7 +626,9 @@ class CheckpointEngine:
         """Wait until every save so far has drained (committed or failed) on every due tier; then raise
         :class:`~tiered_ckpt.handles.SavesFailedError` (a SaveError) naming every step and tier that failed since
         the previous ``wait()``, as ``handle.wait()`` does for its own step (on ranks that do not commit a tier:
-        their part written and voted, see :meth:`SaveHandle.wait`). ``progress``: a bar on stderr counting the
+        their part written and voted, see :meth:`SaveHandle.wait`). A snapshot that an earlier process left in
+        shared memory and that could not be drained at start-up is named as such, and not at all once this
+        process saved its step again and the tier committed that save. ``progress``: a bar on stderr counting the
         (step, tier) deliveries still due."""
         if progress:
             self._wait_with_bar(timeout)
@@ -619,6 +636,7 @@ class CheckpointEngine:
             raise TimeoutError(f"drain still busy after {timeout} s")
         with self._cond:
             failures, self._failures = self._failures, {}
+            self._recovered_failures.clear()
         if failures:
             raise SavesFailedError(failures)
 
