@@ -39,7 +39,7 @@ def body(rank: int, world: int, spec: dict, out: dict) -> None:
                 engine.wait(timeout=120)
             except TieredCkptError as exc:
                 out["wait_error"] = str(exc)[:2000]
-        for step in spec.get("save", []):
+        for step in spec.get("save_of", {}).get(str(rank), spec.get("save", [])):  # "save_of": rank → steps
             handle = engine.save(step, items_for(step, rank, spec.get("run", 0)))
             out.setdefault("blocking", []).append(handle.blocking_s)
             try:

@@ -274,3 +274,23 @@ def test_a_step_saved_again_by_every_rank_commits_the_new_save(tmp_path):
     assert saves == {now} and now != first
     third = run_ranks(2, {"config": cfg, "load": True, "runs_of": {"1": [5]}})
     assert {r["step"] for r in third.values()} == {5}
+
+
+def test_snapshots_a_rank_never_saved_elsewhere_are_not_recovered_to_wait_for_it(tmp_path, shm_root):
+    """Rank 1 stopped after step 3; rank 0 saved steps 4 and 5 (never committed: rank 1's part never came). At the
+    restart rank 0 drained them again, and its commit waited commit_timeout_s for rank 1 each time, holding both
+    slots, so the job's first saves blocked for minutes (found by a user's fault trial). The ranks now exchange
+    what they recover: a step some rank has nowhere is left in memory, with a warning."""
+    run_id = f"m{uuid.uuid4().hex[:8]}"
+    local = tmp_path / "local"
+    cfg = {"run_id": run_id, "drain": {"mode": "thread", "commit_timeout_s": 3},
+           "tiers": [{"name": "shm", "kind": "shm", "path": str(shm_root)},
+                     {"name": "local", "kind": "local", "path": str(local)}]}
+    first = run_ranks(2, {"config": cfg, "save_of": {"0": [1, 2, 3, 4, 5], "1": [1, 2, 3]}})
+    assert sorted(first[0]["save_errors"]) == ["4", "5"] and "save_errors" not in first[1]
+    assert committed(local) == [1, 2, 3]
+    second = run_ranks(2, {"config": cfg, "save": [6], "load": True, "runs_of": {}}, timeout=120)
+    assert second[0]["recovered"] == [] and second[1]["recovered"] == []
+    assert "save_errors" not in second[0] and "save_errors" not in second[1]
+    assert {r["step"] for r in second.values()} == {6}  # saved and drained above, loaded by every rank
+    assert committed(local) == [1, 2, 3, 6]

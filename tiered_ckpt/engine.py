@@ -41,11 +41,12 @@ from .fencing import fence_previous_worker
 from .handles import LoadResult, SaveHandle, SavesFailedError
 from .load_into import unfilled_targets
 from .locking import RunLock, shm_paths
+from .manifest import SAVE_KEY
 from .memory_store import plan_items
 from .parallel import ParallelLayout, RankCoords, detect, local_rank
 from .pipeline import STAGING, Pipeline, build_pipeline
 from .plugins import PluginManager, get_plugin_manager
-from .snapshot_record import snapshot_layout_changes, undrained_tiers
+from .snapshot_record import SlotMeta, snapshot_layout_changes, undrained_tiers
 from .worker import open_drain
 
 log = logging.getLogger(__name__)
@@ -291,13 +292,59 @@ class CheckpointEngine:
         return f"{incarnation}.{self._generation}" if incarnation else ""
 
     def _recover(self) -> None:
-        """Drain snapshots a previous process left in shared memory to the tiers they never reached."""
+        """Drain snapshots a previous process left in shared memory to the tiers they never reached: only where
+        every rank whose part the tier's commit needs has that save too, in memory or on the tier already (a rank
+        killed earlier than the others never saved their last steps: the committing rank would wait
+        ``drain.commit_timeout_s`` for each, holding the slots the job's first saves need)."""
         if not self._entry_persists:
-            return
+            return  # alike on every rank (one configuration)
+        found = self.coordinator.alone(self._recovery_candidates)
+        if self.coordinator.group is not None:  # every rank, with or without snapshots: one exchange
+            everyone = self.coordinator.all_gather({m.step: m.save_id for m, _ in found}, "recover")
+            found = self.coordinator.alone(self._completable, found, everyone)
+        entry = self.pipeline.entry_store
+        for meta, due in found:
+            entry.hold_slot(meta.slot)
+            handle = SaveHandle(meta.step, 0.0, self.pipeline.entry, due)
+            with self._cond:
+                self._handles.setdefault(meta.step, []).append(handle)
+            self.recovered.append(handle)
+            self._emit(ev.Event(ev.RECOVER, step=meta.step, rank=self.coords.rank, tier=self.pipeline.entry,
+                                nbytes=meta.total_bytes, detail={"due": list(due), "slot": meta.slot},
+                                message="a snapshot left in memory by an earlier process is drained"))
+            self._drain.submit(DrainRequest(step=meta.step, source=self.pipeline.entry, slot=meta.slot, due=due,
+                                            created=meta.created, recover=True, save_id=meta.save_id))
+
+    def _completable(self, found: list[tuple[SlotMeta, tuple[str, ...]]], everyone: list[dict[int, str]]
+                     ) -> list[tuple[SlotMeta, tuple[str, ...]]]:
+        """``found`` without the tiers whose commit of the step cannot happen: a rank it needs has neither a
+        snapshot of that save (``everyone``: each rank's recovered step → save) nor its part on the tier."""
+        out = []
+        for meta, due in found:
+            keep = []
+            for name in due:
+                store = self.pipeline.stores[name]
+                voters = self.pipeline.node_ranks if store.tier.capabilities.node_local else \
+                    range(self.coords.world_size)
+                lacking = [r for r in voters if r != self.coords.rank and not _has_save(everyone[r], meta)
+                           and not _voted(store.files(), meta, r)]
+                if lacking:
+                    log.warning("tier %r: the snapshot of step %d left in memory is not drained there: rank(s) %s "
+                                "have neither that save in memory nor their part on the tier (they stopped before "
+                                "saving it), so it could never commit. It stays in memory until its slot is "
+                                "reused", name, meta.step, ", ".join(map(str, lacking[:8])))
+                else:
+                    keep.append(name)
+            if keep:
+                out.append((meta, tuple(keep)))
+        return out
+
+    def _recovery_candidates(self) -> list[tuple[SlotMeta, tuple[str, ...]]]:
+        """This rank's snapshots left in memory, each with the tiers it never reached."""
         entry = self.pipeline.entry_store
         metas = sorted(entry.metas().values(), key=lambda m: m.step)
         if not metas:
-            return
+            return []
         durable = self.pipeline.durable_stores()
         committed: dict[str, set[int]] = {}
         # Listed at once, each bounded by load.list_timeout_s as load()'s listings are: a stalled store must not
@@ -323,6 +370,7 @@ class CheckpointEngine:
                         name, why)
             self._emit(ev.Event(ev.TIER_UNREACHABLE, rank=self.coords.rank, tier=name, message=why))
         other_layout: list[str] = []
+        found: list[tuple[SlotMeta, tuple[str, ...]]] = []
         for meta in metas:
             if not meta.persistent:
                 continue  # saved for memory tiers only (a non-persistent step): no file tier ever takes it
@@ -343,24 +391,15 @@ class CheckpointEngine:
                 meta = entry.mark_unverified(meta)
             # the tiers that lack it, but not those its save skipped (their `every`), each once it could be listed
             due = tuple(undrained_tiers(meta, {n: committed[n] for n in self.pipeline.order[1:] if n in durable}))
-            if not due:
-                continue
-            entry.hold_slot(meta.slot)
-            handle = SaveHandle(meta.step, 0.0, self.pipeline.entry, due)
-            with self._cond:
-                self._handles.setdefault(meta.step, []).append(handle)
-            self.recovered.append(handle)
-            self._emit(ev.Event(ev.RECOVER, step=meta.step, rank=self.coords.rank, tier=self.pipeline.entry,
-                                nbytes=meta.total_bytes, detail={"due": list(due), "slot": meta.slot},
-                                message="a snapshot left in memory by an earlier process is drained"))
-            self._drain.submit(DrainRequest(step=meta.step, source=self.pipeline.entry, slot=meta.slot, due=due,
-                                            created=meta.created, recover=True, save_id=meta.save_id))
+            if due:
+                found.append((meta, due))
         if other_layout:  # one line for all of them (an elastic restart finds one per slot)
             log.warning("tier %r: %d snapshot(s) of this rank (%s) are not recovered: saved with another parallel "
                         "layout than this job's (rank %d of %s). They stay in memory, are never loaded as this "
                         "job's state, and their slots are reused by later saves; to keep them, restart with their "
                         "layout", self.pipeline.entry, len(other_layout), "; ".join(other_layout), self.coords.rank,
                         self.coords.layout.to_dict())
+        return found
 
     # ----- loading -----------------------------------------------------------------------------------------
     @property
@@ -753,6 +792,26 @@ def _forget_engines_in_child() -> None:
 
 
 os.register_at_fork(after_in_child=_forget_engines_in_child)
+
+
+def _has_save(recovered: dict[int, str], meta: SlotMeta) -> bool:
+    """Whether a rank's recovered snapshots (step → save) hold the save of ``meta`` (by step alone where the saves
+    have no identity)."""
+    return meta.step in recovered and (not meta.save_id or recovered[meta.step] in ("", meta.save_id))
+
+
+def _voted(files: Any, meta: SlotMeta, rank: int) -> bool:
+    """Whether ``rank``'s part of the save of ``meta`` is on the file store ``files`` (its rank manifest); a store
+    that cannot be asked counts as yes: the drain then finds out, as before."""
+    if files is None:
+        return True
+    try:
+        vote = files.read_rank_manifest(meta.step, rank)
+    except BlobNotFoundError:
+        return False
+    except Exception:  # noqa: BLE001 - unreadable or unreachable: not a reason to give the step up here
+        return True
+    return not meta.save_id or vote.extra.get(SAVE_KEY, "") in ("", meta.save_id)
 
 
 def _steps_text(steps: list[int], most: int = 8) -> str:

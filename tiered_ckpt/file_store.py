@@ -689,21 +689,16 @@ class FileStore(CommittedFiles):
         return int(text) if text.isascii() and text.isdigit() and len(text) <= 18 else None  # not "²", not 5000 digits
 
     def _update_tracker(self, step: int, rank: int) -> None:
-        """Point Megatron-LM's tracker at ``step``, just committed. Its reads are retried like its write (a
-        throttled read must not fail a step whose manifest is written); if the tier still fails, the step stays
-        committed for tiered_ckpt's loads, and the error says the tracker names an older step."""
+        """Point Megatron-LM's tracker at ``step``, just committed. Its reads are retried like its write: a
+        throttled read must not fail the step. A tier that still fails fails the save (the step is committed for
+        tiered_ckpt's loads, but Megatron-LM's own loader would resume from the step the tracker names)."""
         tracker = self.layout.tracker
-        try:
-            current = self._retry(self.read_tracker, step, rank, f"read {tracker}")
-            newer = current is not None and current > step and self._retry(
-                lambda: self.tier.exists(self.layout.manifest_key(current)), step, rank, f"look for step {current}")
-            if newer:
-                return  # never move the tracker backwards (a late, older commit); a damaged one names no commit
-            self._retry(lambda: self.tier.publish(tracker, str(step).encode()), step, rank, f"publish {tracker}")
-        except TierError as exc:
-            log.error("tier %r: step %d is committed (loads through tiered_ckpt see it), but %s could not be "
-                      "updated, so Megatron-LM's own loader still resumes from the step it names: %s", self.name,
-                      step, tracker, exc)
+        current = self._retry(self.read_tracker, step, rank, f"read {tracker}")
+        newer = current is not None and current > step and self._retry(
+            lambda: self.tier.exists(self.layout.manifest_key(current)), step, rank, f"look for step {current}")
+        if newer:
+            return  # never move the tracker backwards (a late, older commit); a damaged one names no commit
+        self._retry(lambda: self.tier.publish(tracker, str(step).encode()), step, rank, f"publish {tracker}")
 
     # ----- retention ---------------------------------------------------------------------------------------
     def partial_steps(self, keys: list[str], newest: int | None = None, *,
