@@ -67,32 +67,26 @@ def library_errors() -> tuple[tuple[type[BaseException], ...], tuple[type[BaseEx
     return _NETWORK_ERRORS, _CREDENTIAL_ERRORS
 
 
-def s3_error_code(exc: BaseException | None) -> str | None:
-    """The S3 error code (``SlowDown``, ``NoSuchUpload``, ``PreconditionFailed``...) behind an exception."""
+def _answers(exc: BaseException | None) -> Iterator[dict[str, Any]]:
+    """The botocore answers (``response`` dicts) along an exception's chain of causes, nearest first."""
     for _ in range(6):
         if exc is None:
-            return None
+            return
         response = getattr(exc, "response", None)
         if isinstance(response, dict):
-            code = response.get("Error", {}).get("Code")
-            if code:
-                return str(code)
+            yield response
         exc = exc.__cause__ or exc.__context__
-    return None
+
+
+def s3_error_code(exc: BaseException | None) -> str | None:
+    """The S3 error code (``SlowDown``, ``NoSuchUpload``, ``PreconditionFailed``...) behind an exception."""
+    return next((str(code) for answer in _answers(exc) if (code := answer.get("Error", {}).get("Code"))), None)
 
 
 def s3_http_status(exc: BaseException | None) -> int | None:
     """The HTTP status of the S3 answer behind an exception (502 from a load balancer, 429...), if any."""
-    for _ in range(6):
-        if exc is None:
-            return None
-        response = getattr(exc, "response", None)
-        if isinstance(response, dict):
-            status = response.get("ResponseMetadata", {}).get("HTTPStatusCode")
-            if isinstance(status, int):
-                return status
-        exc = exc.__cause__ or exc.__context__
-    return None
+    return next((status for answer in _answers(exc)
+                 if isinstance(status := answer.get("ResponseMetadata", {}).get("HTTPStatusCode"), int)), None)
 
 
 class Replaced(Exception):
