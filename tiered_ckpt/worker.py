@@ -17,6 +17,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import logging
+import logging.handlers
 import multiprocessing as mp
 import os
 import queue
@@ -87,9 +88,23 @@ def _map_slots(store: Store, stopping: threading.Event) -> None:
     log.debug("drain worker: mapped %d slot(s) of tier %r in %.3f s", n, store.name, time.perf_counter() - t0)
 
 
+class _LogsToParent(logging.handlers.QueueHandler):
+    """The worker's log records, sent to the training process to be handled there (its handlers, its format, its
+    log files): the worker itself has no logging set up, so they went to stderr bare."""
+
+    def enqueue(self, record: logging.LogRecord) -> None:
+        self.queue.put(("log", record))
+
+
 def worker_main(config: Config, coords: RankCoords, order: list[str], local_rank: int, node_ranks: list[int],
-                requests: Any, results: Any, parent_pid: int, gate: Any = None) -> None:
+                requests: Any, results: Any, parent_pid: int, gate: Any = None, log_level: int = logging.WARNING
+                ) -> None:
     import signal
+
+    ours = logging.getLogger("tiered_ckpt")
+    ours.setLevel(log_level)  # what the training process would let through, decided there
+    ours.addHandler(_LogsToParent(results))
+    ours.propagate = False
 
     # Ctrl-C in a terminal reaches the whole process group: the training process decides (its close() finishes
     # or abandons the drain); the worker neither dies mid-write nor prints a KeyboardInterrupt traceback.
@@ -267,7 +282,8 @@ class ProcessDrain:
         self._results = ctx.Queue()
         self._proc = ctx.Process(target=worker_main, name=f"tiered_ckpt-drain-{self.coords.rank}",
                                  args=(self.config, self.coords, self.order, self.local_rank, self.node_ranks,
-                                       self._requests, self._results, os.getpid(), copy_gate.shared()),
+                                       self._requests, self._results, os.getpid(), copy_gate.shared(),
+                                       logging.getLogger("tiered_ckpt").getEffectiveLevel()),
                                  daemon=False)
         with _main_module_hidden(), _sigint_ignored():
             self._proc.start()
@@ -323,6 +339,9 @@ class ProcessDrain:
                     self._ready.set()
             elif kind == "event":
                 self.emit(msg[1])
+            elif kind == "log":  # the worker's record, handled by this process's loggers and handlers
+                record = msg[1]
+                logging.getLogger(record.name).handle(record)
             elif kind == "tier_done":
                 _, step, tier, ok, err = msg
                 with self._cond:  # the oldest request of that step still due there (each tier keeps order)

@@ -359,3 +359,18 @@ def test_the_worker_lives_through_a_sigterm_its_training_process_handles(shm_roo
         os.kill(worker, signal.SIGTERM)
         engine.save(1, make_items(1)).wait(timeout=HANG_GUARD_S)
         assert drain._proc.pid == worker and drain._proc.is_alive()
+
+
+def test_the_worker_s_log_records_reach_the_training_process_s_handlers(shm_root, tmp_path, caplog):
+    """The drain worker's warnings (a step saved again, a commit that failed) went to its own stderr, bare: no
+    logger name, rank or time, and never to the job's log handlers (found by a user's fault trial). They are
+    handled by the training process's loggers now."""
+    import logging
+
+    cfg = _config(shm_root, tmp_path)
+    with caplog.at_level(logging.WARNING, logger="tiered_ckpt"), CheckpointEngine(cfg) as engine:
+        assert engine._drain._ready.wait(HANG_GUARD_S)  # the worker drains from here on
+        engine.save(7, make_items(7)).wait(timeout=HANG_GUARD_S)
+        engine.save(7, make_items(8)).wait(timeout=HANG_GUARD_S)  # the worker warns: committed, saved again
+    said = [r for r in caplog.records if "is committed here and is being saved again" in r.getMessage()]
+    assert said and said[0].name == "tiered_ckpt.file_store" and said[0].process != os.getpid()
