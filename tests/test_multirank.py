@@ -294,3 +294,22 @@ def test_snapshots_a_rank_never_saved_elsewhere_are_not_recovered_to_wait_for_it
     assert "save_errors" not in second[0] and "save_errors" not in second[1]
     assert {r["step"] for r in second.values()} == {6}  # saved and drained above, loaded by every rank
     assert committed(local) == [1, 2, 3, 6]
+
+
+def test_load_waits_for_the_recovery_that_commits_the_newest_step(tmp_path, shm_root):
+    """Rank 0 died as its drain began step 3; rank 1's part of step 3 is on the tier, and rank 1 went on to save 4
+    and 5. At the restart only rank 0's recovery can commit step 3, and load() listed the tiers before it did:
+    the job resumed from step 2 (found by a user's fault trial). load() waits for the start-up recovery."""
+    run_id = f"m{uuid.uuid4().hex[:8]}"
+    local = tmp_path / "local"
+    cfg = {"run_id": run_id, "drain": {"mode": "thread", "commit_timeout_s": 3},
+           "tiers": [{"name": "shm", "kind": "shm", "path": str(shm_root)},
+                     {"name": "local", "kind": "local", "path": str(local)}]}
+    first = run_ranks(2, {"config": cfg, "save_of": {"0": [1, 2, 3], "1": [1, 2, 3, 4, 5]}},
+                      env_of={0: {"TIERED_CKPT_CRASH_AT": "drain.before_write:3"}})
+    assert first[0]["killed"] and not first[1]["killed"]
+    assert committed(local) == [1, 2]
+    second = run_ranks(2, {"config": cfg, "load": True}, timeout=120)
+    assert second[0]["recovered"] == [3] and second[1]["recovered"] == [], second
+    assert {r["step"] for r in second.values()} == {3}, second
+    assert committed(local) == [1, 2, 3]

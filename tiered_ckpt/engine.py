@@ -38,7 +38,7 @@ from .errors import (
     TierUnavailableError,
 )
 from .fencing import fence_previous_worker
-from .handles import LoadResult, SaveHandle, SavesFailedError
+from .handles import LoadResult, SaveError, SaveHandle, SavesFailedError
 from .load_into import unfilled_targets
 from .locking import RunLock, shm_paths
 from .manifest import SAVE_KEY
@@ -489,6 +489,10 @@ class CheckpointEngine:
         if step is not None and (not isinstance(step, int) or isinstance(step, bool) or step < 0):
             raise ValueError(f"step must be a non-negative integer or None, got {step!r}")
         copy = self.config.load.copy if copy is None else copy
+        self._await_recovery()
+        # every rank lists after every rank's recovery: a rank without any would list before the commit of a step
+        # another rank's recovery makes, and the ranks would agree on an older one
+        self.coordinator.all_succeeded(True, "recovery awaited")
         # What each rank does alone between the collectives goes through alone(): a rank that fails there tells
         # the others (PeerFailedError on every rank) instead of leaving them waiting in the next one.
         available, unreachable = self.coordinator.alone(self._checked_lists, into, step)
@@ -545,6 +549,28 @@ class CheckpointEngine:
                 self._nothing_loadable(unreachable, f"step {step} cannot be loaded by every rank "
                                                     f"({'; '.join(fallbacks)})", tried=[step], fallbacks=fallbacks,
                                        damaged=damaged)
+
+    def _await_recovery(self) -> None:
+        """Wait (up to ``load.list_timeout_s``) for the start-up recovery to finish on each recovered step's first
+        tier: a step that only its recovery commits there (a rank killed before draining its part, the others'
+        parts on the tier) would otherwise be missed by a load listing the tiers a moment before, and the job
+        would resume from an older step."""
+        pending = [(h, h.due[0]) for h in self.recovered if h.due and not h.done(h.due[0])]
+        if not pending:
+            return
+        limit = self.config.load.list_timeout_s
+        log.info("load: waiting up to %g s for the start-up recovery of step(s) %s", limit,
+                 ", ".join(str(h.step) for h, _ in pending))
+        deadline = time.monotonic() + limit
+        for handle, tier in pending:
+            try:
+                handle.wait(tier, timeout=max(0.0, deadline - time.monotonic()))
+            except TimeoutError:
+                log.warning("load: the start-up recovery of step %d to tier %r has not finished within %g s "
+                            "(load.list_timeout_s): loading without it", handle.step, tier, limit)
+                return
+            except SaveError:
+                pass  # said by the drain; the step is not on that tier, which the listing shows
 
     def _checked_lists(self, into: dict[str, Any] | None, step: int | None
                        ) -> tuple[dict[str, list[int]], dict[str, str]]:
