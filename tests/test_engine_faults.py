@@ -333,3 +333,19 @@ def test_a_failed_recovery_superseded_by_a_new_save_of_its_step_is_no_failure(sh
         engine.save(3, make_items(3)).wait(timeout=60)
         engine.wait(timeout=60)  # no SavesFailedError: the tier holds step 3, from this process's save
         assert engine.available_steps()["local"] == [3]
+
+
+def test_a_failed_save_of_this_process_is_not_cleared_by_a_later_one(shm_root, tmp_path):
+    """The recovery failed, then this process's own save of the step failed too, then a third save committed:
+    only the recovery's failure is superseded; the process's own failure stays reported (found by a review)."""
+    with CheckpointEngine(_recovery_that_fails(shm_root, tmp_path)) as engine:
+        [recovered] = engine.recovered
+        with pytest.raises(SaveError):
+            recovered.wait(timeout=60)
+        with pytest.raises(SaveError):  # the file is still in the way
+            engine.save(3, make_items(3)).wait(timeout=60)
+        (tmp_path / "local" / "iter_0000003").unlink()
+        engine.save(3, make_items(3)).wait(timeout=60)
+        with pytest.raises(SaveError, match="step 3 on tier 'local'") as info:
+            engine.wait(timeout=60)
+        assert "earlier process" not in str(info.value)

@@ -193,3 +193,23 @@ def test_a_target_only_a_failed_step_held_is_never_handed_on_as_loaded(shm_root,
             engine.load(into=target)
         fine = {"state": {"a": torch.zeros(1024)}}  # what the older step holds: loaded as asked
         assert engine.load(into=fine).step == 1 and torch.equal(fine["state"]["a"], torch.full((1024,), 1.0))
+
+
+def test_a_failed_read_from_a_file_tier_leaves_the_targets_alone(shm_root, tmp_path, caplog):
+    """A file tier's read is verified before anything is copied into the targets: its failure writes nothing, so
+    a target the older step lacks keeps its values with the usual warning (not the refusal above)."""
+    cfg = _config(shm_root, tmp_path, "local")
+    with CheckpointEngine(cfg) as engine:
+        engine.save(1, {"state": {"a": torch.full((1024,), 1.0)}}).wait(timeout=60)
+        engine.save(2, {"state": {"a": torch.full((1024,), 2.0), "b": torch.full((1024,), 2.0)}}).wait(timeout=60)
+    (data,) = (tmp_path / "local" / "iter_0000002" / "rank_00000").glob("*.flat")
+    damaged = bytearray(data.read_bytes())
+    damaged[-10] ^= 0xFF
+    data.write_bytes(damaged)
+    target = {"state": {"a": torch.zeros(1024), "b": torch.full((1024,), 7.0)}}
+    with CheckpointEngine(cfg) as engine, caplog.at_level(logging.WARNING, logger="tiered_ckpt"):
+        got = engine.load(into=target)
+    assert got.step == 1 and got.fallbacks
+    assert torch.equal(target["state"]["a"], torch.full((1024,), 1.0))
+    assert torch.equal(target["state"]["b"], torch.full((1024,), 7.0))
+    assert "it keeps its current values" in caplog.text

@@ -477,3 +477,20 @@ def test_a_step_of_unverified_origin_loads_unverified_at_another_dp_size_too(tmp
     with CheckpointEngine(cfg, ParallelLayout(dp=1), rank=0) as engine:
         got = engine.load()
         assert got.step == 100 and not got.verified
+
+
+def test_verify_checks_the_step_megatron_s_tracker_names(tmp_path):
+    """Megatron-LM writes its tracker last: a newer directory whose save it never finished is not the step load()
+    reads. verify without --step checks the tracker's step (found by a review)."""
+    import shutil
+
+    from tiered_ckpt.cli import main
+
+    ckpt = _megatron_dir(tmp_path)
+    shutil.copytree(ckpt / "iter_0000010", ckpt / "iter_0000020")
+    optim = next((ckpt / "iter_0000020").rglob("distrib_optim.pt"))
+    optim.write_bytes(optim.read_bytes()[:1000])  # the crash
+    assert (ckpt / "latest_checkpointed_iteration.txt").read_text().strip() == "10"
+    assert main(["verify", str(ckpt)]) == 0
+    assert main(["verify", str(ckpt), "--step", "20"]) == 1
+    assert main(["verify", str(ckpt), "--all"]) == 1

@@ -742,3 +742,23 @@ def test_a_shared_upload_whose_completion_answer_was_lost_is_complete(remote, ma
     assert len(completions) == 2
     head = remote.server.client().head_object(Bucket=remote.bucket, Key=f"{remote.prefix}/{key}")
     assert head["ContentLength"] == PART + 100
+
+
+@pytest.mark.parametrize(("status", "code", "transient"), [
+    (502, None, True), (504, None, True), (429, None, True),  # a gateway's answer, no S3 error code
+    (501, "NotImplemented", False), (507, "XMinioStorageFull", False),  # the store says what is wrong
+])
+def test_an_http_status_without_an_error_code_decides_only_then(remote, make_tier, status, code, transient):
+    from botocore.exceptions import ClientError
+    from s3fs.errors import translate_boto_error
+
+    from tiered_ckpt.errors import PermanentTierError, TransientTierError
+
+    tier = make_tier("fsspec", url=remote.url, options=remote.server.storage_options())
+    answer = {"Error": {"Code": code, "Message": "said"} if code else {},
+              "ResponseMetadata": {"HTTPStatusCode": status}}
+    try:
+        raise translate_boto_error(ClientError(answer, "PutObject"))
+    except OSError as exc:
+        err = tier._tier_exception(exc, "k", "upload", "b/k")
+    assert isinstance(err, TransientTierError if transient else PermanentTierError), (type(err), err)

@@ -179,7 +179,8 @@ def _inspect_dcp(store: FileStore, args: argparse.Namespace) -> int | None:
 def _steps_to_verify(store: FileStore, args: argparse.Namespace, label: str) -> tuple[list[int], list[int]]:
     """The committed steps of ours to verify, and the steps Megatron-LM wrote (no manifest) to check as far as
     their files allow: ``--all`` both kinds; ``--step N`` that step, whichever kind; else the newest committed
-    step of ours, or without one the newest step Megatron-LM wrote (the one ``load()`` would read)."""
+    step of ours, or without one the step Megatron-LM's tracker names (the one ``load()`` reads; a newer
+    directory may be a save Megatron-LM never finished), else the newest it wrote."""
     from .inventory import foreign_megatron_steps
 
     committed = store.committed_steps()
@@ -189,7 +190,8 @@ def _steps_to_verify(store: FileStore, args: argparse.Namespace, label: str) -> 
     if args.step is not None and args.step in foreign:
         return [], [args.step]
     if args.step is None and not committed and foreign:
-        return [], foreign[-1:]
+        tracked = store.legacy_step()
+        return [], [tracked] if tracked in foreign else foreign[-1:]
     return [_pick_step(store, args.step, label)], []
 
 

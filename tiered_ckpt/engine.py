@@ -139,7 +139,11 @@ class CheckpointEngine:
                 log.info("tier %r: removed %s, left by a killed process", store.name, rel)
         self._drain: Drain = open_drain(self.pipeline, self._tier_done, self._slot_released)
         _live.add(self)
-        self._recover()
+        try:
+            self._recover()
+        except BaseException:  # a failed start-up exchange (another rank failed): let the lock and worker go
+            self.close(timeout=0)
+            raise
 
     # ----- events ------------------------------------------------------------------------------------------
     def _emit(self, event: ev.Event) -> None:
@@ -166,6 +170,8 @@ class CheckpointEngine:
                     why += (" (the snapshot of this step an earlier process left in shared memory, drained at "
                             "start-up)")
                     self._recovered_failures.add((step, tier))
+                else:  # this process's own save failed: a later success must not clear it
+                    self._recovered_failures.discard((step, tier))
                 self._failures.setdefault(step, {})[tier] = why
             elif (step, tier) in self._recovered_failures:
                 # This process saved the step again and the tier committed that save: the failed recovery of the
@@ -300,7 +306,7 @@ class CheckpointEngine:
             return  # alike on every rank (one configuration)
         found = self.coordinator.alone(self._recovery_candidates)
         if self.coordinator.group is not None:  # every rank, with or without snapshots: one exchange
-            everyone = self.coordinator.all_gather({m.step: m.save_id for m, _ in found}, "recover")
+            everyone = self.coordinator.all_gather([(m.step, m.save_id) for m, _ in found], "recover")
             found = self.coordinator.alone(self._completable, found, everyone)
         entry = self.pipeline.entry_store
         for meta, due in found:
@@ -315,7 +321,7 @@ class CheckpointEngine:
             self._drain.submit(DrainRequest(step=meta.step, source=self.pipeline.entry, slot=meta.slot, due=due,
                                             created=meta.created, recover=True, save_id=meta.save_id))
 
-    def _completable(self, found: list[tuple[SlotMeta, tuple[str, ...]]], everyone: list[dict[int, str]]
+    def _completable(self, found: list[tuple[SlotMeta, tuple[str, ...]]], everyone: list[list[tuple[int, str]]]
                      ) -> list[tuple[SlotMeta, tuple[str, ...]]]:
         """``found`` without the tiers whose commit of the step cannot happen: a rank it needs has neither a
         snapshot of that save (``everyone``: each rank's recovered step → save) nor its part on the tier."""
@@ -640,8 +646,8 @@ class CheckpointEngine:
             try:
                 items, verified, nbytes = self._load_from(name, step, copy, map_location, into)
             except (CorruptionError, DecodeError, TierError, OSError) as exc:
-                if into is not None and written_into is not None:
-                    written_into.append(step)  # a verified copy writes the targets before its verdict
+                if into is not None and written_into is not None and self.pipeline.stores[name].slots() is not None:
+                    written_into.append(step)  # a memory snapshot's fused copy writes the targets before its verdict
                 fallbacks.append(f"tier {name!r} step {step}: {exc}")
                 if damaged is not None:
                     damaged.append("damage" if isinstance(exc, CorruptionError | DecodeError | BlobNotFoundError)
@@ -663,7 +669,7 @@ class CheckpointEngine:
                     raise LoadIntoError(
                         f"load(into=...): step {step} from tier {name!r} does not hold {left[0]}"
                         f"{f' (and {len(left) - 1} more)' if len(left) > 1 else ''}, which a failed read of step "
-                        f"{others[-1]} may have written part-way (every read copies before its checksum verdict): "
+                        f"{others[-1]} from memory may have written part-way (copied before its checksum verdict): "
                         "its values are neither the checkpoint's nor the ones it had. Load without into= (then "
                         "load_state_dict), or give into= only what the checkpoint holds")
             return LoadResult(step, items, name, verified, seconds, nbytes, list(fallbacks))
@@ -820,10 +826,10 @@ def _forget_engines_in_child() -> None:
 os.register_at_fork(after_in_child=_forget_engines_in_child)
 
 
-def _has_save(recovered: dict[int, str], meta: SlotMeta) -> bool:
-    """Whether a rank's recovered snapshots (step → save) hold the save of ``meta`` (by step alone where the saves
-    have no identity)."""
-    return meta.step in recovered and (not meta.save_id or recovered[meta.step] in ("", meta.save_id))
+def _has_save(recovered: list[tuple[int, str]], meta: SlotMeta) -> bool:
+    """Whether a rank's recovered snapshots ((step, save) pairs: a step saved again may be there twice) hold the
+    save of ``meta`` (by step alone where the saves have no identity)."""
+    return any(step == meta.step and (not meta.save_id or save in ("", meta.save_id)) for step, save in recovered)
 
 
 def _voted(files: Any, meta: SlotMeta, rank: int) -> bool:

@@ -120,6 +120,10 @@ def _check_option_names(options: dict[str, Any]) -> None:
                           "s3fs.S3FileSystem's arguments, and aiobotocore's session's)", key_path="options")
 
 
+#: HTTP answers worth another try when they carry no S3 error code (not 501 Not Implemented, 505, 507 full).
+_RETRY_STATUSES = frozenset({429, 500, 502, 503, 504})
+
+
 class S3Tier(FsspecTier):
     """The ``fsspec`` kind on S3 (module docstring)."""
 
@@ -213,9 +217,9 @@ class S3Tier(FsspecTier):
         if err is None:  # the S3 stack's other errors: a redacted message; the retry policy reads the cause
             err = TierError(f"{where}: {self._redact(f'{type(exc).__name__}: {exc}')}", tier=self.name, key=key)
         status = s3_http_status(exc)
-        if isinstance(err, PermanentTierError) and status is not None and (status >= 500 or status == 429):
-            # 5xx and 429 mean "try again" whatever the body: s3fs makes a code it does not know (a load
-            # balancer's HTML 502/504, a 429) an OSError(EIO), which would pass for a permanent failure
+        if isinstance(err, PermanentTierError) and s3_error_code(exc) is None and status in _RETRY_STATUSES:
+            # an answer with no S3 error code (a load balancer's HTML 502/504, a 429): s3fs makes it an
+            # OSError(EIO), which would pass for a permanent failure; its status says "try again"
             return TransientTierError(f"{where}: HTTP {status}: {self._redact(str(exc))}", tier=self.name, key=key)
         return err
 
