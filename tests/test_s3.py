@@ -745,7 +745,8 @@ def test_a_shared_upload_whose_completion_answer_was_lost_is_complete(remote, ma
 
 
 @pytest.mark.parametrize(("status", "code", "transient"), [
-    (502, None, True), (504, None, True), (429, None, True),  # a gateway's answer, no S3 error code
+    (502, "502", True), (504, "504", True), (429, None, True),  # a gateway's answer: no S3 error code (botocore
+    (503, None, True),  # names the status as the code, or nothing)
     (501, "NotImplemented", False), (507, "XMinioStorageFull", False),  # the store says what is wrong
 ])
 def test_an_http_status_without_an_error_code_decides_only_then(remote, make_tier, status, code, transient):

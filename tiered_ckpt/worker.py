@@ -96,23 +96,43 @@ class _LogsToParent(logging.handlers.QueueHandler):
         self.queue.put(("log", record))
 
 
-def worker_main(config: Config, coords: RankCoords, order: list[str], local_rank: int, node_ranks: list[int],
-                requests: Any, results: Any, parent_pid: int, gate: Any = None, log_level: int = logging.WARNING
-                ) -> None:
+@contextlib.contextmanager
+def _worker_process(results: Any, log_level: int) -> Iterator[None]:
+    """What the worker sets in its own process (signals, logging), put back when it ends: it makes no difference
+    to a worker process, which exits then, but the tests run :func:`worker_main` in pytest's own process."""
     import signal
 
     ours = logging.getLogger("tiered_ckpt")
+    before = ours.level, ours.propagate
+    to_parent = _LogsToParent(results)
     ours.setLevel(log_level)  # what the training process would let through, decided there
-    ours.addHandler(_LogsToParent(results))
+    ours.addHandler(to_parent)
     ours.propagate = False
-
     # Ctrl-C in a terminal reaches the whole process group: the training process decides (its close() finishes
     # or abandons the drain); the worker neither dies mid-write nor prints a KeyboardInterrupt traceback.
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
     # The same for SIGTERM, which a scheduler (SLURM, torchrun) sends to the whole process group: a training
     # process that handles it (Megatron-LM's --exit-signal-handler saves a last checkpoint, then exits) needs its
     # drain to go on; one that dies of it takes the worker with it (watch_parent), which then writes nothing more.
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signals = {sig: signal.signal(sig, signal.SIG_IGN) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for sig, handler in signals.items():
+            signal.signal(sig, handler)
+        ours.removeHandler(to_parent)
+        ours.setLevel(before[0])
+        ours.propagate = before[1]
+
+
+def worker_main(config: Config, coords: RankCoords, order: list[str], local_rank: int, node_ranks: list[int],
+                requests: Any, results: Any, parent_pid: int, gate: Any = None, log_level: int = logging.WARNING
+                ) -> None:
+    with _worker_process(results, log_level):
+        _drain_requests(config, coords, order, local_rank, node_ranks, requests, results, parent_pid, gate)
+
+
+def _drain_requests(config: Config, coords: RankCoords, order: list[str], local_rank: int, node_ranks: list[int],
+                    requests: Any, results: Any, parent_pid: int, gate: Any) -> None:
     watch_parent(parent_pid)  # an orphan exits at once: it never writes what a newer owner may own
     import torch
 

@@ -217,9 +217,10 @@ class S3Tier(FsspecTier):
         if err is None:  # the S3 stack's other errors: a redacted message; the retry policy reads the cause
             err = TierError(f"{where}: {self._redact(f'{type(exc).__name__}: {exc}')}", tier=self.name, key=key)
         status = s3_http_status(exc)
-        if isinstance(err, PermanentTierError) and s3_error_code(exc) is None and status in _RETRY_STATUSES:
-            # an answer with no S3 error code (a load balancer's HTML 502/504, a 429): s3fs makes it an
-            # OSError(EIO), which would pass for a permanent failure; its status says "try again"
+        code = s3_error_code(exc)
+        if isinstance(err, PermanentTierError) and code in (None, str(status)) and status in _RETRY_STATUSES:
+            # an answer with no S3 error code (a load balancer's HTML 502/504, a 429; botocore then names the
+            # status as the code): s3fs makes it an OSError(EIO), which would pass for a permanent failure"
             return TransientTierError(f"{where}: HTTP {status}: {self._redact(str(exc))}", tier=self.name, key=key)
         return err
 
