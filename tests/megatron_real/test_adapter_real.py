@@ -83,6 +83,15 @@ def save(job: harness.Job, engine: CheckpointEngine) -> Any:
                                    args=job.args, rng_tracker=job.tracker)
 
 
+def load_error(job: harness.Job, engine: CheckpointEngine) -> str | None:
+    """What :func:`load` raised, as ``"Type: message"``; None when it loaded."""
+    try:
+        load(job, engine)
+    except Exception as exc:  # noqa: BLE001 - reported to the test
+        return f"{type(exc).__name__}: {exc}"
+    return None
+
+
 def load(job: harness.Job, engine: CheckpointEngine) -> tuple[int, float]:
     iteration, flops = adapter.load_checkpoint(job.model, job.optimizer, job.scheduler, engine=engine,
                                                args=job.args, rng_tracker=job.tracker)
@@ -183,11 +192,7 @@ def rank_load_fixture_without_its_optimizer_state(rank: int, world: int, ckpt: P
            **({"drain": {"mode": DRAIN}} if DRAIN else {})}
     out: dict[str, Any] = {}
     with CheckpointEngine(cfg, job.layout, rank=rank) as engine:
-        try:
-            load(job, engine)
-            out["error"] = None
-        except Exception as exc:  # noqa: BLE001 - reported to the test
-            out["error"] = f"{type(exc).__name__}: {exc}"
+        out["error"] = load_error(job, engine)
         job.args.no_load_optim = True
         out["loaded"] = load(job, engine)[0]
     return out
@@ -580,11 +585,7 @@ def rank_save_without_optimizer_and_rng(rank: int, world: int, spec: Spec, cfg: 
     out: dict[str, Any] = {}
     job = spec.job()
     with CheckpointEngine(cfg, job.layout, rank=rank) as engine:
-        try:
-            load(job, engine)
-            out["error"] = None
-        except Exception as exc:  # noqa: BLE001 - reported to the test
-            out["error"] = f"{type(exc).__name__}: {exc}"
+        out["error"] = load_error(job, engine)
         job.args.no_load_optim = True
         seen: list[str] = []
         handler = logging.Handler()
