@@ -184,15 +184,20 @@ def _steps_to_verify(store: FileStore, args: argparse.Namespace, label: str) -> 
     from .inventory import foreign_megatron_steps
 
     committed = store.committed_steps()
+    if args.step is None and committed and not args.all:
+        return committed[-1:], []
+    if args.step in committed and not args.all:
+        return [args.step], []
+    # Megatron-LM's steps are looked for (a listing more) only where ours do not answer already
     foreign = [s for s in foreign_megatron_steps(store) if s not in committed]
     if args.all:
         return committed, foreign
     if args.step is not None and args.step in foreign:
         return [], [args.step]
-    if args.step is None and not committed and foreign:
+    if args.step is None and foreign:
         tracked = store.legacy_step()
         return [], [tracked] if tracked in foreign else foreign[-1:]
-    return [_pick_step(store, args.step, label)], []
+    return [_pick_step(store, args.step, label)], []  # none: its message says what is there
 
 
 def cmd_verify(args: argparse.Namespace) -> int:

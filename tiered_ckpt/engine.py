@@ -134,6 +134,9 @@ class CheckpointEngine:
         self._plan_memos: dict[str, PlanMemo] = {}  # what planning each item at the next save may reuse
         self._cond = threading.Condition()
         self.recovered: list[SaveHandle] = []
+        # whether any rank recovered a snapshot at start-up (alike on every rank: the start-up exchange says):
+        # only then does load() wait for the recovery, with one barrier
+        self._recovering = False
         for store in self.pipeline.stores.values():
             for rel in store.clean_start():  # before the drain starts: no writer of ours is there yet
                 log.info("tier %r: removed %s, left by a killed process", store.name, rel)
@@ -183,9 +186,7 @@ class CheckpointEngine:
                     self._failures.pop(step, None)
             if handle is not None:
                 handle._resolve(tier, ok, error)
-            handles[:] = [h for h in handles if not h.done()]
-            if not handles:
-                self._handles.pop(step, None)
+            self._drop_handles(step, SaveHandle.done)
 
     def _slot_released(self, tier: str, slot: int, step: int) -> None:
         if tier == self.pipeline.entry:
@@ -283,10 +284,14 @@ class CheckpointEngine:
 
     def _forget(self, handle: SaveHandle) -> None:
         with self._cond:
-            handles = self._handles.get(handle.step, [])
-            handles[:] = [h for h in handles if h is not handle]
-            if not handles:
-                self._handles.pop(handle.step, None)
+            self._drop_handles(handle.step, lambda h: h is handle)
+
+    def _drop_handles(self, step: int, drop: Callable[[SaveHandle], bool]) -> None:
+        """Drop ``step``'s handles for which ``drop`` is true (with ``_cond`` held), and the step with its last."""
+        handles = self._handles.get(step, [])
+        handles[:] = [h for h in handles if not drop(h)]
+        if not handles:
+            self._handles.pop(step, None)
 
     def _save_id(self, step: int) -> str:
         """This save's identity, the same on every rank that saves the same steps in the same order; "" where
@@ -305,8 +310,10 @@ class CheckpointEngine:
         if not self._entry_persists:
             return  # alike on every rank (one configuration)
         found = self.coordinator.alone(self._recovery_candidates)
+        self._recovering = bool(found)
         if self.coordinator.group is not None:  # every rank, with or without snapshots: one exchange
             everyone = self.coordinator.all_gather([(m.step, m.save_id) for m, _ in found], "recover")
+            self._recovering = any(everyone)
             found = self.coordinator.alone(self._completable, found, everyone)
         entry = self.pipeline.entry_store
         for meta, due in found:
@@ -495,10 +502,11 @@ class CheckpointEngine:
         if step is not None and (not isinstance(step, int) or isinstance(step, bool) or step < 0):
             raise ValueError(f"step must be a non-negative integer or None, got {step!r}")
         copy = self.config.load.copy if copy is None else copy
-        self._await_recovery()
-        # every rank lists after every rank's recovery: a rank without any would list before the commit of a step
-        # another rank's recovery makes, and the ranks would agree on an older one
-        self.coordinator.all_succeeded(True, "recovery awaited")
+        if self._recovering:
+            self._await_recovery()
+            # every rank lists after every rank's recovery: a rank without any would list before the commit of a
+            # step another rank's recovery makes, and the ranks would agree on an older one
+            self.coordinator.all_succeeded(True, "recovery awaited")
         # What each rank does alone between the collectives goes through alone(): a rank that fails there tells
         # the others (PeerFailedError on every rank) instead of leaving them waiting in the next one.
         available, unreachable = self.coordinator.alone(self._checked_lists, into, step)

@@ -423,15 +423,19 @@ class FileStore(CommittedFiles):
                 log.warning("tier %r: %s, a file of an earlier save of step %d that this one does not use, stays: "
                             "%s", self.name, key, step, failure)
 
+    def _forget_manifest(self, step: int) -> None:
+        """``step``'s manifest is gone: out of the cache, and a read begun before this is not cached either."""
+        with self._manifest_lock:
+            self._manifest_changes += 1
+            self._manifests.pop(step, None)
+
     def _drop_commit(self, step: int, rank: int, files: Iterable[FileEntry]) -> None:
         """Un-commit ``step``: its checkpoint manifest first, then the files that commit derived from the ranks'
         (``files``: its entries; DCP's ``.metadata``, Megatron's merged optimizer file), which with no manifest
         would pass for a plain checkpoint of their own. The ranks' own files stay."""
         key = self.layout.manifest_key(step)
         self._retry(lambda: self.tier.delete(key), step, rank, f"delete {key}")
-        with self._manifest_lock:
-            self._manifest_changes += 1
-            self._manifests.pop(step, None)
+        self._forget_manifest(step)
         for e in files:
             if self.layout.is_derived(e):
                 self._retry(lambda k=e.key: self.tier.delete(k), step, rank, f"delete {e.key}")
@@ -768,9 +772,7 @@ class FileStore(CommittedFiles):
             except TierError as exc:
                 log.warning("retention on tier %r could not un-commit step %d: %s", self.name, step, exc)
                 continue
-            with self._manifest_lock:  # a long run would otherwise cache every manifest it ever committed
-                self._manifest_changes += 1
-                self._manifests.pop(step, None)
+            self._forget_manifest(step)  # a long run would otherwise cache every manifest it ever committed
             crash_point("store.retain_uncommitted")
             uncommitted.append(step)
         return uncommitted + debris

@@ -63,19 +63,7 @@ def pair_into(loaded: Any, into: Any, where: str, unmatched: Callable[[torch.Ten
 
 def unfilled_targets(into: dict[str, Any], items: dict[str, Any]) -> list[str]:
     """The paths of the tensors of ``into`` that a load's ``items`` (which hold the targets they filled) do not."""
-    filled: set[int] = set()
-
-    def collect(obj: Any) -> None:
-        if isinstance(obj, torch.Tensor):
-            filled.add(id(obj))
-        elif isinstance(obj, dict):
-            for v in obj.values():
-                collect(v)
-        elif type(obj) in (list, tuple):
-            for v in obj:
-                collect(v)
-
-    collect(items)
+    filled = {id(t) for t in tensors(items)}
     return [path for name, state in into.items() for path, t in _targets(state, repr(name)) if id(t) not in filled]
 
 

@@ -34,7 +34,7 @@ from . import events as ev
 from .config import Config
 from .drain import DrainRuntime
 from .drain_protocol import Drain, DrainRequest, OnSlotReleased, OnTierDone
-from .errors import TieredCkptError
+from .errors import BlobNotFoundError, TieredCkptError
 from .fencing import hold_worker_lock, owner_alive, release_worker_lock, watch_parent, worker_lock_path
 from .manifest import SAVE_KEY
 from .parallel import RankCoords
@@ -426,13 +426,14 @@ class ProcessDrain:
         if files is None:
             return False
         try:
-            if req.step not in files.durable_steps():
-                return False
-            return not req.save_id or files.read_manifest(req.step).extra.get(SAVE_KEY) == req.save_id
+            manifest = files.read_manifest(req.step)
+        except BlobNotFoundError:
+            return False
         except Exception as exc:  # cannot tell: reported failed, which is what a reader must assume
             log.warning("tier %r: cannot tell whether it committed step %d after the drain worker died: %s", tier,
                         req.step, exc)
             return False
+        return not req.save_id or manifest.extra.get(SAVE_KEY) == req.save_id
 
     def wait_idle(self, timeout: float | None = None) -> bool:
         deadline = None if timeout is None else time.monotonic() + timeout

@@ -11,7 +11,7 @@ import hashlib
 import logging
 import re
 import threading
-from collections.abc import AsyncIterator, Awaitable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Iterator, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future
 from concurrent.futures import wait as wait_futures
 from typing import TYPE_CHECKING, Any
@@ -87,6 +87,19 @@ def s3_http_status(exc: BaseException | None) -> int | None:
     """The HTTP status of the S3 answer behind an exception (502 from a load balancer, 429...), if any."""
     return next((status for answer in _answers(exc)
                  if isinstance(status := answer.get("ResponseMetadata", {}).get("HTTPStatusCode"), int)), None)
+
+
+async def completed_as(tier: S3Tier, bucket: str, obj: str, parts: Sequence[dict[str, Any]]) -> bool:
+    """Whether ``obj`` is the object these parts (in part-number order) complete, by its multipart ETag (False
+    where the store's ETags are not MD5s): a completion whose answer was lost."""
+    expected = multipart_etag(list(parts))
+    if expected is None:
+        return False
+    try:
+        head = await tier.fs._call_s3("head_object", Bucket=bucket, Key=obj)
+    except FileNotFoundError:
+        return False
+    return head.get("ETag") == expected
 
 
 class Replaced(Exception):
@@ -448,22 +461,12 @@ class Upload:
                                                              MultipartUpload={"Parts": parts})
             except FileNotFoundError:
                 # NoSuchUpload on a second try: the first one completed but its answer was lost?
-                if tries[0] > 1 and await self._completed_as(parts):
+                if tries[0] > 1 and await completed_as(self.tier, self.bucket, self.obj, parts):
                     return None
                 raise
 
         self.tier.run_sync(self.tier.arequest, "complete the multipart upload of", self.key, self.path, complete,
                            nbytes=self.total)  # its ceiling: the timeouts plus the object's size at 1 MiB/s
-
-    async def _completed_as(self, parts: list[dict[str, Any]]) -> bool:
-        expected = multipart_etag(parts)
-        if expected is None:
-            return False
-        try:
-            head = await self.tier.fs._call_s3("head_object", Bucket=self.bucket, Key=self.obj)
-        except FileNotFoundError:
-            return False
-        return head.get("ETag") == expected
 
     def _abort(self, upload_id: str) -> None:
         """Abort the upload until the store no longer knows it. A part that was in flight when it was cancelled

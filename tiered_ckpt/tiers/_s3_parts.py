@@ -32,6 +32,7 @@ from ._s3 import (
     S3_MIN_PART,
     RequestBody,
     checksum_param,
+    completed_as,
     gather_or_cancel,
     multipart_etag,
 )
@@ -151,21 +152,11 @@ class SharedParts:
             except FileNotFoundError:
                 # NoSuchUpload on a second try: the first one completed, its answer lost (the store forgot the
                 # upload since)? Then the object is there, made of these very parts.
-                if tries[0] > 1 and await self._completed_as(bucket, obj, ordered):
+                if tries[0] > 1 and await completed_as(tier, bucket, obj, ordered):
                     return None
                 raise
 
         tier.run_sync(tier.arequest, "complete the shared multipart upload of", key, path, call, nbytes=nbytes)
-
-    async def _completed_as(self, bucket: str, obj: str, parts: Sequence[dict[str, Any]]) -> bool:
-        expected = multipart_etag(list(parts))
-        if expected is None:
-            return False
-        try:
-            head = await self.tier.fs._call_s3("head_object", Bucket=bucket, Key=obj)
-        except FileNotFoundError:
-            return False
-        return head.get("ETag") == expected
 
     def completed_as(self, key: str, parts: Sequence[dict[str, Any]]) -> bool:
         """Whether ``key`` is the object these parts complete (its multipart ETag; False where the store's ETags

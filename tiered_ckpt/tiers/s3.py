@@ -220,7 +220,7 @@ class S3Tier(FsspecTier):
         code = s3_error_code(exc)
         if isinstance(err, PermanentTierError) and code in (None, str(status)) and status in _RETRY_STATUSES:
             # an answer with no S3 error code (a load balancer's HTML 502/504, a 429; botocore then names the
-            # status as the code): s3fs makes it an OSError(EIO), which would pass for a permanent failure"
+            # status as the code): s3fs makes it an OSError(EIO), which would pass for a permanent failure
             return TransientTierError(f"{where}: HTTP {status}: {self._redact(str(exc))}", tier=self.name, key=key)
         return err
 
