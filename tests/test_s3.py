@@ -354,6 +354,26 @@ def test_stalls_past_the_timeout_are_retried_and_never_hang(remote, shm_root, re
     assert remote.uploads_in_progress() == []
 
 
+def test_listings_heads_and_deletes_trickled_within_the_read_timeout_end_and_are_tried_again(remote):
+    """An answer sent a byte at a time, each byte within botocore's read timeout, would hold a listing, a HEAD or a
+    delete for as long as the server kept sending: each such request has the tier's ceiling (connect + read
+    timeout) too, and is sent again after it."""
+    entry = {k: v for k, v in remote.tier(timeout_s=1).items() if k not in ("name", "kind", "retry")}
+    tier = FsspecTier("s3", build_dataclass(FsspecOptions, entry))
+    for i in range(3):
+        tier.write_blob(f"d/blob{i}", [b"x" * (i + 1)])
+    calls = [("ListObjectsV2", lambda: tier.list("d/"), ["d/blob0", "d/blob1", "d/blob2"]),
+             ("HeadObject", lambda: tier.size("d/blob1"), 2),
+             ("DeleteObject", lambda: tier.delete("d/blob0"), None),
+             ("DeleteObjects", lambda: tier.delete_prefix("d/"), None)]
+    for op, call, expected in calls:
+        remote.proxy.reset_log()
+        fault = remote.proxy.inject("trickle", op=op, delay_s=0.3)  # a 200-byte answer would take a minute
+        assert call() == expected, op
+        assert fault.hits == 1 and remote.proxy.count(op) == 2, op  # cut at the ceiling, then answered at once
+    assert tier.list("d/") == []
+
+
 def test_a_completion_slower_than_the_read_timeout_is_waited_for_not_sent_again(remote, shm_root, caplog):
     """A server may assemble a large upload for longer than the read timeout before it answers
     CompleteMultipartUpload (moto takes 15 s and more for 1 GiB and sends nothing meanwhile): the tier waits, within

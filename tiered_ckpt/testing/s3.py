@@ -46,8 +46,8 @@ import pytest
 from .s3_server import LOOPBACK, S3Server, start_s3_server
 
 # ----- the fault proxy -------------------------------------------------------------------------------------
-FAULT_KINDS = ("slowdown", "internal_error", "access_denied", "reset", "stall", "bad_gateway", "gateway_timeout",
-               "too_many_requests")
+FAULT_KINDS = ("slowdown", "internal_error", "access_denied", "reset", "stall", "trickle", "bad_gateway",
+               "gateway_timeout", "too_many_requests")
 # What a load balancer or gateway in front of the store answers: HTML, no S3 error code
 _HTML_ANSWERS = {
     "bad_gateway": (502, "Bad Gateway"),
@@ -201,6 +201,8 @@ class _Handler(BaseHTTPRequestHandler):
                 self._send(record, *answer)
             elif fault.kind == "reset":
                 self._reset(record, answer)
+            elif fault.kind == "trickle":
+                self._trickle(record, answer, fault.delay_s)
             elif fault.kind == "stall":
                 proxy._closing.wait(fault.delay_s)
                 self.close_connection = True
@@ -246,6 +248,21 @@ class _Handler(BaseHTTPRequestHandler):
         self._send(record, status, reason, [("Content-Type", "application/xml"), ("x-amz-request-id", request_id)],
                    xml)
 
+    def _trickle(self, record: RequestRecord, answer: tuple | None, pause_s: float) -> None:
+        """Send the answer one byte at a time, ``pause_s`` between bytes (each shorter than the client's read
+        timeout, the whole longer than any ceiling), then close: until the proxy stops."""
+        self.close_connection = True
+        if answer is None:
+            return
+        raw = self._raw_answer(*answer)
+        record.status = answer[0]
+        for i in range(len(raw)):
+            if self.server.proxy._closing.wait(pause_s):
+                return
+            self.wfile.write(raw[i:i + 1])
+            self.wfile.flush()
+        record.bytes_out = len(answer[3])
+
     def _reset(self, record: RequestRecord, answer: tuple | None) -> None:
         """Send half of the answer (or nothing), then reset the connection (RST, not FIN)."""
         if answer is not None:
@@ -273,7 +290,8 @@ class S3FaultProxy:
     ``InternalError``), ``reset`` (the request reaches the server, then the answer is cut halfway and the
     connection reset: the client cannot know whether it landed; ``forward=False`` cuts it before), ``stall``
     (the request reaches the server, the answer is held ``delay_s`` seconds: longer than the client's read
-    timeout, it sees a timeout; ``forward=False`` never forwards it).
+    timeout, it sees a timeout; ``forward=False`` never forwards it), ``trickle`` (the answer sent one byte every
+    ``delay_s`` seconds: each byte within the client's read timeout, the whole far beyond it).
     """
 
     def __init__(self, upstream: str, host: str = LOOPBACK, server: S3Server | None = None):

@@ -409,8 +409,9 @@ class Upload:
         self.upload_id = resp["UploadId"]
         self.checksummed = bool(resp.get("ChecksumAlgorithm"))
         if tries[0] > 1:  # an earlier try may have created an upload whose answer was lost
-            with contextlib.suppress(Exception):
-                self.tier.run_sync(self._abort_strays)
+            with contextlib.suppress(Exception):  # best effort, under one request's ceiling
+                self.tier.run_sync(self.tier.arequest, "abort the stray uploads of", self.key, self.path,
+                                   self._abort_strays, attempts=1)
 
     async def _abort_strays(self) -> None:
         resp = await self.tier.fs._call_s3("list_multipart_uploads", Bucket=self.bucket, Prefix=self.obj)

@@ -207,10 +207,7 @@ class SharedParts:
         if named is not None:
             self.abort(named["key"], named["upload"])
         path, _, _ = self._where(token)
-        try:
-            self.tier._request("delete", token, path, lambda: self.tier.fs.rm_file(path), missing_ok=True)
-        except BlobNotFoundError:
-            pass
+        self.tier._remove_object(token, path)
 
     def abort(self, key: str, upload_id: str) -> None:
         """Abort the upload (an unknown one is not an error)."""

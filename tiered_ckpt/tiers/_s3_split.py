@@ -29,7 +29,6 @@ from collections.abc import Awaitable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from ..errors import TransientTierError
 from ._s3 import RequestBody, Upload
 
 if TYPE_CHECKING:
@@ -185,21 +184,8 @@ class SplitUpload(Upload):
 
 async def piece_objects(tier: S3Tier, bucket: str, obj: str) -> list[str]:
     """Every piece object of the blob ``obj`` (of any write)."""
-    prefix = obj + PIECE_MARK
-    found: list[str] = []
-    token: dict[str, Any] = {}
-    while True:
-        resp = await tier.arequest("list the pieces of", None, f"{bucket}/{obj}",
-                                   lambda t=dict(token): tier.fs._call_s3("list_objects_v2", Bucket=bucket,
-                                                                          Prefix=prefix, **t))
-        found += [o["Key"] for o in resp.get("Contents", []) if is_piece_name(o["Key"])]
-        if not resp.get("IsTruncated"):
-            return found
-        following = {"ContinuationToken": resp.get("NextContinuationToken")}
-        if following["ContinuationToken"] is None or following == token:  # asking again would loop for ever
-            raise TransientTierError(tier._redact(f"list the pieces of {bucket}/{obj}: the store says there is "
-                                                  "more, and not where"), tier=tier.name)
-        token = following
+    return [o["Key"] for o in await tier.aobjects(f"list the pieces of {obj} in", bucket, obj + PIECE_MARK)
+            if is_piece_name(o["Key"])]
 
 
 async def drop_pieces(tier: S3Tier, bucket: str, obj: str, keep: str | None = None, only: str | None = None
@@ -210,13 +196,5 @@ async def drop_pieces(tier: S3Tier, bucket: str, obj: str, keep: str | None = No
         token = name[len(obj) + len(PIECE_MARK):].split("-", 1)[0]
         if (only is None and token != keep) or token == only:
             doomed.append(name)
-    for i in range(0, len(doomed), 1000):  # DeleteObjects takes at most 1000 keys
-        batch = {"Objects": [{"Key": k} for k in doomed[i:i + 1000]], "Quiet": True}
-        resp = await tier.arequest("delete the pieces of", None, f"{bucket}/{obj}",
-                                   lambda b=batch: tier.fs._call_s3("delete_objects", Bucket=bucket, Delete=b))
-        failed = [e for e in (resp or {}).get("Errors", []) if e.get("Code") != "NoSuchKey"]
-        if failed:
-            raise TransientTierError(f"could not delete {len(failed)} piece(s) of {obj}, e.g. {failed[0].get('Key')}: "
-                                     f"{failed[0].get('Code')} {failed[0].get('Message', '')}".rstrip(),
-                                     tier=tier.name, key=None)
+    await tier.adelete_objects("delete the pieces of", f"{bucket}/{obj}", bucket, doomed)
     return len(doomed)

@@ -478,11 +478,9 @@ class FsspecTier(Tier):
         check_prefix(prefix)
         rel_dir = prefix.rsplit("/", 1)[0] if "/" in prefix else ""
         top = f"{self.root}/{rel_dir}" if rel_dir else self.root
-        paths = self._request("list", None, top, lambda: self._find(top))
         start = len(self.root) + 1
         keys = []
-        for p in paths:
-            p = self.fs._strip_protocol(p)
+        for p in self._paths(top):
             if p.startswith(self.root + "/"):
                 key = p[start:]
                 if key.startswith(prefix) and not is_temp_name(key):
@@ -493,18 +491,50 @@ class FsspecTier(Tier):
         if self.files is not None:
             return super().stored_bytes(prefix)
         top = f"{self.root}/{check_prefix(prefix.rstrip('/') + '/').rstrip('/')}"
+        inside = self.fs._strip_protocol(top) + "/"  # not an object named like the prefix itself
+        return sum(size for path, size in self._sizes(top).items()
+                   if path.startswith(inside) and not is_temp_name(path))
 
+    # The store's listings and deletes, each a hook: the S3 tier sends them as its own requests, each under a
+    # ceiling (a server trickling an answer cannot hold one for ever), where fsspec's calls have only timeouts.
+    def _paths(self, top: str) -> list[str]:
+        """The path of every object under ``top``, the protocol stripped (none when nothing is there)."""
+        return [self.fs._strip_protocol(p) for p in self._request("list", None, top, lambda: self._find(top))]
+
+    def _sizes(self, top: str) -> dict[str, int]:
+        """The size of every object under ``top``, by path (the protocol stripped): one listing, hidden objects
+        included, not a HEAD per key."""
         def find() -> dict[str, Any]:
             self.fs.invalidate_cache(top)
             try:
-                return self.fs.find(top, detail=True)  # one listing, hidden objects included, not a HEAD per key
+                return self.fs.find(top, detail=True)
             except FileNotFoundError:
                 return {}
 
-        infos = self._request("list", None, top, find)
-        inside = self.fs._strip_protocol(top) + "/"  # not an object named like the prefix itself
-        return sum(int(info.get("size") or 0) for path, info in infos.items()
-                   if self.fs._strip_protocol(path).startswith(inside) and not is_temp_name(path))
+        return {self.fs._strip_protocol(path): int(info.get("size") or 0)
+                for path, info in self._request("list", None, top, find).items()}
+
+    def _remove_object(self, key: str, path: str) -> None:
+        """Delete the object at ``path`` (``key`` names it in errors); one already gone is not an error."""
+        def rm() -> None:
+            try:
+                self.fs.rm_file(path)
+            except (FileNotFoundError, IsADirectoryError):
+                pass
+
+        self._request("delete", key, path, rm)
+
+    def _remove_objects(self, keys: list[str], where: str) -> None:
+        """Delete the objects of ``keys`` (``where`` names them in errors); those already gone are not errors."""
+        def rm() -> None:
+            try:
+                self.fs.rm([f"{self.root}/{k}" for k in keys])  # one bulk request on object stores
+            except FileNotFoundError:  # a concurrent delete; remove what is left one by one
+                for k in keys:
+                    with contextlib.suppress(FileNotFoundError):
+                        self.fs.rm_file(f"{self.root}/{k}")
+
+        self._request("delete", None, where, rm)
 
     def _find(self, top: str) -> list[str]:
         self.fs.invalidate_cache(top)
@@ -522,33 +552,15 @@ class FsspecTier(Tier):
     def delete(self, key: str) -> None:
         if self.files is not None:
             return self.files.delete(key)
-        path = self._path(key)
-
-        def rm() -> None:
-            try:
-                self.fs.rm_file(path)
-            except (FileNotFoundError, IsADirectoryError):
-                pass
-
-        self._request("delete", key, path, rm)
+        self._remove_object(key, self._path(key))
 
     def delete_prefix(self, prefix: str) -> None:
         if self.files is not None:
             return self.files.delete_prefix(prefix)
         prefix = check_prefix(prefix.rstrip("/") + "/")
         keys = self._keys(prefix)
-        if not keys:
-            return
-
-        def rm() -> None:
-            try:
-                self.fs.rm([f"{self.root}/{k}" for k in keys])  # one bulk request on object stores
-            except FileNotFoundError:  # a concurrent delete; remove what is left one by one
-                for k in keys:
-                    with contextlib.suppress(FileNotFoundError):
-                        self.fs.rm_file(f"{self.root}/{k}")
-
-        self._request("delete", None, f"{self.root}/{prefix}", rm)
+        if keys:
+            self._remove_objects(keys, f"{self.root}/{prefix}")
 
     def temp_files(self) -> list[str]:
         """Keys of temporary files that unfinished writes left (a crash before the rename), for ``gc``."""
@@ -556,18 +568,15 @@ class FsspecTier(Tier):
             return self.files.temp_files()
         if not self._rename:
             return []  # object stores upload in place: nothing temporary is ever visible
-        paths = (self.fs._strip_protocol(p) for p in self._request("list", None, self.root,
-                                                                   lambda: self._find(self.root)))
-        return sorted(p[len(self.root) + 1:] for p in paths if p.startswith(self.root + "/") and is_temp_name(p))
+        return sorted(p[len(self.root) + 1:] for p in self._paths(self.root)
+                      if p.startswith(self.root + "/") and is_temp_name(p))
 
     def remove_temp_file(self, key: str) -> None:
         if self.files is not None:
             return self.files.remove_temp_file(key)
         if not is_temp_name(key):
             raise ValueError(f"{key!r} is not a temporary file")
-        path = self._path(key)
-        with contextlib.suppress(BlobNotFoundError):
-            self._request("delete", key, path, lambda: self.fs.rm_file(path), missing_ok=True)
+        self._remove_object(key, self._path(key))
 
     @property
     def location(self) -> str | None:

@@ -46,7 +46,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Awaitable, Callable, Iterable, Iterator
+from collections.abc import Awaitable, Callable, Iterable
 from typing import Any
 
 import fsspec
@@ -367,8 +367,7 @@ class S3Tier(FsspecTier):
         what a job that died mid-upload leaves (an upload in place leaves nothing else visible). ``prefix``: those
         under it only."""
         top = f"{self.root}/{prefix}".rstrip("/")
-        paths = (self.fs._strip_protocol(p) for p in self._request("list", None, top, lambda: self._find(top)))
-        return sorted(p[len(self.root) + 1:] for p in paths if p.startswith(top + "/") and is_temp_name(p))
+        return sorted(p[len(self.root) + 1:] for p in self._paths(top) if p.startswith(top + "/") and is_temp_name(p))
 
     def delete_prefix(self, prefix: str) -> None:
         """Everything under ``prefix``, the side objects of shared uploads too (their uploads aborted first)."""
@@ -419,22 +418,78 @@ class S3Tier(FsspecTier):
         return out
 
     def _listed_pages(self, op: str, path: str, call: str, params: dict[str, Any], field: str,
-                      *markers: tuple[str, str], missing_ok: bool = False) -> Iterator[dict[str, Any]]:
-        """Every entry of ``field`` over the pages of a paginated S3 listing, a page asked for only when the
-        entries before it are used up (``markers``: the answer's field naming the next page, and the request's
-        parameter asking for it). ``missing_ok``: a listing of something gone raises :class:`BlobNotFoundError`."""
+                      *markers: tuple[str, str], missing_ok: bool = False) -> list[dict[str, Any]]:
+        """:meth:`apages`, from a thread other than the event loop's."""
+        return self.run_sync(self.apages, op, path, call, params, field, *markers, missing_ok=missing_ok)
+
+    async def apages(self, op: str, path: str, call: str, params: dict[str, Any], field: str,
+                     *markers: tuple[str, str], missing_ok: bool = False) -> list[dict[str, Any]]:
+        """Every entry of ``field`` over the pages of a paginated S3 listing, each page one request under
+        :meth:`arequest` (``markers``: the answer's field naming the next page, and the request's parameter asking
+        for it). ``missing_ok``: a listing of something gone raises :class:`BlobNotFoundError`."""
+        entries: list[dict[str, Any]] = []
         page = dict(params)
         while True:
-            resp = self.run_sync(self.arequest, op, None, path,
-                                 lambda p=dict(page): self.fs._call_s3(call, **p), missing_ok=missing_ok)
-            yield from resp.get(field) or []
+            resp = await self.arequest(op, None, path, lambda p=dict(page): self.fs._call_s3(call, **p),
+                                       missing_ok=missing_ok)
+            entries += resp.get(field) or []
             if not resp.get("IsTruncated"):
-                return
+                return entries
             following = {**params, **{ask: resp[got] for got, ask in markers if resp.get(got) is not None}}
             if following == page:  # a truncated answer that names no next page: asking again would loop
                 raise TransientTierError(self._redact(f"{op} {path}: the store says there is more, and not where"),
                                          tier=self.name)
             page = following
+
+    async def aobjects(self, op: str, bucket: str, prefix: str, missing_ok: bool = False) -> list[dict[str, Any]]:
+        """The entries (``Key``, ``Size``...) of every object of ``bucket`` whose name starts with ``prefix``;
+        ``missing_ok``: no bucket raises :class:`BlobNotFoundError`."""
+        return await self.apages(op, f"{bucket}/{prefix}", "list_objects_v2", {"Bucket": bucket, "Prefix": prefix},
+                                 "Contents", ("NextContinuationToken", "ContinuationToken"), missing_ok=missing_ok)
+
+    async def adelete_objects(self, op: str, path: str, bucket: str, names: list[str]) -> None:
+        """Delete the objects ``names`` of ``bucket``, 1000 to a request (DeleteObjects' limit); those already
+        gone are not errors. ``op`` and ``path`` name them in errors."""
+        for i in range(0, len(names), 1000):
+            batch = {"Objects": [{"Key": k} for k in names[i:i + 1000]], "Quiet": True}
+            resp = await self.arequest(op, None, path,
+                                       lambda b=batch: self.fs._call_s3("delete_objects", Bucket=bucket, Delete=b))
+            failed = [e for e in (resp or {}).get("Errors", []) if e.get("Code") != "NoSuchKey"]
+            if failed:
+                raise TransientTierError(self._redact(
+                    f"{op} {path}: {len(failed)} of {len(batch['Objects'])} not deleted, e.g. {failed[0].get('Key')}: "
+                    f"{failed[0].get('Code')} {failed[0].get('Message', '')}".rstrip()), tier=self.name)
+
+    # Listings and deletes as the tier's own requests, each under a ceiling (the module docstring), where
+    # s3fs's find/rm have botocore's read timeout only: a server trickling an answer would hold them for ever.
+    def _objects(self, top: str) -> list[tuple[str, int]]:
+        """(path, size) of every object under the directory ``top``."""
+        bucket, obj, _ = self.fs.split_path(top)
+        prefix = f"{obj.rstrip('/')}/" if obj else ""
+        try:
+            entries = self.run_sync(self.aobjects, "list", bucket, prefix, missing_ok=True)
+        except BlobNotFoundError:  # NoSuchBucket: a tier that cannot be used, never "no checkpoint"
+            raise PermanentTierError(f"no such bucket {bucket!r} ({self.location}): create it, or correct the "
+                                     "tier's url", tier=self.name) from None
+        # a name ending in "/" is a folder marker some tools write, not an object of ours
+        return [(f"{bucket}/{e['Key']}", int(e.get("Size") or 0)) for e in entries if not e["Key"].endswith("/")]
+
+    def _paths(self, top: str) -> list[str]:
+        return [path for path, _ in self._objects(top)]
+
+    def _sizes(self, top: str) -> dict[str, int]:
+        return dict(self._objects(top))
+
+    def _remove_object(self, key: str, path: str) -> None:
+        bucket, obj, _ = self.fs.split_path(path)
+        # S3 answers a delete of a missing key as a success; a missing bucket is an error
+        self.run_sync(self.arequest, "delete", key, path,
+                      lambda: self.fs._call_s3("delete_object", Bucket=bucket, Key=obj))
+
+    def _remove_objects(self, keys: list[str], where: str) -> None:
+        bucket, top, _ = self.fs.split_path(self.root)
+        names = [f"{top}/{k}" if top else k for k in keys]
+        self.run_sync(self.adelete_objects, "delete", where, bucket, names)
 
     def abort_upload(self, upload: UnfinishedUpload) -> None:
         """Abort a multipart upload :meth:`unfinished_uploads` listed (one already gone is not an error). Needs the
@@ -502,8 +557,8 @@ class S3Tier(FsspecTier):
     # ----- S3 primitives (coroutines on s3fs's loop) -------------------------------------------------------
     def _head(self, key: str, path: str) -> dict[str, Any]:
         bucket, obj, _ = self.fs.split_path(path)
-        return self._request("stat", key, path, lambda: self.fs.call_s3("head_object", Bucket=bucket, Key=obj),
-                             missing_ok=True)
+        return self.run_sync(self.arequest, "stat", key, path,
+                             lambda: self.fs._call_s3("head_object", Bucket=bucket, Key=obj), missing_ok=True)
 
     async def _get_into(self, bucket: str, obj: str, etag: str | None, offset: int, view: memoryview,
                         ranged: bool) -> None:
