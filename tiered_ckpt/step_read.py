@@ -132,7 +132,8 @@ def _refuse(store: FileStore, changed: list[str], step: int, why: str) -> Layout
 def _read_megatron(store: FileStore, step: int, coords: RankCoords, *, verify: bool, trust: bool
                    ) -> tuple[dict[str, Any], bool, int]:
     """Megatron's items for this rank, re-split for this job's DP size where it changed; also reads checkpoints
-    Megatron-LM wrote (no manifest: nothing to verify, and the result says so)."""
+    Megatron-LM wrote (no manifest: only each model file's zip CRC-32s are checked, and the result says
+    unverified)."""
     from .megatron import legacy  # Megatron's format code is imported only when a step needs it
 
     try:

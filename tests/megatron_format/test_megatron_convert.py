@@ -74,7 +74,7 @@ def test_fixture_to_rank_sharded_and_back(tmp_path: Path, config: str) -> None:
     src = copy_checkpoint(config, tmp_path / "megatron")
     report = convert(src, tmp_path / "rs", to="rank_sharded", progress=False)
     assert (report.source_layout, report.source_writer, report.source_verified) == ("megatron", "megatron", False)
-    assert any("nothing can be verified" in n for n in report.notes)
+    assert report.source_checked == "zip CRC-32s" and any("no checksums of ours" in n for n in report.notes)
     for rank in range(t["world_size"]):
         got = _rank_file(tmp_path / "rs", ITER_DIR, rank)
         assert_same(fixture_rank_shard(config, rank), got)  # exactly Megatron's local shards, and its geometry
@@ -256,6 +256,43 @@ def test_refusals(tmp_path: Path) -> None:
         convert(tmp_path / "moe", tmp_path / "y", to="rank_sharded", dp=3, progress=False)
 
 
+def _flip_a_tensor_byte(path: Path) -> None:
+    """Flip one byte inside a tensor record (well past the pickle), as a bad disk or a bad copy would."""
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+def test_a_damaged_megatron_written_source_is_refused_before_anything_is_written(tmp_path: Path, capsys) -> None:
+    """A Megatron-LM checkpoint has no manifest, but torch writes each record's CRC-32 into the file's zip directory
+    (torch.load checks none of them): convert checks them first, so that a flipped bit never leaves with our
+    checksums vouching for it (a Megatron user's trial: the damaged file was converted, then passed verify)."""
+    src = copy_checkpoint("dp4_tp1_pp1", tmp_path / "m")
+    _flip_a_tensor_byte(src / ITER_DIR / "mp_rank_00" / "distrib_optim.pt")
+    with pytest.raises(CorruptionError, match=r"mp_rank_00/distrib_optim\.pt: record .*CRC-32.*nothing was converted"):
+        convert(src, tmp_path / "rs", to="rank_sharded", dp=2, progress=False)
+    assert not (tmp_path / "rs").exists() or not any((tmp_path / "rs").rglob("*.pt"))
+    assert cli_main(["convert", str(src), str(tmp_path / "rs2"), "--to", "megatron"]) == 1
+    assert "do not match the CRC-32" in capsys.readouterr().err
+    assert not (tmp_path / "rs2").exists() or not any((tmp_path / "rs2").rglob("*.pt"))
+
+
+def test_a_source_written_without_crcs_is_converted_and_said_unchecked(tmp_path: Path) -> None:
+    write_checkpoint(_job(dict(tp=1, pp=1, dp=2)), tmp_path / "m", layout="megatron", manifest=False)
+    from torch.utils.serialization import config as serialization
+
+    was = serialization.save.compute_crc32
+    serialization.save.compute_crc32 = False  # every record's CRC-32 written as 0
+    try:
+        for path in (tmp_path / "m").rglob("*.pt"):
+            torch.save(torch.load(path, weights_only=False), path)
+    finally:
+        serialization.save.compute_crc32 = was
+    report = convert(tmp_path / "m", tmp_path / "rs", to="rank_sharded", progress=False)
+    assert (report.source_verified, report.source_checked) == (False, "")
+    assert any("without CRC-32s" in n for n in report.notes)
+
+
 # ------------------------------------------------------------------------------------------------------------
 # Megatron's side: plain torch.load with Megatron's allow-list, Megatron not installed
 
@@ -304,8 +341,8 @@ def test_cli_convert(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     src = copy_checkpoint("dp4_tp1_pp1", tmp_path / "m")
     assert cli_main(["convert", str(src), str(tmp_path / "rs"), "--to", "rank_sharded", "--dp", "2", "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
-    assert (report["step"], report["to"], report["source_layout"], report["source_verified"]) == (
-        10, "rank_sharded", "megatron", False)
+    assert (report["step"], report["to"], report["source_layout"], report["source_verified"],
+            report["source_checked"]) == (10, "rank_sharded", "megatron", False, "zip CRC-32s")
     assert report["topology"]["dp"] == 2 and len(report["files"]) == 3
     assert cli_main(["convert", str(tmp_path / "rs"), str(tmp_path / "back"), "--to", "megatron"]) == 0
     text = capsys.readouterr().out

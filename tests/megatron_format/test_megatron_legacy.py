@@ -42,7 +42,7 @@ def test_detect_megatron_written(pp2: Path) -> None:
     assert (info.topology.tp, info.topology.pp, info.topology.dp, info.topology.ep) == (1, 2, 2, 1)
     assert info.rank_dirs == ("mp_rank_00_000", "mp_rank_00_001") and info.has_distrib_optim
     assert isinstance(info.args, argparse.Namespace) and info.args.data_parallel_size == 2
-    assert not info.verifiable and "nothing can be verified" in info.notes[0]
+    assert not info.verifiable and "no checksums of ours" in info.notes[0]
     assert info.to_dict()["topology"]["dp"] == 2
 
 
@@ -115,8 +115,26 @@ def test_unverified_warning_is_logged_once(pp2: Path, caplog: pytest.LogCaptureF
     with caplog.at_level(logging.WARNING, logger="tiered_ckpt.megatron.legacy"):
         for rank in range(4):
             legacy.load_rank_items(tier, 10, layout.coords(rank))
-    warnings = [r for r in caplog.records if "nothing is verified" in r.message]
+    warnings = [r for r in caplog.records if "no checksums of ours" in r.message]
     assert len(warnings) == 1 and str(pp2) in warnings[0].message
+
+
+def test_a_damaged_model_file_is_refused_by_its_zip_crcs(pp2: Path) -> None:
+    """No manifest, but each record's CRC-32 in the file's zip directory: a model file read whole is checked
+    against them (torch.load, and so Megatron-LM, would load the flipped bit as a weight)."""
+    path = pp2 / ITER_DIR / "mp_rank_00_001" / "model_optim_rng.pt"
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    path.write_bytes(bytes(data))
+    layout = ParallelLayout(pp=2, dp=2)
+    stages = {rank: layout.coords(rank).pp for rank in range(4)}
+    assert sorted(stages.values()) == [0, 0, 1, 1]
+    for rank, stage in stages.items():
+        if stage == 1:
+            with pytest.raises(CorruptionError, match=r"mp_rank_00_001/model_optim_rng\.pt.*record .*CRC-32"):
+                legacy.load_rank_items(_tier(pp2), 10, layout.coords(rank))
+        else:  # stage 0's file is intact
+            assert legacy.load_rank_items(_tier(pp2), 10, layout.coords(rank))["model_optim_rng"]["iteration"] == 10
 
 
 def test_model_parallel_changes_are_refused(pp2: Path) -> None:

@@ -69,8 +69,10 @@ def cmd_convert(args: argparse.Namespace) -> int:
           f"-> {report.dst} ({report.to})")
     print(f"  TP {t['tp']}  PP {t['pp']}  EP {t['ep']}  DP {s['dp'] * s['ep']} -> {t['dp'] * t['ep']}"
           f"  ({len(report.files)} files, {report.bytes_written} bytes, {report.seconds:.1f} s)")
-    print("  source " + ("verified against its manifest" if report.source_verified
-                         else "NOT verified: it has no manifest (no checksums to check)"))
+    print("  source " + {"manifest": "verified against its manifest",
+                         "zip CRC-32s": "checked against its files' zip CRC-32s (no manifest: a file missing "
+                                        "altogether would not be seen)"}.get(report.source_checked,
+                                                                             "NOT verified: it has no checksums"))
     for note in report.notes:
         print(f"  note: {note}")
     return 0

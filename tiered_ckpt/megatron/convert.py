@@ -1,8 +1,9 @@
 """Convert a Megatron-style checkpoint between the ``megatron`` and ``rank_sharded`` layouts, and re-split it
 for another DP size: :func:`convert`, and ``tiered-ckpt convert`` (:mod:`.cli_convert`).
 
-Sources: a checkpoint Megatron-LM wrote (no manifest: nothing to verify, the report says so), or one of ours in
-either layout (every file verified against the manifest while it is read). The destination gets our manifest
+Sources: a checkpoint Megatron-LM wrote (no manifest: each of its files is checked against the CRC-32s of its
+zip directory first, the report says so), or one of ours in either layout (every file verified against the
+manifest while it is read). The destination gets our manifest
 and Megatron's tracker, in the commit protocol's order, all through the destination's file store (its retries,
 events and crash points): the files (``FileStore.write_file``/``copy_file``, checksummed while they are written),
 then ``FileStore.commit_files``: every rank's manifest, the checkpoint manifest and the tracker.
@@ -30,7 +31,15 @@ from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from ..config import load_config
-from ..errors import ConfigError, DecodeError, LayoutMismatchError, NoCheckpointError, TierError, UnsafePickleError
+from ..errors import (
+    ConfigError,
+    CorruptionError,
+    DecodeError,
+    LayoutMismatchError,
+    NoCheckpointError,
+    TierError,
+    UnsafePickleError,
+)
 from ..file_store import FileStore
 from ..manifest import FileEntry
 from ..parallel import ParallelLayout
@@ -56,6 +65,9 @@ class ConvertReport:
     source_layout: str  # megatron | rank_sharded | dlrover
     source_writer: str  # megatron | tiered_ckpt | dlrover
     source_verified: bool  # every source file checked against a manifest
+    # what the source was checked against: "manifest", "zip CRC-32s" (Megatron-LM's files: torch's own CRC-32 of
+    # each record; a missing file would not be seen), or "" (nothing: verify=False, or files without CRC-32s)
+    source_checked: str
     source_topology: dict[str, Any]
     topology: dict[str, Any]
     files: list[dict[str, Any]] = field(default_factory=list)
@@ -125,17 +137,26 @@ def convert(
             f"{info.where}: DLRover's rank_*/distrib_optim.pt hold per-param fragments without bucket geometry: "
             "they cannot be merged or re-split without the model (load them with tiered_ckpt.megatron.adapter at "
             "the same DP and save again)")
+    notes = list(info.notes)
+    checked = "manifest" if info.has_manifest and verify else ""
+    if not info.has_manifest and verify:
+        without = _check_zip_crcs(src_tier, info, progress)
+        checked = "zip CRC-32s" if not without else ""
+        if without:
+            notes.append(f"{len(without)} source file(s) written without CRC-32s: not verified "
+                         f"({', '.join(without[:3])})")
     store = open_store(dst, to, "destination")
     dst_tier = store.tier
     if dst_tier.list(info.step_dir + "/"):
         raise ConfigError(f"{tier_io.where(dst_tier, info.step_dir)} already exists; convert into an empty place")
-    if not info.has_manifest:
-        legacy.warn_unverified(info)
+    if not checked:
+        log.warning("%s: the source is not verified (%s)", info.where,
+                    "verify=False" if verify else "no manifest, and files written without CRC-32s")
     report = ConvertReport(
         src=_describe(src, src_tier), dst=_describe(dst, dst_tier), to=to, step=step_no, source_layout=info.layout,
-        source_writer=info.writer, source_verified=info.has_manifest and verify,
+        source_writer=info.writer, source_verified=checked == "manifest", source_checked=checked,
         source_topology=rank_shard.topology_dict(info.topology), topology=rank_shard.topology_dict(target),
-        notes=list(info.notes))
+        notes=notes)
     try:
         with StepSource(src_tier, info, trust_pickles=trust_pickles, verify=verify) as source, \
                 _progress_bar(progress, _estimate(src_tier, info)) as bar:
@@ -163,6 +184,30 @@ def convert(
              info.layout, "verified" if report.source_verified else "unverified", report.dst, to, len(entries),
              report.bytes_written, report.seconds)
     return report
+
+
+def _check_zip_crcs(tier: Tier, info: legacy.CheckpointInfo, progress: bool) -> list[str]:
+    """A source without our manifest (Megatron-LM wrote it) has no checksums of ours: each of its torch files is
+    checked against the CRC-32s of its zip directory before anything is converted, so that damage never leaves
+    with our checksums vouching for it. Raises CorruptionError naming the damaged records; returns the files
+    written without CRC-32s (``torch.utils.serialization.config.save.compute_crc32 = False``)."""
+    from .lazy_torch import open_lazy
+
+    keys = sorted(k for k in tier.list(info.step_dir + "/") if loadable.is_megatron_file(k))
+    damaged: list[str] = []
+    without: list[str] = []
+    with _progress_bar(progress, _estimate(tier, info), "check") as bar:
+        for key in keys:
+            torch_file = open_lazy(tier, key, where=tier_io.where(tier, key), unpickle=False)
+            if not torch_file.has_crcs:
+                without.append(key)
+                continue
+            damaged += [f"{key}: record {m}" for m in torch_file.crc_mismatches(bar.update)]
+    if damaged:
+        raise CorruptionError(f"{info.where}: {len(damaged)} record(s) of the source do not match the CRC-32 its "
+                              f"file's zip directory gives, e.g. {damaged[0]}; nothing was converted. Restore the "
+                              "file from another copy, or convert an older step (--step)")
+    return without
 
 
 def _target_topology(src: MegatronTopology, dp: int | None) -> MegatronTopology:
@@ -308,12 +353,12 @@ class _NoBar:
         pass
 
 
-def _progress_bar(enabled: bool, total: int | None) -> Any:
+def _progress_bar(enabled: bool, total: int | None, desc: str = "convert") -> Any:
     if not enabled or not sys.stderr.isatty():
         return _NoBar()
     from ..progress import progress_bar
 
-    return progress_bar(total=total, desc="convert", file=sys.stderr)
+    return progress_bar(total=total, desc=desc, file=sys.stderr)
 
 
 def _describe(target: Any, tier: Tier) -> str:

@@ -45,6 +45,29 @@ class RangeReader:
         self.bytes_read += length
         return data
 
+    def view(self, offset: int, length: int) -> Any:
+        """The bytes of a range for a caller that only hashes them (a buffer; no copy where the file is in
+        memory)."""
+        return self.read(offset, length)
+
+
+class BytesReader(RangeReader):
+    """A file already in memory."""
+
+    def __init__(self, data: memoryview, where: str):
+        super().__init__(None, where, where=where)
+        self.data = data
+
+    def size(self) -> int:
+        return len(self.data)
+
+    def read(self, offset: int, length: int) -> bytes:
+        return bytes(self.view(offset, length))
+
+    def view(self, offset: int, length: int) -> memoryview:
+        self.bytes_read += length
+        return self.data[offset:offset + length]
+
 
 @dataclass
 class _Record:
@@ -222,7 +245,7 @@ class LazyTorchFile:
             crc, done = 0, 0
             while done < rec.size:
                 n = min(READ_PIECE, rec.size - done)
-                crc = crc32(self.reader.read(rec.data_offset + done, n), crc)
+                crc = crc32(self.reader.view(rec.data_offset + done, n), crc)
                 done += n
                 if on_bytes is not None:
                     on_bytes(n)
@@ -355,6 +378,13 @@ def _zip64_fields(extra: bytes, usize: int, csize: int, offset: int) -> tuple[in
 def open_lazy(tier: Any, key: str, *, where: str | None = None, unpickle: bool = True) -> LazyTorchFile:
     """Open ``key`` on ``tier`` (anything with ``size(key)`` and ``read_range(key, offset, length)``)."""
     return LazyTorchFile(RangeReader(tier, key, where=where), unpickle=unpickle)
+
+
+def zip_crc_mismatches(data: memoryview, where: str) -> list[str] | None:
+    """:meth:`LazyTorchFile.crc_mismatches` of a torch file in memory; None when it was written without
+    CRC-32s."""
+    torch_file = LazyTorchFile(BytesReader(data, where), unpickle=False)
+    return torch_file.crc_mismatches() if torch_file.has_crcs else None
 
 
 def materialize(obj: Any) -> Any:

@@ -126,7 +126,8 @@ def detect(tier: Tier, *, step: Iteration | None = None, trust_pickles: bool = F
             if layout == "rank_sharded":
                 writer = "tiered_ckpt"
                 notes.append("tiered_ckpt rank files without a checkpoint manifest: an incomplete save?")
-        notes.append("no tiered_ckpt manifest: nothing can be verified")
+        notes.append("no tiered_ckpt manifest: no checksums of ours, only the CRC-32s torch wrote into each file's "
+                     "zip directory can be checked")
     if iteration == RELEASE:
         notes.append("a release checkpoint: Megatron loads it as iteration 0, without optimizer and RNG state")
     return CheckpointInfo(layout, iteration, step_dir, has_manifest, topo, tuple(mp_dirs), tuple(rank_files),
@@ -180,8 +181,9 @@ def warn_unverified(info: CheckpointInfo) -> None:
         if key in _warned:
             return
         _warned.add(key)
-    log.warning("%s: %s-written checkpoint without a tiered_ckpt manifest: it has no checksums, nothing is "
-                "verified", info.where, info.writer)
+    log.warning("%s: %s-written checkpoint without a tiered_ckpt manifest: no checksums of ours vouch for it (each "
+                "model file read whole is checked against its zip CRC-32s; the optimizer's ranges are not: "
+                "tiered-ckpt verify checks every file)", info.where, info.writer)
 
 
 def load_rank_items(

@@ -31,7 +31,7 @@ from .checkpoint_info import CheckpointInfo, LoadedItems
 from .distrib_optim import iter_split, split_state, sub_optimizer_states
 from .geometry import OptimizerGeometry
 from .infer import infer_geometry
-from .lazy_torch import LazyTorchFile, materialize
+from .lazy_torch import LazyTorchFile, materialize, zip_crc_mismatches
 from .merge import OpenedFiles, check_same_model_parallel, open_rank_shards, plan_dirs, world_view
 from .naming import DISTRIB_OPTIM_FILENAME, MODEL_FILENAME, MegatronTopology
 from .torch_zip import StreamedTensor
@@ -46,6 +46,7 @@ class StepSource:
         self.tier, self.info = tier, info
         self.trust_pickles = trust_pickles
         self.verify = verify and info.has_manifest
+        self.check_crcs = verify and not info.has_manifest  # Megatron-LM's files: their zip CRC-32s
         self.geometry_override = list(geometry) if geometry is not None else None
         self.files = OpenedFiles(verify=self.verify)
         self.manifest: CheckpointManifest | None = None
@@ -108,6 +109,12 @@ class StepSource:
             if entry.compression is not None:
                 blob = decompress_to_tensor(blob, entry.raw_size or 0, where=key, tier=self.tier.name)
                 return safe_load.load_views(blob, where=where, trust_pickles=self.trust_pickles)
+        elif self.check_crcs and blob.device.type == "cpu":
+            # Megatron-LM's file: no checksum of ours, but torch's CRC-32 of each record (torch.load checks none)
+            damaged = zip_crc_mismatches(as_memoryview(blob), where)
+            if damaged:
+                raise CorruptionError(f"{where}: record {damaged[0]} (damaged; checked against the CRC-32s of the "
+                                      "file's zip directory)")
         return self._load_blob(blob, where)
 
     def _load_blob(self, blob: torch.Tensor, where: str) -> Any:
