@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
+import logging
 import os
 import pickle
 import shutil
@@ -364,10 +365,17 @@ def rank_megatron_save(rank: int, world: int, ckpt: str) -> dict[str, Any]:
 def rank_our_load(rank: int, world: int, tp: int, pp: int, cfg: dict, cont: bool) -> dict[str, Any]:
     # the saving job's seed: its data (harness.batch) depends on it; its weights are the load's to restore
     job = job_at(tp, pp)
-    with CheckpointEngine(cfg, job.layout, rank=rank) as engine:
-        loaded = load(job, engine)
+    warnings: list[str] = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = lambda record: warnings.append(record.getMessage())  # type: ignore[method-assign]
+    logging.getLogger("tiered_ckpt").addHandler(handler)
+    try:
+        with CheckpointEngine(cfg, job.layout, rank=rank) as engine:
+            loaded = load(job, engine)
+    finally:
+        logging.getLogger("tiered_ckpt").removeHandler(handler)
     out = {"coords": harness.coords(), "loaded": loaded, "full_state": full_state(job),
-           "space": checkpoint_space(job)}
+           "space": checkpoint_space(job), "warnings": warnings}
     if cont:
         train(job, RESUMED_TO)
         out["fingerprint"] = fingerprint(job)
@@ -470,6 +478,10 @@ def test_megatron_saved_checkpoint_loads_through_the_adapter(tmp_path: Path) -> 
             assert res["coords"][:2] == ((rank, 0) if tp == 2 else (0, rank))  # (TP rank, PP rank)
             assert res["loaded"] == (SAVED_AT, FLOPS)
             assert mismatches(res["space"], plain) == [], f"tp{tp} pp{pp} rank {rank}"
+            # the RNG state is left out at another TP/PP, said once, and not taken for a --no-save-rng checkpoint
+            assert [w for w in res["warnings"] if "RNG state" in w or "--no-save-rng" in w] == [
+                f"step {SAVED_AT}: (TP, PP) (1, 1) -> ({tp}, {pp}): the RNG state is not loaded (Megatron's "
+                "behaviour)"], res["warnings"]
 
 
 def test_sigkill_after_memory_only_save_resumes_from_shm(shm_dir: str, tmp_path: Path) -> None:

@@ -158,7 +158,7 @@ def load(chunks: list[Any], optimizer: Any, scheduler: Any, strict: bool, skip: 
                         reader.step, ckpt_tp_pp, run_tp_pp)
     return restore(state, {}, chunks, optimizer, scheduler, strict, skip, args, rng_tracker, engine.coords,
                   where=f"step {reader.step} (torch_dist, tiers {sorted(set(reader.sources.values()))})",
-                  distrib_optim_item=False)
+                  distrib_optim_item=False, rng=ckpt_tp_pp == run_tp_pp)
 
 
 def _check_engine(engine: Any) -> None:

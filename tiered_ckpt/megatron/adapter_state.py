@@ -207,10 +207,11 @@ def model_optim_rng_item(iteration: int, model: Sequence[Any], optimizer: Any, o
 
 def restore(state: dict[str, Any], items: Mapping[str, Any], chunks: list[Any], optimizer: Any,
            opt_param_scheduler: Any, strict: bool, skip: bool, args: Any, rng_tracker: Any, coords: Any, *,
-           where: str, distrib_optim_item: bool = True) -> tuple[int, float]:
+           where: str, distrib_optim_item: bool = True, rng: bool = True) -> tuple[int, float]:
     """Megatron's restore of one rank from its ``model_optim_rng`` dict and ``distrib_optim`` item.
     ``distrib_optim_item``: a DistributedOptimizer's state comes in that item (``torch`` format), so a checkpoint
-    without it is refused; False for ``torch_dist``, whose optimizer state is in ``state`` itself."""
+    without it is refused; False for ``torch_dist``, whose optimizer state is in ``state`` itself. ``rng``: False
+    where the caller left the RNG state out on purpose (``torch_dist`` at another TP/PP, said there)."""
     finetune = bool(getattr(args, "finetune", False))
     if "iteration" not in state and "total_iters" not in state:
         raise LayoutMismatchError(f"{where}: model_optim_rng has no iteration (Megatron stops here too)")
@@ -254,7 +255,7 @@ def restore(state: dict[str, Any], items: Mapping[str, Any], chunks: list[Any], 
         # The optimizer's fp32 main params must follow the loaded model weights (Megatron does the same here),
         # or the first step would put back the weights the job started with.
         optimizer.reload_model_params()
-    if not (finetune or getattr(args, "no_load_rng", False)):
+    if rng and not (finetune or getattr(args, "no_load_rng", False)):
         if "rng_state" in state:
             _set_rng(state["rng_state"], args, coords, rng_tracker)
         else:  # Megatron-LM stops here ("Unable to load rng state"); the weights and optimizer are sound
