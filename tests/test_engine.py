@@ -807,7 +807,8 @@ def test_the_worker_maps_every_slot_after_prepare_before_any_save(tiers, names):
 
 def test_snapshots_of_another_layout_are_named_in_one_warning(shm_root, tmp_path, caplog):
     """An elastic restart (DP 2 -> 1) finds this rank's old snapshots in shm: they are not recovered as this
-    job's, and one warning names them all (it was one long line per slot, per rank)."""
+    job's, and one warning names them all (it was one long line per slot, per rank), a non-persistent one too,
+    which no file tier holds (a Megatron user's trial: the newest step, non-persistent, went unmentioned)."""
     import logging
 
     from tiered_ckpt import ParallelLayout
@@ -816,13 +817,13 @@ def test_snapshots_of_another_layout_are_named_in_one_warning(shm_root, tmp_path
            "tiers": [{"name": "shm", "kind": "shm", "path": str(shm_root), "slots": 2}]}
     with CheckpointEngine(cfg, ParallelLayout(dp=2), rank=0) as engine:
         for step in (1, 2):
-            engine.save(step, make_items(step)).wait(timeout=60)
+            engine.save(step, make_items(step), persistent=step == 1).wait(timeout=60)
     with caplog.at_level(logging.WARNING, logger="tiered_ckpt"):
         with CheckpointEngine(cfg, ParallelLayout(dp=1), rank=0) as engine:
             assert engine.recovered == []
     said = [r.getMessage() for r in caplog.records if "not recovered" in r.getMessage()]
-    assert len(said) == 1 and "2 snapshot(s)" in said[0] and "step 1" in said[0] and "step 2" in said[0], said
-    assert "DP 2 → 1" in said[0], said
+    assert len(said) == 1 and "2 snapshot(s)" in said[0] and "step 1 (slot" in said[0], said
+    assert "step 2 (slot 1: DP 2 → 1, non-persistent: held nowhere else)" in said[0], said
 
 
 def test_saves_no_tier_is_due_for_keep_nothing_behind(tmp_path, shm_root):

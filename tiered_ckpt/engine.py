@@ -385,14 +385,16 @@ class CheckpointEngine:
         other_layout: list[str] = []
         found: list[tuple[SlotMeta, tuple[str, ...]]] = []
         for meta in metas:
-            if not meta.persistent:
-                continue  # saved for memory tiers only (a non-persistent step): no file tier ever takes it
             changed = snapshot_layout_changes(meta, self.coords)
             if changed:
                 # An elastic restart: this slot holds a rank of the old layout, a part of another job's state.
                 # It is never committed as this layout's (the drain refuses it too); it stays, overwritten in time.
-                other_layout.append(f"step {meta.step} (slot {meta.slot}: {', '.join(changed)})")
+                # A non-persistent one is named too: no file tier holds that step, so it is lost with its slot.
+                memory_only = "" if meta.persistent else ", non-persistent: held nowhere else"
+                other_layout.append(f"step {meta.step} (slot {meta.slot}: {', '.join(changed)}{memory_only})")
                 continue
+            if not meta.persistent:
+                continue  # saved for memory tiers only (a non-persistent step): no file tier ever takes it
             if not meta.checksummed or meta.checksums == "pending":
                 # The process died before the checksums taken after the copy were in: nothing shows these bytes
                 # are the ones saved. They are hashed now and drained marked so: every load of them, from memory
