@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 
 sys.path.insert(0, os.path.dirname(__file__))
 import torch  # noqa: E402
@@ -40,10 +41,16 @@ def body(rank: int, world: int, spec: dict, out: dict) -> None:
             except TieredCkptError as exc:
                 out["wait_error"] = str(exc)[:2000]
         for step in spec.get("save_of", {}).get(str(rank), spec.get("save", [])):  # "save_of": rank → steps
+            time.sleep(spec.get("delay_of", {}).get(str(rank), 0))  # "delay_of": rank → seconds before each save
             handle = engine.save(step, items_for(step, rank, spec.get("run", 0)))
             out.setdefault("blocking", []).append(handle.blocking_s)
             try:
-                handle.wait(timeout=60)
+                if spec.get("wait_committed"):  # then list the file tiers at once: the step must be there
+                    engine.wait_committed(handle, timeout=60)
+                    out.setdefault("listed", {})[step] = {t: step in steps for t, steps in
+                                                         engine.available_steps().items() if t in handle.due}
+                else:
+                    handle.wait(timeout=60)
             except TieredCkptError as exc:
                 out.setdefault("save_errors", {})[step] = str(exc)
         if "bad_into_rank" in spec:  # one rank asks load() for what the checkpoint cannot go into

@@ -313,3 +313,26 @@ def test_load_waits_for_the_recovery_that_commits_the_newest_step(tmp_path, shm_
     assert second[0]["recovered"] == [3] and second[1]["recovered"] == [], second
     assert {r["step"] for r in second.values()} == {3}, second
     assert committed(local) == [1, 2, 3]
+
+
+@pytest.mark.parametrize("wait_committed", [False, True])
+def test_ranks_that_do_not_commit_see_the_commit_when_they_wait_for_it_and_release_their_slots(
+        tmp_path, shm_root, wait_committed):
+    """Rank 0 commits last (it saves a second later, as DCP's writer, whose rank 0 also plans, makes it): the other
+    ranks' drains end with their part voted, before the commit. engine.wait_committed() waits there until the commit
+    is visible (a DCP trial: rank 1 loaded right after writer.wait() and found no step), and close() waits for it
+    before on_close: release (the trial: every rank but 0 left its slot in /dev/shm after every clean save)."""
+    run_id = f"c{uuid.uuid4().hex[:8]}"
+    shm, local, shared = Path(shm_root), tmp_path / "local", tmp_path / "shared"
+    tier_list = tiers(shm, local, shared)
+    tier_list[0]["on_close"] = "release"
+    spec = {"config": job_config(tier_list, run_id), "save": [1], "delay_of": {"0": 1.5},
+            "wait_committed": wait_committed}
+    results = run_ranks(3, spec)
+    assert all("save_errors" not in r for r in results.values()), results
+    if wait_committed:
+        assert all(r["listed"] == {"1": {"local": True, "shared": True}} for r in results.values()), results
+    assert committed(local) == committed(shared) == [1]
+    left = sorted(str(p.relative_to(shm)) for p in shm.rglob("slot_*"))
+    assert left == [], left
+

@@ -265,6 +265,7 @@ class CheckpointEngine:
             raise
         blocking = time.perf_counter() - t0
         handle = SaveHandle(step, blocking, self.pipeline.entry, due)
+        handle.save_id = save_id
         try:
             if due:  # one with no tier due is done already: nothing reports on it, so nothing would drop it
                 with self._cond:
@@ -721,6 +722,35 @@ class CheckpointEngine:
         if failures:
             raise SavesFailedError(failures)
 
+    def wait_committed(self, handle: SaveHandle, timeout: float | None = None) -> None:
+        """``handle.wait(timeout=timeout)``, then, on a rank that does not commit a due file tier's steps, until
+        the committing rank has committed this save there: what ``handle.wait()`` tells only on the committing
+        rank (elsewhere it means this rank's part is written and voted). Raises :class:`SaveError` naming the
+        tier where the commit did not come within ``timeout`` (default: twice ``drain.commit_timeout_s`` and
+        10 s: the committing rank's own part may take as long as the wait for the others'), and
+        :class:`TimeoutError` where the drain itself did not finish. Call it on every rank, or on those that act
+        on the commit (a load right after it, a copy elsewhere): it runs no collective."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        handle.wait(timeout=timeout)
+        limit = 2 * self.config.drain.commit_timeout_s + 10
+        failures = {}
+        for name in handle.due:
+            store = self.pipeline.stores[name]
+            files = store.files()
+            voters = self.pipeline.node_ranks if store.tier.capabilities.node_local else \
+                range(self.coords.world_size)
+            if files is None or min(voters) == self.coords.rank:
+                continue  # the committing rank: its handle said committed
+            left = limit if deadline is None else max(0.0, deadline - time.monotonic())
+            try:
+                files.wait_committed(handle.step, self.coords.rank, left, save_id=handle.save_id,
+                                     why=f": this rank's part is there, but the committing rank ({min(voters)}) "
+                                         "has not committed the step (its log says why)")
+            except TierError as exc:
+                failures[name] = str(exc)
+        if failures:
+            raise SaveError(handle.step, failures)
+
     def _wait_with_bar(self, timeout: float | None) -> None:
         from tqdm import tqdm
 
@@ -770,6 +800,7 @@ class CheckpointEngine:
                 found = set()
                 for store in self.pipeline.durable_stores().values():
                     try:
+                        self._await_commits(store, self.config.drain.commit_timeout_s)
                         found.update(store.durable_steps())
                     except (TierError, OSError) as exc:
                         log.warning("close(): cannot list tier %r (%s); slots it may hold stay in memory",
@@ -785,6 +816,24 @@ class CheckpointEngine:
             if kept:
                 log.info("close(): tier %r keeps step(s) %s in memory: no file tier committed them", name,
                          ", ".join(map(str, kept)))
+
+    def _await_commits(self, store: Any, wait_s: float) -> None:
+        """On a rank that does not commit ``store``'s steps: wait (up to ``wait_s`` each) for the commit of each
+        persistent step this rank's slots hold and whose part this rank put there. The drain's end here means
+        this rank voted, not that the committing rank has committed yet: ``on_close: release`` would keep
+        those slots for ever (found by a trial of the DCP writer: every rank but 0 left its slot behind)."""
+        files = store.files()
+        voters = self.pipeline.node_ranks if store.tier.capabilities.node_local else range(self.coords.world_size)
+        if files is None or min(voters) == self.coords.rank:
+            return
+        metas = [m for m in self.pipeline.entry_store.metas().values() if m.persistent]
+        for meta in sorted(metas, key=lambda m: m.step):
+            if not _voted(files, meta, self.coords.rank):
+                continue
+            try:
+                files.wait_committed(meta.step, self.coords.rank, wait_s, save_id=meta.save_id)
+            except TierError as exc:
+                log.info("close(): tier %r: %s; its slot stays in memory", store.name, exc)
 
     def __enter__(self) -> CheckpointEngine:
         return self

@@ -548,7 +548,8 @@ class FileStore(CommittedFiles):
         rank_manifest = source.read_rank_manifest(step, coords.rank)
         save_id = rank_manifest.extra.get(SAVE_KEY, "")  # the save the files come from, on every rank alike
         if any("in_place" in e.meta for e in rank_manifest.files):
-            source.wait_committed(step, coords.rank, wait_s)
+            source.wait_committed(step, coords.rank, wait_s, why=": Megatron's merged file, which this rank's part "
+                                  "is in, is not complete")
         replaced = self._uncommit_for_rewrite(step, coords, save_id) if sole_writer or save_id else []
         entries = []
         for entry in rank_manifest.files:
@@ -588,15 +589,30 @@ class FileStore(CommittedFiles):
         return self._publish_rank(step, coords, entries, save_id)
 
     # ----- committing --------------------------------------------------------------------------------------
-    def wait_committed(self, step: int, rank: int, wait_s: float, poll_s: float = 0.05) -> None:
-        """Return once ``step`` is committed here; :class:`TierError` after ``wait_s`` without."""
+    def wait_committed(self, step: int, rank: int, wait_s: float, *, save_id: str = "", why: str = "") -> None:
+        """Return once ``step`` is committed here, by the save ``save_id`` where one is given (an earlier commit
+        of the step is another save's); :class:`TierError` saying ``why`` it matters after ``wait_s`` without.
+        The pause between looks grows from 20 ms to 1 s: every rank of a job may be looking at the one key."""
         deadline = time.monotonic() + wait_s
         key = self.layout.manifest_key(step)
-        while not self._retry(lambda: self.tier.exists(key), step, rank, f"look for {key}"):
-            if time.monotonic() >= deadline:
-                raise TierError(f"step {step} is not committed here after {wait_s:.0f} s: Megatron's merged file, "
-                                "which this rank's part is in, is not complete", tier=self.name, key=key)
-            time.sleep(poll_s)
+        pause = 0.02
+        while True:
+            if self._retry(lambda: self.tier.exists(key), step, rank, f"look for {key}"):
+                if not save_id or self._committed_save(step) == save_id:
+                    return
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TierError(f"step {step} is not committed here after {wait_s:.0f} s{why}", tier=self.name,
+                                key=key)
+            time.sleep(min(pause, left))
+            pause = min(pause * 1.5, 1.0)
+
+    def _committed_save(self, step: int) -> str | None:
+        """The save whose commit of ``step`` is here ("" where it has no identity; None: gone since a look)."""
+        try:
+            return self.read_manifest(step).extra.get(SAVE_KEY, "")
+        except BlobNotFoundError:
+            return None
 
     def rank_manifests(self, step: int) -> dict[int, str]:
         found = {}

@@ -42,6 +42,7 @@ class SaveHandle:
         self.entry = entry  # the tier the snapshot went into
         self.due = due  # the tiers below that take this step
         self.skipped = skipped
+        self.save_id = ""  # the save's identity (a step saved again is another save): engine.wait_committed
         self.created = time.time()
         self._futures: dict[str, Future] = {t: Future() for t in due}
         self._errors: dict[str, str] = {}
@@ -65,8 +66,8 @@ class SaveHandle:
         "taken" means committed. On the other ranks of a multi-rank job it means this rank's part is on the tier
         and voted: whether the step then commits is the committing rank's to tell (its handle, the ``commit`` /
         ``commit_failed`` events). A step that does not commit is never loaded (``load()`` takes the newest
-        committed one), so nothing is lost; but a script that acts on a commit should do so on the committing
-        rank."""
+        committed one), so nothing is lost; a script that acts on a commit waits with
+        :meth:`CheckpointEngine.wait_committed` on every rank instead."""
         if isinstance(tier, int | float) and not isinstance(tier, bool):  # engine.wait(60) takes a timeout there
             raise TypeError(f"SaveHandle.wait's first argument is a tier name, got {tier!r}: pass a timeout as "
                             f"wait(timeout={tier!r})")

@@ -110,6 +110,9 @@ def body(rank: int, world: int, spec: dict, out: dict) -> None:
                     print("{}", flush=True)
                     os.kill(os.getpid(), signal.SIGKILL)
                 writer.wait(timeout=120)
+                # committed on every rank once wait() returns, not only on the committing rank
+                out.setdefault("listed_after_wait", {})[step] = sorted(
+                    t for t, steps in engine.available_steps().items() if step in steps)
         elif kind == "load":
             fresh, fresh_opt = build(seed=1, train_steps=0, world=world)  # other values everywhere
             state = app_state(fresh, fresh_opt, -1)

@@ -90,6 +90,9 @@ def test_four_ranks_save_and_two_ranks_load_resharded(tmp_path, shm_root):
     saved = run_ranks(4, {"actions": [{"do": "save", "step": 10, "config": cfg}]}, worker=WORKER, timeout=400,
                       fresh=True)
     assert all("error" not in res for res in saved.values())
+    # writer.wait() returned on each rank once the step was committed (rank 0 plans and snapshots last: the other
+    # ranks' own parts were long written; a DCP trial found the step missing right after it on those ranks)
+    assert all(res["listed_after_wait"] == {"10": ["local", "shm"]} for res in saved.values()), saved
     assert sorted(p.name for p in (tmp_path / "local" / "iter_0000010").glob("*.distcp")) == [
         f"__{r}_0.distcp" for r in range(4)]
     only_local = config(run_id, cfg["tiers"][1:])

@@ -268,8 +268,9 @@ class TieredStorageWriter(StorageWriter, BlockingAsyncStager):
         return self.handles[-1] if self.handles else None
 
     def wait(self, timeout: float | None = None) -> None:
-        """Wait until the last save is on every due tier (raises :class:`~tiered_ckpt.handles.SaveError` if a tier
-        could not take it)."""
+        """Wait until the last save is committed on every due tier, on every rank that calls it (raises
+        :class:`~tiered_ckpt.handles.SaveError` if a tier could not take it): a load right after it finds the
+        step (:meth:`~tiered_ckpt.engine.CheckpointEngine.wait_committed`)."""
         handle = self.last_handle
         if handle is not None:
-            handle.wait(timeout=timeout)
+            self.engine.wait_committed(handle, timeout=timeout)
