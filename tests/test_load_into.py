@@ -12,6 +12,7 @@ from helpers import assert_same, make_items
 
 from tiered_ckpt import CheckpointEngine
 from tiered_ckpt.checksum import SNAPSHOT_PIECE, snapshot_checksum
+from tiered_ckpt.errors import LoadIntoError
 from tiered_ckpt.load_into import copy_verified, pair_into, tensors
 
 
@@ -111,6 +112,25 @@ def test_a_target_of_another_shape_is_refused_with_its_path(shm_root, tmp_path):
             engine.load(into=target)
         with pytest.raises(ValueError, match="into must be a dict"):
             engine.load(into=[1, 2])
+
+
+def test_an_item_target_that_is_not_state_is_refused_not_ignored(shm_root, tmp_path):
+    """into={"model": module} returned normally with the module untouched: a resume script written so trained from
+    scratch without knowing it (a new user's trial). A module, an optimizer, None or a number is refused, naming
+    the item and what to pass instead."""
+    lin = torch.nn.Linear(2, 2)
+    with CheckpointEngine(_config(shm_root, tmp_path, "shm")) as engine:
+        engine.save(1, {"model": lin.state_dict(), "meta": {"step": 1}}).wait(timeout=60)
+        fresh = torch.nn.Linear(2, 2)
+        with pytest.raises(LoadIntoError, match=r"item 'model' is Linear, not state: pass its state_dict\(\)"):
+            engine.load(into={"model": fresh})
+        with pytest.raises(LoadIntoError, match=r"item 'model' is SGD, not state: pass its state_dict"):
+            engine.load(into={"model": torch.optim.SGD(fresh.parameters(), lr=0.1)})
+        for bad in (None, 5):
+            with pytest.raises(LoadIntoError, match=rf"item 'meta' is {type(bad).__name__}, not state: into maps"):
+                engine.load(into={"meta": bad})
+        engine.load(into={"model": fresh.state_dict()})  # the module's own tensors receive the values
+        assert torch.equal(fresh.weight, lin.weight) and torch.equal(fresh.bias, lin.bias)
 
 
 @pytest.mark.parametrize("names", [("shm",), ("local",)], ids=["from-shm", "from-local"])

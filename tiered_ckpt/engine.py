@@ -593,6 +593,15 @@ class CheckpointEngine:
                        ) -> tuple[dict[str, list[int]], dict[str, str]]:
         if into is not None and (not isinstance(into, dict) or not all(isinstance(k, str) for k in into)):
             raise ValueError("into must be a dict of item name (str) → state, like the items given to save()")
+        for name, target in (into or {}).items():
+            if not isinstance(target, dict | list | tuple | torch.Tensor):
+                # nothing could be copied into it in place: the load would leave it as it was, silently
+                hint = (f"pass its state_dict() (into={{{name!r}: obj.state_dict()}}: a module's shares its "
+                        "tensors, which receive the values in place) or restore it with tiered_ckpt.state.apply"
+                        if hasattr(target, "state_dict") else
+                        "into maps an item to the state whose tensors receive the values in place (a dict, a list "
+                        "or a tensor); leave other items out, load() returns them in result.items")
+                raise LoadIntoError(f"load(into=...): item {name!r} is {type(target).__name__}, not state: {hint}")
         available, unreachable = self._list_tiers()
         for name, why in unreachable.items():
             self._emit(ev.Event(ev.TIER_UNREACHABLE, step=step, rank=self.coords.rank, tier=name, message=why))

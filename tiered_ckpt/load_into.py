@@ -55,9 +55,9 @@ def pair_into(loaded: Any, into: Any, where: str, unmatched: Callable[[torch.Ten
         # parameter) holds tensors for parameters that never had a gradient, which no checkpoint holds.
         more = f" (and {len(left) - 1} more: {', '.join(left[1:4])}{', ...' if len(left) > 4 else ''})" \
             if len(left) > 1 else ""
-        log.warning("load(into=...): %s is a tensor in into that the checkpoint does not hold%s: it keeps its "
-                    "current values (a renamed or misspelt key? optimizer state of a parameter that never had a "
-                    "gradient is expected here)", left[0], more)
+        log.warning("load(into=...): %s is a tensor in into that the checkpoint does not hold as a tensor%s: it "
+                    "keeps its current values (a renamed or misspelt key? optimizer state of a parameter that never "
+                    "had a gradient is expected here)", left[0], more)
     return out, pairs
 
 
