@@ -840,6 +840,36 @@ def test_saves_no_tier_is_due_for_keep_nothing_behind(tmp_path, shm_root):
         assert engine.load().step == 40
 
 
+def test_retention_removes_a_killed_writer_s_partial_files_with_their_step(tmp_path, shm_root):
+    """A process killed mid-write leaves a temporary file in the step it was writing. Listings never show it, so
+    retention deleted that step's keys and left the partial file, and its directory, for ever (a new user's
+    trial: one per crash per rank); only gc, an hour later, found them."""
+    import os
+
+    from tiered_ckpt.tiers._files import temp_name
+
+    local = tmp_path / "l"
+    cfg = {"run_id": f"e{uuid.uuid4().hex[:8]}", "drain": {"mode": "thread"},
+           "tiers": [{"name": "mem", "kind": "shm", "path": str(shm_root)},
+                     {"name": "local", "kind": "local", "path": str(local), "fsync": False, "keep": 1}]}
+    with CheckpointEngine(cfg) as engine:
+        engine.save(1, make_items(1)).wait(timeout=60)
+        partial = local / "iter_0000001" / "rank_00000" / temp_name("state.flat")
+        partial.write_bytes(b"half of a file")
+        os.utime(partial, (time.time() - 60, time.time() - 60))
+        # a save of step 2 killed during its first file: its marker, and the file's partial write
+        (local / "iter_0000002" / "rank_00000").mkdir(parents=True)
+        (local / "iter_0000002" / "tiered_ckpt").mkdir()
+        (local / "iter_0000002" / "tiered_ckpt" / "rank_00000.started").write_text(json.dumps(
+            {"run_id": cfg["run_id"]}))
+        debris = local / "iter_0000002" / "rank_00000" / temp_name("state.flat")
+        debris.write_bytes(b"a crash's partial write")
+        os.utime(debris, (time.time() - 60, time.time() - 60))
+        engine.save(3, make_items(3)).wait(timeout=60)
+        engine.wait(timeout=60)
+    assert sorted(p.name for p in local.iterdir() if p.name.startswith("iter_")) == ["iter_0000003"]
+
+
 def test_a_commit_whose_retention_fails_is_reported_committed_and_retention_catches_up(tmp_path, shm_root):
     """Retention runs after the manifest and the tracker are published: its failure (a listing that times out)
     turned a committed step into a failed save (found by a review). Nor does the store cache every manifest it

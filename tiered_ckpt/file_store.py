@@ -797,9 +797,12 @@ class FileStore(CommittedFiles):
         """Delete the files of ``steps`` (un-committed or debris: :meth:`uncommit_expired`); those removed."""
         removed = []
         began = time.time()
+        dead_writes = self._dead_writes_in(steps, began)
         for step in steps:
             t0 = time.perf_counter()
             try:
+                for key in dead_writes.get(step, ()):
+                    self.tier.remove_temp_file(key)
                 self.tier.delete_prefix(self.layout.step_dir(step))
             except TierError as exc:
                 log.warning("retention on tier %r could not remove step %d: %s", self.name, step, exc)
@@ -811,6 +814,25 @@ class FileStore(CommittedFiles):
             self.emit(ev.Event(ev.EVICT, step=step, rank=rank, tier=self.name, seconds=time.perf_counter() - t0))
         self._abort_uploads_in(removed, began)
         return removed
+
+    def _dead_writes_in(self, steps: list[int], before: float) -> dict[int, list[str]]:
+        """Per step of ``steps``: the temporary files a killed writer left in it (last changed before ``before``,
+        the deletion's start). Listings never show them, so deleting the step's keys left them, and their
+        directory, for ever (found by a new user's trial: a partial file per crash, per rank). Nobody writes
+        these steps any more (retention removes only steps below a commit every rank voted for)."""
+        dirs = {self.layout.step_dir(s) + "/": s for s in steps}
+        try:
+            temps = [k for k in self.tier.temp_files() if k.startswith(tuple(dirs))]
+        except (TierError, OSError) as exc:
+            log.warning("retention on tier %r could not look for unfinished writes in the steps it removes "
+                        "(tiered-ckpt gc removes them): %s", self.name, exc)
+            return {}
+        out: dict[int, list[str]] = {}
+        for key in temps:
+            when = self.tier.modified(key)
+            if when is not None and when < before:
+                out.setdefault(next(s for d, s in dirs.items() if key.startswith(d)), []).append(key)
+        return out
 
     def _abort_uploads_in(self, steps: list[int], before: float) -> None:
         """Abort the uploads a killed save left open in ``steps``, whose files are gone: an object store bills
