@@ -118,6 +118,31 @@ def test_duplicate_tier_name():
     assert 'tiers[1].name: duplicate tier name "disk" (also tiers[0])' in msg
 
 
+def test_a_memory_tier_after_a_file_tier_is_refused_when_loaded():
+    """It built, then every save failed (a new user's trial): refused at load, naming both tiers."""
+    msg = _err(_tiers(LOCAL, {"name": "host", "kind": "shm", "path": "/dev/shm/x"}))
+    assert "tiers[1]: memory tier 'host' (kind 'shm') comes after file tier 'disk' (tiers[0])" in msg
+
+
+def test_a_key_given_twice_in_yaml_is_refused(tmp_path):
+    """PyYAML keeps the last of two equal keys, silently (a new user's trial: keep: 2 then keep: 3 loaded as 3);
+    keys a merge (<<: *anchor) brings are overridden as YAML says."""
+    path = tmp_path / "c.yaml"
+    path.write_text("run_id: x\ntiers:\n  - name: d\n    kind: local\n    path: /tmp/q\n    keep: 2\n    keep: 3\n")
+    with pytest.raises(ConfigError, match=r"line 7, column 5: key 'keep' is given twice \(first at line 6\)"):
+        load_config(str(path))
+    path.write_text("run_id: x\ntiers:\n  - &t {name: d, kind: local, path: /tmp/q}\n"
+                    "  - {<<: *t, name: e, path: /tmp/r}\n")
+    assert [(t.name, t.options.path) for t in load_config(str(path)).tiers] == [("d", "/tmp/q"), ("e", "/tmp/r")]
+
+
+@pytest.mark.parametrize("url", ["s3//bucket/run", "s3:/bucket/run", "file:/tmp/ckpt"])
+def test_a_url_missing_its_slashes_is_refused_not_taken_for_a_local_path(url):
+    """fsspec reads "s3//bucket/x" as a relative local path: saves committed into ./s3/bucket/x (a trial)."""
+    msg = _err(_tiers({"name": "remote", "kind": "fsspec", "url": url}))
+    assert "tiers[0]" in msg and "looks like a mistyped URL" in msg, msg
+
+
 def test_every_must_be_positive_integer():
     assert 'tiers[0].every: expected a positive integer, got "ten"' in _err(_tiers({**LOCAL, "every": "ten"}))
     assert "tiers[0].every: expected a positive integer, got 0" in _err(_tiers({**LOCAL, "every": 0}))

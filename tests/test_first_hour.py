@@ -622,9 +622,9 @@ class TestPathOptionsTier(TierContract):
 def test_errors_of_a_tier_being_built_name_the_file_and_tiers_i(tmp_path):
     path = tmp_path / "tiers.yaml"
     path.write_text(f"run_id: {run_id()}\ndrain: {{mode: thread}}\n"
-                    f"tiers: [{{name: disk, kind: local, path: {tmp_path / 'disk'}}}, "
-                    "{name: hbm, kind: gpu, enabled: true}]\n")
-    with pytest.raises(ConfigError, match=r"tiers\.yaml: tiers\[1\]\.enabled: enabled is true but the device cannot "
+                    f"tiers: [{{name: hbm, kind: gpu, enabled: true}}, "
+                    f"{{name: disk, kind: local, path: {tmp_path / 'disk'}}}]\n")
+    with pytest.raises(ConfigError, match=r"tiers\.yaml: tiers\[0\]\.enabled: enabled is true but the device cannot "
                                           r"be used: .*\(tier 'hbm'\)$"):
         CheckpointEngine(str(path))
 

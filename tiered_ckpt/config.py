@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import re
+from collections.abc import Hashable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -208,6 +209,21 @@ def _tier_config(raw: Any, index: int, registries: Any, source: str | None) -> T
     return TierConfig(**{**tc.__dict__, "options": options})
 
 
+def _check_order(tiers: tuple[TierConfig, ...], registries: Any, source: str | None) -> None:
+    """Memory tiers come before file tiers: a memory tier takes its snapshots from the memory tier above it, so
+    one below a file tier would fail at every save."""
+    first_file = None
+    for i, t in enumerate(tiers):
+        memory = registries.tiers.get(t.kind).capabilities_for(t.options).memory
+        if not memory and first_file is None:
+            first_file = i
+        elif memory and first_file is not None:
+            raise ConfigError(f"memory tier {t.name!r} (kind {t.kind!r}) comes after file tier "
+                              f"{tiers[first_file].name!r} (tiers[{first_file}]): tiers are listed fastest first, "
+                              "and a memory tier takes its snapshots from the memory tier above it; move it up",
+                              source=source, key_path=f"tiers[{i}]")
+
+
 def _check_codecs(tc: TierConfig, registries: Any, path: str, source: str | None) -> None:
     """``codec`` and ``codecs`` name registered codecs (the layout's own constraints: _check_layout_codecs)."""
     known = list(registries.codecs)
@@ -245,6 +261,23 @@ def _memory_hint(tier_cls: Any, own: dict[str, Any]) -> bool:
         return bool(getattr(tier_cls.capabilities, "memory", False))
 
 
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """PyYAML's safe loader, refusing a key given twice in one mapping (it keeps the last one, silently)."""
+
+    def construct_mapping(self, node: Any, deep: bool = False) -> Any:
+        seen: dict[Any, Any] = {}
+        for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":  # "<<: *anchor": keys given after it override its own
+                continue
+            key = self.construct_object(key_node, deep=deep)
+            if isinstance(key, Hashable) and key in seen:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"key {key!r} is given twice (first at line {seen[key].line + 1}); keep one",
+                    key_node.start_mark)
+            seen[key] = key_node.start_mark
+        return super().construct_mapping(node, deep=deep)
+
+
 def load_config(config: Any, *, registries: Any = None, env: dict[str, str] | None = None) -> Config:
     """A YAML path, a YAML string of a mapping is not accepted (ambiguous with paths): a path, a dict or a Config."""
     if isinstance(config, Config):
@@ -261,7 +294,7 @@ def load_config(config: Any, *, registries: Any = None, env: dict[str, str] | No
             raise ConfigError(f"cannot read the configuration: {getattr(exc, 'strerror', None) or exc}",
                               source=source) from None
         try:
-            config = yaml.safe_load(text)
+            config = yaml.load(text, Loader=_UniqueKeyLoader)  # noqa: S506 - a SafeLoader
         except yaml.YAMLError as exc:
             mark = getattr(exc, "problem_mark", None)
             where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
@@ -298,6 +331,7 @@ def load_config(config: Any, *, registries: Any = None, env: dict[str, str] | No
             raise ConfigError(f'duplicate tier name "{t.name}" (also tiers[{seen[t.name]}])', source=source,
                               key_path=f"tiers[{i}].name")
         seen[t.name] = i
+    _check_order(tiers, registries, source)
     _check_distinct_places(tiers, source)
     rest = {k: v for k, v in raw.items() if k != "tiers"}
     cfg = build_dataclass(Config, {**rest, "tiers": []}, "", source)

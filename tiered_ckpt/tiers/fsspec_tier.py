@@ -34,6 +34,7 @@ import contextlib
 import io
 import logging
 import os
+import re
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field, fields
 from typing import Any
@@ -99,6 +100,10 @@ class FsspecOptions:
     def __post_init__(self) -> None:
         if not self.url:
             raise ValueError("url: expected an fsspec URL such as s3://bucket/path, got an empty string")
+        typo = re.match(r"([A-Za-z][A-Za-z0-9+.-]*)(:/(?!/)|//)", self.url)
+        if typo and "://" not in self.url:  # else fsspec takes it for a relative local path, and writes there
+            raise ValueError(f"url: {redact(self.url)!r} looks like a mistyped URL (a scheme needs \"://\": "
+                             f"{typo.group(1)}://...); a directory on this machine is kind: local, or file:///path")
         scheme = protocol_of(self.url)
         if scheme != scheme.lower():  # fsspec knows its protocols in lower case only
             raise ValueError(f"url: write the scheme in lower case ({scheme.lower()}://, not {scheme}://)")
