@@ -122,6 +122,61 @@ def test_a_corrupt_file_is_taken_from_the_next_tier_and_named_when_no_tier_has_i
     assert "__0_0.distcp" in str(err.value) and "checksum mismatch" in str(err.value)
 
 
+def test_a_tier_s_step_directory_as_checkpoint_id_reads_through_the_tiers_and_only_for_that_load(tmp_path):
+    """checkpoint_id=<tier root>/iter_N named a plain directory: a damaged file was read unverified, with a verified
+    copy on the next tier, and the path stuck to the reader for its later loads (a DCP trial)."""
+    sd, newer = state(3), state(4)
+    cfg = engine_config(tmp_path, ("fast", "slow"))
+    save(cfg, sd, 5)
+    save(cfg, newer, 6)
+    data = tmp_path / "fast" / "iter_0000005" / "__0_0.distcp"
+    raw = bytearray(data.read_bytes())
+    raw[len(raw) // 2] ^= 0xFF
+    data.write_bytes(bytes(raw))
+    with CheckpointEngine(cfg) as engine:
+        reader = TieredStorageReader(engine)
+        loaded = zeros_like(sd)
+        dcp.load(loaded, storage_reader=reader, checkpoint_id=str(tmp_path / "fast" / "iter_0000005"))
+        assert_same(sd, loaded)
+        assert (reader.step, reader.sources, reader.verified) == (5, {"__0_0.distcp": "slow"}, True)
+        loaded = zeros_like(sd)
+        dcp.load(loaded, storage_reader=reader)  # no checkpoint_id: the newest step, as the reader was made
+        assert_same(newer, loaded)
+        assert reader.step == 6 and reader.verified
+        elsewhere = tmp_path / "plain"
+        dcp.save(sd, storage_writer=dcp.FileSystemWriter(str(elsewhere)))
+        loaded = zeros_like(sd)
+        dcp.load(loaded, storage_reader=reader, checkpoint_id=str(elsewhere))  # not a tier's: a plain directory
+        assert_same(sd, loaded)
+        assert not reader.verified
+
+
+def test_a_plain_dcp_step_saved_without_collectives_is_found_on_a_tier(tmp_path):
+    """DCP's FileSystemWriter with use_collectives=False writes only __<rank>.metadata: DCP's reader loads it, and
+    the engine-backed reader said no tier held the step (a DCP trial)."""
+    sd = state(5)
+    dcp.save(sd, storage_writer=dcp.FileSystemWriter(str(tmp_path / "disk" / "iter_0000040")), no_dist=True,
+             use_collectives=False)
+    assert sorted(p.name for p in (tmp_path / "disk" / "iter_0000040").iterdir()) == ["__0.metadata",
+                                                                                  "__0_0.distcp"]
+    with CheckpointEngine(engine_config(tmp_path)) as engine:
+        loaded, reader = zeros_like(sd), TieredStorageReader(engine)
+        dcp.load(loaded, storage_reader=reader)
+    assert_same(sd, loaded)
+    assert (reader.step, reader.sources, reader.verified) == (40, {"__0_0.distcp": "disk"}, False)
+
+
+def test_a_dcp_transform_is_named_not_taken_for_an_unsafe_pickle(tmp_path):
+    """FileSystemWriter(_extensions=[ZStandard()]) compresses each record: our reader said "refused by the
+    weights-only unpickler" (a DCP trial). It names the transform and what reads it."""
+    zstandard = pytest.importorskip("torch.distributed.checkpoint._extension")
+    sd = state(6)
+    dcp.save(sd, storage_writer=dcp.FileSystemWriter(str(tmp_path / "z"), _extensions=[zstandard.ZStandard()]),
+             no_dist=True)
+    with pytest.raises(CheckpointException, match=r"through DCP.s transform\(s\) stream\.zstd.*FileSystemReader"):
+        dcp.load(zeros_like(sd), storage_reader=TieredStorageReader(path=str(tmp_path / "z")), no_dist=True)
+
+
 def test_the_metadata_reader_refuses_anything_that_could_run_code():
     class Evil:
         def __reduce__(self):

@@ -20,6 +20,7 @@ from __future__ import annotations
 import io
 import logging
 import os
+import re
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -34,7 +35,7 @@ from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future as TorchFuture
 
 from .. import events as ev
-from ..errors import CorruptionError, TieredCkptError, TierError
+from ..errors import CorruptionError, DecodeError, TieredCkptError, TierError
 from ..layouts.dcp import (
     DATA_ITEM,
     METADATA_FILE,
@@ -53,6 +54,9 @@ if TYPE_CHECKING:
     from ..file_store import FileStore
 
 log = logging.getLogger(__name__)
+
+
+_PLAIN_METADATA = re.compile(rf"(__\d+)?{re.escape(METADATA_FILE)}")  # .metadata, or a rank's __<rank>.metadata
 
 
 class _NoMetadata(TieredCkptError):
@@ -76,6 +80,10 @@ class TieredStorageReader(StorageReader):
         self.engine = engine
         self.requested = step
         self.path = os.fspath(path) if path is not None else None
+        # What a load goes back to when dcp.load gives no checkpoint_id (DCP calls reset() only when it does):
+        # a checkpoint_id names that load's step, not every later one's
+        self._given = (step, self.path)
+        self._named = False  # reset() was given a checkpoint_id for the next load
         self.threads = max(1, threads)
         self.step: int | None = None
         self.sources: dict[str, str] = {}
@@ -101,13 +109,28 @@ class TieredStorageReader(StorageReader):
         self._metadata_error = None
         self.sources = {}
         self.verified = True
+        self.requested, self.path = self._given
         if checkpoint_id is None:
             return
+        self._named = True
         if self.engine is None or (isinstance(checkpoint_id, str | os.PathLike) and os.path.isdir(checkpoint_id)
-                                   and any(n.endswith(METADATA_FILE) for n in os.listdir(checkpoint_id))):
+                                   and any(n.endswith(METADATA_FILE) for n in os.listdir(checkpoint_id))
+                                   and not self._in_a_tier(checkpoint_id)):
             self.path = os.fspath(checkpoint_id)  # a plain DCP directory
         else:
             self.requested = parse_step(checkpoint_id)
+
+    def _in_a_tier(self, directory: str | os.PathLike) -> bool:
+        """Whether ``directory`` is a step directory of one of the engine's file tiers: then it names that step,
+        read through the tiers (verified, the fastest copy, fallback), not as a plain directory (a DCP trial:
+        checkpoint_id=<tier>/iter_N read a damaged file unverified, with verified copies in memory)."""
+        parent = os.path.realpath(os.path.dirname(os.path.abspath(os.fspath(directory).rstrip("/"))))
+        for store in self.engine.pipeline.durable_stores().values():
+            where = store.tier.location or ""
+            where = where.removeprefix("file://") if where.startswith("file://") or "://" not in where else ""
+            if where and os.path.realpath(where) == parent:
+                return True
+        return False
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         rank = kwargs.get("rank")
@@ -121,6 +144,9 @@ class TieredStorageReader(StorageReader):
             except (_NoMetadata, FileNotFoundError) as exc:
                 raise TieredCkptError(f"{self._metadata_error}; and no {rank_metadata_file(rank)} either: {exc}"
                                       ) from None
+        if not self._named:  # a load without checkpoint_id after one with
+            self.requested, self.path = self._given
+        self._named = False
         try:
             return self._read_metadata(None)
         except Exception as exc:
@@ -162,7 +188,13 @@ class TieredStorageReader(StorageReader):
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> TorchFuture[None]:
         per_file: dict[str, list[ReadItem]] = {}
         for req in plan.items:
-            per_file.setdefault(self.storage_data[req.storage_index].relative_path, []).append(req)
+            info = self.storage_data[req.storage_index]
+            transforms = getattr(info, "transform_descriptors", None)
+            if transforms:  # FileSystemWriter(_extensions=[...]): the bytes are not a torch record
+                raise DecodeError(f"{info.relative_path}: {req.storage_index.fqn!r} is stored through DCP's "
+                                  f"transform(s) {', '.join(map(str, transforms))} (FileSystemWriter's _extensions), "
+                                  "which this reader does not decode: load it with DCP's FileSystemReader")
+            per_file.setdefault(info.relative_path, []).append(req)
         with ThreadPoolExecutor(min(self.threads, max(1, len(per_file))),
                                 thread_name_prefix="tiered_ckpt-dcp-read") as pool:
             pending: dict[Future, str] = {pool.submit(self._fetch, name, reqs): name for name, reqs in per_file.items()}
@@ -247,12 +279,14 @@ class TieredStorageReader(StorageReader):
 
     @staticmethod
     def _plain_steps(store: FileStore) -> set[int]:
-        """Step directories holding DCP's .metadata but no manifest of ours (written by DCP's FileSystemWriter)."""
+        """Step directories holding DCP's .metadata, or its per-rank ``__<rank>.metadata`` (a save without
+        collectives), but no manifest of ours (written by DCP's FileSystemWriter)."""
         out = set()
         for key in store.tier.list(""):
             top, _, rest = key.partition("/")
             step = store.layout.parse_step_dir(top)
-            if step is not None and rest == METADATA_FILE and not store.tier.exists(store.layout.manifest_key(step)):
+            if step is not None and step not in out and _PLAIN_METADATA.fullmatch(rest) \
+                    and not store.tier.exists(store.layout.manifest_key(step)):
                 out.add(step)
         return out
 
