@@ -388,12 +388,13 @@ def no_commit_message(store: FileStore, label: str) -> str:
     others = [n for n, state in steps if state != MEGATRON_STATE]
     parts = []
     if megatron:
-        parts.append(f"step(s) {', '.join(map(str, megatron))} written by Megatron-LM or DLRover")
+        parts.append(f"step(s) {', '.join(map(str, megatron))} written by Megatron-LM or DLRover (engine.load() "
+                     "and convert read them; `verify` checks their files' zip CRC-32s)")
     if others:
-        parts.append(f"step(s) {', '.join(map(str, others))} written by DCP")
-    checked = "; `verify` checks the zip CRC-32s of Megatron-LM's files" if megatron else ""
+        parts.append(f"step(s) {', '.join(map(str, others))} written by DCP (DCP's own reader and "
+                     "tiered_ckpt.dcp.TieredStorageReader read them, unverified)")
     return (f"{label} holds no committed checkpoint of tiered_ckpt, only {' and '.join(parts)}, with no manifest of "
-            f"ours (engine.load() and convert read them, unverified; `ls` lists them{checked})")
+            "ours; `ls` lists them")
 
 
 def _pick_step(store: FileStore, step: int | None, label: str) -> int:

@@ -150,7 +150,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     print(f"tier {store.name!r} ({store.tier.describe()}), step {m.step}, layout {m.layout}, run_id {m.run_id}")
     print(f"parallel: world {p.get('world_size')}  tp {p.get('tp')}  pp {p.get('pp')}  dp {p.get('dp')}  "
           f"ep {p.get('ep')}  cp {p.get('cp')}  order {p.get('order')}")
-    print(f"{len(m.files)} files, {human_bytes(m.total_bytes)}")
+    print(f"{len(m.files)} file{'' if len(m.files) == 1 else 's'}, {human_bytes(m.total_bytes)}")
     _print_table([[f.rank, f.item, f.key, human_bytes(f.size), f.compression or "-", f.checksum] for f in m.files],
                  ["rank", "item", "file", "size", "compression", "checksum"])
     return EXIT_OK
@@ -238,7 +238,8 @@ def cmd_verify(args: argparse.Namespace) -> int:
         for r in results:
             status = "OK" if r.ok else "FAILED"
             against = "" if r.against == "manifest" else f"; checked against {r.against}"
-            print(f"{status}  tier {r.tier!r} step {r.step}: {r.checked} files, {human_bytes(r.nbytes)}{against}")
+            print(f"{status}  tier {r.tier!r} step {r.step}: {r.checked} file{'' if r.checked == 1 else 's'}, "
+                  f"{human_bytes(r.nbytes)}{against}")
             for p in r.problems:
                 print(f"    {p}")
             for n in r.notes:

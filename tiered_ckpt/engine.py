@@ -765,8 +765,9 @@ class CheckpointEngine:
 
         deadline = None if timeout is None else time.monotonic() + timeout
         total = sum(map(len, self.pending().values()))
-        # the unit with its space: tqdm prints "3 deliveries", not "3delivery"
-        with tqdm(total=total, desc=f"rank {self.coords.rank} drain", unit=" deliveries", leave=False) as bar:
+        # counts of deliveries, no rate: a delivery takes seconds, and tqdm's "3.27s/ deliveries" reads badly
+        with tqdm(total=total, desc=f"rank {self.coords.rank} drain", leave=False,
+                  bar_format="{l_bar}{bar}| {n_fmt}/{total_fmt} deliveries [{elapsed}]{postfix}") as bar:
             while True:
                 left = self.pending()
                 bar.set_postfix_str(", ".join(f"step {s}: {'/'.join(t)}" for s, t in list(left.items())[:3]))

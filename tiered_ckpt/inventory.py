@@ -48,8 +48,8 @@ def absent_before_open(cfg: TierConfig, run_id: str, user: str, where_set: str |
     try:
         os.stat(where)
     except FileNotFoundError:
-        if cfg.kind == "local":
-            return "no such directory"
+        if cfg.kind == "local":  # named by the tier (--config): say which directory; a path given says itself
+            return f"no such directory ({where})" if where_set is not None else "no such directory"
         return f"no snapshots of run {run_id!r} ({where} does not exist)"
     except OSError as exc:
         raise Unreadable(f"{where}: {exc.strerror or exc}") from None

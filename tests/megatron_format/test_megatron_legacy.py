@@ -92,6 +92,11 @@ def test_other_formats_are_named(pp2: Path) -> None:
     (pp2 / "iter_0000011" / "x.bin").write_bytes(b"x")
     with pytest.raises(DecodeError, match="no mp_rank_"):
         legacy.detect(_tier(pp2), step=11)
+    (pp2 / "iter_0000012").mkdir()  # DCP's FileSystemWriter's files, no Megatron metadata.json: not torch_dist
+    (pp2 / "iter_0000012" / "__0_0.distcp").write_bytes(b"x")
+    (pp2 / "iter_0000012" / ".metadata").write_bytes(b"x")
+    with pytest.raises(DecodeError, match=r"a PyTorch DCP checkpoint \(\.distcp files\), not a Megatron one"):
+        legacy.detect(_tier(pp2), step=12)
 
 
 @pytest.mark.parametrize(("config", "dp"), [("dp2_tp1_pp2", None), ("dp4_tp1_pp1", None), *RELOADS])

@@ -96,9 +96,13 @@ def detect(tier: Tier, *, step: Iteration | None = None, trust_pickles: bool = F
         named = f"the tracker names iteration {iteration}" if step is None else f"step {iteration} was asked for"
         raise NoCheckpointError(f"{where}: {named}, but this step directory is missing or empty")
     names = {k[len(step_dir) + 1:] for k in keys}
-    if "metadata.json" in names or any(n.endswith(".distcp") for n in names):
+    if "metadata.json" in names:
         raise DecodeError(f"{where}: a torch_dist (distributed) checkpoint; only Megatron's legacy torch format is "
                           "read here (convert it with Megatron's tools first)")
+    if any(n.endswith(".distcp") for n in names):  # DCP's files without Megatron's metadata.json: not Megatron's
+        raise DecodeError(f"{where}: a PyTorch DCP checkpoint (.distcp files), not a Megatron one; only Megatron's "
+                          "legacy torch format is read here (DCP's own reader, or tiered_ckpt.dcp."
+                          "TieredStorageReader, loads it)")
     mp_dirs = sorted({n.split("/")[0] for n in names if n.startswith("mp_rank_") and n.count("/") == 1})
     rank_files = sorted(int(n[5:10]) for n in names
                         if n.startswith("rank_") and n.endswith("/" + DISTRIB_OPTIM_FILENAME) and n[5:10].isdigit())
