@@ -828,18 +828,19 @@ class CheckpointEngine:
                          ", ".join(map(str, kept)))
 
     def _await_commits(self, store: Any, wait_s: float) -> None:
-        """On a rank that does not commit ``store``'s steps: wait (up to ``wait_s`` each) for the commit of each
-        persistent step this rank's slots hold and whose part this rank put there. The drain's end here means
-        this rank voted, not that the committing rank has committed yet: ``on_close: release`` would keep
-        those slots for ever (found by a trial of the DCP writer: every rank but 0 left its slot behind)."""
+        """On a rank that does not commit ``store``'s steps: wait (up to ``wait_s``) for the commit of the newest
+        persistent step this rank's slots hold and whose part this rank put there (the committing rank commits
+        in order: the older ones are settled by then). The drain's end here means this rank voted, not that the
+        committing rank has committed yet: ``on_close: release`` would keep that slot for ever (found by a trial
+        of the DCP writer: every rank but 0 left its slot behind)."""
         files = store.files()
         voters = self.pipeline.node_ranks if store.tier.capabilities.node_local else range(self.coords.world_size)
         if files is None or min(voters) == self.coords.rank:
             return
-        metas = [m for m in self.pipeline.entry_store.metas().values() if m.persistent]
-        for meta in sorted(metas, key=lambda m: m.step):
-            if not _voted(files, meta, self.coords.rank):
-                continue
+        metas = sorted((m for m in self.pipeline.entry_store.metas().values() if m.persistent),
+                       key=lambda m: (m.step, m.created))
+        voted = [m for m in metas[-1:] if _voted(files, m, self.coords.rank)]
+        for meta in voted:
             try:
                 files.wait_committed(meta.step, self.coords.rank, wait_s, save_id=meta.save_id)
             except TierError as exc:
