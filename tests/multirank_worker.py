@@ -28,6 +28,7 @@ def body(rank: int, world: int, spec: dict, out: dict) -> None:
     parallel = ParallelLayout(**spec["parallel"]) if "parallel" in spec else None
     with CheckpointEngine(cfg, parallel) as engine:
         out["recovered"] = [h.step for h in engine.recovered]
+        out["load_waits_for_recovery"] = engine._recovering
         for h in engine.recovered:
             try:
                 h.wait(timeout=60)

@@ -311,8 +311,26 @@ def test_load_waits_for_the_recovery_that_commits_the_newest_step(tmp_path, shm_
     assert committed(local) == [1, 2]
     second = run_ranks(2, {"config": cfg, "load": True}, timeout=120)
     assert second[0]["recovered"] == [3] and second[1]["recovered"] == [], second
+    assert all(r["load_waits_for_recovery"] for r in second.values())  # rank 1's memory no longer holds step 3
     assert {r["step"] for r in second.values()} == {3}, second
     assert committed(local) == [1, 2, 3]
+
+
+def test_load_does_not_wait_for_a_recovery_when_every_rank_holds_the_step_in_memory(tmp_path, shm_root):
+    """Every rank died as its drain began step 3: each one's memory holds it, so load() takes it from there at
+    once instead of waiting for the recovery's drain (minutes to an object store) before it lists the tiers."""
+    run_id = f"m{uuid.uuid4().hex[:8]}"
+    local = tmp_path / "local"
+    cfg = {"run_id": run_id, "drain": {"mode": "thread", "commit_timeout_s": 3},
+           "tiers": [{"name": "shm", "kind": "shm", "path": str(shm_root)},
+                     {"name": "local", "kind": "local", "path": str(local)}]}
+    first = run_ranks(2, {"config": cfg, "save": [1, 2, 3]},
+                      env_of={r: {"TIERED_CKPT_CRASH_AT": "drain.before_write:3"} for r in (0, 1)})
+    assert first[0]["killed"] and first[1]["killed"]
+    second = run_ranks(2, {"config": cfg, "load": True}, timeout=120)
+    assert all(r["recovered"] == [3] and not r["load_waits_for_recovery"] for r in second.values()), second
+    assert {(r["step"], r["tier"]) for r in second.values()} == {(3, "shm")}, second
+    assert committed(local) == [1, 2, 3]  # the recovery committed it all the same
 
 
 @pytest.mark.parametrize("wait_committed", [False, True])

@@ -311,11 +311,17 @@ class CheckpointEngine:
         if not self._entry_persists:
             return  # alike on every rank (one configuration)
         found = self.coordinator.alone(self._recovery_candidates)
-        self._recovering = bool(found)
+        # load() waits for a recovery only where memory alone cannot give the recovered step to every rank (one
+        # rank's slot of it overwritten by a later save): one process holds its recovered snapshots in memory
+        self._recovering = False
         if self.coordinator.group is not None:  # every rank, with or without snapshots: one exchange
-            everyone = self.coordinator.all_gather([(m.step, m.save_id) for m, _ in found], "recover")
-            self._recovering = any(everyone)
-            found = self.coordinator.alone(self._completable, found, everyone)
+            entry = self.pipeline.entry_store
+            held = [(m.step, m.save_id) for m in entry.metas().values() if not snapshot_layout_changes(m, self.coords)]
+            everyone = self.coordinator.all_gather(([(m.step, m.save_id) for m, _ in found], held), "recover")
+            recovered = [mine for mine, _ in everyone]
+            self._recovering = any(not all(_holds(theirs, step, save) for _, theirs in everyone)
+                                   for mine in recovered for step, save in mine)
+            found = self.coordinator.alone(self._completable, found, recovered)
         entry = self.pipeline.entry_store
         for meta, due in found:
             entry.hold_slot(meta.slot)
@@ -900,6 +906,12 @@ def _has_save(recovered: list[tuple[int, str]], meta: SlotMeta) -> bool:
     """Whether a rank's recovered snapshots ((step, save) pairs: a step saved again may be there twice) hold the
     save of ``meta`` (by step alone where the saves have no identity)."""
     return any(step == meta.step and (not meta.save_id or save in ("", meta.save_id)) for step, save in recovered)
+
+
+def _holds(held: list[tuple[int, str]], step: int, save: str) -> bool:
+    """Whether a rank's snapshots in memory ((step, save) pairs) hold the save ``save`` of ``step`` (by step alone
+    where either save has no identity)."""
+    return any(s == step and (sid == save or "" in (sid, save)) for s, sid in held)
 
 
 def _voted(files: Any, meta: SlotMeta, rank: int) -> bool:
