@@ -102,11 +102,15 @@ def test_refused_globals_match_megatrons_loader() -> None:
     refused = loadable.refused_globals(_pkl(_file(bad)))
     assert "builtins.print" in refused and "numpy.dtypes.Float32DType" in refused  # Megatron allows only uint32's
     # What torch's own loader with Megatron's safe globals says about the same file (ground truth):
-    from megatron.core import safe_globals  # noqa: F401 - registers Megatron's list, as Megatron's load does
+    from megatron.core.safe_globals import SAFE_GLOBALS
 
-    torch.load(io.BytesIO(_file(ok)), weights_only=True)
-    with pytest.raises(pickle.UnpicklingError):
-        torch.load(io.BytesIO(_file({"args": argparse.Namespace(when=np.float32(1.0).dtype)})), weights_only=True)
+    # Megatron's list as its import registers it (explicit: an earlier test of this process may have imported
+    # megatron.core already and left torch's safe globals as they were before it)
+    with torch.serialization.safe_globals(SAFE_GLOBALS):
+        torch.load(io.BytesIO(_file(ok)), weights_only=True)
+        with pytest.raises(pickle.UnpicklingError):
+            torch.load(io.BytesIO(_file({"args": argparse.Namespace(when=np.float32(1.0).dtype)})),
+                       weights_only=True)
 
 
 def test_writer_refuses_what_megatron_refuses() -> None:
@@ -144,7 +148,10 @@ def test_process_and_thread_drains_write_the_same_model_file(tmp_path: Path, shm
         files[mode] = path.read_bytes()
     assert files[None] == files["thread"]
     assert {"megatron.core.enums ModelType", "megatron.core.transformer.enums AttnBackend"} <= _globals(files[None])
-    loaded = torch.load(io.BytesIO(files[None]), weights_only=True)  # Megatron's own call, its globals registered
+    from megatron.core.safe_globals import SAFE_GLOBALS
+
+    with torch.serialization.safe_globals(SAFE_GLOBALS):  # what megatron.core registers at its (first) import
+        loaded = torch.load(io.BytesIO(files[None]), weights_only=True)  # Megatron's own call
     assert loaded["args"].model_type is ModelType.encoder_or_decoder
 
 
