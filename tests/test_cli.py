@@ -237,6 +237,21 @@ def test_gc_stale_runs(shm_root, tmp_path, capsys):
         assert os.listdir(lock_dir(dead)) == []  # the dead run's lock files went with it (lock_dir re-creates)
 
 
+def test_gc_stale_says_it_cannot_tell_whether_another_run_s_steps_reached_a_file_tier(shm_root, tmp_path, capsys):
+    """Without that run's configuration gc cannot tell whether its snapshots are its only copy: it said only
+    "would remove" (a new user's trial: a step held only in memory, after a failed drain, went unremarked)."""
+    other = f"other{uuid.uuid4().hex[:6]}"
+    cfg = {"run_id": other, "drain": {"mode": "thread"},
+           "tiers": [{"name": "shm", "kind": "shm", "path": str(shm_root)},
+                     {"name": "disk", "kind": "local", "path": str(tmp_path / "disk")}]}
+    with CheckpointEngine(cfg) as engine:
+        engine.save(3, {"state": {"w": torch.ones(10)}}).wait(timeout=60)
+    code, out = run(capsys, "gc", "--stale", "--shm-path", str(shm_root))
+    assert code == EXIT_OK
+    assert f"whether step(s) 3 reached a file tier is not known here (not this configuration's run): gc --config " \
+           f"<run {other!r}'s configuration> --stale checks it" in out, out
+
+
 def test_usage_errors_exit_2(capsys, tmp_path):
     assert main(["ls"]) == EXIT_USAGE
     bad = tmp_path / "bad.yaml"

@@ -74,6 +74,9 @@ def cmd_gc(args: argparse.Namespace) -> int:
                     entry["undrained"] = {"steps": sorted({s for v in undrained.values() for s in v}),
                                           "tiers": sorted(undrained)}
                     entry["kept"] = not args.force
+                elif run.records and (every_tier is None or run.run_id != every_tier.config.run_id):
+                    # another run's snapshots meant for file tiers: nothing here tells whether they got there
+                    entry["unknown"] = sorted({m.step for m in run.records})
                 found.append(entry)
                 if args.delete and not entry.get("kept"):
                     remove_stale_run(run, shm_path)
@@ -124,6 +127,10 @@ def cmd_gc(args: argparse.Namespace) -> int:
                         else "removed anyway (--force)"
                     print(f"      {which} not on {', '.join(map(repr, un['tiers']))} yet: the next engine of run "
                           f"{f['run_id']!r} drains {them}; {lost}")
+                elif f.get("unknown"):
+                    print(f"      whether step(s) {', '.join(map(str, f['unknown']))} reached a file tier is not "
+                          f"known here (not this configuration's run): gc --config <run {f['run_id']!r}'s "
+                          "configuration> --stale checks it and keeps what is only in memory")
             else:
                 done = "could not remove" if f.get("error") else verb
                 print(f"{done}  {f['what']}  tier {f['tier']!r}: {f['key']}  ({human_bytes(f['bytes'])})")
