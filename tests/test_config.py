@@ -134,6 +134,11 @@ def test_a_key_given_twice_in_yaml_is_refused(tmp_path):
     path.write_text("run_id: x\ntiers:\n  - &t {name: d, kind: local, path: /tmp/q}\n"
                     "  - {<<: *t, name: e, path: /tmp/r}\n")
     assert [(t.name, t.options.path) for t in load_config(str(path)).tiers] == [("d", "/tmp/q"), ("e", "/tmp/r")]
+    # a chain of merges, the anchored mapping overriding what it merges (PyYAML merges it in place)
+    path.write_text("run_id: x\ndefaults:\n  z: &Z {kind: local, path: /tmp/q}\n  y: &Y {<<: *Z, path: /tmp/r}\n"
+                    "tiers:\n  - {<<: *Y, name: e}\n")
+    with pytest.raises(ConfigError, match="defaults: unknown key"):  # parsed; only the key is not ours
+        load_config(str(path))
 
 
 @pytest.mark.parametrize("url", ["s3//bucket/run", "s3:/bucket/run", "file:/tmp/ckpt"])

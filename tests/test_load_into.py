@@ -116,8 +116,8 @@ def test_a_target_of_another_shape_is_refused_with_its_path(shm_root, tmp_path):
 
 def test_an_item_target_that_is_not_state_is_refused_not_ignored(shm_root, tmp_path):
     """into={"model": module} returned normally with the module untouched: a resume script written so trained from
-    scratch without knowing it (a new user's trial). A module, an optimizer, None or a number is refused, naming
-    the item and what to pass instead."""
+    scratch without knowing it (a new user's trial). A module or an optimizer is refused, naming the item and what
+    to pass instead; a plain value (the very dict given to save() holds some) is not."""
     lin = torch.nn.Linear(2, 2)
     with CheckpointEngine(_config(shm_root, tmp_path, "shm")) as engine:
         engine.save(1, {"model": lin.state_dict(), "meta": {"step": 1}}).wait(timeout=60)
@@ -126,9 +126,10 @@ def test_an_item_target_that_is_not_state_is_refused_not_ignored(shm_root, tmp_p
             engine.load(into={"model": fresh})
         with pytest.raises(LoadIntoError, match=r"item 'model' is SGD, not state: pass its state_dict"):
             engine.load(into={"model": torch.optim.SGD(fresh.parameters(), lr=0.1)})
-        for bad in (None, 5):
-            with pytest.raises(LoadIntoError, match=rf"item 'meta' is {type(bad).__name__}, not state: into maps"):
-                engine.load(into={"meta": bad})
+        with pytest.raises(LoadIntoError, match=r"item 'meta' is object, not state: into maps"):
+            engine.load(into={"meta": object()})
+        for plain in (None, 5):
+            assert engine.load(into={"meta": plain}).items["meta"] == {"step": 1}
         engine.load(into={"model": fresh.state_dict()})  # the module's own tensors receive the values
         assert torch.equal(fresh.weight, lin.weight) and torch.equal(fresh.bias, lin.bias)
 

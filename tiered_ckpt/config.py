@@ -11,7 +11,6 @@ from __future__ import annotations
 import dataclasses
 import os
 import re
-from collections.abc import Hashable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -262,20 +261,25 @@ def _memory_hint(tier_cls: Any, own: dict[str, Any]) -> bool:
 
 
 class _UniqueKeyLoader(yaml.SafeLoader):
-    """PyYAML's safe loader, refusing a key given twice in one mapping (it keeps the last one, silently)."""
+    """PyYAML's safe loader, refusing a key given twice in one mapping (it keeps the last one, silently). Checked
+    before merge keys (``<<: *anchor``) are applied, which modify the anchored node in place: keys a mapping
+    gives beside a merge override the merged ones, as YAML says."""
 
-    def construct_mapping(self, node: Any, deep: bool = False) -> Any:
-        seen: dict[Any, Any] = {}
-        for key_node, _ in node.value:
-            if key_node.tag == "tag:yaml.org,2002:merge":  # "<<: *anchor": keys given after it override its own
-                continue
-            key = self.construct_object(key_node, deep=deep)
-            if isinstance(key, Hashable) and key in seen:
-                raise yaml.constructor.ConstructorError(
-                    None, None, f"key {key!r} is given twice (first at line {seen[key].line + 1}); keep one",
-                    key_node.start_mark)
-            seen[key] = key_node.start_mark
-        return super().construct_mapping(node, deep=deep)
+    def flatten_mapping(self, node: Any) -> None:
+        checked = self.__dict__.setdefault("_checked", set())
+        if id(node) not in checked:
+            checked.add(id(node))
+            seen: dict[Any, Any] = {}
+            for key_node, _ in node.value:
+                if not isinstance(key_node, yaml.ScalarNode) or key_node.tag == "tag:yaml.org,2002:merge":
+                    continue
+                key = (key_node.tag, key_node.value)
+                if key in seen:
+                    raise yaml.constructor.ConstructorError(
+                        None, None, f"key {key_node.value!r} is given twice (first at line {seen[key].line + 1}); "
+                        "keep one", key_node.start_mark)
+                seen[key] = key_node.start_mark
+        super().flatten_mapping(node)
 
 
 def load_config(config: Any, *, registries: Any = None, env: dict[str, str] | None = None) -> Config:

@@ -100,6 +100,7 @@ class CheckpointEngine:
                  rank: int | None = None, plugin_manager: PluginManager | None = None,
                  observers: Any = ()):
         self._pid = os.getpid()  # close() in a forked child leaves the parent's engine alone
+        self._started = time.time()  # snapshots created before it are an earlier process's
         self.pm = plugin_manager or get_plugin_manager()
         self.config: Config = load_config(config, registries=self.pm.registries)
         # plugins.py: this engine's own observers and run_id on its events; a plugin the drain worker could not
@@ -600,8 +601,9 @@ class CheckpointEngine:
         if into is not None and (not isinstance(into, dict) or not all(isinstance(k, str) for k in into)):
             raise ValueError("into must be a dict of item name (str) → state, like the items given to save()")
         for name, target in (into or {}).items():
-            if not isinstance(target, dict | list | tuple | torch.Tensor):
-                # nothing could be copied into it in place: the load would leave it as it was, silently
+            if not isinstance(target, dict | list | tuple | torch.Tensor | int | float | str | bytes | None):
+                # a module, an optimizer: nothing is copied into it, and the load would leave it as it was, silently
+                # (a plain value, as save() got it, is fine: the checkpoint's comes back in result.items)
                 hint = (f"pass its state_dict() (into={{{name!r}: obj.state_dict()}}: a module's shares its "
                         "tensors, which receive the values in place) or restore it with tiered_ckpt.state.apply"
                         if hasattr(target, "state_dict") else
@@ -745,20 +747,20 @@ class CheckpointEngine:
         10 s: the committing rank's own part may take as long as the wait for the others'), and
         :class:`TimeoutError` where the drain itself did not finish. Call it on every rank, or on those that act
         on the commit (a load right after it, a copy elsewhere): it runs no collective."""
-        deadline = None if timeout is None else time.monotonic() + timeout
-        handle.wait(timeout=timeout)
         limit = 2 * self.config.drain.commit_timeout_s + 10
+        deadline = time.monotonic() + (limit if timeout is None else timeout)
+        handle.wait(timeout=timeout)
         failures = {}
-        for name in handle.due:
+        for name in handle.due:  # one deadline for every tier: the committing rank commits them at once
             store = self.pipeline.stores[name]
             files = store.files()
             voters = self.pipeline.node_ranks if store.tier.capabilities.node_local else \
                 range(self.coords.world_size)
             if files is None or min(voters) == self.coords.rank:
                 continue  # the committing rank: its handle said committed
-            left = limit if deadline is None else max(0.0, deadline - time.monotonic())
             try:
-                files.wait_committed(handle.step, self.coords.rank, left, save_id=handle.save_id,
+                files.wait_committed(handle.step, self.coords.rank, max(0.0, deadline - time.monotonic()),
+                                     save_id=handle.save_id,
                                      why=f": this rank's part is there, but the committing rank ({min(voters)}) "
                                          "has not committed the step (its log says why)")
             except TierError as exc:
@@ -814,9 +816,10 @@ class CheckpointEngine:
             nonlocal found
             if found is None:
                 found = set()
+                deadline = time.monotonic() + self.config.drain.commit_timeout_s  # once, for every tier
                 for store in self.pipeline.durable_stores().values():
                     try:
-                        self._await_commits(store, self.config.drain.commit_timeout_s)
+                        self._await_commits(store, deadline)
                         found.update(store.durable_steps())
                     except (TierError, OSError) as exc:
                         log.warning("close(): cannot list tier %r (%s); slots it may hold stay in memory",
@@ -833,22 +836,25 @@ class CheckpointEngine:
                 log.info("close(): tier %r keeps step(s) %s in memory: no file tier committed them", name,
                          ", ".join(map(str, kept)))
 
-    def _await_commits(self, store: Any, wait_s: float) -> None:
-        """On a rank that does not commit ``store``'s steps: wait (up to ``wait_s``) for the commit of the newest
-        persistent step this rank's slots hold and whose part this rank put there (the committing rank commits
-        in order: the older ones are settled by then). The drain's end here means this rank voted, not that the
-        committing rank has committed yet: ``on_close: release`` would keep that slot for ever (found by a trial
-        of the DCP writer: every rank but 0 left its slot behind)."""
+    def _await_commits(self, store: Any, deadline: float) -> None:
+        """On a rank that does not commit ``store``'s steps: wait (until ``deadline``, a monotonic time) for the
+        commit of the newest persistent step this process saved into its slots and put its part of on the tier
+        (the committing rank commits in order: the older ones are settled by then). The drain's end here means
+        this rank voted, not that the committing rank has committed yet: ``on_close: release`` would keep that
+        slot for ever (found by a trial of the DCP writer: every rank but 0 left its slot behind). An earlier
+        process's snapshots are not waited for: the start-up may have found them uncommittable, or of another
+        layout (a trial: 120 s at every close of a restarted job)."""
         files = store.files()
         voters = self.pipeline.node_ranks if store.tier.capabilities.node_local else range(self.coords.world_size)
         if files is None or min(voters) == self.coords.rank:
             return
-        metas = sorted((m for m in self.pipeline.entry_store.metas().values() if m.persistent),
-                       key=lambda m: (m.step, m.created))
+        metas = sorted((m for m in self.pipeline.entry_store.metas().values()
+                        if m.persistent and m.created >= self._started), key=lambda m: (m.step, m.created))
         voted = [m for m in metas[-1:] if _voted(files, m, self.coords.rank)]
         for meta in voted:
             try:
-                files.wait_committed(meta.step, self.coords.rank, wait_s, save_id=meta.save_id)
+                files.wait_committed(meta.step, self.coords.rank, max(0.0, deadline - time.monotonic()),
+                                     save_id=meta.save_id)
             except TierError as exc:
                 log.info("close(): tier %r: %s; its slot stays in memory", store.name, exc)
 

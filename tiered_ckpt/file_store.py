@@ -610,7 +610,8 @@ class FileStore(CommittedFiles):
     def _committed_save(self, step: int) -> str | None:
         """The save whose commit of ``step`` is here ("" where it has no identity; None: gone since a look)."""
         try:
-            return self.read_manifest(step).extra.get(SAVE_KEY, "")
+            return self._retry(lambda: self.read_manifest(step), step, 0, f"read step {step}'s manifest").extra.get(
+                SAVE_KEY, "")
         except BlobNotFoundError:
             return None
 
@@ -800,9 +801,12 @@ class FileStore(CommittedFiles):
         dead_writes = self._dead_writes_in(steps, began)
         for step in steps:
             t0 = time.perf_counter()
-            try:
-                for key in dead_writes.get(step, ()):
+            for key in dead_writes.get(step, ()):
+                try:
                     self.tier.remove_temp_file(key)
+                except (TierError, OSError) as exc:  # debris for gc; the step's own files go all the same
+                    log.warning("retention on tier %r could not remove %s: %s", self.name, key, exc)
+            try:
                 self.tier.delete_prefix(self.layout.step_dir(step))
             except TierError as exc:
                 log.warning("retention on tier %r could not remove step %d: %s", self.name, step, exc)

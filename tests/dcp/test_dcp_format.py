@@ -122,9 +122,9 @@ def test_a_corrupt_file_is_taken_from_the_next_tier_and_named_when_no_tier_has_i
     assert "__0_0.distcp" in str(err.value) and "checksum mismatch" in str(err.value)
 
 
-def test_a_tier_s_step_directory_as_checkpoint_id_reads_through_the_tiers_and_only_for_that_load(tmp_path):
+def test_a_tier_s_step_directory_as_checkpoint_id_reads_through_the_tiers(tmp_path):
     """checkpoint_id=<tier root>/iter_N named a plain directory: a damaged file was read unverified, with a verified
-    copy on the next tier, and the path stuck to the reader for its later loads (a DCP trial)."""
+    copy on the next tier, and the path stuck to the reader when a step was named next (a DCP trial)."""
     sd, newer = state(3), state(4)
     cfg = engine_config(tmp_path, ("fast", "slow"))
     save(cfg, sd, 5)
@@ -139,16 +139,19 @@ def test_a_tier_s_step_directory_as_checkpoint_id_reads_through_the_tiers_and_on
         dcp.load(loaded, storage_reader=reader, checkpoint_id=str(tmp_path / "fast" / "iter_0000005"))
         assert_same(sd, loaded)
         assert (reader.step, reader.sources, reader.verified) == (5, {"__0_0.distcp": "slow"}, True)
-        loaded = zeros_like(sd)
-        dcp.load(loaded, storage_reader=reader)  # no checkpoint_id: the newest step, as the reader was made
-        assert_same(newer, loaded)
-        assert reader.step == 6 and reader.verified
         elsewhere = tmp_path / "plain"
         dcp.save(sd, storage_writer=dcp.FileSystemWriter(str(elsewhere)))
-        loaded = zeros_like(sd)
-        dcp.load(loaded, storage_reader=reader, checkpoint_id=str(elsewhere))  # not a tier's: a plain directory
-        assert_same(sd, loaded)
-        assert not reader.verified
+        export = tmp_path / "slow" / "export"  # in a tier's root, but not a step's directory
+        dcp.save(newer, storage_writer=dcp.FileSystemWriter(str(export)))
+        for checkpoint_id, want, verified in ((str(elsewhere), sd, False), (6, newer, True),
+                                              (str(export), newer, False), ("iter_0000005", sd, True)):
+            loaded = zeros_like(sd)
+            dcp.load(loaded, storage_reader=reader, checkpoint_id=checkpoint_id)
+            assert_same(want, loaded)
+            assert reader.verified is verified, checkpoint_id
+            loaded = zeros_like(sd)
+            dcp.load(loaded, storage_reader=reader)  # no checkpoint_id: the same again, as DCP's own readers do
+            assert_same(want, loaded)
 
 
 def test_a_plain_dcp_step_saved_without_collectives_is_found_on_a_tier(tmp_path):

@@ -80,10 +80,6 @@ class TieredStorageReader(StorageReader):
         self.engine = engine
         self.requested = step
         self.path = os.fspath(path) if path is not None else None
-        # What a load goes back to when dcp.load gives no checkpoint_id (DCP calls reset() only when it does):
-        # a checkpoint_id names that load's step, not every later one's
-        self._given = (step, self.path)
-        self._named = False  # reset() was given a checkpoint_id for the next load
         self.threads = max(1, threads)
         self.step: int | None = None
         self.sources: dict[str, str] = {}
@@ -109,23 +105,25 @@ class TieredStorageReader(StorageReader):
         self._metadata_error = None
         self.sources = {}
         self.verified = True
-        self.requested, self.path = self._given
         if checkpoint_id is None:
             return
-        self._named = True
         if self.engine is None or (isinstance(checkpoint_id, str | os.PathLike) and os.path.isdir(checkpoint_id)
                                    and any(n.endswith(METADATA_FILE) for n in os.listdir(checkpoint_id))
                                    and not self._in_a_tier(checkpoint_id)):
-            self.path = os.fspath(checkpoint_id)  # a plain DCP directory
+            self.path = os.fspath(checkpoint_id)  # a plain DCP directory (until another checkpoint_id, as DCP's)
         else:
+            self.path = None
             self.requested = parse_step(checkpoint_id)
 
     def _in_a_tier(self, directory: str | os.PathLike) -> bool:
         """Whether ``directory`` is a step directory of one of the engine's file tiers: then it names that step,
         read through the tiers (verified, the fastest copy, fallback), not as a plain directory (a DCP trial:
         checkpoint_id=<tier>/iter_N read a damaged file unverified, with verified copies in memory)."""
-        parent = os.path.realpath(os.path.dirname(os.path.abspath(os.fspath(directory).rstrip("/"))))
+        path = os.path.abspath(os.fspath(directory).rstrip("/"))
+        parent = os.path.realpath(os.path.dirname(path))
         for store in self.engine.pipeline.durable_stores().values():
+            if store.layout.parse_step_dir(os.path.basename(path)) is None:
+                continue  # a directory there that is not a step's (an export): read as a plain one
             where = store.tier.location or ""
             where = where.removeprefix("file://") if where.startswith("file://") or "://" not in where else ""
             if where and os.path.realpath(where) == parent:
@@ -144,9 +142,6 @@ class TieredStorageReader(StorageReader):
             except (_NoMetadata, FileNotFoundError) as exc:
                 raise TieredCkptError(f"{self._metadata_error}; and no {rank_metadata_file(rank)} either: {exc}"
                                       ) from None
-        if not self._named:  # a load without checkpoint_id after one with
-            self.requested, self.path = self._given
-        self._named = False
         try:
             return self._read_metadata(None)
         except Exception as exc:

@@ -137,18 +137,18 @@ def convert(
             f"{info.where}: DLRover's rank_*/distrib_optim.pt hold per-param fragments without bucket geometry: "
             "they cannot be merged or re-split without the model (load them with tiered_ckpt.megatron.adapter at "
             "the same DP and save again)")
+    store = open_store(dst, to, "destination")
+    dst_tier = store.tier
+    if dst_tier.list(info.step_dir + "/"):
+        raise ConfigError(f"{tier_io.where(dst_tier, info.step_dir)} already exists; convert into an empty place")
     notes = list(info.notes)
     checked = "manifest" if info.has_manifest and verify else ""
-    if not info.has_manifest and verify:
+    if not info.has_manifest and verify:  # after the cheap refusals: it reads the whole source
         without = _check_zip_crcs(src_tier, info, progress)
         checked = "zip CRC-32s" if not without else ""
         if without:
             notes.append(f"{len(without)} source file(s) written without CRC-32s: not verified "
                          f"({', '.join(without[:3])})")
-    store = open_store(dst, to, "destination")
-    dst_tier = store.tier
-    if dst_tier.list(info.step_dir + "/"):
-        raise ConfigError(f"{tier_io.where(dst_tier, info.step_dir)} already exists; convert into an empty place")
     if not checked:
         log.warning("%s: the source is not verified (%s)", info.where,
                     "verify=False" if verify else "no manifest, and files written without CRC-32s")

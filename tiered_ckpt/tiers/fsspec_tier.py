@@ -101,7 +101,8 @@ class FsspecOptions:
         if not self.url:
             raise ValueError("url: expected an fsspec URL such as s3://bucket/path, got an empty string")
         typo = re.match(r"([A-Za-z][A-Za-z0-9+.-]*)(:/(?!/)|//)", self.url)
-        if typo and "://" not in self.url:  # else fsspec takes it for a relative local path, and writes there
+        if typo and "://" not in self.url and typo.group(1).lower() in fsspec.available_protocols():
+            # else fsspec takes it for a relative local path, and writes there
             raise ValueError(f"url: {redact(self.url)!r} looks like a mistyped URL (a scheme needs \"://\": "
                              f"{typo.group(1)}://...); a directory on this machine is kind: local, or file:///path")
         scheme = protocol_of(self.url)

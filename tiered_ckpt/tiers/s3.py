@@ -436,7 +436,8 @@ class S3Tier(FsspecTier):
             if not resp.get("IsTruncated"):
                 return entries
             following = {**params, **{ask: resp[got] for got, ask in markers if resp.get(got) is not None}}
-            if following == page:  # a truncated answer that names no next page: asking again would loop
+            if following == page or all(resp.get(got) is None for got, _ in markers):
+                # a truncated answer that names no next page: asking again (or from the first page) would loop
                 raise TransientTierError(self._redact(f"{op} {path}: the store says there is more, and not where"),
                                          tier=self.name)
             page = following
