@@ -41,6 +41,7 @@ def body(rank: int, world: int, spec: dict, out: dict) -> None:
                 engine.wait(timeout=120)
             except TieredCkptError as exc:
                 out["wait_error"] = str(exc)[:2000]
+        previous = None
         for step in spec.get("save_of", {}).get(str(rank), spec.get("save", [])):  # "save_of": rank → steps
             time.sleep(spec.get("delay_of", {}).get(str(rank), 0))  # "delay_of": rank → seconds before each save
             handle = engine.save(step, items_for(step, rank, spec.get("run", 0)))
@@ -52,8 +53,13 @@ def body(rank: int, world: int, spec: dict, out: dict) -> None:
                                                          engine.available_steps().items() if t in handle.due}
                 else:
                     handle.wait(timeout=60)
+                if spec.get("wait_previous") and previous is not None:  # the previous save's commit, late
+                    time.sleep(spec["wait_previous"])
+                    engine.wait_committed(previous, timeout=60)
+                    out.setdefault("previous_committed", []).append(previous.step)
             except TieredCkptError as exc:
                 out.setdefault("save_errors", {})[step] = str(exc)
+            previous = handle
         if "bad_into_rank" in spec:  # one rank asks load() for what the checkpoint cannot go into
             into = items_for(0, rank)
             if rank == spec["bad_into_rank"]:

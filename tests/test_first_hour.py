@@ -406,6 +406,15 @@ def test_on_close_release_frees_the_slots_whose_steps_are_on_disk(shm_root, tmp_
         engine.save(3, {"model": {"w": torch.ones(100)}}).wait(timeout=60)
     assert not run_dir.exists()  # every slot's step is on disk now: nothing left in /dev/shm
     assert not (Path(shm_root) / _user_name() / "@locks" / rid).exists()  # nor a lock directory for the run
+    # keep: 1 on disk, 2 slots: step 5 is committed, then retired by step 6's commit; its slot goes too (it
+    # stayed, for ever, found by a fault trial)
+    rid2 = run_id()
+    one = {**cfg, "run_id": rid2, "tiers": [cfg["tiers"][0], {**cfg["tiers"][1], "path": str(tmp_path / "d2"),
+                                                                "keep": 1}]}
+    with CheckpointEngine(one) as engine:
+        for step in (5, 6):
+            engine.save(step, {"model": {"w": torch.ones(100)}}).wait(timeout=60)
+    assert not (Path(shm_root) / _user_name() / rid2).exists()
     keep = {**cfg, "run_id": run_id(), "tiers": [{**cfg["tiers"][0], "on_close": "keep"}, cfg["tiers"][1]]}
     with CheckpointEngine(keep) as engine:
         engine.save(4, {"model": {"w": torch.ones(100)}}).wait(timeout=60)

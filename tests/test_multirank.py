@@ -354,3 +354,18 @@ def test_ranks_that_do_not_commit_see_the_commit_when_they_wait_for_it_and_relea
     left = sorted(str(p.relative_to(shm)) for p in shm.rglob("slot_*"))
     assert left == [], left
 
+
+def test_waiting_for_a_commit_that_retention_retired_since_says_committed(tmp_path, shm_root):
+    """keep: 1, and each rank waits for the previous save's commit after the next save (as an asynchronous writer
+    does): by then the next commit has retired it. The wait saw no manifest and said "not committed" after its
+    timeout (a fault trial). Each commit's manifest names the saves committed before it."""
+    run_id = f"c{uuid.uuid4().hex[:8]}"
+    shm, local = Path(shm_root), tmp_path / "local"
+    cfg = {"run_id": run_id, "drain": {"mode": "thread", "commit_timeout_s": 5},
+           "tiers": [{"name": "shm", "kind": "shm", "path": str(shm)},
+                     {"name": "local", "kind": "local", "path": str(local), "keep": 1}]}
+    results = run_ranks(3, {"config": cfg, "save": [1, 2, 3], "wait_previous": 0.5})
+    assert all("save_errors" not in r for r in results.values()), results
+    assert all(r["previous_committed"] == [1, 2] for r in results.values()), results
+    assert committed(local) == [3]
+

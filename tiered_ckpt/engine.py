@@ -746,7 +746,10 @@ class CheckpointEngine:
         tier where the commit did not come within ``timeout`` (default: twice ``drain.commit_timeout_s`` and
         10 s: the committing rank's own part may take as long as the wait for the others'), and
         :class:`TimeoutError` where the drain itself did not finish. Call it on every rank, or on those that act
-        on the commit (a load right after it, a copy elsewhere): it runs no collective."""
+        on the commit (a load right after it, a copy elsewhere): it runs no collective. A commit that retention
+        has retired since counts (each commit's manifest names the saves committed before it). A failed commit is
+        known here only at the deadline (the committing rank leaves no record of a failure): in a training loop,
+        give a ``timeout`` within the time between saves."""
         limit = 2 * self.config.drain.commit_timeout_s + 10
         deadline = time.monotonic() + (limit if timeout is None else timeout)
         handle.wait(timeout=timeout)

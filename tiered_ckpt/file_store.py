@@ -12,6 +12,7 @@ and reading their files verified is :mod:`tiered_ckpt.file_store_read`'s part of
 
 from __future__ import annotations
 
+import collections
 import json
 import logging
 import threading
@@ -56,6 +57,7 @@ from .store import Store, Written
 from .tiers.base import Chunk, StableChunks, Tier, as_memoryview, chunks_stable
 
 log = logging.getLogger(__name__)
+EARLIER_COMMITS = 16  # the commits before it a checkpoint manifest names ("earlier"): FileStore.wait_committed
 Emit = Callable[[ev.Event], None]
 
 
@@ -135,6 +137,9 @@ class FileStore(CommittedFiles):
         # The step this process committed here last: retention counts steps up to it, and leaves any newer
         # committed step alone (an earlier run's, or this one's before it went back: docs/operations.md)
         self._newest_own: int | None = None
+        # The saves this process committed here last, (step, save): each commit's manifest carries them
+        # ("earlier"), so a rank waiting for a commit that retention has already retired sees it was made
+        self._committed_saves: collections.deque[tuple[int, str]] = collections.deque(maxlen=EARLIER_COMMITS)
         self._warned_newer: tuple[int, ...] = ()
         self._warned_uploads = False  # retention could not list the uploads left open in what it removes
         self._retention = threading.Lock()  # retain() runs in whichever drain thread finishes a job
@@ -600,12 +605,33 @@ class FileStore(CommittedFiles):
             if self._retry(lambda: self.tier.exists(key), step, rank, f"look for {key}"):
                 if not save_id or self._committed_save(step) == save_id:
                     return
+            elif save_id and not self._retry(lambda: self.tier.exists(self.layout.rank_manifest_key(step, rank)),
+                                             step, rank, f"look for step {step}'s rank manifest"):
+                # The step is gone, this rank's part with it: retention removed it, after a newer commit, either
+                # as committed and retired by keep, or as what a failed save left. The newer commits say which.
+                if self._committed_earlier(step, save_id, rank):
+                    return
+                raise TierError(f"step {step} is not committed here: it was removed as what a failed save left"
+                                f"{why}", tier=self.name, key=key)
             left = deadline - time.monotonic()
             if left <= 0:
                 raise TierError(f"step {step} is not committed here after {wait_s:.0f} s{why}", tier=self.name,
                                 key=key)
             time.sleep(min(pause, left))
             pause = min(pause * 1.5, 1.0)
+
+    def _committed_earlier(self, step: int, save_id: str, rank: int) -> bool:
+        """Whether a newer commit here names the save ``save_id`` of ``step`` among the commits made before it."""
+        newer = [s for s in self._retry(self.committed_steps, step, rank, "list the committed steps") if s > step]
+        for later in sorted(newer)[:EARLIER_COMMITS]:
+            try:
+                earlier = self._retry(lambda s=later: self.read_manifest(s), step, rank,
+                                      f"read step {later}'s manifest").extra.get("earlier", [])
+            except BlobNotFoundError:
+                continue
+            if [step, save_id] in earlier:
+                return True
+        return False
 
     def _committed_save(self, step: int) -> str | None:
         """The save whose commit of ``step`` is here ("" where it has no identity; None: gone since a look)."""
@@ -660,6 +686,8 @@ class FileStore(CommittedFiles):
         scope = "job" if len(ranks) == coords.world_size else "node"
         files = self.layout.checkpoint_files(files, self.layout.finalize(self, step, coords.layout, files, scope))
         extra: dict[str, Any] = {"ranks": ranks, "scope": scope, **({SAVE_KEY: save_id} if save_id else {})}
+        if save_id and self._committed_saves:
+            extra["earlier"] = [list(c) for c in self._committed_saves]
         manifest = CheckpointManifest(step=step, layout=self.layout.name, parallel=coords.layout.to_dict(),
                                       files=tuple(files), run_id=self.run_id, extra=extra)
         key = self.layout.manifest_key(step)
@@ -674,6 +702,8 @@ class FileStore(CommittedFiles):
         with self._manifest_lock:
             self._manifest_changes += 1
             self._manifests[step] = manifest
+            if save_id:
+                self._committed_saves.append((step, save_id))
         crash_point("store.manifest_written")
         self._update_tracker(step, coords.rank)
         return manifest

@@ -381,14 +381,16 @@ class MemoryStore:
         return gone
 
     def release_slots(self, durable: set[int]) -> list[int]:
-        """Delete this rank's slots (record first, then data) except those holding a step not in ``durable``;
-        return the steps kept. Slots without a record hold nothing and go too, and so do non-persistent
-        snapshots older than the newest durable step (superseded: no load would pick them)."""
+        """Delete this rank's slots (record first, then data) except those holding a step newer than every step
+        in ``durable``; return the steps kept. Slots without a record hold nothing and go too, and so do snapshots
+        of steps older than the newest durable step, whether committed and retired since by ``keep`` or never
+        committed: superseded, no load would pick them (a trial: with ``keep`` below ``slots`` a committed step,
+        retired, stayed in memory for ever)."""
         metas = self.metas()
         newest = max(durable, default=-1)
 
         def keep(m: SlotMeta) -> bool:
-            return m.step not in durable and (m.persistent or m.step > newest)
+            return m.step not in durable and m.step > newest
 
         kept = sorted(m.step for m in metas.values() if keep(m))
         slots = set()
