@@ -369,3 +369,22 @@ def test_waiting_for_a_commit_that_retention_retired_since_says_committed(tmp_pa
     assert all(r["previous_committed"] == [1, 2] for r in results.values()), results
     assert committed(local) == [3]
 
+
+def test_a_step_only_other_ranks_recover_is_committed_by_the_committing_rank(tmp_path, shm_root):
+    """Rank 2 died as its drain began step 2; ranks 0 and 1 had their parts of it on the tier and went on to save
+    3 and 4, reusing the slots that held 2. At the restart rank 2 recovers step 2 and writes its part, but rank 0,
+    which commits, no longer holds it: nobody committed it, and the job resumed from step 1 (a fault trial)."""
+    run_id = f"m{uuid.uuid4().hex[:8]}"
+    local = tmp_path / "local"
+    cfg = {"run_id": run_id, "drain": {"mode": "thread", "commit_timeout_s": 3},
+           "tiers": [{"name": "shm", "kind": "shm", "path": str(shm_root)},
+                     {"name": "local", "kind": "local", "path": str(local)}]}
+    first = run_ranks(3, {"config": cfg, "save_of": {"0": [1, 2, 3, 4], "1": [1, 2, 3, 4], "2": [1, 2]}},
+                      env_of={2: {"TIERED_CKPT_CRASH_AT": "drain.before_write:2"}})
+    assert first[2]["killed"] and not first[0]["killed"]
+    assert committed(local) == [1]
+    second = run_ranks(3, {"config": cfg, "load": True}, timeout=120)
+    assert [second[r]["recovered"] for r in range(3)] == [[2], [], [2]], second  # rank 0: the commit's handle
+    assert {r["step"] for r in second.values()} == {2}, second
+    assert committed(local) == [1, 2]
+

@@ -135,6 +135,7 @@ class CheckpointEngine:
         self._plan_memos: dict[str, PlanMemo] = {}  # what planning each item at the next save may reuse
         self._cond = threading.Condition()
         self.recovered: list[SaveHandle] = []
+        self._commit_threads: list[threading.Thread] = []  # commits of what other ranks recovered (_recover)
         # whether any rank recovered a snapshot at start-up (alike on every rank: the start-up exchange says):
         # only then does load() wait for the recovery, with one barrier
         self._recovering = False
@@ -323,6 +324,7 @@ class CheckpointEngine:
             self._recovering = any(not all(_holds(theirs, step, save) for _, theirs in everyone)
                                    for mine in recovered for step, save in mine)
             found = self.coordinator.alone(self._completable, found, recovered)
+            self.coordinator.alone(self._commit_for_others, recovered, everyone[self.coords.rank][1])
         entry = self.pipeline.entry_store
         for meta, due in found:
             entry.hold_slot(meta.slot)
@@ -335,6 +337,53 @@ class CheckpointEngine:
                                 message="a snapshot left in memory by an earlier process is drained"))
             self._drain.submit(DrainRequest(step=meta.step, source=self.pipeline.entry, slot=meta.slot, due=due,
                                             created=meta.created, recover=True, save_id=meta.save_id))
+
+    def _commit_for_others(self, recovered: list[list[tuple[int, str]]], held: list[tuple[int, str]]) -> None:
+        """As the committing rank of a file tier: commit the saves other ranks recover at start-up that this rank
+        no longer holds in memory (its slots reused by later saves) but whose part it put on the tier before it
+        stopped. Nothing else would commit them: the others' recovery writes their parts, and the job resumed
+        from an older step (a fault trial). Each commit waits, on a thread of its own, for the parts of every rank
+        that has the save in memory or on the tier already; ``load()`` waits for it as for a recovery."""
+        others = sorted({(step, save) for r, pairs in enumerate(recovered) if r != self.coords.rank
+                         for step, save in pairs if save and not _holds(held, step, save)})
+        for name, store in self.pipeline.durable_stores().items():
+            files = store.files()
+            voters = sorted(self.pipeline.node_ranks) if store.tier.capabilities.node_local else \
+                list(range(self.coords.world_size))
+            if files is None or voters[0] != self.coords.rank:
+                continue
+            for step, save in others:
+                if not _vote_of(files, step, save, self.coords.rank) or files.committed_save(step) == save:
+                    continue
+                if not all(_holds(recovered[r], step, save) or _vote_of(files, step, save, r) for r in voters):
+                    continue  # some rank has neither: the commit could never happen (_completable said so there)
+                handle = SaveHandle(step, 0.0, self.pipeline.entry, (name,))
+                handle.save_id = save
+                with self._cond:
+                    self._handles.setdefault(step, []).append(handle)
+                self.recovered.append(handle)
+                log.info("tier %r: committing step %d, which other ranks recover (this rank's part is there)",
+                         name, step)
+                thread = threading.Thread(target=self._commit_recovered, args=(files, name, handle, voters),
+                                          name=f"tiered_ckpt-commit-{step}", daemon=True)
+                self._commit_threads.append(thread)
+                thread.start()
+
+    def _commit_recovered(self, files: Any, tier: str, handle: SaveHandle, voters: list[int]) -> None:
+        wait_s = self.config.drain.commit_timeout_s
+        try:
+            manifest = files.try_commit(handle.step, self.coords, voters, wait_s=wait_s, save_id=handle.save_id)
+        except Exception as exc:  # noqa: BLE001 - reported on the handle, as a drain's failure is
+            manifest, error = None, str(exc)
+        else:
+            error = None if manifest is not None else f"not every rank's part arrived within {wait_s:.0f} s"
+        if manifest is not None:
+            self._emit(ev.Event(ev.COMMIT, step=handle.step, rank=self.coords.rank, tier=tier,
+                                nbytes=manifest.total_bytes, message="committed at start-up for the ranks that "
+                                "recovered it"))
+        else:
+            log.warning("tier %r: step %d, recovered by other ranks, was not committed: %s", tier, handle.step, error)
+        self._tier_done(handle.step, tier, manifest is not None, error)
 
     def _completable(self, found: list[tuple[SlotMeta, tuple[str, ...]]], everyone: list[list[tuple[int, str]]]
                      ) -> list[tuple[SlotMeta, tuple[str, ...]]]:
@@ -800,6 +849,8 @@ class CheckpointEngine:
             return
         timeout = self.config.drain.close_timeout_s if timeout is None else timeout
         try:
+            for thread in self._commit_threads:  # each is bounded by commit_timeout_s
+                thread.join(timeout)
             if not self._drain.close(timeout):
                 log.warning("close(): drains still pending after %.0f s; the shm snapshot stays for recovery",
                             timeout)
@@ -921,6 +972,15 @@ def _holds(held: list[tuple[int, str]], step: int, save: str) -> bool:
     """Whether a rank's snapshots in memory ((step, save) pairs) hold the save ``save`` of ``step`` (by step alone
     where either save has no identity)."""
     return any(s == step and (sid == save or "" in (sid, save)) for s, sid in held)
+
+
+def _vote_of(files: Any, step: int, save: str, rank: int) -> bool:
+    """Whether ``rank``'s part of the save ``save`` of ``step`` is on the file store ``files`` (its rank
+    manifest); False where it cannot be read."""
+    try:
+        return files.read_rank_manifest(step, rank).extra.get(SAVE_KEY, "") == save
+    except Exception:  # noqa: BLE001 - absent, unreadable or unreachable: not known to be there
+        return False
 
 
 def _voted(files: Any, meta: SlotMeta, rank: int) -> bool:
