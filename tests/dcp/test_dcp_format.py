@@ -49,6 +49,12 @@ def engine_config(tmp_path: Path, names: tuple[str, ...] = ("disk",), shm: str |
     return {"run_id": f"dcp{uuid.uuid4().hex[:8]}", "layout": "dcp", "drain": {"mode": "thread"}, "tiers": tiers}
 
 
+def _flip_middle_byte(path: Path) -> None:
+    raw = bytearray(path.read_bytes())
+    raw[len(raw) // 2] ^= 0xFF
+    path.write_bytes(bytes(raw))
+
+
 def save(cfg: dict, sd: dict, step: int) -> None:
     with CheckpointEngine(cfg) as engine:
         writer = TieredStorageWriter(engine)
@@ -101,10 +107,7 @@ def test_a_corrupt_file_is_taken_from_the_next_tier_and_named_when_no_tier_has_i
     sd = state(2)
     cfg = engine_config(tmp_path, ("fast", "slow"))
     save(cfg, sd, 5)
-    data = tmp_path / "fast" / "iter_0000005" / "__0_0.distcp"
-    raw = bytearray(data.read_bytes())
-    raw[len(raw) // 2] ^= 0xFF
-    data.write_bytes(bytes(raw))
+    _flip_middle_byte(tmp_path / "fast" / "iter_0000005" / "__0_0.distcp")
     with CheckpointEngine(cfg) as engine:
         loaded = zeros_like(sd)
         reader = TieredStorageReader(engine)
@@ -129,10 +132,7 @@ def test_a_tier_s_step_directory_as_checkpoint_id_reads_through_the_tiers(tmp_pa
     cfg = engine_config(tmp_path, ("fast", "slow"))
     save(cfg, sd, 5)
     save(cfg, newer, 6)
-    data = tmp_path / "fast" / "iter_0000005" / "__0_0.distcp"
-    raw = bytearray(data.read_bytes())
-    raw[len(raw) // 2] ^= 0xFF
-    data.write_bytes(bytes(raw))
+    _flip_middle_byte(tmp_path / "fast" / "iter_0000005" / "__0_0.distcp")
     with CheckpointEngine(cfg) as engine:
         reader = TieredStorageReader(engine)
         loaded = zeros_like(sd)
