@@ -166,9 +166,11 @@ def test_two_nodes_node_local_commit_and_restore_from_shared(tmp_path):
     for node in ("nodeA", "nodeB"):  # each node committed its own ranks on its local tier
         manifest = json.loads((roots[node][1] / "iter_0000002" / "tiered_ckpt" / "manifest.json").read_text())
         save = manifest["extra"].pop("save")  # the save's identity: one for the whole job (rank 0's token)
+        earlier = manifest["extra"].pop("earlier")  # the saves this committer committed before: step 1's
+        assert [step for step, _ in earlier] == [1]
         assert manifest["extra"] == {"ranks": [r for r, n in node_of.items() if n == node], "scope": "node"}
     manifest = json.loads((shared / "iter_0000002" / "tiered_ckpt" / "manifest.json").read_text())
-    assert manifest["extra"] == {"ranks": [0, 1, 2, 3], "scope": "job", "save": save}
+    assert manifest["extra"] == {"ranks": [0, 1, 2, 3], "scope": "job", "save": save, "earlier": earlier}
 
     for path in roots["nodeB"]:  # node B is replaced: its memory and disk are empty
         shutil.rmtree(path)
