@@ -353,7 +353,12 @@ class CheckpointEngine:
             if files is None or voters[0] != self.coords.rank:
                 continue
             for step, save in others:
-                if not _vote_of(files, step, save, self.coords.rank) or files.committed_save(step) == save:
+                try:
+                    if not _vote_of(files, step, save, self.coords.rank) or files.committed_save(step) == save:
+                        continue
+                except (TierError, OSError) as exc:  # the tier cannot say: no commit from here, as before
+                    log.warning("tier %r: cannot tell whether step %d, which other ranks recover, is committed: "
+                                "%s", name, step, exc)
                     continue
                 if not all(_holds(recovered[r], step, save) or _vote_of(files, step, save, r) for r in voters):
                     continue  # some rank has neither: the commit could never happen (_completable said so there)
