@@ -47,6 +47,7 @@ from .parallel import ParallelLayout, RankCoords, detect, local_rank
 from .pipeline import STAGING, Pipeline, build_pipeline
 from .plugins import PluginManager, get_plugin_manager
 from .snapshot_record import SlotMeta, snapshot_layout_changes, undrained_tiers
+from .store import Store
 from .worker import open_drain
 
 log = logging.getLogger(__name__)
@@ -136,8 +137,9 @@ class CheckpointEngine:
         self._cond = threading.Condition()
         self.recovered: list[SaveHandle] = []
         self._commit_threads: list[threading.Thread] = []  # commits of what other ranks recovered (_recover)
-        # whether any rank recovered a snapshot at start-up (alike on every rank: the start-up exchange says):
-        # only then does load() wait for the recovery, with one barrier
+        # whether some rank recovered at start-up a step another rank no longer holds in memory (alike on every
+        # rank: the start-up exchange says): only then does load() wait for the recovery, with one barrier (one
+        # process holds what it recovers in memory)
         self._recovering = False
         for store in self.pipeline.stores.values():
             for rel in store.clean_start():  # before the drain starts: no writer of ours is there yet
@@ -313,11 +315,8 @@ class CheckpointEngine:
         if not self._entry_persists:
             return  # alike on every rank (one configuration)
         found = self.coordinator.alone(self._recovery_candidates)
-        # load() waits for a recovery only where memory alone cannot give the recovered step to every rank (one
-        # rank's slot of it overwritten by a later save): one process holds its recovered snapshots in memory
-        self._recovering = False
+        entry = self.pipeline.entry_store
         if self.coordinator.group is not None:  # every rank, with or without snapshots: one exchange
-            entry = self.pipeline.entry_store
             held = [(m.step, m.save_id) for m in entry.metas().values() if not snapshot_layout_changes(m, self.coords)]
             everyone = self.coordinator.all_gather(([(m.step, m.save_id) for m, _ in found], held), "recover")
             recovered = [mine for mine, _ in everyone]
@@ -325,7 +324,6 @@ class CheckpointEngine:
                                    for mine in recovered for step, save in mine)
             found = self.coordinator.alone(self._completable, found, recovered)
             self.coordinator.alone(self._commit_for_others, recovered, everyone[self.coords.rank][1])
-        entry = self.pipeline.entry_store
         for meta, due in found:
             entry.hold_slot(meta.slot)
             handle = SaveHandle(meta.step, 0.0, self.pipeline.entry, due)
@@ -338,6 +336,13 @@ class CheckpointEngine:
             self._drain.submit(DrainRequest(step=meta.step, source=self.pipeline.entry, slot=meta.slot, due=due,
                                             created=meta.created, recover=True, save_id=meta.save_id))
 
+    def _voters(self, store: Store) -> list[int]:
+        """The ranks whose parts a commit of ``store`` needs, the committing one first: a shared tier's are the
+        job's, a node-local one's the node's (as ``FileStore`` counts them)."""
+        if store.tier.capabilities.node_local:
+            return sorted(self.pipeline.node_ranks)
+        return list(range(self.coords.world_size))
+
     def _commit_for_others(self, recovered: list[list[tuple[int, str]]], held: list[tuple[int, str]]) -> None:
         """As the committing rank of a file tier: commit the saves other ranks recover at start-up that this rank
         no longer holds in memory (its slots reused by later saves) but whose part it put on the tier before it
@@ -347,14 +352,13 @@ class CheckpointEngine:
         others = sorted({(step, save) for r, pairs in enumerate(recovered) if r != self.coords.rank
                          for step, save in pairs if save and not _holds(held, step, save)})
         for name, store in self.pipeline.durable_stores().items():
-            files = store.files()
-            voters = sorted(self.pipeline.node_ranks) if store.tier.capabilities.node_local else \
-                list(range(self.coords.world_size))
+            files, voters = store.files(), self._voters(store)
             if files is None or voters[0] != self.coords.rank:
                 continue
             for step, save in others:
                 try:
-                    if not _vote_of(files, step, save, self.coords.rank) or files.committed_save(step) == save:
+                    rank = self.coords.rank
+                    if not _vote_of(files, step, save, rank) or files.committed_save(step, rank) == save:
                         continue
                 except (TierError, OSError) as exc:  # the tier cannot say: no commit from here, as before
                     log.warning("tier %r: cannot tell whether step %d, which other ranks recover, is committed: "
@@ -399,10 +403,8 @@ class CheckpointEngine:
             keep = []
             for name in due:
                 store = self.pipeline.stores[name]
-                voters = self.pipeline.node_ranks if store.tier.capabilities.node_local else \
-                    range(self.coords.world_size)
-                lacking = [r for r in voters if r != self.coords.rank and not _has_save(everyone[r], meta)
-                           and not _voted(store.files(), meta, r)]
+                lacking = [r for r in self._voters(store) if r != self.coords.rank
+                           and not _holds(everyone[r], meta.step, meta.save_id) and not _voted(store.files(), meta, r)]
                 if lacking:
                     log.warning("tier %r: the snapshot of step %d left in memory is not drained there: rank(s) %s "
                                 "have neither that save in memory nor their part on the tier (they stopped before "
@@ -810,15 +812,13 @@ class CheckpointEngine:
         failures = {}
         for name in handle.due:  # one deadline for every tier: the committing rank commits them at once
             store = self.pipeline.stores[name]
-            files = store.files()
-            voters = self.pipeline.node_ranks if store.tier.capabilities.node_local else \
-                range(self.coords.world_size)
-            if files is None or min(voters) == self.coords.rank:
+            files, committer = store.files(), self._voters(store)[0]
+            if files is None or committer == self.coords.rank:
                 continue  # the committing rank: its handle said committed
             try:
                 files.wait_committed(handle.step, self.coords.rank, max(0.0, deadline - time.monotonic()),
                                      save_id=handle.save_id,
-                                     why=f": this rank's part is there, but the committing rank ({min(voters)}) "
+                                     why=f": this rank's part is there, but the committing rank ({committer}) "
                                          "has not committed the step (its log says why)")
             except TierError as exc:
                 failures[name] = str(exc)
@@ -904,8 +904,7 @@ class CheckpointEngine:
         process's snapshots are not waited for: the start-up may have found them uncommittable, or of another
         layout (a trial: 120 s at every close of a restarted job)."""
         files = store.files()
-        voters = self.pipeline.node_ranks if store.tier.capabilities.node_local else range(self.coords.world_size)
-        if files is None or min(voters) == self.coords.rank:
+        if files is None or self._voters(store)[0] == self.coords.rank:
             return
         metas = sorted((m for m in self.pipeline.entry_store.metas().values()
                         if m.persistent and m.created >= self._started), key=lambda m: (m.step, m.created))
@@ -967,25 +966,29 @@ def _forget_engines_in_child() -> None:
 os.register_at_fork(after_in_child=_forget_engines_in_child)
 
 
-def _has_save(recovered: list[tuple[int, str]], meta: SlotMeta) -> bool:
-    """Whether a rank's recovered snapshots ((step, save) pairs: a step saved again may be there twice) hold the
-    save of ``meta`` (by step alone where the saves have no identity)."""
-    return any(step == meta.step and (not meta.save_id or save in ("", meta.save_id)) for step, save in recovered)
-
-
 def _holds(held: list[tuple[int, str]], step: int, save: str) -> bool:
     """Whether a rank's snapshots in memory ((step, save) pairs) hold the save ``save`` of ``step`` (by step alone
     where either save has no identity)."""
     return any(s == step and (sid == save or "" in (sid, save)) for s, sid in held)
 
 
-def _vote_of(files: Any, step: int, save: str, rank: int) -> bool:
-    """Whether ``rank``'s part of the save ``save`` of ``step`` is on the file store ``files`` (its rank
-    manifest); False where it cannot be read."""
+_UNREADABLE = object()
+
+
+def _vote_save(files: Any, step: int, rank: int) -> Any:
+    """The save of ``rank``'s manifest of ``step`` on the file store ``files`` ("" where it has no identity): None
+    where there is none, ``_UNREADABLE`` where it cannot be read (unreachable, damaged)."""
     try:
-        return files.read_rank_manifest(step, rank).extra.get(SAVE_KEY, "") == save
-    except Exception:  # noqa: BLE001 - absent, unreadable or unreachable: not known to be there
-        return False
+        return files.read_rank_manifest(step, rank).extra.get(SAVE_KEY, "")
+    except BlobNotFoundError:
+        return None
+    except Exception:  # noqa: BLE001 - unreadable or unreachable: each caller says what that counts as
+        return _UNREADABLE
+
+
+def _vote_of(files: Any, step: int, save: str, rank: int) -> bool:
+    """Whether ``rank``'s part of the save ``save`` of ``step`` is on ``files``; False where it cannot be read."""
+    return _vote_save(files, step, rank) == save
 
 
 def _voted(files: Any, meta: SlotMeta, rank: int) -> bool:
@@ -993,13 +996,10 @@ def _voted(files: Any, meta: SlotMeta, rank: int) -> bool:
     that cannot be asked counts as yes: the drain then finds out, as before."""
     if files is None:
         return True
-    try:
-        vote = files.read_rank_manifest(meta.step, rank)
-    except BlobNotFoundError:
-        return False
-    except Exception:  # noqa: BLE001 - unreadable or unreachable: not a reason to give the step up here
-        return True
-    return not meta.save_id or vote.extra.get(SAVE_KEY, "") in ("", meta.save_id)
+    vote = _vote_save(files, meta.step, rank)
+    if vote is None or vote is _UNREADABLE:
+        return vote is _UNREADABLE
+    return not meta.save_id or vote in ("", meta.save_id)
 
 
 def _steps_text(steps: list[int], most: int = 8) -> str:

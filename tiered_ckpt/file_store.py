@@ -603,7 +603,7 @@ class FileStore(CommittedFiles):
         pause = 0.02
         while True:
             if self._retry(lambda: self.tier.exists(key), step, rank, f"look for {key}"):
-                if not save_id or self.committed_save(step) == save_id:
+                if not save_id or self.committed_save(step, rank) == save_id:
                     return
             elif save_id and not self._retry(lambda: self.tier.exists(self.layout.rank_manifest_key(step, rank)),
                                              step, rank, f"look for step {step}'s rank manifest"):
@@ -633,13 +633,14 @@ class FileStore(CommittedFiles):
                 return True
         return False
 
-    def committed_save(self, step: int) -> str | None:
-        """The save whose commit of ``step`` is here ("" where it has no identity; None: gone since a look)."""
+    def committed_save(self, step: int, rank: int) -> str | None:
+        """The save whose commit of ``step`` is here ("" where it has no identity; None: none, or gone since a
+        look); ``rank`` names the asker in retry events."""
         try:
-            return self._retry(lambda: self.read_manifest(step), step, 0, f"read step {step}'s manifest").extra.get(
-                SAVE_KEY, "")
+            manifest = self._retry(lambda: self.read_manifest(step), step, rank, f"read step {step}'s manifest")
         except BlobNotFoundError:
             return None
+        return manifest.extra.get(SAVE_KEY, "")
 
     def rank_manifests(self, step: int) -> dict[int, str]:
         found = {}

@@ -305,10 +305,11 @@ def verify_foreign_step(store: FileStore, step: int, progress: bool | TextIO = F
         for key in keys:
             try:
                 torch_file = open_lazy(store.tier, key, unpickle=False)
-                if torch_file.has_crcs:
-                    report.problems += [f"{key}: record {m} (damaged)" for m in torch_file.crc_mismatches(bar.update)]
-                else:
+                mismatches = torch_file.damaged_records(bar.update)
+                if mismatches is None:
                     no_crcs.append(key)
+                else:
+                    report.problems += [f"{key}: record {m} (damaged)" for m in mismatches]
                 refused = refused_globals(torch_file.pickle_bytes())
                 if refused:
                     report.problems.append(explain(key, refused))

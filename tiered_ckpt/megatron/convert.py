@@ -198,11 +198,12 @@ def _check_zip_crcs(tier: Tier, info: legacy.CheckpointInfo, progress: bool) -> 
     without: list[str] = []
     with _progress_bar(progress, _estimate(tier, info), "check") as bar:
         for key in keys:
-            torch_file = open_lazy(tier, key, where=tier_io.where(tier, key), unpickle=False)
-            if not torch_file.has_crcs:
+            mismatches = open_lazy(tier, key, where=tier_io.where(tier, key), unpickle=False).damaged_records(
+                bar.update)
+            if mismatches is None:
                 without.append(key)
-                continue
-            damaged += [f"{key}: record {m}" for m in torch_file.crc_mismatches(bar.update)]
+            else:
+                damaged += [f"{key}: record {m}" for m in mismatches]
     if damaged:
         raise CorruptionError(f"{info.where}: {len(damaged)} record(s) of the source do not match the CRC-32 its "
                               f"file's zip directory gives, e.g. {damaged[0]}; nothing was converted. Restore the "

@@ -234,6 +234,10 @@ class LazyTorchFile:
         False``: every record's is 0)."""
         return any(rec.crc for rec in self.records.values() if rec.size)
 
+    def damaged_records(self, on_bytes: Any = None) -> list[str] | None:
+        """:meth:`crc_mismatches`, or None for a file written without CRC-32s (nothing to check against)."""
+        return self.crc_mismatches(on_bytes) if self.has_crcs else None
+
     def crc_mismatches(self, on_bytes: Any = None) -> list[str]:
         """Each record whose bytes do not hash to the CRC-32 the zip directory gives for it (read in pieces of
         :data:`READ_PIECE`; ``on_bytes(n)`` after each), as ``"name: CRC-32 ..."``."""
@@ -383,8 +387,7 @@ def open_lazy(tier: Any, key: str, *, where: str | None = None, unpickle: bool =
 def zip_crc_mismatches(data: memoryview, where: str) -> list[str] | None:
     """:meth:`LazyTorchFile.crc_mismatches` of a torch file in memory; None when it was written without
     CRC-32s."""
-    torch_file = LazyTorchFile(BytesReader(data, where), unpickle=False)
-    return torch_file.crc_mismatches() if torch_file.has_crcs else None
+    return LazyTorchFile(BytesReader(data, where), unpickle=False).damaged_records()
 
 
 def materialize(obj: Any) -> Any:

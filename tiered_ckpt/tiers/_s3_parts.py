@@ -34,7 +34,6 @@ from ._s3 import (
     checksum_param,
     completed_as,
     gather_or_cancel,
-    multipart_etag,
 )
 
 if TYPE_CHECKING:
@@ -161,19 +160,10 @@ class SharedParts:
     def completed_as(self, key: str, parts: Sequence[dict[str, Any]]) -> bool:
         """Whether ``key`` is the object these parts complete (its multipart ETag; False where the store's ETags
         are not MD5s): an earlier completion whose answer was lost."""
-        expected = multipart_etag(sorted(parts, key=lambda p: p["PartNumber"]))
-        if expected is None:
-            return False
         path, bucket, obj = self._where(key)
-
-        def call() -> Any:
-            return self.tier.fs._call_s3("head_object", Bucket=bucket, Key=obj)
-
-        try:
-            head = self.tier.run_sync(self.tier.arequest, "look up", key, path, call, missing_ok=True)
-        except BlobNotFoundError:
-            return False
-        return head.get("ETag") == expected
+        ordered = sorted(parts, key=lambda p: p["PartNumber"])
+        return self.tier.run_sync(self.tier.arequest, "look up", key, path,
+                                  lambda: completed_as(self.tier, bucket, obj, ordered))
 
     def publish(self, token: str, key: str, upload_id: str, **facts: Any) -> None:
         """Write the object ``token`` (an :func:`is_upload_token` name) saying which upload of ``key`` is shared,
