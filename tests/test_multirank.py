@@ -357,6 +357,36 @@ def test_ranks_that_do_not_commit_see_the_commit_when_they_wait_for_it_and_relea
     assert left == [], left
 
 
+@pytest.mark.parametrize("victim", [0, 1])
+def test_a_rank_whose_part_fails_stops_the_other_ranks_waiting_for_the_commit(tmp_path, shm_root, victim):
+    """One rank cannot write its part of step 1 on the shared tier (every write fails there). The committing
+    rank waited commit_timeout_s for its vote, and the other ranks' wait_committed() ran out its own deadline
+    without knowing why (a fault trial: minutes at every failed save's close). Now the failing rank records why
+    (or, the committing rank failing, it records the step's failure) and every rank's wait ends with that."""
+    run_id = f"f{uuid.uuid4().hex[:8]}"
+    shared = tmp_path / "shared"
+
+    def config(rank: int) -> dict:
+        tier = {"name": "shared", "kind": "local", "path": str(shared)}
+        if rank == victim:
+            tier = {"name": "shared", "kind": "faulty", "permanent_error": True, "ops": ["write_blob"],
+                    "inner": {"kind": "local", "path": str(shared)}}
+        return {"run_id": run_id, "drain": {"mode": "thread", "commit_timeout_s": 100},
+                "tiers": [{"name": "shm", "kind": "shm", "path": str(shm_root)}, tier]}
+
+    spec = {"configs": {str(r): config(r) for r in range(3)}, "save": [1], "wait_committed": True}
+    results = run_ranks(3, spec)
+    for rank, out in results.items():
+        error = out["save_errors"]["1"]
+        if rank == victim:
+            assert "PermanentTierError" in error, (rank, error)
+        elif victim == 0:
+            assert "step 1 was not committed here" in error and "PermanentTierError" in error, (rank, error)
+        else:
+            assert f"rank {victim} could not write its part here" in error, (rank, error)
+    assert committed(shared) == []
+
+
 def test_waiting_for_a_commit_that_retention_retired_since_says_committed(tmp_path, shm_root):
     """keep: 1, and each rank waits for the previous save's commit after the next save (as an asynchronous writer
     does): by then the next commit has retired it. The wait saw no manifest and said "not committed" after its

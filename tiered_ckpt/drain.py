@@ -291,6 +291,8 @@ class DrainRuntime:
         except Exception as exc:  # a failing tier never stops the others
             error = f"{type(exc).__name__}: {exc}"
             log.warning("tier %r could not take step %d: %s", tier, req.step, error)
+            self.stores[tier].write_failed(req.step, self.coords, node_ranks=self.node_ranks, save_id=req.save_id,
+                                           reason=error)
             self.emit(ev.Event(ev.COMMIT_FAILED, step=req.step, rank=self.coords.rank, tier=tier,
                                seconds=time.perf_counter() - t0, message=error))
         self._report(tier, job, ok, error)
@@ -361,7 +363,8 @@ class DrainRuntime:
             self.fence()
             self._settle_deletion(tier)  # retention lists the tier at commit: never while it deletes there
             store.commit(written, self.coords, node_ranks=self.node_ranks, wait_s=self.commit_wait_s,
-                         pinned=lambda: self._kept_for(tier) - {req.step}, on_committed=committed)
+                         pinned=lambda: self._kept_for(tier) - {req.step}, on_committed=committed,
+                         fail_fast=not req.recover)
             written.committed()
         finally:
             written.close()  # nothing may read the source slot once this job lets it go

@@ -803,9 +803,11 @@ class CheckpointEngine:
         10 s: the committing rank's own part may take as long as the wait for the others'), and
         :class:`TimeoutError` where the drain itself did not finish. Call it on every rank, or on those that act
         on the commit (a load right after it, a copy elsewhere): it runs no collective. A commit that retention
-        has retired since counts (each commit's manifest names the saves committed before it). A failed commit is
-        known here only at the deadline (the committing rank leaves no record of a failure): in a training loop,
-        give a ``timeout`` within the time between saves."""
+        has retired since counts (each commit's manifest names the saves committed before it). A commit that
+        failed is known here as soon as the committing rank records it (a rank's part that could not be
+        written, the committing rank's own failure); one whose committing rank died is known at the deadline
+        only, and so is the failure of a save recovered at start-up: in a training loop, give a ``timeout``
+        within the time between saves."""
         limit = 2 * self.config.drain.commit_timeout_s + 10
         deadline = time.monotonic() + (limit if timeout is None else timeout)
         handle.wait(timeout=timeout)
@@ -817,9 +819,8 @@ class CheckpointEngine:
                 continue  # the committing rank: its handle said committed
             try:
                 files.wait_committed(handle.step, self.coords.rank, max(0.0, deadline - time.monotonic()),
-                                     save_id=handle.save_id,
-                                     why=f": this rank's part is there, but the committing rank ({committer}) "
-                                         "has not committed the step (its log says why)")
+                                     save_id=handle.save_id, fail_fast=handle not in self.recovered,
+                                     why=f" (the committing rank is rank {committer}; its log says more)")
             except TierError as exc:
                 failures[name] = str(exc)
         if failures:
@@ -912,7 +913,7 @@ class CheckpointEngine:
         for meta in voted:
             try:
                 files.wait_committed(meta.step, self.coords.rank, max(0.0, deadline - time.monotonic()),
-                                     save_id=meta.save_id)
+                                     save_id=meta.save_id, fail_fast=True)  # this process's save: its first drain
             except TierError as exc:
                 log.info("close(): tier %r: %s; its slot stays in memory", store.name, exc)
 

@@ -36,6 +36,7 @@ from .compression import compress_chunks
 from .config import TierConfig
 from .crashpoints import crash_point
 from .errors import BlobNotFoundError, CorruptionError, TierError
+from .failure_records import record_failure, recorded_failure
 from .file_store_read import CommittedFiles
 from .file_streams import raw_pieces
 from .layouts.base import Layout
@@ -258,7 +259,8 @@ class FileStore(CommittedFiles):
         return Written(step, sum(f.size for f in manifest.files), manifest=manifest)
 
     def commit(self, written: Written, coords: RankCoords, *, node_ranks: list[int], wait_s: float,
-               pinned: Callable[[], set[int]], on_committed: Callable[[int], None]) -> None:
+               pinned: Callable[[], set[int]], on_committed: Callable[[int], None], fail_fast: bool = False
+               ) -> None:
         if not self._commits_here(coords, node_ranks):
             return
         crash_point("drain.before_commit")
@@ -268,18 +270,18 @@ class FileStore(CommittedFiles):
             # appears, so that retention running meanwhile (another tier's thread) never takes it for a newer
             # step of another run; put back if the commit fails (keep would count up to a step not committed).
             before, self._newest_own = self._newest_own, written.step
-        committed = None
+        committed, failure = None, []
         try:
             committed = self.try_commit(written.step, coords, self._voters(coords, node_ranks), wait_s=wait_s,
-                                        save_id=save_id)
+                                        save_id=save_id, fail_fast=fail_fast, failure=failure)
         finally:
             if committed is None:
                 with self._retention:
                     if self._newest_own == written.step:
                         self._newest_own = before
         if committed is None:
-            raise TierError(f"step {written.step} not committed: not every rank's files arrived within "
-                            f"{wait_s:.0f} s", tier=self.name)
+            raise TierError(f"step {written.step} not committed: " + (
+                failure[0] if failure else f"not every rank's files arrived within {wait_s:.0f} s"), tier=self.name)
         on_committed(committed.total_bytes)
         # The steps retention drops are un-committed now; deleting their files (slow for big files: an unlink of
         # 1 GiB took 0.3 s on the development VM's ext4) waits until this step's save is reported durable.
@@ -290,6 +292,19 @@ class FileStore(CommittedFiles):
                 self._held_back = True  # the drain's next retain() tries again
             log.warning("tier %r: step %d is committed, but retention failed (tried again later): %s", self.name,
                         written.step, exc)
+
+    def write_failed(self, step: int, coords: RankCoords, *, node_ranks: list[int], save_id: str,
+                     reason: str) -> None:
+        """Record that this rank's part of ``step`` (the save ``save_id``) will not be committed here, so that
+        the ranks waiting for it stop waiting: the committing rank records the step's failure, the others their
+        own (failure_records.py). Nothing where this rank writes alone."""
+        if self._sole_writer(coords, node_ranks):
+            return
+        if self._commits_here(coords, node_ranks):
+            key = self.layout.commit_failed_key(step)
+        else:
+            key = self.layout.rank_failed_key(step, coords.rank)
+        record_failure(self.tier, key, save_id=save_id, rank=coords.rank, reason=reason)
 
     def retain(self, coords: RankCoords, *, node_ranks: list[int], pinned: Callable[[], set[int]]
                ) -> list[Callable[[], None]]:
@@ -594,9 +609,11 @@ class FileStore(CommittedFiles):
         return self._publish_rank(step, coords, entries, save_id)
 
     # ----- committing --------------------------------------------------------------------------------------
-    def wait_committed(self, step: int, rank: int, wait_s: float, *, save_id: str = "", why: str = "") -> None:
+    def wait_committed(self, step: int, rank: int, wait_s: float, *, save_id: str = "", why: str = "",
+                       fail_fast: bool = False) -> None:
         """Return once ``step`` is committed here, by the save ``save_id`` where one is given (an earlier commit
-        of the step is another save's); :class:`TierError` saying ``why`` it matters after ``wait_s`` without.
+        of the step is another save's); :class:`TierError` saying ``why`` it matters after ``wait_s`` without,
+        or (``fail_fast``, the save's first drain) as soon as the committing rank recorded that it failed.
         The pause between looks grows from 20 ms to 1 s: every rank of a job may be looking at the one key."""
         deadline = time.monotonic() + wait_s
         key = self.layout.manifest_key(step)
@@ -605,6 +622,10 @@ class FileStore(CommittedFiles):
             if self._retry(lambda: self.tier.exists(key), step, rank, f"look for {key}"):
                 if not save_id or self.committed_save(step, rank) == save_id:
                     return
+            elif fail_fast and save_id and (record := recorded_failure(
+                    self.tier, self.layout.commit_failed_key(step), save_id)) is not None:
+                raise TierError(f"step {step} was not committed here: {record['reason']}{why}", tier=self.name,
+                                key=key)
             elif save_id and not self._retry(lambda: self.tier.exists(self.layout.rank_manifest_key(step, rank)),
                                              step, rank, f"look for step {step}'s rank manifest"):
                 # The step is gone, this rank's part with it: retention removed it, after a newer commit, either
@@ -643,24 +664,48 @@ class FileStore(CommittedFiles):
         return manifest.extra.get(SAVE_KEY, "")
 
     def rank_manifests(self, step: int) -> dict[int, str]:
-        found = {}
+        return self._step_records(step)[0]
+
+    def _step_records(self, step: int) -> tuple[dict[int, str], dict[int, str], list[str]]:
+        """One listing of ``step``'s ``tiered_ckpt/``: the ranks' manifests and failure records (rank → key),
+        and the step's own failure records (``commit.failed``)."""
+        votes, failed, step_failed = {}, {}, []
+        commit_failed = self.layout.commit_failed_key(step)
         for key in self.tier.list(self.layout.rank_manifest_prefix(step)):
-            parsed = self.layout.parse_rank_manifest_key(key)
-            if parsed and parsed[0] == step:
-                found[parsed[1]] = key
-        return found
+            if key == commit_failed:
+                step_failed.append(key)
+            elif (parsed := self.layout.parse_rank_manifest_key(key)) and parsed[0] == step:
+                votes[parsed[1]] = key
+            elif (parsed := self.layout.parse_rank_failed_key(key)) and parsed[0] == step:
+                failed[parsed[1]] = key
+        return votes, failed, step_failed
 
     def try_commit(self, step: int, coords: RankCoords, ranks: list[int] | None = None, *, wait_s: float = 0.0,
-                   poll_s: float = 0.05, save_id: str = "") -> CheckpointManifest | None:
+                   poll_s: float = 0.05, save_id: str = "", fail_fast: bool = False,
+                   failure: list[str] | None = None) -> CheckpointManifest | None:
         """As the committing rank: once every rank of ``ranks`` (default: the whole job) has its manifest here,
         write the checkpoint manifest, then the tracker. Waits up to ``wait_s``; None means not committed.
-        ``save_id``: only rank manifests of that save are votes (another save's are stale)."""
+        ``save_id``: only rank manifests of that save are votes (another save's are stale). ``fail_fast``: stop
+        waiting as soon as a rank recorded that its part of this save failed (failure_records.py), appending
+        what it said to ``failure``."""
         ranks = list(range(coords.world_size)) if ranks is None else sorted(ranks)
         deadline = time.monotonic() + wait_s
         votes: dict[int, RankManifest] = {}
+        heeded: set[int] = set()  # failure records read already (another save's: read once)
         while True:
-            present = self._retry(lambda: self.rank_manifests(step), step, coords.rank, "list rank manifests")
+            present, failed, step_failed = self._retry(lambda: self._step_records(step), step, coords.rank,
+                                                       "list rank manifests")
             missing = [r for r in ranks if r not in present]
+            if fail_fast and save_id:
+                for r in sorted(set(missing) & set(failed) - heeded):
+                    heeded.add(r)
+                    record = recorded_failure(self.tier, failed[r], save_id)
+                    if record is not None:
+                        why = f"rank {r} could not write its part here: {record['reason']}"
+                        log.warning("tier %r: step %d not committed: %s", self.name, step, why)
+                        if failure is not None:
+                            failure.append(why)
+                        return None
             stale: list[str] = []
             if not missing:
                 for r in ranks:
@@ -681,6 +726,11 @@ class FileStore(CommittedFiles):
                             step, _short(missing), wait_s, f" ({'; '.join(stale[:4])})" if stale else "")
                 return None
             time.sleep(poll_s)
+        for key in [*(failed[r] for r in ranks if r in failed), *step_failed]:  # other saves': stale now
+            try:
+                self.tier.delete(key)
+            except Exception as exc:  # noqa: BLE001 - a stale record is harmless; gc removes it with the step
+                log.debug("tier %r: could not delete the stale failure record %s: %s", self.name, key, exc)
         files: list[FileEntry] = []
         for r in ranks:
             files.extend(votes[r].files)

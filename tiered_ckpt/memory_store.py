@@ -193,8 +193,13 @@ class MemoryStore:
         return Written(step, meta.total_bytes, slot=mine)
 
     def commit(self, written: Written, coords: RankCoords, *, node_ranks: list[int], wait_s: float,
-               pinned: Callable[[], set[int]], on_committed: Callable[[int], None]) -> None:
+               pinned: Callable[[], set[int]], on_committed: Callable[[int], None], fail_fast: bool = False
+               ) -> None:
         on_committed(written.nbytes)  # the published slot record is the commit; old slots are reused, not evicted
+
+    def write_failed(self, step: int, coords: RankCoords, *, node_ranks: list[int], save_id: str,
+                     reason: str) -> None:
+        pass  # each rank's slots are its own: no other rank waits for them
 
     def retain(self, coords: RankCoords, *, node_ranks: list[int], pinned: Callable[[], set[int]]
                ) -> list[Callable[[], None]]:

@@ -103,11 +103,20 @@ class Store(Protocol):
         ...
 
     def commit(self, written: Written, coords: RankCoords, *, node_ranks: list[int], wait_s: float,
-               pinned: Callable[[], set[int]], on_committed: Callable[[int], None]) -> None:
+               pinned: Callable[[], set[int]], on_committed: Callable[[int], None], fail_fast: bool = False
+               ) -> None:
         """Make ``written`` a step of this tier (if this rank is the one that commits it here), calling
         ``on_committed(nbytes)`` once it is, then apply retention (never to a step in ``pinned()``; what can
         wait, deleting the files of steps it un-committed, goes to ``written.housekeeping``). Raises
-        :class:`~tiered_ckpt.errors.TierError` when the step could not be committed."""
+        :class:`~tiered_ckpt.errors.TierError` when the step could not be committed: after ``wait_s`` without
+        every rank's part, or (``fail_fast``: the save's first drain, not a recovery) as soon as a rank
+        said its part failed (:meth:`write_failed`)."""
+        ...
+
+    def write_failed(self, step: int, coords: RankCoords, *, node_ranks: list[int], save_id: str,
+                     reason: str) -> None:
+        """This rank's part of ``step`` (the save ``save_id``) failed here, saying ``reason``: tell the ranks
+        that would wait for it (a file tier records it; a memory tier has no one waiting). Never raises."""
         ...
 
     def retain(self, coords: RankCoords, *, node_ranks: list[int], pinned: Callable[[], set[int]]

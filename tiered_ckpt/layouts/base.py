@@ -21,6 +21,7 @@ META_DIR = "tiered_ckpt"  # inside each step directory: manifests
 _STEP_DIR = re.compile(r"^iter_(\d{7,})$")
 _MANIFEST = re.compile(r"^iter_(\d{7,})/" + META_DIR + r"/manifest\.json$")
 _RANK_MANIFEST = re.compile(r"^iter_(\d{7,})/" + META_DIR + r"/rank_(\d{5,})\.json$")
+_RANK_FAILED = re.compile(r"^iter_(\d{7,})/" + META_DIR + r"/rank_(\d{5,})\.failed$")
 
 MODEL_ITEM = "model_optim_rng"
 OPTIM_ITEM = "distrib_optim"
@@ -56,6 +57,19 @@ class Layout:
         """The marker a rank writes before its first file of ``step``: the step directory is ours from then on,
         even if the save fails before any manifest (layouts/foreign.py tells Megatron-LM's directories by it)."""
         return f"{self.step_dir(step)}/{META_DIR}/rank_{rank:05d}.started"
+
+    def rank_failed_key(self, step: int, rank: int) -> str:
+        """Where a rank records that its part of ``step`` could not be written (failure_records.py)."""
+        return f"{self.step_dir(step)}/{META_DIR}/rank_{rank:05d}.failed"
+
+    def commit_failed_key(self, step: int) -> str:
+        """Where the committing rank records that ``step`` will not be committed (failure_records.py)."""
+        return f"{self.step_dir(step)}/{META_DIR}/commit.failed"
+
+    @staticmethod
+    def parse_rank_failed_key(key: str) -> tuple[int, int] | None:
+        m = _RANK_FAILED.match(key)
+        return (int(m.group(1)), int(m.group(2))) if m else None
 
     def rank_manifest_prefix(self, step: int) -> str:
         return f"{self.step_dir(step)}/{META_DIR}/"
