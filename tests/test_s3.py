@@ -248,6 +248,17 @@ def test_a_request_body_reads_and_iterates_its_views_in_order():
     assert asyncio.run(drain(first)) == whole[7:] and asyncio.run(drain(again)) == whole[7:]
 
 
+def test_an_empty_endpoint_url_means_the_default_endpoint(remote, monkeypatch):
+    """``endpoint_url: "${S3_ENDPOINT:-}"`` with the variable unset is AWS itself (or AWS_ENDPOINT_URL_S3): s3fs
+    took "" for an endpoint and every request failed with "Invalid endpoint" (a docs trial)."""
+    monkeypatch.setenv("AWS_ENDPOINT_URL_S3", remote.server.endpoint)
+    entry = {k: v for k, v in remote.tier(direct=True).items() if k not in ("name", "kind", "retry")}
+    entry["options"] = {**entry["options"], "endpoint_url": ""}
+    tier = S3Tier("s3", build_dataclass(FsspecOptions, entry))
+    tier.publish("k", b"payload")
+    assert bytes(tier.read_range("k", 0, 7)) == b"payload"
+
+
 def test_failing_producer_aborts_the_multipart_upload(remote):
     tier = FsspecTier("s3", FsspecOptions(url=remote.url, options=remote.proxy.storage_options(), part_size=PART))
 

@@ -17,8 +17,14 @@ _EXPORTS = {
     "Config": "config",
     "load_config": "config",
     "ConfigError": "errors",
+    "CapacityError": "errors",
     "CorruptionError": "errors",
+    "EncodeError": "errors",
+    "LayoutMismatchError": "errors",
+    "LoadIntoError": "errors",
     "NoCheckpointError": "errors",
+    "RunLockedError": "errors",
+    "SavesFailedError": "handles",
     "CheckpointUnreadableError": "errors",
     "PeerFailedError": "errors",
     "StepNotFoundError": "errors",
@@ -35,28 +41,34 @@ _EXPORTS = {
 }
 
 __all__ = [
-    "CheckpointEngine", "CheckpointUnreadableError", "Config", "ConfigError", "CorruptionError", "Event",
-    "LoadResult", "NoCheckpointError", "ParallelLayout", "PeerFailedError", "RankCoords", "SaveError", "SaveHandle",
-    "StepNotFoundError", "TierError", "TierUnavailableError", "TieredCkptError", "hookimpl", "load_config",
-    "__version__",
+    "CapacityError", "CheckpointEngine", "CheckpointUnreadableError", "Config", "ConfigError", "CorruptionError",
+    "EncodeError", "Event", "LayoutMismatchError", "LoadIntoError", "LoadResult", "NoCheckpointError",
+    "ParallelLayout", "PeerFailedError", "RankCoords", "RunLockedError", "SaveError", "SaveHandle",
+    "SavesFailedError", "StepNotFoundError", "TierError", "TierUnavailableError", "TieredCkptError", "hookimpl",
+    "load_config", "__version__",
 ]
 
 if TYPE_CHECKING:
     from .config import Config, load_config
     from .engine import CheckpointEngine
     from .errors import (
+        CapacityError,
         CheckpointUnreadableError,
         ConfigError,
         CorruptionError,
+        EncodeError,
+        LayoutMismatchError,
+        LoadIntoError,
         NoCheckpointError,
         PeerFailedError,
+        RunLockedError,
         StepNotFoundError,
         TieredCkptError,
         TierError,
         TierUnavailableError,
     )
     from .events import Event
-    from .handles import LoadResult, SaveError, SaveHandle
+    from .handles import LoadResult, SaveError, SaveHandle, SavesFailedError
     from .hookspecs import hookimpl
     from .parallel import ParallelLayout, RankCoords
 

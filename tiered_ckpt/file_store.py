@@ -722,8 +722,11 @@ class FileStore(CommittedFiles):
             if not missing:
                 break
             if time.monotonic() >= deadline:
-                log.warning("tier %r: step %d not committed: no files from rank(s) %s after %.0f s%s", self.name,
-                            step, _short(missing), wait_s, f" ({'; '.join(stale[:4])})" if stale else "")
+                why = f"no files from rank(s) {_short(missing)} after {wait_s:.0f} s" + (
+                    f" ({'; '.join(stale[:4])})" if stale else "")
+                log.warning("tier %r: step %d not committed: %s", self.name, step, why)
+                if failure is not None:
+                    failure.append(why)
                 return None
             time.sleep(poll_s)
         for key in [*(failed[r] for r in ranks if r in failed), *step_failed]:  # other saves': stale now
@@ -747,8 +750,10 @@ class FileStore(CommittedFiles):
             # A rank moved on to a later save of this step meanwhile (its vote is gone or replaced) and may be
             # replacing its files: this commit withdraws, derived files with it, before anything points at it.
             self._drop_commit(step, coords.rank, files)
-            log.warning("tier %r: step %d not committed: a rank began saving it again while this save committed",
-                        self.name, step)
+            why = "a rank began saving it again while this save committed"
+            log.warning("tier %r: step %d not committed: %s", self.name, step, why)
+            if failure is not None:
+                failure.append(why)
             return None
         with self._manifest_lock:
             self._manifest_changes += 1

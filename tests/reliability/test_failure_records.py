@@ -56,7 +56,7 @@ def test_a_recovery_and_another_save_s_record_do_not_stop_the_commit(ranks):
     r1.write_failed(STEP + 1, LAYOUT.coords(1), node_ranks=[0, 1], save_id="U", reason="recovered: an earlier try")
     failure: list[str] = []
     assert r0.try_commit(STEP + 1, LAYOUT.coords(0), wait_s=0.3, save_id="U", failure=failure) is None
-    assert failure == []  # waited for its deadline: a recovery's drain does not heed the record
+    assert failure == ["no files from rank(s) 0, 1 after 0 s"]  # its deadline: a recovery does not heed records
 
 
 def test_the_other_ranks_stop_waiting_for_a_commit_the_committing_rank_recorded_as_failed(ranks):
@@ -77,3 +77,13 @@ def test_a_rank_that_writes_alone_records_nothing(tmp_path):
     store = open_store(str(tmp_path), "rank_sharded", "shared")
     store.write_failed(STEP, ParallelLayout().coords(0), node_ranks=[0], save_id="S", reason="disk full")
     assert store.tier.list("") == []
+
+
+def test_a_commit_that_runs_out_of_time_names_the_ranks_it_lacks(ranks):
+    """The SaveError of a step some rank never voted for said only "not every rank's files arrived" (a fault
+    trial: which rank died had to be read from the committing rank's log)."""
+    r0, _ = ranks
+    vote(r0, 0, "S")
+    failure: list[str] = []
+    assert r0.try_commit(STEP, LAYOUT.coords(0), wait_s=0.2, save_id="S", failure=failure) is None
+    assert failure == ["no files from rank(s) 1 after 0 s"]

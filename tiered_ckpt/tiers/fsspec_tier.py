@@ -212,6 +212,12 @@ class FsspecTier(Tier):
             raise ConfigError(redact(f"cannot open {options.url}: {exc}{hint}", self._secrets),
                               key_path=f"tier {name!r}.url") from None
         self.root = root.rstrip("/")
+        protocol = protocol_of(options.url)
+        if protocol in OBJECT_STORES - {"memory"} and options.url.split("::")[-1].partition("://")[2].startswith("/"):
+            # s3:///prefix: s3fs would take "prefix" for the bucket, and the first save would fail on it
+            raise ConfigError(f"{redact(options.url, self._secrets)} names no bucket (the first part after "
+                              f"{protocol}:// is the bucket): write {protocol}://BUCKET/prefix",
+                              key_path=f"tier {name!r}.url")
         if not self.root.strip("/"):
             raise ConfigError(f"{redact(options.url, self._secrets)} names no directory or bucket; add a path",
                               key_path=f"tier {name!r}.url")

@@ -159,6 +159,8 @@ class S3Tier(FsspecTier):
         """The storage options for s3fs: the user's, plus the tier's timeouts, pool size and retry policy."""
         opts = self.options
         storage = dict(opts.options)
+        if storage.get("endpoint_url") == "":  # "${S3_ENDPOINT:-}" left empty: AWS itself (or AWS_ENDPOINT_URL_S3)
+            del storage["endpoint_url"]
         storage.setdefault("skip_instance_cache", True)  # settings below must not leak into a shared instance
         storage.setdefault("use_listings_cache", False)  # listings must show what other ranks just wrote
         storage.setdefault("max_concurrency", opts.max_concurrency)
