@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import sys
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -247,6 +248,10 @@ class OptimizerGeometry:
         if len(sizes) > 1:
             raise LayoutMismatchError(f"buffers disagree on the DP size: {sorted(sizes)}")
         object.__setattr__(self, "dp_size", sizes.pop() if sizes else 1)
+        # One string object per key name, as Megatron's literals are: pickle writes a string seen before as a
+        # reference to it, so a chained optimizer's second dict must use the very objects of the first for the
+        # file to be Megatron's bytes (keys read from JSON are new objects each time; found by a MoE trial).
+        object.__setattr__(self, "state_keys", tuple(sys.intern(k) for k in self.state_keys))
 
     def with_dp_size(self, dp_size: int, *, pad_for_high_nccl_busbw: bool | None = None) -> OptimizerGeometry:
         return OptimizerGeometry(
