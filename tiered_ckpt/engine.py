@@ -51,7 +51,10 @@ from .store import Store
 from .worker import open_drain
 
 log = logging.getLogger(__name__)
-_MAX_RELISTS = 16  # load(): listings again after every step listed vanished, before "no checkpoint"
+# load(): listings again after every step listed vanished, before "no checkpoint". Each one found a step not
+# tried yet (a saver's newer commit), so the bound only matters against a saver that keeps committing faster than
+# a read ends (keep: 1 on a loaded machine lost 16 races in a row: a test run beside three trials)
+_MAX_RELISTS = 64
 _live: weakref.WeakSet[CheckpointEngine] = weakref.WeakSet()
 
 

@@ -69,6 +69,9 @@ Emit = Callable[[ev.Event], None]
 WRITE_PIECE = 32 << 20
 #: How long a step saved again waits for a deletion of its old files still under way (``write_step``).
 REMOVAL_WAIT_S = 300.0
+# A commit by another run_id this much (seconds, by the two machines' clocks) after this store opened is another
+# job writing the same directory at the same time, not an earlier run's step (FileStore._another_job_s)
+CONCURRENT_JOB_MARGIN_S = 10.0
 
 
 class _Counting:
@@ -125,6 +128,8 @@ class FileStore(CommittedFiles):
         self.codecs = codecs
         self.emit = emit
         self.run_id = run_id
+        self._opened = time.time()  # commits of other runs after this are another job's, running beside this one
+        self._warned_jobs: set[str] = set()
         # committed manifests, for listings (steps_for_rank); a load reads the one it uses afresh (a step saved
         # again gets a new one, maybe committed by another process)
         self._manifests: dict[int, CheckpointManifest] = {}
@@ -388,6 +393,7 @@ class FileStore(CommittedFiles):
 
         Returns the keys of this rank's files of the earlier save, for :meth:`_remove_replaced`."""
         rank = coords.rank
+        self._refuse_another_job_s(step, rank)
         # This rank's vote goes first: a commit of an earlier save still under way re-reads its votes after
         # publishing (try_commit) and withdraws itself if one is gone, so no manifest vouches for these files.
         mine = self.layout.rank_manifest_key(step, rank)
@@ -417,6 +423,31 @@ class FileStore(CommittedFiles):
                                 f"delete {self.layout.tracker}")
 
         return earlier
+
+    def _another_job_s(self, manifest: CheckpointManifest) -> bool:
+        """Whether ``manifest`` was committed by another job while this one runs (another run_id, after this
+        store opened): two jobs saving into one directory, whose steps neither may take for its own."""
+        return manifest.run_id != self.run_id and manifest.created > self._opened + CONCURRENT_JOB_MARGIN_S
+
+    def _refuse_another_job_s(self, step: int, rank: int) -> None:
+        """Before a rank replaces a committed ``step``: refuse when another job committed it while this one runs.
+        Un-committing it would take that job's newest step away and overwrite its files (a fault trial: two jobs
+        in one directory left neither a loadable step), so this save fails here instead, saying why; the other
+        job's step stays as it is. An earlier run's step (committed before this job started) is replaced, as a
+        re-run is meant to."""
+        key = self.layout.manifest_key(step)
+        if not self._retry(lambda: self.tier.exists(key), step, rank, f"look for {key}"):
+            return
+        try:
+            old = self._retry(lambda: self.read_manifest(step), step, rank, f"read {key}")
+        except (CorruptionError, BlobNotFoundError):
+            return  # unreadable, or gone meanwhile: _uncommit_for_rewrite decides as before
+        if self._another_job_s(old):
+            raise TierError(f"step {step} here was committed {old.created - self._opened:.0f} s after this job "
+                            f"started by another job (run_id {old.run_id!r}; this one is {self.run_id!r}): two "
+                            "jobs are saving into one directory. That step is left as it is and this job's save "
+                            "of it is not written here; give each job its own directory (or stop the other "
+                            "job)", tier=self.name, key=key)
 
     def _own_files_of_another_save(self, step: int, coords: RankCoords, save_id: str) -> list[str]:
         """The keys this rank's manifest of ``step`` lists, when it is another save's of this very layout: with
@@ -869,7 +900,7 @@ class FileStore(CommittedFiles):
         # kept only for a tier below that has not taken them yet: retain() is asked again once it has
         self._held_back = not pinned.isdisjoint([*expired, *partial])
         uncommitted = []
-        for step in doomed:
+        for step in self._not_another_job_s(doomed):
             try:
                 self.tier.delete(self.layout.manifest_key(step))
             except TierError as exc:
@@ -879,6 +910,25 @@ class FileStore(CommittedFiles):
             crash_point("store.retain_uncommitted")
             uncommitted.append(step)
         return uncommitted + debris
+
+    def _not_another_job_s(self, steps: list[int]) -> list[int]:
+        """``steps`` without those another job committed while this one runs (:meth:`_another_job_s`): keep is
+        this job's to apply to its own steps and to earlier runs', never to a job saving beside it."""
+        mine = []
+        for step in steps:
+            try:
+                manifest = self.read_manifest(step, cached=True)
+            except (CorruptionError, BlobNotFoundError):
+                mine.append(step)  # unreadable or gone: it vouches for nothing, as before
+                continue
+            if not self._another_job_s(manifest):
+                mine.append(step)
+            elif manifest.run_id not in self._warned_jobs:
+                self._warned_jobs.add(manifest.run_id)
+                log.warning("tier %r: another job (run_id %r) commits steps here while this one (%r) runs: "
+                            "retention leaves its steps alone. Two jobs saving into one directory replace each "
+                            "other's steps: give each job its own", self.name, manifest.run_id, self.run_id)
+        return mine
 
     def remove_steps(self, steps: list[int], rank: int) -> list[int]:
         """Delete the files of ``steps`` (un-committed or debris: :meth:`uncommit_expired`); those removed."""

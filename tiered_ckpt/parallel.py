@@ -182,8 +182,14 @@ def layout_changes(saved: dict, current: ParallelLayout) -> list[str]:
     """What differs between a checkpoint's recorded parallel layout (``to_dict()``) and ``current``
     ("DP 4 → 2", ...); empty when they are the same."""
     now = current.to_dict()
-    changed = [f"{dim.upper()} {saved.get(dim, 1)} → {now[dim]}" for dim in ("tp", "pp", "dp", "ep", "cp")
-               if saved.get(dim, 1) != now[dim]]
+
+    def size(layout: dict, dim: str) -> int:
+        # DP as Megatron counts it, expert ranks included (world / (TP x PP x CP)), as `convert --dp` does:
+        # ParallelLayout.dp leaves EP out, and "DP 2 → 1" read wrong to a MoE user whose DP went 4 → 2
+        return layout.get(dim, 1) * (layout.get("ep", 1) if dim == "dp" else 1)
+
+    changed = [f"{dim.upper()} {size(saved, dim)} → {size(now, dim)}" for dim in ("tp", "pp", "dp", "ep", "cp")
+               if size(saved, dim) != size(now, dim)]
     if saved.get("world_size", 1) != now["world_size"] and not changed:
         changed.append(f"world size {saved.get('world_size')} → {now['world_size']}")
     return changed

@@ -90,3 +90,15 @@ def test_same_layout_snapshot_is_still_recovered(shm_root, tmp_path):
         assert res.step == 3 and res.verified
     finally:
         eng.close()
+
+
+def test_layout_changes_count_dp_as_megatron_does():
+    """DP in a message is Megatron's (world / (TP x PP x CP), expert ranks included), as `convert --dp` counts it:
+    a MoE job (EP 2) going from DP 4 to 2 was told "DP 2 → 1" (a Megatron trial)."""
+    from tiered_ckpt.parallel import ParallelLayout, layout_changes
+
+    saved = ParallelLayout(dp=2, ep=2).to_dict()
+    assert layout_changes(saved, ParallelLayout(dp=1, ep=2)) == ["DP 4 → 2"]
+    assert layout_changes(saved, ParallelLayout(dp=4, ep=1)) == ["EP 2 → 1"]  # Megatron's DP is 4 both times
+    assert layout_changes(ParallelLayout(dp=4).to_dict(), ParallelLayout(dp=2)) == ["DP 4 → 2"]
+    assert layout_changes(saved, ParallelLayout(dp=2, ep=2)) == []

@@ -1,0 +1,69 @@
+"""Two jobs saving into one directory at once (another run_id, running beside this one): neither may take the
+other's committed steps for its own. A fault trial ran two 2-rank jobs, keep: 2, into one local directory: each
+un-committed the other's steps as "saved again", retention counted them too, and at the end no step was
+loadable while one job had been told its saves committed. An earlier run's steps (a re-run of a script) are
+still replaced and retired as before."""
+
+from __future__ import annotations
+
+import logging
+import uuid
+
+import pytest
+import torch
+
+from tiered_ckpt import CheckpointEngine, SaveError
+
+
+def engine(tmp_path, run_id: str, keep: int | None = None) -> CheckpointEngine:
+    tier = {"name": "disk", "kind": "local", "path": str(tmp_path / "ckpt"), "fsync": False}
+    return CheckpointEngine({"run_id": run_id, "drain": {"mode": "thread"},
+                             "tiers": [{**tier, "keep": keep} if keep else tier]})
+
+
+def state(value: float) -> dict:
+    return {"model": {"w": torch.full((64,), value)}}
+
+
+@pytest.fixture
+def late(monkeypatch):
+    """Commits of another job count as "while this one runs" at once (the margin is for machines' clocks)."""
+    monkeypatch.setattr("tiered_ckpt.file_store.CONCURRENT_JOB_MARGIN_S", -1.0)
+
+
+def test_a_job_does_not_replace_a_step_another_running_job_committed(tmp_path, late):
+    a, b = engine(tmp_path, f"a{uuid.uuid4().hex[:6]}"), engine(tmp_path, f"b{uuid.uuid4().hex[:6]}")
+    try:
+        a.save(7, state(1.0)).wait(timeout=60)
+        with pytest.raises(SaveError, match=r"step 7 here was committed .* by another job \(run_id 'a.*two jobs "
+                                            r"are saving into one directory"):
+            b.save(7, state(2.0)).wait(timeout=60)
+        loaded = a.load()
+        assert loaded.step == 7 and torch.equal(loaded.items["model"]["w"], torch.full((64,), 1.0))
+    finally:
+        a.close()
+        b.close()
+
+
+def test_retention_leaves_a_running_job_s_steps_alone(tmp_path, late, caplog):
+    a, b = engine(tmp_path, f"a{uuid.uuid4().hex[:6]}"), engine(tmp_path, f"b{uuid.uuid4().hex[:6]}", keep=1)
+    try:
+        a.save(1, state(1.0)).wait(timeout=60)
+        with caplog.at_level(logging.WARNING, logger="tiered_ckpt.file_store"):
+            b.save(2, state(2.0)).wait(timeout=60)
+            b.save(3, state(3.0)).wait(timeout=60)
+        assert "another job (run_id 'a" in caplog.text
+        assert a.load(step=1).step == 1  # job a's step is still committed
+        assert sorted(b.available_steps()["disk"]) == [1, 3]  # b's own keep: 1 applied to b's steps
+    finally:
+        a.close()
+        b.close()
+
+
+def test_an_earlier_run_s_step_is_replaced_as_before(tmp_path):
+    first = engine(tmp_path, f"a{uuid.uuid4().hex[:6]}")
+    first.save(7, state(1.0)).wait(timeout=60)
+    first.close()
+    with engine(tmp_path, f"b{uuid.uuid4().hex[:6]}") as again:  # the margin as configured: a re-run
+        again.save(7, state(2.0)).wait(timeout=60)
+        assert torch.equal(again.load().items["model"]["w"], torch.full((64,), 2.0))
