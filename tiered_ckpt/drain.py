@@ -291,11 +291,11 @@ class DrainRuntime:
         except Exception as exc:  # a failing tier never stops the others
             error = f"{type(exc).__name__}: {exc}"
             log.warning("tier %r could not take step %d: %s", tier, req.step, error)
-            self.stores[tier].write_failed(req.step, self.coords, node_ranks=self.node_ranks, save_id=req.save_id,
-                                           reason=error)
             self.emit(ev.Event(ev.COMMIT_FAILED, step=req.step, rank=self.coords.rank, tier=tier,
                                seconds=time.perf_counter() - t0, message=error))
         self._report(tier, job, ok, error)
+        if error is not None:
+            self._record_failure(tier, req, error)
         # The save is reported and its slot free. What its commit left (retention's deletions) may take time: on a
         # thread of its own, beside this tier's next write, and the job ends after it (engine.wait() covers it).
         # One such thread per tier at a time, and the tier's next commit waits for it (_deliver): retention
@@ -316,6 +316,18 @@ class DrainRuntime:
                 self._deletions[tier] = th
         if not started:
             self._end(tier, job, housekeeping)
+
+    def _record_failure(self, tier: str, req: DrainRequest, error: str) -> None:
+        """Tell the ranks that would wait for this rank's part of ``req`` on ``tier`` that it failed (the store
+        records it: failure_records.py). After the report: a tier that just failed may take its time to refuse
+        the record too, and the handle and the slot must not wait for that. Not from a fenced worker, which
+        writes nothing more."""
+        try:
+            self.fence()
+        except Exception:  # noqa: BLE001 - fenced: its training process is gone, another may own the tiers
+            return
+        self.stores[tier].write_failed(req.step, self.coords, node_ranks=self.node_ranks, save_id=req.save_id,
+                                       reason=error)
 
     def _end(self, tier: str, job: _Job, housekeeping: list[Callable[[], None]]) -> None:
         """Run ``housekeeping``, then end ``job`` on ``tier`` (the whole job once every due tier has)."""

@@ -72,6 +72,7 @@ REMOVAL_WAIT_S = 300.0
 # A commit by another run_id this much (seconds, by the two machines' clocks) after this store opened is another
 # job writing the same directory at the same time, not an earlier run's step (FileStore._another_job_s)
 CONCURRENT_JOB_MARGIN_S = 10.0
+RECORD_LOOK_S = 1.0  # a failure record already looked at (none, or another save's) is read again after this
 
 
 class _Counting:
@@ -393,12 +394,12 @@ class FileStore(CommittedFiles):
 
         Returns the keys of this rank's files of the earlier save, for :meth:`_remove_replaced`."""
         rank = coords.rank
-        self._refuse_another_job_s(step, rank)
         # This rank's vote goes first: a commit of an earlier save still under way re-reads its votes after
         # publishing (try_commit) and withdraws itself if one is gone, so no manifest vouches for these files.
         mine = self.layout.rank_manifest_key(step, rank)
         earlier: list[str] = []
         if self._retry(lambda: self.tier.exists(mine), step, rank, f"look for {mine}"):
+            self._refuse_another_job_s(step, rank)  # before its vote and files are taken for this job's
             earlier = self._own_files_of_another_save(step, coords, save_id)
             self._retry(lambda: self.tier.delete(mine), step, rank, f"delete {mine}")
         key = self.layout.manifest_key(step)
@@ -407,6 +408,8 @@ class FileStore(CommittedFiles):
                 old = self.read_manifest(step)
             except (CorruptionError, BlobNotFoundError):
                 old = None  # unreadable (or un-committed meanwhile by another rank): it vouches for nothing
+            if old is not None and self._another_job_s(old):
+                raise self._another_job_error(step, old)
             if old is not None and save_id and old.extra.get(SAVE_KEY) == save_id:
                 return earlier
             log.warning("tier %r: step %d is committed here and is being saved again: it is un-committed until "
@@ -434,7 +437,8 @@ class FileStore(CommittedFiles):
         Un-committing it would take that job's newest step away and overwrite its files (a fault trial: two jobs
         in one directory left neither a loadable step), so this save fails here instead, saying why; the other
         job's step stays as it is. An earlier run's step (committed before this job started) is replaced, as a
-        re-run is meant to."""
+        re-run is meant to. Asked only where this rank has a vote of the step here already (a save of a new step,
+        the common case, costs no request more)."""
         key = self.layout.manifest_key(step)
         if not self._retry(lambda: self.tier.exists(key), step, rank, f"look for {key}"):
             return
@@ -443,11 +447,14 @@ class FileStore(CommittedFiles):
         except (CorruptionError, BlobNotFoundError):
             return  # unreadable, or gone meanwhile: _uncommit_for_rewrite decides as before
         if self._another_job_s(old):
-            raise TierError(f"step {step} here was committed {old.created - self._opened:.0f} s after this job "
-                            f"started by another job (run_id {old.run_id!r}; this one is {self.run_id!r}): two "
-                            "jobs are saving into one directory. That step is left as it is and this job's save "
-                            "of it is not written here; give each job its own directory (or stop the other "
-                            "job)", tier=self.name, key=key)
+            raise self._another_job_error(step, old)
+
+    def _another_job_error(self, step: int, old: CheckpointManifest) -> TierError:
+        return TierError(f"step {step} here was committed {old.created - self._opened:.0f} s after this job started "
+                         f"by another job (run_id {old.run_id!r}; this one is {self.run_id!r}): two jobs are "
+                         "saving into one directory. That step is left as it is and this job's save of it is not "
+                         "written here; give each job its own directory (or stop the other job)", tier=self.name,
+                         key=self.layout.manifest_key(step))
 
     def _own_files_of_another_save(self, step: int, coords: RankCoords, save_id: str) -> list[str]:
         """The keys this rank's manifest of ``step`` lists, when it is another save's of this very layout: with
@@ -649,16 +656,21 @@ class FileStore(CommittedFiles):
         deadline = time.monotonic() + wait_s
         key = self.layout.manifest_key(step)
         pause = 0.02
+        next_look = 0.0  # the failure record is looked for at once, then at most every RECORD_LOOK_S
         while True:
-            if self._retry(lambda: self.tier.exists(key), step, rank, f"look for {key}"):
-                if not save_id or self.committed_save(step, rank) == save_id:
-                    return
-            elif fail_fast and save_id and (record := recorded_failure(
-                    self.tier, self.layout.commit_failed_key(step), save_id)) is not None:
-                raise TierError(f"step {step} was not committed here: {record['reason']}{why}", tier=self.name,
-                                key=key)
-            elif save_id and not self._retry(lambda: self.tier.exists(self.layout.rank_manifest_key(step, rank)),
-                                             step, rank, f"look for step {step}'s rank manifest"):
+            committed_here = self._retry(lambda: self.tier.exists(key), step, rank, f"look for {key}")
+            if committed_here and (not save_id or self.committed_save(step, rank) == save_id):
+                return
+            if fail_fast and save_id and time.monotonic() >= next_look:
+                # also beside another save's commit of the step (another job's, which this save's refused)
+                next_look = time.monotonic() + RECORD_LOOK_S
+                record = recorded_failure(self.tier, self.layout.commit_failed_key(step), save_id)
+                if record is not None:
+                    raise TierError(f"step {step} was not committed here: {record['reason']}{why}",
+                                    tier=self.name, key=key)
+            if not committed_here and save_id and not self._retry(
+                    lambda: self.tier.exists(self.layout.rank_manifest_key(step, rank)), step, rank,
+                    f"look for step {step}'s rank manifest"):
                 # The step is gone, this rank's part with it: retention removed it, after a newer commit, either
                 # as committed and retired by keep, or as what a failed save left. The newer commits say which.
                 if self._committed_earlier(step, save_id, rank):
@@ -722,21 +734,11 @@ class FileStore(CommittedFiles):
         ranks = list(range(coords.world_size)) if ranks is None else sorted(ranks)
         deadline = time.monotonic() + wait_s
         votes: dict[int, RankManifest] = {}
-        heeded: set[int] = set()  # failure records read already (another save's: read once)
+        looked: dict[int, float] = {}  # rank → when its failure record was read last (another save's, or none)
         while True:
             present, failed, step_failed = self._retry(lambda: self._step_records(step), step, coords.rank,
                                                        "list rank manifests")
             missing = [r for r in ranks if r not in present]
-            if fail_fast and save_id:
-                for r in sorted(set(missing) & set(failed) - heeded):
-                    heeded.add(r)
-                    record = recorded_failure(self.tier, failed[r], save_id)
-                    if record is not None:
-                        why = f"rank {r} could not write its part here: {record['reason']}"
-                        log.warning("tier %r: step %d not committed: %s", self.name, step, why)
-                        if failure is not None:
-                            failure.append(why)
-                        return None
             stale: list[str] = []
             if not missing:
                 for r in ranks:
@@ -752,6 +754,17 @@ class FileStore(CommittedFiles):
                 missing = [r for r in ranks if r not in votes]
             if not missing:
                 break
+            if fail_fast and save_id:  # a rank without this save's vote (none, or a stale one) that said why
+                for r in [r for r in missing if r in failed
+                          and time.monotonic() - looked.get(r, -RECORD_LOOK_S) >= RECORD_LOOK_S]:
+                    looked[r] = time.monotonic()  # another save's record may be replaced by this save's
+                    record = recorded_failure(self.tier, failed[r], save_id)
+                    if record is not None:
+                        why = f"rank {r} could not write its part here: {record['reason']}"
+                        log.warning("tier %r: step %d not committed: %s", self.name, step, why)
+                        if failure is not None:
+                            failure.append(why)
+                        return None
             if time.monotonic() >= deadline:
                 why = f"no files from rank(s) {_short(missing)} after {wait_s:.0f} s" + (
                     f" ({'; '.join(stale[:4])})" if stale else "")
@@ -893,14 +906,18 @@ class FileStore(CommittedFiles):
         if not committed:
             return []
         newest = committed[-1]
-        expired = [s for s in committed[:-keep] if s != newest] if keep is not None else []
-        partial = self.partial_steps(keys, newest)
+        # Another job's steps (two jobs in one directory) count for neither keep nor retirement, nor are the
+        # steps it is writing debris of this one's
+        own = self._not_another_job_s(committed) if keep is not None else committed
+        expired = [s for s in own[:-keep] if s != newest] if keep is not None else []
+        partial = {s: found for s, found in self.partial_steps(keys, newest).items()
+                   if not self._another_job_writes(found)}
         doomed = [s for s in expired if s not in pinned]
         debris = sorted(s for s in partial if s not in pinned)
         # kept only for a tier below that has not taken them yet: retain() is asked again once it has
-        self._held_back = not pinned.isdisjoint([*expired, *partial])
+        self._held_back = self._held_back or not pinned.isdisjoint([*expired, *partial])
         uncommitted = []
-        for step in self._not_another_job_s(doomed):
+        for step in doomed:
             try:
                 self.tier.delete(self.layout.manifest_key(step))
             except TierError as exc:
@@ -921,14 +938,43 @@ class FileStore(CommittedFiles):
             except (CorruptionError, BlobNotFoundError):
                 mine.append(step)  # unreadable or gone: it vouches for nothing, as before
                 continue
+            except TierError:  # no answer now: not retired in this pass (the next one asks again)
+                self._held_back = True
+                continue
             if not self._another_job_s(manifest):
                 mine.append(step)
-            elif manifest.run_id not in self._warned_jobs:
-                self._warned_jobs.add(manifest.run_id)
-                log.warning("tier %r: another job (run_id %r) commits steps here while this one (%r) runs: "
-                            "retention leaves its steps alone. Two jobs saving into one directory replace each "
-                            "other's steps: give each job its own", self.name, manifest.run_id, self.run_id)
+            else:
+                self._warn_another_job(manifest.run_id)
         return mine
+
+    def _another_job_writes(self, keys: list[str]) -> bool:
+        """Whether a partial step (its ``keys``) is being written by another job running beside this one: its
+        first rank's start marker names another run_id and appeared after this store opened. One marker is read
+        (a job's step has every rank's): debris of this job or of an earlier run is removed as before."""
+        for key in keys:
+            if not key.endswith(".started"):
+                continue
+            try:
+                body = json.loads(bytes(as_memoryview(self.tier.read_blob_hashed(key, max_size=4096))).decode())
+                run_id = body.get("run_id") if isinstance(body, dict) else None
+                if run_id in (None, self.run_id):
+                    return False
+                when = self.tier.modified(key)
+            except (TierError, CorruptionError, OSError, ValueError):  # gone, damaged, no answer: as before
+                return False
+            if when is not None and when > self._opened + CONCURRENT_JOB_MARGIN_S:
+                self._warn_another_job(run_id)
+                return True
+            return False
+        return False
+
+    def _warn_another_job(self, run_id: str) -> None:
+        if run_id not in self._warned_jobs:
+            self._warned_jobs.add(run_id)
+            log.warning("tier %r: another job (run_id %r) saves steps here while this one (%r) runs: retention "
+                        "leaves its steps alone and counts keep among this job's. Two jobs saving into one "
+                        "directory replace each other's steps: give each job its own", self.name, run_id,
+                        self.run_id)
 
     def remove_steps(self, steps: list[int], rank: int) -> list[int]:
         """Delete the files of ``steps`` (un-committed or debris: :meth:`uncommit_expired`); those removed."""

@@ -87,3 +87,36 @@ def test_a_commit_that_runs_out_of_time_names_the_ranks_it_lacks(ranks):
     failure: list[str] = []
     assert r0.try_commit(STEP, LAYOUT.coords(0), wait_s=0.2, save_id="S", failure=failure) is None
     assert failure == ["no files from rank(s) 1 after 0 s"]
+
+
+def test_a_record_of_this_save_is_seen_after_another_save_s_and_beside_a_stale_vote(ranks):
+    """Rank 1 left a record of an earlier save (T) and its vote of it; the commit of S read the stale record once
+    and never again, and a rank whose stale vote was listed was not looked at for records at all: both waited
+    out commit_timeout_s (a review). Records are read again, at most once a second."""
+    import threading
+
+    r0, r1 = ranks
+    vote(r1, 1, "T")
+    r1.write_failed(STEP, LAYOUT.coords(1), node_ranks=[0, 1], save_id="T", reason="the earlier save's failure")
+    vote(r0, 0, "S")
+    later = threading.Timer(0.3, lambda: r1.write_failed(STEP, LAYOUT.coords(1), node_ranks=[0, 1], save_id="S",
+                                                         reason="this save's failure"))
+    later.start()
+    failure: list[str] = []
+    try:
+        assert r0.try_commit(STEP, LAYOUT.coords(0), wait_s=60, save_id="S", fail_fast=True, failure=failure) is None
+    finally:
+        later.cancel()
+    assert failure == ["rank 1 could not write its part here: this save's failure"]
+
+
+def test_waiting_ranks_see_the_failure_beside_another_save_s_commit(ranks):
+    """A step another save committed (another job's, say) and this save's commit failed there: the waiting rank
+    looked for the record only where no manifest was, and waited its deadline out (a review)."""
+    r0, r1 = ranks
+    vote(r0, 0, "T")
+    vote(r1, 1, "T")
+    assert r0.try_commit(STEP, LAYOUT.coords(0), wait_s=5, save_id="T") is not None
+    r0.write_failed(STEP, LAYOUT.coords(0), node_ranks=[0, 1], save_id="S", reason="refused: another job's step")
+    with pytest.raises(TierError, match="was not committed here: refused: another job's step"):
+        r1.wait_committed(STEP, 1, 60, save_id="S", fail_fast=True)

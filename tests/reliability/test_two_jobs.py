@@ -67,3 +67,22 @@ def test_an_earlier_run_s_step_is_replaced_as_before(tmp_path):
     with engine(tmp_path, f"b{uuid.uuid4().hex[:6]}") as again:  # the margin as configured: a re-run
         again.save(7, state(2.0)).wait(timeout=60)
         assert torch.equal(again.load().items["model"]["w"], torch.full((64,), 2.0))
+
+
+def test_another_running_job_s_steps_count_for_no_keep_and_its_step_in_flight_is_not_debris(tmp_path, late):
+    """Job b (keep: 2) commits 40 and 50 while job a commits 45 between them: keep counted a's step and retired
+    b's 40, and b's retention deleted a's step in flight (older than b's newest) as debris (a review)."""
+    a, b = engine(tmp_path, f"a{uuid.uuid4().hex[:6]}"), engine(tmp_path, f"b{uuid.uuid4().hex[:6]}", keep=2)
+    try:
+        b.save(30, state(30.0)).wait(timeout=60)
+        b.save(40, state(40.0)).wait(timeout=60)
+        a.save(45, state(45.0)).wait(timeout=60)
+        # a's save of 47 under way: its marker is there, its manifest not yet
+        a_files = a.pipeline.stores["disk"].files()
+        a_files._mark_started(47, 0)
+        b.save(50, state(50.0)).wait(timeout=60)
+        assert sorted(b.available_steps()["disk"]) == [40, 45, 50]  # b keeps two of its own; a's step stays
+        assert (tmp_path / "ckpt" / "iter_0000047").is_dir()  # a's step in flight is not b's debris
+    finally:
+        a.close()
+        b.close()

@@ -161,6 +161,9 @@ class S3Tier(FsspecTier):
         storage = dict(opts.options)
         if storage.get("endpoint_url") == "":  # "${S3_ENDPOINT:-}" left empty: AWS itself (or AWS_ENDPOINT_URL_S3)
             del storage["endpoint_url"]
+        client = storage.get("client_kwargs")
+        if isinstance(client, dict) and client.get("endpoint_url") == "":
+            storage["client_kwargs"] = {k: v for k, v in client.items() if k != "endpoint_url"}
         storage.setdefault("skip_instance_cache", True)  # settings below must not leak into a shared instance
         storage.setdefault("use_listings_cache", False)  # listings must show what other ranks just wrote
         storage.setdefault("max_concurrency", opts.max_concurrency)
