@@ -69,9 +69,10 @@ Emit = Callable[[ev.Event], None]
 WRITE_PIECE = 32 << 20
 #: How long a step saved again waits for a deletion of its old files still under way (``write_step``).
 REMOVAL_WAIT_S = 300.0
-# A commit by another run_id this much (seconds, by the two machines' clocks) after this store opened is another
-# job writing the same directory at the same time, not an earlier run's step (FileStore._another_job_s)
-CONCURRENT_JOB_MARGIN_S = 10.0
+# A commit by another run_id more than this (seconds, by the two machines' clocks: NTP keeps them far closer)
+# after this store opened is another job writing the same directory at the same time, not an earlier run's step
+# (FileStore._another_job_s). One committed before, or within it, is taken for an earlier run's.
+CONCURRENT_JOB_MARGIN_S = 2.0
 RECORD_LOOK_S = 1.0  # a failure record already looked at (none, or another save's) is read again after this
 
 
@@ -823,6 +824,9 @@ class FileStore(CommittedFiles):
         """Why a rank manifest is not this save's vote for the step (an old job's, of another layout), or ''."""
         key = self.layout.rank_manifest_key(vote.step, vote.rank)
         if save_id and vote.extra.get(SAVE_KEY) != save_id:
+            if vote.run_id != self.run_id:  # two jobs in one directory, or a re-run
+                return (f"{key} belongs to another job's save of step {vote.step} (run_id {vote.run_id!r}; this "
+                        f"one is {self.run_id!r}): waiting for this save's")
             return (f"{key} belongs to another save of step {vote.step} (an earlier job's or attempt's): waiting "
                     "for this save's")
         if vote.layout != self.layout.name:
@@ -912,7 +916,9 @@ class FileStore(CommittedFiles):
         expired = [s for s in own[:-keep] if s != newest] if keep is not None else []
         partial = {s: found for s, found in self.partial_steps(keys, newest).items()
                    if not self._another_job_writes(found)}
-        doomed = [s for s in expired if s not in pinned]
+        # read afresh before retiring: the cache may hold this job's own manifest of a step another job has
+        # committed again since (a re-run trial)
+        doomed = [s for s in expired if s not in pinned and self._not_another_job_s([s], fresh=True)]
         debris = sorted(s for s in partial if s not in pinned)
         # kept only for a tier below that has not taken them yet: retain() is asked again once it has
         self._held_back = self._held_back or not pinned.isdisjoint([*expired, *partial])
@@ -928,13 +934,13 @@ class FileStore(CommittedFiles):
             uncommitted.append(step)
         return uncommitted + debris
 
-    def _not_another_job_s(self, steps: list[int]) -> list[int]:
+    def _not_another_job_s(self, steps: list[int], *, fresh: bool = False) -> list[int]:
         """``steps`` without those another job committed while this one runs (:meth:`_another_job_s`): keep is
         this job's to apply to its own steps and to earlier runs', never to a job saving beside it."""
         mine = []
         for step in steps:
             try:
-                manifest = self.read_manifest(step, cached=True)
+                manifest = self.read_manifest(step, cached=not fresh)
             except (CorruptionError, BlobNotFoundError):
                 mine.append(step)  # unreadable or gone: it vouches for nothing, as before
                 continue

@@ -7,12 +7,14 @@ still replaced and retired as before."""
 from __future__ import annotations
 
 import logging
+import time
 import uuid
 
 import pytest
 import torch
 
 from tiered_ckpt import CheckpointEngine, SaveError
+from tiered_ckpt.file_store import CONCURRENT_JOB_MARGIN_S
 
 
 def engine(tmp_path, run_id: str, keep: int | None = None) -> CheckpointEngine:
@@ -86,3 +88,21 @@ def test_another_running_job_s_steps_count_for_no_keep_and_its_step_in_flight_is
     finally:
         a.close()
         b.close()
+
+
+def test_retention_reads_afresh_a_step_it_committed_before_another_job_replaced_it(tmp_path):
+    """Job b replaced job a's step 5 (committed before b started: an earlier run's, for b); a, still running,
+    held its own manifest of 5 in its cache, took the step for its own and retired b's commit (an operator
+    trial's event log: b's commit of 5, then a's evict of 5)."""
+    a = engine(tmp_path, f"a{uuid.uuid4().hex[:6]}", keep=1)
+    try:
+        a.save(5, state(5.0)).wait(timeout=60)
+        time.sleep(CONCURRENT_JOB_MARGIN_S + 0.5)  # b's commits come after a's start by more than the margin
+        with engine(tmp_path, f"b{uuid.uuid4().hex[:6]}") as b:
+            b.save(5, state(55.0)).wait(timeout=60)
+            a.save(6, state(6.0)).wait(timeout=60)
+            a.save(7, state(7.0)).wait(timeout=60)
+            assert 5 in b.available_steps()["disk"]
+            assert torch.equal(b.load(step=5).items["model"]["w"], torch.full((64,), 55.0))
+    finally:
+        a.close()
