@@ -387,6 +387,27 @@ def test_a_rank_whose_part_fails_stops_the_other_ranks_waiting_for_the_commit(tm
     assert committed(shared) == []
 
 
+@pytest.mark.parametrize("where", ["configuration", "tiers"])
+def test_a_rank_whose_engine_cannot_start_stops_the_others_at_once(tmp_path, shm_root, where):
+    """Rank 1's engine cannot start: a typo in its configuration, or a tier only the machine can refuse (a gpu
+    tier enabled on a machine without one, found as the tiers are built). Its CheckpointEngine() raised, while
+    the other ranks waited for it at the start-up exchange until the process group's timeout (an operator trial:
+    200 s, then killed). Now they raise PeerFailedError there, naming rank 1's error."""
+    run_id = f"s{uuid.uuid4().hex[:8]}"
+    good = {"run_id": run_id, "drain": {"mode": "thread"},
+            "tiers": [{"name": "shm", "kind": "shm", "path": str(shm_root)},
+                      {"name": "local", "kind": "local", "path": str(tmp_path / "local")}]}
+    if where == "configuration":
+        bad, said = {**good, "tiers": [good["tiers"][0], {**good["tiers"][1], "keeep": 2}]}, "keeep"
+    else:
+        bad, said = {**good, "tiers": [{"name": "gpu", "kind": "gpu", "enabled": True}, *good["tiers"]]}, "gpu"
+    results = run_ranks(3, {"configs": {"0": good, "1": bad, "2": good}, "save": [1]}, timeout=100)
+    assert "Error" in results[1]["error"] and said in results[1]["error"], results[1]
+    for rank in (0, 2):
+        error = results[rank]["error"]
+        assert error.startswith("PeerFailedError") and "rank 1: " in error and said in error, error
+
+
 def test_waiting_for_a_commit_that_retention_retired_since_says_committed(tmp_path, shm_root):
     """keep: 1, and each rank waits for the previous save's commit after the next save (as an asynchronous writer
     does): by then the next commit has retired it. The wait saw no manifest and said "not committed" after its

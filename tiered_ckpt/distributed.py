@@ -27,6 +27,7 @@ log = logging.getLogger(__name__)
 
 NODE_ENV = "TIERED_CKPT_NODE"  # overrides the host name as node identity (several "nodes" on one machine)
 _ABORT = "abort"
+_START_FAILED = "\0start-failed"  # in place of a node name at Coordinator.create: never a host's name
 _T = TypeVar("_T")
 
 
@@ -65,8 +66,30 @@ class Coordinator:
         group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
         names: list[Any] = [None] * coords.world_size
         dist.all_gather_object(names, (node_id(), uuid.uuid4().hex[:16]), group=group)
+        failed = {r: why for r, (n, why) in enumerate(names) if n == _START_FAILED}
+        if failed:
+            told = "; ".join(f"rank {r}: {why}" for r, why in sorted(failed.items()))
+            raise PeerFailedError(f"rank {coords.rank} stopped starting its engine: another rank's engine could not "
+                                  f"start ({told}). Every rank stops here; the failing rank's own error says what "
+                                  "to fix", failed)
         mine = names[coords.rank][0]
         return cls(coords, group, [r for r, (n, _) in enumerate(names) if n == mine], incarnation=names[0][1])
+
+    @staticmethod
+    def start_failed(why: str, timeout_s: float = 600.0) -> None:
+        """On a rank whose engine failed before :meth:`create`: take part in create's two collectives anyway,
+        saying ``why``, so that the other ranks raise PeerFailedError there instead of waiting for this rank
+        until the process group's timeout (a per-rank configuration error left them waiting minutes)."""
+        import torch.distributed as dist
+
+        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+            return
+        try:
+            group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
+            names: list[Any] = [None] * dist.get_world_size()
+            dist.all_gather_object(names, (_START_FAILED, why[:2000]), group=group)
+        except Exception as exc:  # noqa: BLE001 - the original error is the one to raise
+            log.warning("could not tell the other ranks that this rank's engine failed to start: %s", exc)
 
     def all_gather(self, value: Any, what: str = "all_gather") -> list[Any]:
         """Every rank's ``value`` of the exchange ``what``, in rank order. Raises :class:`PeerFailedError` on every
