@@ -111,35 +111,27 @@ class CheckpointEngine:
         # per tier, the start-up recovery's listing that did not answer within load.list_timeout_s (_recover):
         # while it still has not, load() waits RELIST_AFTER_STALL_S for a new listing, not that long again
         self._stalled_at_start: dict[str, _Listing] = {}
+        lock: RunLock | None = None
         try:
             self.config: Config = load_config(config, registries=self.pm.registries)
             # plugins.py: this engine's own observers and run_id on its events; a plugin the drain worker could
             # not rebuild is a PluginError here, not a failed save.
             self.events = self.pm.for_engine(self.config, observers)
             self.coords = detect(parallel, rank)
-        except Exception as exc:  # the other ranks wait for this one at the start-up exchange: tell them
-            Coordinator.start_failed(f"{type(exc).__name__}: {exc}")
-            raise
-        self._lock = RunLock(self.config.run_id, self.coords.rank, shm_paths(self.config))  # beside the slots
-        try:
-            self._lock.acquire()
-        except Exception as exc:
-            self.events.close()
-            Coordinator.start_failed(f"{type(exc).__name__}: {exc}")
-            raise
-        try:
-            try:
-                fence_previous_worker(self.config, self.coords.rank)  # issue #15: an old worker never writes again
-            except Exception as exc:
+            lock = self._lock = RunLock(self.config.run_id, self.coords.rank, shm_paths(self.config))  # by the slots
+            lock.acquire()
+            fence_previous_worker(self.config, self.coords.rank)  # issue #15: an old worker never writes again
+        except BaseException as exc:
+            if lock is not None:
+                self._detach()
+            if isinstance(exc, Exception):  # the other ranks wait for this one at the start-up exchange: tell them
                 Coordinator.start_failed(f"{type(exc).__name__}: {exc}")
-                raise
+            raise
+        try:
             self.coordinator = Coordinator.create(self.coords)
-            try:
-                self.pipeline: Pipeline = build_pipeline(self.config, self.pm, self.coords, local_rank(), self._emit,
-                                                         self.coordinator.node_ranks)
-            except Exception as exc:  # the others go on to the recovery's exchange: they learn it there
-                self.coordinator.abort(f"{type(exc).__name__}: {exc}")
-                raise
+            # alone(): should the tiers fail to build here, the others learn it at the recovery's exchange
+            self.pipeline: Pipeline = self.coordinator.alone(build_pipeline, self.config, self.pm, self.coords,
+                                                             local_rank(), self._emit, self.coordinator.node_ranks)
         except BaseException:
             self._detach()
             raise
