@@ -39,8 +39,9 @@ PARENT = textwrap.dedent("""
     engine = CheckpointEngine(json.loads({cfg!r}))
     assert engine._drain._ready.wait(120), "the drain worker never came up"
     handle = engine.save(1, make_items(1))
-    if {wait!r}:
-        handle.wait(timeout=120)
+    if {wait!r}:  # the whole drain, the worker's retention after the commit included: a worker stopped later
+        handle.wait(timeout=120)  # is idle, and nothing is left for close() to wait for
+        engine.wait(timeout=120)
     print("WORKER", engine._drain._proc.pid, flush=True)
     {then}
 """)
