@@ -41,6 +41,7 @@ from .parallel import RankCoords
 from .pipeline import Pipeline, build_stores
 from .plugins import manager_for_worker
 from .store import Store
+from .worker_channel import QueuedSender, channels, close_child_ends
 
 log = logging.getLogger(__name__)
 #: After its stop message (or the close deadline), how long a worker gets to exit before it is SIGKILLed.
@@ -171,7 +172,12 @@ def _drain_requests(config: Config, coords: RankCoords, order: list[str], local_
         try:
             req = requests.get(timeout=1.0)
         except queue.Empty:
-            continue  # orphaned: the parent watcher ends this process
+            continue
+        except EOFError:  # the training process let go of its end: it died (the watcher ends this process, and
+            if not owner_alive(parent_pid):  # fence() stops every write before), or its drain was dropped
+                time.sleep(1.0)
+                continue
+            break
         if req is None:
             break
         if req == MAP_SLOTS:
@@ -252,6 +258,7 @@ class ProcessDrain:
         self._outstanding: dict[tuple[int, float], tuple[DrainRequest, set[str], bool, Any]] = {}
         self._all_stores = stores or {}  # to tell, after a worker died, what it committed before it could say so
         self._proc: Any = None
+        self._requests: QueuedSender | None = None
         self._closing = False
         self._ready = threading.Event()
         # Threads here can drain only into tiers without slots: a memory hop needs the worker's own slots.
@@ -298,18 +305,26 @@ class ProcessDrain:
     def _start(self) -> None:
         self._ready.clear()
         ctx = mp.get_context("spawn")
-        self._requests = ctx.Queue()
-        self._results = ctx.Queue()
+        if self._requests is not None:  # a dead worker's: its feeder ends
+            self._requests.close()
+        self._requests, requests, results, worker_results = channels(f"tiered_ckpt-drain-feeder-{self.coords.rank}")
         self._proc = ctx.Process(target=worker_main, name=f"tiered_ckpt-drain-{self.coords.rank}",
                                  args=(self.config, self.coords, self.order, self.local_rank, self.node_ranks,
-                                       self._requests, self._results, os.getpid(), copy_gate.shared(),
+                                       requests, worker_results, os.getpid(), copy_gate.shared(),
                                        logging.getLogger("tiered_ckpt").getEffectiveLevel()),
                                  daemon=False)
-        with _main_module_hidden(), _sigint_ignored():
-            self._proc.start()
+        try:
+            with _main_module_hidden(), _sigint_ignored():
+                self._proc.start()
+        except BaseException:
+            self._requests.close()
+            results.close()
+            raise
+        finally:
+            close_child_ends(requests, worker_results)  # the worker holds its own duplicates
         if self._slots_ready:
             self._requests.put(MAP_SLOTS)
-        self._listener = threading.Thread(target=self._listen, args=(self._proc, self._results),
+        self._listener = threading.Thread(target=self._listen, args=(self._proc, results),
                                           name="tiered_ckpt-drain-listener", daemon=True)
         self._listener.start()
 
@@ -342,6 +357,12 @@ class ProcessDrain:
                 self._requests.put(MAP_SLOTS)
 
     def _listen(self, proc: Any, results: Any) -> None:
+        try:
+            self._relay(proc, results)
+        finally:
+            results.close()  # the one reader of this worker's results
+
+    def _relay(self, proc: Any, results: Any) -> None:
         while True:
             try:
                 msg = results.get(timeout=0.5)
@@ -459,6 +480,13 @@ class ProcessDrain:
     def _stop(self, grace: float) -> None:
         """Stop the worker in bounded time: the stop message, ``grace`` to exit, then SIGKILL (which ends a
         stopped process too, unlike SIGTERM). What it had not committed stays in shm for recovery."""
+        try:
+            self._stop_worker(grace)
+        finally:
+            if self._requests is not None:  # its feeder sends what is queued (the stop message), then ends
+                self._requests.close()
+
+    def _stop_worker(self, grace: float) -> None:
         proc = self._proc
         if proc is None or not proc.is_alive():
             return

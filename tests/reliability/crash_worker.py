@@ -27,6 +27,7 @@ import signal
 import sys
 import threading
 import time
+from typing import Any
 
 import torch
 
@@ -67,12 +68,27 @@ def _die_with_the_drain_worker(engine: CheckpointEngine) -> None:
             time.sleep(0.005)
 
     threading.Thread(target=watch, daemon=True).start()
+    # The watcher's poll can come late: the drain learns of its worker's death at once (its pipe's end of file),
+    # and this process would report the worker's saves failed and go on. Before it does, the node is lost.
+    handle_death = drain._worker_died
+
+    def worker_died(proc: Any, why: str | None = None) -> None:
+        if why is None and not drain._closing:  # (why: a worker that said it failed, then was killed here)
+            proc.join(10)
+            if proc.exitcode == -signal.SIGKILL:
+                os.kill(os.getpid(), signal.SIGKILL)
+        handle_death(proc, why)
+
+    drain._worker_died = worker_died
 
 
 def run_scenario(spec: dict) -> None:
     crashpoints.arm(spec["crash_at"])
     engine = CheckpointEngine(spec["config"])
     _die_with_the_drain_worker(engine)
+    drain = getattr(engine._drain, "proc", engine._drain)
+    if hasattr(drain, "_ready"):  # process mode: the worker drains, not this process's threads while it starts
+        assert drain._ready.wait(SCENARIO_TIMEOUT_S), "the drain worker never came up"
     for step, scale, wait in zip(spec["steps"], spec["scales"], spec["wait"], strict=True):
         handle = engine.save(step, scenario_items(step, scale))
         sys.stdout.flush()

@@ -178,6 +178,24 @@ def test_interpreter_exit_is_bounded_with_the_worker_stopped(shm_root, tmp_path)
         assert engine.load().step == 1
 
 
+def _semaphores(pid: int) -> set[str]:
+    """The named POSIX semaphores process ``pid`` has open (glibc maps each one's /dev/shm/sem.* file)."""
+    with open(f"/proc/{pid}/maps") as f:
+        return {line.split()[-1] for line in f if "/dev/shm/sem." in line}
+
+
+def test_the_worker_s_channels_hold_no_named_semaphore(shm_root, tmp_path):
+    """A job killed with SIGKILL (a scheduler's last word) takes multiprocessing's resource tracker with it: the
+    named semaphores a ``multiprocessing.Queue`` holds (three each) stayed in /dev/shm for good. The channels
+    between a training process and its worker are pipes, which the kernel closes: neither side holds one."""
+    before = _semaphores(os.getpid())
+    with CheckpointEngine(_config(shm_root, tmp_path)) as engine:
+        assert engine._drain._ready.wait(HANG_GUARD_S)
+        engine.save(1, make_items(1)).wait(timeout=HANG_GUARD_S)
+        assert _semaphores(engine._drain._proc.pid) == set()
+        assert _semaphores(os.getpid()) - before == set()
+
+
 @pytest.mark.parametrize("seed", [1, 2, 3])
 def test_worker_killed_at_random_points(shm_root, tmp_path, seed):
     """The worker alone SIGKILLed at random moments (seeded) while saves go on: a handle fails only where the step
