@@ -9,14 +9,16 @@ records").
 
 A record names its save (``save_id``): one of another save of the step is stale and counts for nothing. Only the
 save's first drain heeds records; a recovery of the same save in a later process may find its own earlier
-attempt's, and waits for the deadline as before. Records are written once, without retries: a tier that cannot
-take one leaves the waiting to the deadline, which is where it was.
+attempt's, and waits for the deadline as before. A record is published under the tier's retry policy (a
+throttled store must not lose it); a tier that still cannot take one leaves the waiting to the deadline, which is
+where it was.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Callable
 from typing import Any
 
 from .errors import TieredCkptError
@@ -28,13 +30,15 @@ MAX_RECORD = 16 * 1024  # a reason longer than this is cut: records are read whi
 REASON_CHARS = 2000
 
 
-def record_failure(tier: Tier, key: str, *, save_id: str, rank: int, reason: str) -> None:
-    """Publish at ``key`` that ``rank``'s part (or the commit) of the save ``save_id`` failed, saying ``reason``."""
+def record_failure(tier: Tier, key: str, *, save_id: str, rank: int, reason: str,
+                   retried: Callable[[Callable[[], Any]], Any] = lambda publish: publish()) -> None:
+    """Publish at ``key`` that ``rank``'s part (or the commit) of the save ``save_id`` failed, saying ``reason``;
+    ``retried(publish)`` calls it under the tier's retry policy."""
     if not save_id:
         return  # without an identity a record could not be told from another save's
     body = {"save_id": save_id, "rank": rank, "reason": reason[:REASON_CHARS]}
     try:
-        tier.publish(key, (json.dumps(body) + "\n").encode())
+        retried(lambda: tier.publish(key, (json.dumps(body) + "\n").encode()))
     except Exception as exc:  # noqa: BLE001 - the failure itself is reported elsewhere; the waiting falls back
         log.warning("tier %r: could not record at %s that step's save failed (the other ranks wait for their "
                     "deadline instead): %s", tier.name, key, exc)

@@ -311,7 +311,8 @@ class FileStore(CommittedFiles):
             key = self.layout.commit_failed_key(step)
         else:
             key = self.layout.rank_failed_key(step, coords.rank)
-        record_failure(self.tier, key, save_id=save_id, rank=coords.rank, reason=reason)
+        record_failure(self.tier, key, save_id=save_id, rank=coords.rank, reason=reason,
+                       retried=lambda publish: self._retry(publish, step, coords.rank, f"publish {key}"))
 
     def retain(self, coords: RankCoords, *, node_ranks: list[int], pinned: Callable[[], set[int]]
                ) -> list[Callable[[], None]]:

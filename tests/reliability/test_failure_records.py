@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from tiered_ckpt.errors import TierError
+from tiered_ckpt.errors import TierError, TransientTierError
 from tiered_ckpt.megatron.convert import open_store
 from tiered_ckpt.parallel import ParallelLayout
 
@@ -37,6 +37,27 @@ def test_the_committing_rank_stops_waiting_when_a_rank_records_that_its_part_fai
     assert time.monotonic() - started < 60  # it did not wait the deadline out
     assert failure == ["rank 1 could not write its part here: OSError: [Errno 28] disk full"]
     assert r0.committed_steps() == []
+
+
+def test_a_record_the_tier_refuses_once_is_published_on_its_retry(ranks):
+    """A throttled store (S3's 503 Slow Down) refusing the record once: written once, the record was lost and the
+    committing rank waited its deadline out. It is published under the tier's retry policy."""
+    r0, r1 = ranks
+    publish, refused = r1.tier.publish, []
+
+    def throttled(key, data):
+        if key.endswith(".failed") and not refused:
+            refused.append(key)
+            raise TransientTierError(f"SlowDown: {key}")
+        return publish(key, data)
+
+    r1.tier.publish = throttled
+    vote(r0, 0, "S")
+    r1.write_failed(STEP, LAYOUT.coords(1), node_ranks=[0, 1], save_id="S", reason="OSError: [Errno 28] disk full")
+    assert refused == [r1.layout.rank_failed_key(STEP, 1)]
+    failure: list[str] = []
+    assert r0.try_commit(STEP, LAYOUT.coords(0), wait_s=60, save_id="S", fail_fast=True, failure=failure) is None
+    assert failure == ["rank 1 could not write its part here: OSError: [Errno 28] disk full"]
 
 
 def test_a_recovery_and_another_save_s_record_do_not_stop_the_commit(ranks):
