@@ -25,7 +25,8 @@ def items_for(step: int, rank: int, run: int = 0) -> dict:
 def body(rank: int, world: int, spec: dict, out: dict) -> None:
     EMPTY_RANKS.update(spec.get("empty_ranks", ()))
     cfg = spec["configs"][str(rank)] if "configs" in spec else spec["config"]
-    parallel = ParallelLayout(**spec["parallel"]) if "parallel" in spec else None
+    layout = spec.get("parallels", {}).get(str(rank), spec.get("parallel"))  # "parallels": a rank's own
+    parallel = ParallelLayout(**layout) if layout else None
     with CheckpointEngine(cfg, parallel) as engine:
         out["recovered"] = [h.step for h in engine.recovered]
         out["load_waits_for_recovery"] = engine._recovering

@@ -408,6 +408,22 @@ def test_a_rank_whose_engine_cannot_start_stops_the_others_at_once(tmp_path, shm
         assert error.startswith("PeerFailedError") and "rank 1: " in error and said in error, error
 
 
+def test_a_rank_whose_parallel_layout_disagrees_with_torch_distributed_stops_the_others_at_once(tmp_path,
+                                                                                                 shm_root):
+    """Rank 1 is given a parallel layout of 4 ranks in a job of 3: its CheckpointEngine() raised ValueError at
+    the start-up exchange, and the other ranks waited there for it until the process group's timeout. It is a
+    ConfigError (a ValueError, as it was) saying what to fix."""
+    cfg = {"run_id": f"p{uuid.uuid4().hex[:8]}", "drain": {"mode": "thread"},
+           "tiers": [{"name": "shm", "kind": "shm", "path": str(shm_root)},
+                     {"name": "local", "kind": "local", "path": str(tmp_path / "local")}]}
+    results = run_ranks(3, {"config": cfg, "parallels": {"1": {"dp": 4}}, "save": [1]}, timeout=100)
+    said = "torch.distributed says rank 1 of 3, the parallel layout says rank 1 of 4"
+    assert results[1]["error"].startswith("ConfigError") and said in results[1]["error"], results[1]
+    for rank in (0, 2):
+        error = results[rank]["error"]
+        assert error.startswith("PeerFailedError") and "rank 1: " in error and said in error, error
+
+
 def test_waiting_for_a_commit_that_retention_retired_since_says_committed(tmp_path, shm_root):
     """keep: 1, and each rank waits for the previous save's commit after the next save (as an asynchronous writer
     does): by then the next commit has retired it. The wait saw no manifest and said "not committed" after its

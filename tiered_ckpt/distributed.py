@@ -20,7 +20,7 @@ from collections.abc import Callable
 from datetime import timedelta
 from typing import Any, TypeVar
 
-from .errors import PeerFailedError
+from .errors import ConfigError, PeerFailedError
 from .parallel import RankCoords
 
 log = logging.getLogger(__name__)
@@ -60,8 +60,11 @@ class Coordinator:
         if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
             return cls(coords, incarnation=uuid.uuid4().hex[:16] if coords.world_size == 1 else None)
         if dist.get_world_size() != coords.world_size or dist.get_rank() != coords.rank:
-            raise ValueError(f"torch.distributed says rank {dist.get_rank()} of {dist.get_world_size()}, the "
-                             f"parallel layout says rank {coords.rank} of {coords.world_size}")
+            why = (f"torch.distributed says rank {dist.get_rank()} of {dist.get_world_size()}, the parallel layout "
+                   f"says rank {coords.rank} of {coords.world_size}: give CheckpointEngine a ParallelLayout whose "
+                   "sizes multiply to the job's world size (or none: pure data parallel over torch.distributed)")
+            cls.start_failed(f"ConfigError: {why}", timeout_s)  # the other ranks wait for this one below
+            raise ConfigError(why)
         # Our own gloo group: CPU-only collectives that never share a communicator with the training.
         group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
         names: list[Any] = [None] * coords.world_size
