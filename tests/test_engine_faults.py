@@ -290,6 +290,8 @@ def test_a_slow_tier_below_holds_steps_above_only_until_it_has_them(shm_root, tm
     cfg = _config(shm_root, tmp_path, slow)
     cfg["drain"]["mode"] = mode
     cfg["tiers"][1]["keep"] = 1
+    cfg["tiers"][1]["fsync"] = False  # the local tier frees the slots; a loaded disk's fsyncs could let the slow
+    # tier keep up with the saves (nothing to warn about)
     with CheckpointEngine(cfg) as engine:
         for step in range(1, 7):
             engine.save(step, make_items(step))

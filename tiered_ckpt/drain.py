@@ -245,15 +245,16 @@ class DrainRuntime:
         self._end(tier, job, [])  # once per tier: a no-op where _run had ended it
 
     def _report(self, tier: str, job: _Job, ok: bool, error: str | None) -> None:
-        """``job``'s outcome on ``tier``: its future, the engine's callback, then the slot's release once a tier
-        below holds the step (or every tier is done with it)."""
+        """``job``'s outcome on ``tier``: its future, the slot's release once a tier below holds the step (or every
+        tier is done with it), then the engine's callback. In that order: a save that waited for this one's handle
+        finds its slot free (the callback first, a save right after the handle could still wait for a slot)."""
         job.futures[tier].set_result(ok)
-        try:
-            self.on_tier_done(job.req.step, tier, ok, error)
-        except Exception:  # the job must still release its slot and end
-            log.exception("tier %r: reporting step %d's outcome failed", tier, job.req.step)
         if ok or all(f.done() for f in job.futures.values()):
             self._release(job)
+        try:
+            self.on_tier_done(job.req.step, tier, ok, error)
+        except Exception:  # the job must still end
+            log.exception("tier %r: reporting step %d's outcome failed", tier, job.req.step)
 
     def _source_for(self, tier: str, job: _Job) -> str:
         idx = self.order.index(tier)
