@@ -321,8 +321,9 @@ class DrainRuntime:
     def _record_failure(self, tier: str, req: DrainRequest, error: str) -> None:
         """Tell the ranks that would wait for this rank's part of ``req`` on ``tier`` that it failed (the store
         records it: failure_records.py). After the report: a tier that just failed may take its time to refuse
-        the record too, and the handle and the slot must not wait for that. Not from a fenced worker, which
-        writes nothing more."""
+        the record too (its retry policy, seconds), and the handle and the slot must not wait for that; the job's
+        end (``engine.wait()``) and the tier's next step do. Not from a fenced worker, which writes nothing
+        more."""
         try:
             self.fence()
         except Exception:  # noqa: BLE001 - fenced: its training process is gone, another may own the tiers

@@ -289,6 +289,7 @@ class ProcessDrain:
     def _local_job_done(self, req: DrainRequest, results: dict, slots: dict) -> None:
         send: list[DrainRequest] = []
         with self._cond:
+            sender = self._requests
             self._here_pending -= 1
             if self._here_pending == 0 and self._held:
                 held, self._held = self._held, []
@@ -300,7 +301,7 @@ class ProcessDrain:
                         self._drain_here(r)
             self._cond.notify_all()
         for r in send:
-            self._requests.put(r)
+            sender.put(r)
 
     def _start(self) -> None:
         self._ready.clear()
@@ -340,13 +341,8 @@ class ProcessDrain:
                 self._held.append(req)
                 return
             self._outstanding[(req.step, req.created)] = (req, set(req.due), False, self._proc)
-        try:
-            self._requests.put(req)
-        except BaseException:
-            with self._cond:  # never sent: nothing would ever take it out, and wait_idle() would wait for ever
-                self._outstanding.pop((req.step, req.created), None)
-                self._cond.notify_all()
-            raise
+            sender = self._requests  # the channel of the worker recorded as its owner, whatever starts next
+        sender.put(req)  # (never blocks, never raises: worker_channel.py)
 
     def slots_ready(self) -> None:
         """Tell the worker to map the slots now (it does so on a thread of its own, after what is queued); a
@@ -374,6 +370,9 @@ class ProcessDrain:
             except (EOFError, OSError):
                 self._worker_died(proc)
                 return
+            except Exception:  # noqa: BLE001 - a message that cannot be unpickled here: read whole, so the next
+                log.exception("a message from the drain worker could not be read; it is dropped")  # one is sound
+                continue
             kind = msg[0]
             if kind == "ready":
                 if proc is self._proc:
@@ -427,12 +426,12 @@ class ProcessDrain:
             # Reported before the requests leave _outstanding: wait_idle() must not return (and engine.wait()
             # find no failure) while a dead worker's steps are still being looked up.
             for _, (req, left, released, _owner) in lost:
+                if not released:  # the worker is dead: nothing reads the slot for this request any more (freed
+                    self.on_slot_released(req.source, req.slot, req.step)  # before the handle resolves: drain.py)
                 for tier in req.due:
                     if tier in left:
                         ok = self._committed(tier, req)
                         self.on_tier_done(req.step, tier, ok, None if ok else reason)
-                if not released:  # the worker is dead: nothing reads the slot for this request any more
-                    self.on_slot_released(req.source, req.slot, req.step)
         finally:
             with self._cond:
                 for key, _ in lost:

@@ -10,20 +10,34 @@ Each direction has one reader and any number of writing threads. Requests (train
 through a feeder thread, so ``put`` never blocks a save on a worker that is stopped or still starting; results
 (worker -> training process) are sent at once, under a lock, so nothing is left unsent when the worker exits.
 Only the ends a process uses travel to the worker (``spawn`` duplicates the descriptors it pickles); the
-training process closes its copies of the worker's ends once the worker has started (:func:`close_child_ends`).
+training process closes its copies of the worker's ends once the worker has started (:func:`close_child_ends`),
+and a forked child (a DataLoader's worker) closes its copies of every end at once: a child holding one would
+keep a dead worker's death, or a dead training process's, from reading as end of file.
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
 import queue
 import threading
 import traceback
+import weakref
 from multiprocessing.connection import Connection, Pipe
 from multiprocessing.reduction import ForkingPickler
 from typing import Any
 
 _CLOSE = object()  # the feeder's own stop mark (never sent)
+_ends: weakref.WeakSet[Receiver | Sender | QueuedSender] = weakref.WeakSet()  # this process's, for fork
+
+
+def _close_ends_in_child() -> None:
+    for end in list(_ends):
+        with contextlib.suppress(OSError):  # not under the end's lock: another thread may have held it at the fork
+            end._conn.close()
+
+
+os.register_at_fork(after_in_child=_close_ends_in_child)
 
 
 class Receiver:
@@ -32,6 +46,7 @@ class Receiver:
 
     def __init__(self, conn: Connection):
         self._conn = conn
+        _ends.add(self)
 
     def __reduce__(self) -> tuple[Any, ...]:
         return (Receiver, (self._conn,))
@@ -53,6 +68,7 @@ class Sender:
     def __init__(self, conn: Connection):
         self._conn = conn
         self._lock = threading.Lock()
+        _ends.add(self)
 
     def __reduce__(self) -> tuple[Any, ...]:
         return (Sender, (self._conn,))
@@ -79,6 +95,7 @@ class QueuedSender:
         self._pending: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._feeder = threading.Thread(target=self._feed, name=name, daemon=True)
         self._feeder.start()
+        _ends.add(self)
 
     def put(self, obj: Any) -> None:
         self._pending.put(obj)
