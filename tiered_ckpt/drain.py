@@ -186,6 +186,9 @@ class DrainRuntime:
     def slots_ready(self) -> None:
         """Nothing to map: the threads here read the saver's own slot buffers."""
 
+    def worker_note(self) -> str | None:
+        return None  # threads of this process: no worker
+
     def busy(self) -> bool:
         """Whether a submitted request has not finished on every due tier yet."""
         with self._cond:

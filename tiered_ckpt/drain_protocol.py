@@ -51,3 +51,8 @@ class Drain(Protocol):
     def close(self, timeout: float | None = None) -> bool:
         """Finish (waiting up to ``timeout``), then stop; whether everything finished."""
         ...
+
+    def worker_note(self) -> str | None:
+        """For a message about a save that waits on the drain: what is wrong with the drain's worker process
+        (stopped, in an uninterruptible wait), or None (no worker, or nothing to say)."""
+        ...

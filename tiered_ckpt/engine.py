@@ -51,6 +51,10 @@ from .store import Store
 from .worker import open_drain
 
 log = logging.getLogger(__name__)
+#: A save waiting this long for a free slot warns (then every SLOT_WAIT_WARN_EVERY_S): a drain that makes no
+#: progress (a stopped worker, a hung tier) would otherwise stop training without a word.
+SLOT_WAIT_WARN_S = 30.0
+SLOT_WAIT_WARN_EVERY_S = 60.0
 # load(): listings again after every step listed vanished, before "no checkpoint". Each one found a step not
 # tried yet (a saver's newer commit), so the bound only matters against a saver that keeps committing faster than
 # a read ends (keep: 1 on a loaded machine lost 16 races in a row: a test run beside three trials)
@@ -219,11 +223,22 @@ class CheckpointEngine:
         wait = self.pipeline.entry_cfg.when_full != "skip"
         t0 = time.perf_counter()
         waited = False
+        warn_at = SLOT_WAIT_WARN_S
 
-        def on_wait() -> None:
-            nonlocal waited
+        def on_wait() -> None:  # each look while it waits (every half second)
+            nonlocal waited, warn_at
+            if not waited:
+                log.info("step %d waits for a free slot on tier %r", step, self.pipeline.entry)
             waited = True
-            log.info("step %d waits for a free slot on tier %r", step, self.pipeline.entry)
+            waiting_s = time.perf_counter() - t0
+            if waiting_s < warn_at:
+                return
+            warn_at = waiting_s + SLOT_WAIT_WARN_EVERY_S  # a save that never ends says so, again and again
+            note = self._drain.worker_note()
+            log.warning("step %d has waited %.0f s for a free slot on tier %r (when_full: wait): every slot still "
+                        "holds a step the drain has not taken to the tier below. %s", step, waiting_s,
+                        self.pipeline.entry, f"{note[0].upper()}{note[1:]}." if note else
+                        "The drain's own warnings say why (a slow or failing tier below)")
 
         slot = self.pipeline.entry_store.acquire_slot(step, wait=wait, on_wait=on_wait)
         if slot is None:

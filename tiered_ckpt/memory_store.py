@@ -210,7 +210,6 @@ class MemoryStore:
                      on_wait: Callable[[], None] | None = None) -> int | None:
         """See :meth:`tiered_ckpt.store.SnapshotStore.acquire_slot`. A slot holding ``step`` itself may be
         reused even when pinned (the same step saved again)."""
-        waited = False
         with self._slot_cond:
             if self._slot_step is None:
                 self._slot_step = {s: m.step for s, m in self.metas().items()}
@@ -227,9 +226,8 @@ class MemoryStore:
                     return slot
                 if not wait:
                     return None
-                if not waited and on_wait is not None:
+                if on_wait is not None:
                     on_wait()
-                waited = True
                 # Pins are released by the drain, which does not notify us: look again every half second.
                 self._slot_cond.wait(0.5)
 

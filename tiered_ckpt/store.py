@@ -157,7 +157,7 @@ class SnapshotStore(Store, Protocol):
                      on_wait: Callable[[], None] | None = None) -> int | None:
         """A slot to write ``step`` into, held until :meth:`release_slot`: an empty one first, then the one
         holding the oldest step (never one held, nor one holding a ``pinned`` step). With ``wait``, block until
-        one is free (calling ``on_wait`` once); without, None when none is."""
+        one is free (calling ``on_wait`` at each look while it waits); without, None when none is."""
         ...
 
     def hold_slot(self, slot: int) -> None: ...

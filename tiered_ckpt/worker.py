@@ -352,6 +352,18 @@ class ProcessDrain:
             if self._proc is not None and self._proc.is_alive():
                 self._requests.put(MAP_SLOTS)
 
+    def worker_note(self) -> str | None:
+        proc = self._proc
+        pid = proc.pid if proc is not None else None
+        state = process_state(pid) if pid is not None else None
+        if state in ("T", "t"):
+            return (f"the drain worker (process {pid}) is stopped (a SIGSTOP, or a debugger): `kill -CONT {pid}` "
+                    "lets it go on; `kill -9` it and the next save starts another")
+        if state == "D":
+            return (f"the drain worker (process {pid}) is in an uninterruptible wait (a hung filesystem or device "
+                    "behind a tier)")
+        return None
+
     def _listen(self, proc: Any, results: Any) -> None:
         try:
             self._relay(proc, results)
@@ -503,6 +515,15 @@ class ProcessDrain:
             proc.join(STOP_GRACE_S)
 
 
+def process_state(pid: int) -> str | None:
+    """The state letter of process ``pid`` (``/proc/PID/stat``: R, S, D, T, Z, ...), None where it cannot be read."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return None
+
+
 @atexit.register
 def _stop_workers() -> None:
     # Before multiprocessing's own exit handler (registered earlier, run later), which joins every child with
@@ -562,6 +583,9 @@ class SplitDrain:
 
     def slots_ready(self) -> None:
         self.proc.slots_ready()  # the worker's source is the shared tier; the threads here read their own buffers
+
+    def worker_note(self) -> str | None:
+        return self.proc.worker_note()
 
     def wait_idle(self, timeout: float | None = None) -> bool:
         deadline = None if timeout is None else time.monotonic() + timeout

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import random
 import signal
@@ -176,6 +177,47 @@ def test_interpreter_exit_is_bounded_with_the_worker_stopped(shm_root, tmp_path)
         parent.kill()
     with CheckpointEngine(cfg) as engine:
         assert engine.load().step == 1
+
+
+def test_a_save_waiting_on_a_stopped_worker_says_why_and_goes_on_once_it_is_killed(shm_root, tmp_path, caplog,
+                                                                                     monkeypatch):
+    """One slot, held by a step the SIGSTOPped worker never drains: the next save() waited for ever without a word
+    at the default log level (an operator's trial). It warns, naming the stopped process and what to do; once the
+    worker is killed, the save goes on (the dead worker's slot is free) and a new worker drains it."""
+    from tiered_ckpt import engine as engine_module
+
+    monkeypatch.setattr(engine_module, "SLOT_WAIT_WARN_S", 1.0)
+    monkeypatch.setattr(engine_module, "SLOT_WAIT_WARN_EVERY_S", 1.0)
+    cfg = _config(shm_root, tmp_path)
+    cfg["tiers"][0]["slots"] = 1
+    worker = None
+    with CheckpointEngine(cfg) as engine:
+        try:
+            assert engine._drain._ready.wait(HANG_GUARD_S)
+            worker = engine._drain._proc.pid
+            os.kill(worker, signal.SIGSTOP)
+            first = engine.save(1, make_items(1))
+            saver = threading.Thread(target=lambda: engine.save(2, make_items(2)), daemon=True)
+            with caplog.at_level(logging.WARNING, logger="tiered_ckpt"):
+                saver.start()
+                deadline = time.monotonic() + HANG_GUARD_S
+                while not any("kill -CONT" in r.getMessage() for r in caplog.records):
+                    assert time.monotonic() < deadline and saver.is_alive(), "no warning while save() waits"
+                    time.sleep(0.1)
+            said = next(r.getMessage() for r in caplog.records if "kill -CONT" in r.getMessage())
+            assert "step 2 has waited" in said and f"process {worker}) is stopped" in said, said
+            assert saver.is_alive()
+            os.kill(worker, signal.SIGKILL)
+            saver.join(HANG_GUARD_S)
+            assert not saver.is_alive(), "save() still waits after the stopped worker was killed"
+            with pytest.raises(SaveError, match="drain worker exited"):
+                first.wait(timeout=HANG_GUARD_S)
+            with pytest.raises(SaveError) as failed:  # step 2: drained by the worker started in the dead one's place
+                engine.wait(timeout=HANG_GUARD_S)
+            assert "step 1 on tier 'local'" in str(failed.value) and "step 2" not in str(failed.value)
+            assert engine.available_steps()["local"] == [2]
+        finally:
+            _release(worker)
 
 
 def _semaphores(pid: int) -> set[str]:
