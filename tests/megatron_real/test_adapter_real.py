@@ -109,13 +109,13 @@ def rank_train_save_continue(rank: int, world: int, spec: Spec, cfgs: list[dict]
     train(job, SAVED_AT)
     engines = [CheckpointEngine(cfg, job.layout, rank=rank) for cfg in cfgs]
     handles = [save(job, e) for e in engines]
-    saved = full_state(job)
+    saved, at_save = full_state(job), fingerprint(job)
     train(job, RESUMED_TO)
     for h in handles:
         h.wait(timeout=120)
     for e in engines:
         e.close()
-    return {"coords": harness.coords(), "full_state": saved, "fingerprint": fingerprint(job)}
+    return {"coords": harness.coords(), "full_state": saved, "at_save": at_save, "fingerprint": fingerprint(job)}
 
 
 def rank_resume(rank: int, world: int, spec: Spec, cfgs: list[dict]) -> list[Any]:
@@ -127,6 +127,20 @@ def rank_resume(rank: int, world: int, spec: Spec, cfgs: list[dict]) -> list[Any
             loaded = load(job, engine)
         train(job, RESUMED_TO)
         out.append((loaded, fingerprint(job)))
+    return out
+
+
+def rank_resume_checked(rank: int, world: int, spec: Spec, cfgs: list[dict]) -> list[Any]:
+    """:func:`rank_resume`, also taking this rank's state right after the load: a difference after training then
+    tells a load that was not exact from training that went another way."""
+    out = []
+    for cfg in cfgs:
+        job = spec.job()
+        with CheckpointEngine(cfg, job.layout, rank=rank) as engine:
+            loaded = load(job, engine)
+        after_load = fingerprint(job)
+        train(job, RESUMED_TO)
+        out.append((loaded, after_load, fingerprint(job)))
     return out
 
 
@@ -248,12 +262,18 @@ def file_configs(run: SavedRun) -> list[dict]:
 def test_resume_same_dp_bit_exact(saved: SavedRun) -> None:
     """(a) Both layouts: a new job loads step 3 from the file tier and trains to 5 exactly like the run that
     never stopped."""
-    results = launch(rank_resume, 4, saved.spec, file_configs(saved))
+    results = launch(rank_resume_checked, 4, saved.spec, file_configs(saved))
     for rank, per_layout in enumerate(results):
-        for layout, (loaded, got) in zip(saved.files, per_layout, strict=True):
-            assert loaded == (SAVED_AT, FLOPS)
-            want = saved.ranks[rank]["fingerprint"]
-            assert differences(want, got) == [], f"rank {rank}, layout {layout}"
+        for layout, (loaded, after_load, got) in zip(saved.files, per_layout, strict=True):
+            check_resumed(saved, rank, layout, loaded, after_load, got)
+
+
+def check_resumed(saved: SavedRun, rank: int, layout: str, loaded: Any, after_load: dict, got: dict) -> None:
+    assert loaded == (SAVED_AT, FLOPS)
+    assert differences(saved.ranks[rank]["at_save"], after_load) == [], f"rank {rank}, layout {layout}: the load"
+    diverged = differences(saved.ranks[rank]["fingerprint"], got)
+    assert diverged == [], (f"rank {rank}, layout {layout}: loaded bit-exact, then training went another way than "
+                            f"in the run that never stopped: {diverged}")
 
 
 def test_resume_from_the_local_tier_bit_exact(saved: SavedRun) -> None:
@@ -261,11 +281,10 @@ def test_resume_from_the_local_tier_bit_exact(saved: SavedRun) -> None:
     the next piece), both layouts: Megatron's files load with its allow-list, and a new job resumes exactly."""
     check_model_files(saved, saved.local)
     cfgs = [config(saved.run_ids[lay], local=saved.local[lay], layout=lay) for lay in saved.local]
-    results = launch(rank_resume, 4, saved.spec, cfgs)
+    results = launch(rank_resume_checked, 4, saved.spec, cfgs)
     for rank, per_layout in enumerate(results):
-        for layout, (loaded, got) in zip(saved.local, per_layout, strict=True):
-            assert loaded == (SAVED_AT, FLOPS)
-            assert differences(saved.ranks[rank]["fingerprint"], got) == [], f"rank {rank}, layout {layout}"
+        for layout, (loaded, after_load, got) in zip(saved.local, per_layout, strict=True):
+            check_resumed(saved, rank, layout, loaded, after_load, got)
 
 
 @pytest.mark.parametrize("dp", [1, 4])
