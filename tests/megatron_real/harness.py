@@ -193,6 +193,10 @@ def _rank_main(fn: Callable[..., Any], rank: int, world: int, port: int, args: t
             backend = "nccl"
         else:
             patch_megatron_for_cpu()
+            # Bit-exact resumes need the same sums in the same order: CPU kernels split their reductions by the
+            # intra-op thread count, which a rank forked from the fork server does not always get the same
+            # (training then went another way in one rank of a CI run now and then); one thread per rank, always.
+            torch.set_num_threads(1)
             backend = "gloo"
         store = dist.TCPStore("127.0.0.1", port, world, is_master=False, timeout=timedelta(seconds=60))
         dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timedelta(seconds=120))
