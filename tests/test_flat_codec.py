@@ -952,8 +952,10 @@ def test_a_plan_made_with_another_plans_memo_is_the_plan_made_without(first, oth
 def _scribble(obj):
     if isinstance(obj, torch.Tensor):
         if obj.numel():
-            # (a one-element tensor counts as contiguous whatever its stride: its flat view keeps that stride)
-            flat = obj.as_strided((obj.numel(),), (1,)) if obj.is_contiguous() else None
+            # (a one-element tensor counts as contiguous whatever its stride: its flat view keeps that stride; a
+            # conjugate or negative view cannot be viewed as bytes)
+            plain = obj.is_contiguous() and not obj.is_conj() and not obj.is_neg()
+            flat = obj.as_strided((obj.numel(),), (1,)) if plain else None
             with torch.no_grad():
                 flat.view(torch.uint8).fill_(0x5A) if flat is not None else obj.zero_()
     elif isinstance(obj, np.ndarray):
