@@ -3,10 +3,18 @@ from tiered_ckpt's pytest plugin, which is opt-in: declared here, not loaded int
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
 import pytest
+from hypothesis import settings
+
+# CI: the property tests draw the same examples every run, so a red run means a change, never a new draw; a local
+# run explores new ones (and keeps what failed in .hypothesis/).
+settings.register_profile("ci", derandomize=True)
+if os.environ.get("CI"):
+    settings.load_profile("ci")
 
 sys.path.insert(0, str(Path(__file__).parent))  # `helpers` for tests in sub-directories too
 from helpers import Recorder  # noqa: E402
