@@ -28,6 +28,7 @@ import pytest
 from helpers import assert_same, make_items
 
 from tiered_ckpt import CheckpointEngine, SaveError
+from tiered_ckpt.worker import process_state
 
 HANG_GUARD_S = 120.0  # only against a hang: every wait below ends long before when the code is right
 
@@ -56,11 +57,7 @@ def _config(shm_root: Path, tmp_path: Path, local: dict | None = None, run_id: s
 
 def _gone(pid: int) -> bool:
     """Whether ``pid`` has exited (a zombie nobody reaps counts as gone)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
-    except FileNotFoundError:
-        return True
+    return process_state(pid) in (None, "Z")
 
 
 def _wait_gone(pid: int) -> bool:
