@@ -217,6 +217,13 @@ def test_gc_min_age_refuses_what_is_not_an_age(text, says, tmp_path, capsys):
     assert exited.value.code == EXIT_USAGE and says in capsys.readouterr().err
 
 
+def test_verify_takes_a_step_or_all_not_both(ckpt, capsys):
+    root, _ = ckpt
+    with pytest.raises(SystemExit) as exited:
+        main(["verify", str(root), "--step", "1", "--all"])
+    assert exited.value.code == EXIT_USAGE and "not allowed with argument" in capsys.readouterr().err
+
+
 def test_gc_stale_runs(shm_root, tmp_path, capsys):
     def cfg(run_id):
         return {"run_id": run_id, "drain": {"mode": "thread"},
@@ -272,13 +279,18 @@ def test_demo_small(tmp_path, capsys):
 
 @pytest.mark.slow
 def test_demo_at_its_fewest_steps_and_ranks_resumes_and_leaves_a_workdir_it_takes_again(tmp_path, capsys):
-    """--steps 7 --world 1, the fewest the command line takes (a save at step 5, the kill at step 6), resume."""
+    """--steps 7 --world 1, the fewest the command line takes (a save at step 5, the kill at step 6), resume;
+    with --json, the summary alone on stdout."""
     from tiered_ckpt.demo.run import workdir_problem
 
     work = tmp_path / "demo"
-    code, out = run(capsys, "demo", "--workdir", str(work), "--world", "1", "--steps", "7")
+    code, out = run(capsys, "demo", "--workdir", str(work), "--world", "1", "--steps", "7", "--json")
     assert code == EXIT_OK, out
-    assert "OK: the resumed run matched the uninterrupted one exactly (from step 5 to 7)" in out
+    summary = json.loads(out)  # --json: stdout holds the summary alone, the progress went to stderr
+    assert summary["ok"] is True and summary["saved_steps"] == [5] and summary["killed"] == {"rank": 0, "step": 6}
+    assert summary["resumed"]["0"]["step"] == 5 and summary["steps_compared"] == 2
+    assert [t["tier"] for t in summary["tiers"]] == ["shm", "local", "remote"]
+    assert summary["workdir"] == str(work.resolve())
     assert workdir_problem(work) is None  # what the demo wrote is recognised as its own
 
 

@@ -269,6 +269,35 @@ def test_codec_on_a_memory_tier_is_an_error():
     assert msg.startswith("tiers[0].codec: does not apply to a memory tier")
 
 
+def test_a_layouts_own_codec_is_not_a_tiers_choice():
+    # distcp encodes the items the dcp layout's writer builds: on another layout (or as a tier-wide codec) the
+    # step would fail in the drain, so the configuration refuses it and the allowed list leaves it out.
+    for tier, key in (({**LOCAL, "codec": "distcp"}, "codec"), ({**LOCAL, "codecs": {"state": "distcp"}},
+                                                                 "codecs.state")):
+        msg = _err(_tiers(tier))
+        assert msg.startswith(f'tiers[0].{key}: codec "distcp" is the format of a layout\'s own files'), msg
+        assert "(allowed: " in msg and "distcp," not in msg.split("allowed: ")[1]
+    assert "distcp" not in _err(_tiers({**LOCAL, "codec": "flta"})).split("allowed: ")[1]
+    msg = _err(_tiers({**LOCAL, "codec": "distcp"}, layout="dcp"))
+    assert msg.startswith('tiers[0].codec: codec "distcp"'), msg
+    assert load_config(_tiers({**LOCAL, "codecs": {"dcp": "distcp"}}, layout="dcp")).tiers[0].codecs  # its own
+
+
+def test_keys_a_memory_tier_would_ignore_are_errors():
+    msg = _err(_tiers({"name": "host", "kind": "shm", "retry": {"attempts": 3}}, LOCAL))
+    assert msg.startswith("tiers[0].retry: does not apply to a memory tier"), msg
+    msg = _err(_tiers({"name": "g", "kind": "gpu", "device": "cpu", "on_close": "release"}, LOCAL))
+    assert msg.startswith("tiers[0].on_close: kind 'gpu' holds its slots in this process's memory"), msg
+    assert load_config(_tiers({"name": "host", "kind": "shm", "on_close": "release"}, LOCAL)).tiers[0].on_close
+
+
+def test_an_env_default_stands_in_for_an_empty_variable_as_in_the_shell():
+    cfg = {"run_id": "${RUN:-fallback}", "tiers": [{**LOCAL, "path": "/tmp/${SUB}x"}]}
+    assert load_config(cfg, env={"RUN": "", "SUB": ""}).run_id == "fallback"
+    assert load_config(cfg, env={"RUN": "", "SUB": ""}).tiers[0].options.path == "/tmp/x"  # ${VAR}: empty
+    assert load_config(cfg, env={"RUN": "r2", "SUB": ""}).run_id == "r2"
+
+
 def test_the_layout_keeps_the_codec_of_megatrons_files(tmp_path):
     path = tmp_path / "tiers.yaml"
     path.write_text("layout: megatron\n"

@@ -88,8 +88,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = add("inspect", cmd_inspect, "show a checkpoint's manifest: layout, parallel layout, files, checksums")
     p.add_argument("--step", type=int, help="default: the newest committed step")
     p = add("verify", cmd_verify, "re-hash every file against the manifest; exit 1 on any mismatch")
-    p.add_argument("--step", type=int, help="default: the newest committed step")
-    p.add_argument("--all", action="store_true", help="every committed step")
+    which = p.add_mutually_exclusive_group()
+    which.add_argument("--step", type=int, help="default: the newest committed step")
+    which.add_argument("--all", action="store_true", help="every committed step")
     p = add("gc", cmd_gc, "find debris (partial steps, temporary files, an object store's unfinished uploads) and "
                           "dead runs' shared memory; a dry run unless --delete")
     p.add_argument("--stale", action="store_true", help="also look for shared memory of runs with no live engine")

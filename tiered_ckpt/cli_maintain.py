@@ -270,6 +270,6 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
     try:
         return run_demo(args.workdir, world=args.world, steps=args.steps, remote=args.remote,
-                        keep_files=not args.clean)
+                        keep_files=not args.clean, as_json=args.json)
     except WorkdirError as exc:
         raise CommandError(str(exc), EXIT_USAGE) from None

@@ -1,9 +1,10 @@
 """The configuration: YAML file or dict → validated frozen dataclasses (docs/configuration.md).
 
-Common keys of a tier (name, kind, enabled, every, keep, slots, when_full, on_close, compression, retry) are checked
-here; every other key of a tier entry belongs to its kind and is checked against that kind's ``Options``
-dataclass, found through the plugin registry, so third-party kinds get the same strictness. A common key that the
-kind would ignore (``keep`` on a memory tier, ``slots`` on a file tier) is an error too.
+Common keys of a tier (name, kind, enabled, every, keep, slots, when_full, on_close, compression, retry, codec,
+codecs) are checked here; every other key of a tier entry belongs to its kind and is checked against that kind's
+``Options`` dataclass, found through the plugin registry, so third-party kinds get the same strictness. A common
+key that the kind would ignore (``keep`` on a memory tier, ``slots`` on a file tier, ``on_close`` on gpu) is an
+error too.
 """
 
 from __future__ import annotations
@@ -136,6 +137,7 @@ _FILE_TIER_KEYS = {
     "compression": "a memory tier holds raw snapshots, never compressed",
     "codec": "a memory tier holds snapshots in its own format, not files",
     "codecs": "a memory tier holds snapshots in its own format, not files",
+    "retry": "a memory tier's copies are not retried (the policy applies to file tiers' writes)",
 }
 _MEMORY_TIER_KEYS = {
     "slots": "only memory tiers hold slots",
@@ -145,15 +147,16 @@ _MEMORY_TIER_KEYS = {
 
 
 def expand_env(value: Any, path: str = "", source: str | None = None, env: dict[str, str] | None = None) -> Any:
-    """Replace ``${VAR}`` and ``${VAR:-default}`` in every string, recursively."""
+    """Replace ``${VAR}`` and ``${VAR:-default}`` in every string, recursively. As in the shell, the default
+    stands in for a variable that is unset or empty; ``${VAR}`` of an empty one is empty."""
     env = os.environ if env is None else env
     if isinstance(value, str):
         def sub(m: re.Match[str]) -> str:
             name, default = m.group(1), m.group(2)
+            if default is not None and not env.get(name):
+                return default
             if name in env:
                 return env[name]
-            if default is not None:
-                return default
             raise ConfigError(f"environment variable {name} is not set (write ${{{name}:-default}} for a default)",
                               source=source, key_path=path or "<root>")
         return _ENV_REF.sub(sub, value)
@@ -175,7 +178,8 @@ def _tier_config(raw: Any, index: int, registries: Any, source: str | None) -> T
                               key_path=f"{path}.{key}")
     name = coerce(str, raw["name"], f"{path}.name", source)
     if not _TIER_NAME.fullmatch(name):
-        raise ConfigError(f'expected letters, digits, "_", "-" or "." (at most 64), got "{name}"',
+        raise ConfigError(f'expected letters, digits, "_", "-" or ".", starting with a letter or digit (at most 64), '
+                          f'got "{name}"',
                           source=source, key_path=f"{path}.name")
     kind = coerce(str, raw["kind"], f"{path}.kind", source)
     try:
@@ -198,12 +202,17 @@ def _tier_config(raw: Any, index: int, registries: Any, source: str | None) -> T
     except ConfigError as exc:  # a kind that validates more of its options here (the faulty plugin's inner tier)
         where = _join(path, exc.key_path) if exc.key_path else path
         raise ConfigError(exc.message, source=source, key_path=where) from None
+    capabilities = tier_cls.capabilities_for(options)
     inapplicable = _FILE_TIER_KEYS if memory else _MEMORY_TIER_KEYS
     for key, why in inapplicable.items():
         if key in common:
             message = (f"does not apply to a memory tier (kind {kind!r}): {why}; remove the key" if memory
                        else f"{why}; kind {kind!r} does not (remove the key)")
             raise ConfigError(message, source=source, key_path=f"{path}.{key}")
+    if memory and "on_close" in common and not capabilities.survives_process:
+        raise ConfigError(f"kind {kind!r} holds its slots in this process's memory, which ends with it: there is "
+                          "nothing to keep or release at close (on_close applies to shm); remove the key",
+                          source=source, key_path=f"{path}.on_close")
     _check_codecs(tc, registries, path, source)
     return TierConfig(**{**tc.__dict__, "options": options})
 
@@ -225,7 +234,7 @@ def _check_order(tiers: tuple[TierConfig, ...], registries: Any, source: str | N
 
 def _check_codecs(tc: TierConfig, registries: Any, path: str, source: str | None) -> None:
     """``codec`` and ``codecs`` name registered codecs (the layout's own constraints: _check_layout_codecs)."""
-    known = list(registries.codecs)
+    known = [n for n, cls, _ in registries.codecs.items() if not getattr(cls, "layout_only", False)]
     chosen = [("codec", tc.codec)] if tc.codec is not None else []
     chosen += [(f"codecs.{item}", name) for item, name in tc.codecs.items()]
     for key, name in chosen:
@@ -238,11 +247,22 @@ def _check_codecs(tc: TierConfig, registries: Any, path: str, source: str | None
                           key_path=f"{path}.{key}")
 
 
-def _check_layout_codecs(tiers: tuple[TierConfig, ...], layout_cls: Any, source: str | None) -> None:
+def _check_layout_codecs(tiers: tuple[TierConfig, ...], layout_cls: Any, registries: Any,
+                         source: str | None) -> None:
     """Items whose files another program reads (Megatron's ``model_optim_rng.pt``, DCP's ``.distcp``) keep the
-    layout's codec (layouts/base.py: any choice of its own but the default)."""
+    layout's codec (layouts/base.py: any choice of its own but the default); a codec only a layout may pick
+    (``FileCodec.layout_only``) is not a tier's choice."""
     layout = layout_cls()
     for i, t in enumerate(tiers):
+        chosen = [("codec", None, t.codec)] if t.codec is not None else []
+        chosen += [(f"codecs.{item}", item, name) for item, name in t.codecs.items()]
+        for key, item, name in chosen:
+            codec_cls = registries.codecs.get(name) if name in registries.codecs else None
+            if getattr(codec_cls, "layout_only", False) and (item is None or layout.codec_for(item) != name):
+                allowed = [n for n, cls, _ in registries.codecs.items() if not getattr(cls, "layout_only", False)]
+                raise ConfigError(f"codec \"{name}\" is the format of a layout's own files (the layout picks it "
+                                  f"for the items it builds), not a tier's choice (allowed: {', '.join(allowed)}); "
+                                  "remove the key", source=source, key_path=f"tiers[{i}].{key}")
         for item, name in t.codecs.items():
             want = layout.codec_for(item)
             if want != layout.default_codec and name != want:
@@ -340,13 +360,14 @@ def load_config(config: Any, *, registries: Any = None, env: dict[str, str] | No
     rest = {k: v for k, v in raw.items() if k != "tiers"}
     cfg = build_dataclass(Config, {**rest, "tiers": []}, "", source)
     if not _RUN_ID.fullmatch(cfg.run_id):
-        raise ConfigError(f'expected letters, digits, "_", "-" or "." (at most 128), got "{cfg.run_id}"',
+        raise ConfigError(f'expected letters, digits, "_", "-" or ".", starting with a letter or digit (at most 128), '
+                          f'got "{cfg.run_id}"',
                           source=source, key_path="run_id")
     if cfg.layout not in registries.layouts:
         known = list(registries.layouts)
         raise ConfigError(f'unknown layout "{cfg.layout}" (known: {", ".join(known) or "none"})'
                           f"{suggest(cfg.layout, known)}", source=source, key_path="layout")
-    _check_layout_codecs(tiers, registries.layouts.get(cfg.layout), source)
+    _check_layout_codecs(tiers, registries.layouts.get(cfg.layout), registries, source)
     return Config(**{**cfg.__dict__, "tiers": tiers, "source": source,
                      "plugins": getattr(registries, "spec", None)})
 

@@ -68,7 +68,8 @@ def tiered_ckpt_on_event(event: Event) -> None:
     """Observe what the pipeline does: snapshot, drain, commit, evict, retry, fallback, load, ...
 
     :param event: a frozen :class:`tiered_ckpt.events.Event` with ``kind``, ``run_id`` (the emitting engine's),
-        ``step``, ``rank``, ``tier``, ``seconds``, ``nbytes`` and a free-form ``detail`` dict.
+        ``step``, ``rank``, ``tier``, ``seconds``, ``nbytes``, ``message``, ``time`` (when it happened, seconds
+        since the epoch) and a free-form ``detail`` dict.
     :return: ignored; every implementation is called.
 
     An implementation on a plugin sees the events of every engine built on its plugin manager; one given to an

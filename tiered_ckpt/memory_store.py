@@ -4,7 +4,7 @@ Per rank, slot ``i`` is two blobs: ``rank_RRRRR/slot_i.data`` (every item's tens
 64-byte aligned) and ``rank_RRRRR/slot_i.json`` (the step, each item's flat header and region, its checksums).
 The JSON is written last and deleted first: a slot without it holds nothing.
 
-Checksums are born with the data (docs/architecture.md, "Snapshot checksums"): on a tier that outlives the
+Checksums are born with the data (docs/architecture.md, "Snapshot checksums and layouts"): on a tier that outlives the
 process, each item is hashed from the slot right after the save's copy, on a background thread (the save
 returns after the copy), and the record is published again with them (``checksums: "saved"``). The drain waits
 for them, and checks the slot against them while it writes a file tier: damage in memory after the save is

@@ -47,6 +47,9 @@ class FileCodec:
     # Only tiered_ckpt reads this format back: a tier may store its files in a form no other program reads as one
     # file (Tier.write_private_blob). False for formats users open with other tools (torch.load).
     private = False
+    # The format of a layout's own files (DCP's ``.distcp``): only the layout picks it (Layout.codec_for); a tier's
+    # ``codec``/``codecs`` naming it is a configuration error, since the codec needs items that layout builds.
+    layout_only = False
 
     supports_byte_grouping = False
 

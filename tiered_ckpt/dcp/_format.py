@@ -96,6 +96,7 @@ class DistcpCodec(FileCodec):
 
     name = "distcp"
     extension = "distcp"
+    layout_only = True  # it encodes the items the dcp layout's writer builds, nothing a user saves
 
     def encode(self, src: ItemSource, *, byte_grouping: bool = False) -> Iterable[Any]:
         state = src.materialize(copy=False)

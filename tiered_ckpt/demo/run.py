@@ -19,6 +19,7 @@ import sys
 import time
 import uuid
 from pathlib import Path
+from typing import Any, TextIO
 
 from ..tiers.base import _user_name
 from ..tiers.shm import ShmOptions
@@ -116,12 +117,12 @@ def tier_table(events: list[dict], order: list[str]) -> list[list[str]]:
     return rows
 
 
-def _print_table(rows: list[list[str]], headers: list[str]) -> None:
+def _print_table(rows: list[list[str]], headers: list[str], file: TextIO | None = None) -> None:
     widths = [max(len(str(r[i])) for r in [headers, *rows]) for i in range(len(headers))]
     for i, r in enumerate([headers, *rows]):
-        print("  " + "  ".join(str(c).ljust(w) for c, w in zip(r, widths, strict=True)))
+        print("  " + "  ".join(str(c).ljust(w) for c, w in zip(r, widths, strict=True)), file=file)
         if i == 0:
-            print("  " + "  ".join("-" * w for w in widths))
+            print("  " + "  ".join("-" * w for w in widths), file=file)
 
 
 def _earlier_demo(work: Path) -> bool:
@@ -181,7 +182,9 @@ def _prepare_workdir(work: Path) -> bool:
 
 def run_demo(workdir: str, *, world: int = 4, steps: int = 30, save_every: int = SAVE_EVERY,
              kill_step: int | None = None, kill_rank: int | None = None, remote: str | None = None,
-             keep_files: bool = True) -> int:
+             keep_files: bool = True, as_json: bool = False) -> int:
+    """Run the demo in ``workdir``; 0 when the resumed run matched the uninterrupted one. ``as_json``: the progress
+    goes to stderr and a JSON summary to stdout."""
     if world < 1:
         raise ValueError(f"world must be 1 or more, got {world}")
     if kill_step is None and steps < min_steps(save_every):
@@ -197,13 +200,18 @@ def run_demo(workdir: str, *, world: int = 4, steps: int = 30, save_every: int =
     shm_run = Path(shm_path) / _user_name() / run_id
     try:
         return _run(work, run_id, shm_path, world=world, steps=steps, save_every=save_every, kill_step=kill_step,
-                    kill_rank=kill_rank, remote=remote, keep_files=keep_files, created=created)
+                    kill_rank=kill_rank, remote=remote, keep_files=keep_files, created=created, as_json=as_json)
     finally:
         shutil.rmtree(shm_run, ignore_errors=True)
 
 
 def _run(work: Path, run_id: str, shm_path: str, *, world: int, steps: int, save_every: int, kill_step: int,
-         kill_rank: int, remote: str | None, keep_files: bool, created: bool) -> int:
+         kill_rank: int, remote: str | None, keep_files: bool, created: bool, as_json: bool = False) -> int:
+    out = sys.stderr if as_json else sys.stdout  # with --json, stdout holds the summary alone
+
+    def say(*args: Any) -> None:
+        print(*args, file=out)
+
     remote_url = remote or f"file://{work / 'remote'}"
     config = {
         "run_id": run_id,
@@ -218,20 +226,20 @@ def _run(work: Path, run_id: str, shm_path: str, *, world: int, steps: int, save
     }
     (work / "tiers.json").write_text(json.dumps(config, indent=1))
     order = [t["name"] for t in config["tiers"]]
-    print(f"tiered_ckpt demo: a small GPT on {world} ranks (gloo), {steps} steps, a checkpoint every {save_every}")
-    print(f"  tiers: shm {shm_path} -> local {work / 'local'} -> remote {remote_url}")
+    say(f"tiered_ckpt demo: a small GPT on {world} ranks (gloo), {steps} steps, a checkpoint every {save_every}")
+    say(f"  tiers: shm {shm_path} -> local {work / 'local'} -> remote {remote_url}")
     t0 = time.perf_counter()
 
-    print("1/3 the uninterrupted run (reference)")
+    say("1/3 the uninterrupted run (reference)")
     reference = _losses(launch(world, {"steps": steps, "save_every": save_every}, work / "logs" / "reference"))
 
-    print(f"2/3 the same run with checkpoints; rank {kill_rank} is killed with SIGKILL at step {kill_step}")
+    say(f"2/3 the same run with checkpoints; rank {kill_rank} is killed with SIGKILL at step {kill_step}")
     crashed = launch(world, {"steps": steps, "save_every": save_every, "config": config,
                              "kill_rank": kill_rank, "kill_step": kill_step}, work / "logs" / "crashed")
     saved = sorted({r["saved"] for r in crashed if "saved" in r})
-    print(f"    saved steps {saved}; the job died at step {kill_step}")
+    say(f"    saved steps {saved}; the job died at step {kill_step}")
 
-    print("3/3 the job restarts: every rank resumes from the newest step all ranks can read")
+    say("3/3 the job restarts: every rank resumes from the newest step all ranks can read")
     resumed = launch(world, {"steps": steps, "save_every": save_every, "config": config, "resume": True},
                      work / "logs" / "resumed")
     starts = {r["rank"]: (r["resumed"], r["tier"], r["load_s"]) for r in resumed if "resumed" in r}
@@ -241,18 +249,19 @@ def _run(work: Path, run_id: str, shm_path: str, *, world: int, steps: int, save
         range(next(iter(step0)) + 1, steps + 1))
 
     events = _events(work / "events.jsonl")
-    print()
-    print("per tier (saves of both runs):")
-    _print_table(tier_table(events, order), ["tier", "steps", "bytes", "seconds (median)", "GB/s",
-                                             "time to durable s"])
-    print()
-    print("restore:")
+    say()
+    say("per tier (saves of both runs):")
+    headers = ["tier", "steps", "bytes", "seconds (median)", "GB/s", "time to durable s"]
+    tiers = tier_table(events, order)
+    _print_table(tiers, headers, out)
+    say()
+    say("restore:")
     _print_table([[str(r), str(s), t, f"{sec:.3f}"] for r, (s, t, sec) in sorted(starts.items())],
-                 ["rank", "step", "from tier", "seconds"])
-    print()
+                 ["rank", "step", "from tier", "seconds"], out)
+    say()
     for s in sorted(after)[:3]:
-        print(f"  step {s}: loss {after[s]:.6f} resumed, {reference[s]:.6f} uninterrupted")
-    print(f"  ... ({len(after)} steps compared, {time.perf_counter() - t0:.0f} s in all)")
+        say(f"  step {s}: loss {after[s]:.6f} resumed, {reference[s]:.6f} uninterrupted")
+    say(f"  ... ({len(after)} steps compared, {time.perf_counter() - t0:.0f} s in all)")
     if not keep_files:  # what the demo wrote, and the directory if the demo made it (never a directory of yours)
         _remove_demo_entries(work, ignore_errors=True)  # a killed rank's drain worker may still be writing
         if created:
@@ -260,12 +269,21 @@ def _run(work: Path, run_id: str, shm_path: str, *, world: int, steps: int, save
                 work.rmdir()
     else:
         cli = _cli_command()
-        print(f"  explore: {cli} ls {work / 'local'}   {cli} verify {work / 'local'}")
+        say(f"  explore: {cli} ls {work / 'local'}   {cli} verify {work / 'local'}")
     if matched:
-        print(f"OK: the resumed run matched the uninterrupted one exactly (from step {next(iter(step0))} to {steps}).")
-        return 0
-    print("FAILED: the resumed run did not match the uninterrupted one.")
-    return 1
+        say(f"OK: the resumed run matched the uninterrupted one exactly (from step {next(iter(step0))} to {steps}).")
+    else:
+        say("FAILED: the resumed run did not match the uninterrupted one.")
+    if as_json:
+        print(json.dumps({
+            "ok": matched, "world": world, "steps": steps, "save_every": save_every, "run_id": run_id,
+            "killed": {"rank": kill_rank, "step": kill_step}, "saved_steps": saved,
+            "resumed": {str(r): {"step": s, "tier": t, "load_s": round(sec, 4)} for r, (s, t, sec) in
+                        sorted(starts.items())},
+            "steps_compared": len(after), "tiers": [dict(zip(headers, row, strict=True)) for row in tiers],
+            "seconds": round(time.perf_counter() - t0, 1), "workdir": str(work) if keep_files else None,
+        }, indent=1))
+    return 0 if matched else 1
 
 
 def _cli_command() -> str:

@@ -287,8 +287,10 @@ class S3FaultProxy:
     """A loopback HTTP proxy in front of an S3 endpoint that fails chosen requests on purpose.
 
     Fault kinds: ``slowdown`` (503 with S3's ``SlowDown`` XML error), ``internal_error`` (500
-    ``InternalError``), ``reset`` (the request reaches the server, then the answer is cut halfway and the
-    connection reset: the client cannot know whether it landed; ``forward=False`` cuts it before), ``stall``
+    ``InternalError``), ``access_denied`` (403), ``bad_gateway`` / ``gateway_timeout`` / ``too_many_requests``
+    (502 / 504 / 429 as HTML, a gateway's answers), ``reset`` (the request reaches the server, then the answer is
+    cut halfway and the connection reset: the client cannot know whether it landed; ``forward=False`` cuts it
+    before), ``stall``
     (the request reaches the server, the answer is held ``delay_s`` seconds: longer than the client's read
     timeout, it sees a timeout; ``forward=False`` never forwards it), ``trickle`` (the answer sent one byte every
     ``delay_s`` seconds: each byte within the client's read timeout, the whole far beyond it).
