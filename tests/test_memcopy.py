@@ -337,6 +337,23 @@ def test_move_copies_exactly_the_bytes_asked_at_any_alignment(monkeypatch, strea
     assert bool((dst[:dst_off] == 0xA5).all()) and bool((dst[dst_off + n:] == 0xA5).all())
 
 
+@pytest.mark.parametrize("page_phase", [0, 16, 64, 4032, 4095])
+@pytest.mark.parametrize("n", [4 * 4096 - 1, 4 * 4096, 4 * 4096 * 5 + 4096 * 3 + 77, (1 << 20) + 12345])
+@pytest.mark.parametrize("src_off", [0, 3])
+def test_the_streaming_copy_is_exact_across_its_page_groups(monkeypatch, page_phase, n, src_off):
+    """The streaming copy goes line by line up to a page boundary of the destination, then copies groups of
+    pages side by side, then the rest line by line: every way a range can fall across those parts."""
+    if not memcopy.STREAMING:
+        pytest.skip("the C helper is not built here")
+    monkeypatch.setattr(memcopy, "STREAM_MIN", 0)
+    src = torch.randint(0, 256, (n + 64,), dtype=torch.uint8, generator=torch.Generator().manual_seed(n))
+    dst = torch.full((n + 3 * 4096,), 0xA5, dtype=torch.uint8)
+    start = (-dst.data_ptr()) % 4096 + page_phase  # ``page_phase`` bytes past a page boundary
+    memcopy.move(dst.data_ptr() + start, src.data_ptr() + src_off, n)
+    assert torch.equal(dst[start:start + n], src[src_off:src_off + n])
+    assert bool((dst[:start] == 0xA5).all()) and bool((dst[start + n:] == 0xA5).all())
+
+
 @pytest.mark.parametrize("shift", [16, -16, 1, -1])
 def test_move_of_overlapping_ranges_is_memmove_s_at_every_size(monkeypatch, shift):
     """Streaming stores copy forward; overlapping ranges must still come out as memmove makes them."""

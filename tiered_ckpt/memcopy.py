@@ -73,8 +73,9 @@ def move(dst: int, src: int, n: int) -> None:
     A copy of :data:`STREAM_MIN` bytes or more writes with streaming (non-temporal) stores: a snapshot's bytes
     are not read back soon, and an ordinary store first reads every destination line into the cache (measured on
     the 2-core development VM, 1 GiB on two threads in 1 MiB pieces: 0.064-0.067 s streamed against 0.10-0.15 s
-    with memmove, whose own streaming starts only at 192 MiB there). docs/architecture.md, "The data path of a
-    save"."""
+    with memmove, whose own streaming starts only at 192 MiB there). The C helper streams four destination pages
+    side by side, a cache line of each in turn (in one process, alternating: 0.070 s against 0.088 s for a 1 GiB
+    warm save into shm, line after line). docs/architecture.md, "The data path of a save"."""
     if STREAMING and n >= STREAM_MIN:
         _stream_copy(dst, src, n)
     else:
