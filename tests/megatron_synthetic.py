@@ -312,7 +312,8 @@ class SyntheticJob:
         }]
 
     def model_optim_rng(self, shard: Shard) -> dict[str, Any]:
-        """What Megatron's ``generate_state_dict`` builds for the shard (spec 1.3, key order included)."""
+        """What Megatron's ``generate_state_dict`` builds for the shard, key order included (docs/megatron-format.md,
+        "model_optim_rng.pt")."""
         return {
             "args": self.args(),
             "checkpoint_version": 3.0,

@@ -1,5 +1,6 @@
-"""Stand-ins for Megatron-LM's training objects, shaped as the spec describes them (megatron-format.md 1.3, 1.4,
-2.1, 2.2), built from a SyntheticJob: what the adapter sees of a real Megatron run, without Megatron.
+"""Stand-ins for Megatron-LM's training objects, shaped as docs/megatron-format.md describes them ("model_optim_rng.pt",
+"The optimizer entry", "Buckets and their sizes", "Local shards: what each DP rank holds"), built from a
+SyntheticJob: what the adapter sees of a real Megatron run, without Megatron.
 
 * :class:`FakeDistributedOptimizer`: ``buffers[g].buckets[b]`` (``grad_data`` of N_b elements, ``numel_unpadded``),
   ``gbuf_ranges[g][(param_dtype, grad_dtype)][b]["param_map"]`` (model param -> Megatron's four ranges),

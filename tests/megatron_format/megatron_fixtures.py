@@ -132,8 +132,9 @@ def copy_checkpoint(config: str, dst: Path) -> Path:
 
 
 def oracle_split(world: torch.Tensor, unpadded: list[int], dp: int, dp_rank: int) -> list[torch.Tensor]:
-    """Megatron's load recipe (spec 2.4), written out plainly: per bucket, slice U_b off the world tensor, pad
-    with zeros to N_b = U_b rounded up to lcm(dp, 128), take part dp_rank of dp equal parts."""
+    """Megatron's load recipe (docs/megatron-format.md, "Re-splitting for another DP size"), written out
+    plainly: per bucket, slice U_b off the world tensor, pad with zeros to N_b = U_b rounded up to lcm(dp, 128),
+    take part dp_rank of dp equal parts."""
     import math
 
     out, offset = [], 0

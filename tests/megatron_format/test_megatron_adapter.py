@@ -1,5 +1,6 @@
 """The Megatron adapter: save_checkpoint/load_checkpoint through real CheckpointEngines, with Megatron's objects
-faked as the spec describes them (fakes.py), then the saved checkpoint converted to Megatron's own layout."""
+faked as docs/megatron-format.md describes them (fakes.py), then the saved checkpoint converted to Megatron's own
+layout."""
 
 from __future__ import annotations
 

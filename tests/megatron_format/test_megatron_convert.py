@@ -301,7 +301,8 @@ import argparse, json, sys
 import numpy as np, torch
 from numpy._core.multiarray import _reconstruct
 sys.modules["megatron"] = None  # a reader without Megatron (megatron-core is a test dependency here)
-# What megatron.core registers (spec 1.5), minus its own classes: these files hold none.
+# What megatron.core registers (docs/megatron-format.md, "What Megatron pickles (safe loading)"), minus its own classes:
+# these files hold none.
 torch.serialization.add_safe_globals([argparse.Namespace, _reconstruct, np.ndarray, np.dtype,
                                       type(np.dtype("uint32"))])
 out = {}

@@ -1,7 +1,8 @@
 """distrib_optim.pt: merging local shards and splitting the file, bit for bit against Megatron's own output.
 
-Also the [U] hypotheses of spec 2.5 (merge/split recipe), each tested on its own: see the module doc of
-``tiered_ckpt.megatron.distrib_optim`` for the verdicts.
+Also each assumption of the merge/split recipe (docs/megatron-format.md, "Merging the DP shards into the file" and
+"Re-splitting for another DP size"), tested on its own: see the module doc of ``tiered_ckpt.megatron.distrib_optim``
+for the verdicts.
 """
 
 from __future__ import annotations
@@ -85,7 +86,8 @@ def _assert_same_state(got: dict, want: dict) -> None:
 
 @pytest.mark.parametrize(("config", "subdir"), all_dirs())
 def test_megatron_file_structure(config: str, subdir: str) -> None:
-    """Spec 2.3: exact keys, float32, tuple dtype key, numel_unpadded = sum U_b, tensors of that length."""
+    """docs/megatron-format.md, "distrib_optim.pt": exact keys, float32, tuple dtype key, numel_unpadded = sum U_b,
+    tensors of that length."""
     state = _megatron_file(config, subdir)
     assert list(state) == [BUCKETS_COALESCED, 0] and state[BUCKETS_COALESCED] is True
     assert list(state[0]) == [F32]
@@ -264,7 +266,8 @@ def test_split_checks_the_file_against_the_geometry() -> None:
 
 
 # ------------------------------------------------------------------------------------------------------------
-# the [U] hypotheses of spec 2.1 / 2.5, one by one
+# the recipe's assumptions (docs/megatron-format.md, "Buckets and their sizes", "Merging the DP shards into the file"),
+# one by one
 
 
 @pytest.mark.parametrize(("config", "dp"), RELOADS)

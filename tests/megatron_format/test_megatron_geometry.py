@@ -91,7 +91,8 @@ def test_local_param_ranges_equal_megatrons_param_range_map(config: str, reload_
 
 @pytest.mark.parametrize(("config", "dp"), RELOADS)
 def test_with_dp_size_equals_megatrons_geometry_at_the_new_dp(config: str, dp: int) -> None:
-    """Spec 2.1 [U]: only N_b changes with DP; U_b and in-bucket positions stay (confirmed)."""
+    """docs/megatron-format.md, "Buckets and their sizes": only N_b changes with DP; U_b and in-bucket positions stay
+    (confirmed)."""
     src, dst = truth(config), truth(config, dp)
     for rank, info in dst["ranks"].items():
         pp = dst["rank_map"][rank]["pp"]

@@ -48,7 +48,8 @@ def test_iteration_dirs() -> None:
 
 @pytest.mark.parametrize("config", CONFIGS)
 def test_fixture_tracker(config: str) -> None:
-    """Spec 1.1: ``str(iteration)``, no padding, no newline (confirmed on Megatron's own file)."""
+    """docs/megatron-format.md, "Directories and the tracker file": ``str(iteration)``, no padding, no newline
+    (confirmed on Megatron's own file)."""
     assert (folder(config) / TRACKER_FILENAME).read_bytes() == b"10"
     assert read_tracker(folder(config)) == 10
     assert (folder(config) / iteration_dir_name(read_tracker(folder(config)))).is_dir()

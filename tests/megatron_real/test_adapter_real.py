@@ -32,7 +32,8 @@ from harness import build_job, differences, fingerprint, full_state, launch, tra
 from tiered_ckpt import CheckpointEngine  # noqa: E402
 from tiered_ckpt.megatron import adapter  # noqa: E402
 
-FIXTURES = Path(__file__).parents[1] / "data" / "megatron"  # copies of the genuine checkpoints in shared/
+# The genuine Megatron-LM checkpoints kept in the repository, tests/data/megatron (its README.md says what they are)
+FIXTURES = Path(__file__).parents[1] / "data" / "megatron"
 SAVED_AT, RESUMED_TO, FLOPS = 3, 5, 123456.0
 DRAIN = os.environ.get("MEGATRON_REAL_DRAIN")  # None: the library's default (process)
 

@@ -1,10 +1,10 @@
 """Megatron-LM's ``save_checkpoint`` / ``load_checkpoint``, through a :class:`~tiered_ckpt.CheckpointEngine`.
 
 Drop-in for the legacy (``--ckpt-format torch``) path of ``megatron.training.checkpointing``: same positional
-arguments, same state (spec 1.3), plus the engine. ``args.ckpt_format == "torch_dist"`` goes to
-:mod:`.adapter_dist` (Megatron's dist_checkpointing over our DCP storage; it imports megatron.core). For
-``torch``, Megatron's objects are used through the attributes Megatron itself uses, so nothing here imports
-Megatron:
+arguments, same state (docs/megatron-format.md, "model_optim_rng.pt"), plus the engine.
+``args.ckpt_format == "torch_dist"`` goes to :mod:`.adapter_dist` (Megatron's dist_checkpointing over our DCP
+storage; it imports megatron.core). For ``torch``, Megatron's objects are used through the attributes Megatron
+itself uses, so nothing here imports Megatron:
 
 * model: a list of chunks (or one); ``state_dict_for_save_checkpoint()`` / ``load_state_dict(sd, strict)`` on the
   chunk with DDP / Float16Module wrappers (``.module``) removed, as Megatron's ``unwrap_model`` does;

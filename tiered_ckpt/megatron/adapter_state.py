@@ -113,8 +113,9 @@ _shard_buffers: weakref.WeakKeyDictionary[Any, tuple[Any, dict[str, torch.Tensor
 
 def local_shards(opt: Any, geo: OptimizerGeometry, *, reuse: bool = False,
                  fill: bool = True) -> dict[str, torch.Tensor]:
-    """This rank's contiguous local shards of one DistributedOptimizer (spec 2.2 step 1): fp32 zeros of
-    ``N_b / DP`` per bucket and state key, each param's main param and moments copied in at ``gbuf_local``.
+    """This rank's contiguous local shards of one DistributedOptimizer (docs/megatron-format.md, "Local shards: what
+    each DP rank holds"): fp32 zeros of ``N_b / DP`` per bucket and state key, each param's main param and moments
+    copied in at ``gbuf_local``.
 
     ``reuse``: the same tensors as the previous call for ``opt`` (each call overwrites them: the engine copies
     them into its slot before ``save`` returns). ``fill=False``: zeros only, for sizing slots before the
@@ -186,7 +187,8 @@ def rng_state(args: Any, rng_tracker: Any) -> list[dict[str, Any]]:
 
 def model_optim_rng_item(iteration: int, model: Sequence[Any], optimizer: Any, opt_param_scheduler: Any,
                          num_floating_point_operations_so_far: float, args: Any, rng_tracker: Any) -> dict[str, Any]:
-    """What Megatron's ``generate_state_dict`` builds (spec 1.3, in its key order)."""
+    """What Megatron's ``generate_state_dict`` builds, in its key order (docs/megatron-format.md,
+    "model_optim_rng.pt")."""
     state: dict[str, Any] = {"args": args, "checkpoint_version": CHECKPOINT_VERSION, "iteration": iteration}
     chunks = [unwrap(c) for c in model]
     if len(chunks) == 1:

@@ -12,9 +12,10 @@ What happens to each file:
 
 * ``model_optim_rng.pt`` is copied as is: it does not depend on DP (Megatron's own rule).
 * ``rank_sharded`` → ``megatron``: each DP group's rank files are merged into ``mp_rank_*/distrib_optim.pt``
-  (spec 2.5), byte-identical to what Megatron writes.
+  (docs/megatron-format.md, "Merging the DP shards into the file"), byte-identical to what Megatron writes.
 * ``megatron`` → ``rank_sharded``, or any source at a new DP: every rank's shards are cut out of Megatron's world
-  tensors (spec 2.4: slice ``U_b``, zero-pad to the new ``N_b``, split in DP parts).
+  tensors (slice ``U_b``, zero-pad to the new ``N_b``, split in DP parts: docs/megatron-format.md, "Re-splitting for
+  another DP size").
 * same layout, same DP: a verified copy.
 
 Memory stays at about one bucket (merge/split pieces) or 32 MiB (copies) plus fixed overhead, whatever the model

@@ -1,6 +1,6 @@
 """``distrib_optim.pt``: the distributed optimizer's parameter state, gathered per model-parallel rank.
 
-Current form ("buckets_coalesced", Megatron core_v0.7 and later; spec ``megatron-format.md`` 2.3)::
+Current form ("buckets_coalesced", Megatron core_v0.7 and later; docs/megatron-format.md, "distrib_optim.pt")::
 
     {'buckets_coalesced': True,
      gbuf_idx: {(param_dtype, grad_dtype): {'param': fp32 [U], 'exp_avg': fp32 [U], 'exp_avg_sq': fp32 [U],
@@ -13,8 +13,9 @@ lives elsewhere.
 *Local shards* are what one DP rank holds: ``{"gbuf<g>/bucket<b>/<key>": fp32 [N_b / DP]}``, element ``i``
 being bucket element ``dp_rank * N_b / DP + i`` (zeros in the padding).
 
-Spec 2.5's merge/split recipe ([U] there) was checked bit for bit against Megatron's own files and its own
-re-split at other DP sizes (``tests/megatron/test_megatron_distrib_optim.py``); confirmed:
+The merge/split recipe (docs/megatron-format.md, "Merging the DP shards into the file" and "Re-splitting for
+another DP size") was checked bit for bit against Megatron's own files and its own re-split at other DP sizes
+(``tests/megatron_format/test_megatron_distrib_optim.py``); confirmed:
 - merge: concatenating the DP shards of a bucket and keeping the first ``U_b`` elements gives Megatron's file
   (re-saved with ``torch.save`` it is byte-identical to the file Megatron wrote);
 - split: ``N'_b = ceil(U_b / lcm(DP', 128)) * lcm(DP', 128)``, zero-pad, rank r' takes its ``N'_b/DP'`` slice;

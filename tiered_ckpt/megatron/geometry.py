@@ -1,8 +1,9 @@
 """Bucket geometry of Megatron's distributed optimizer: where each param and each DP rank's shard sit.
 
 DDP packs a model chunk's trainable params into one gradient *buffer* per ``(param_dtype, grad_dtype)``; the
-distributed optimizer shards every *bucket* of a buffer evenly over the data-parallel ranks. The rules (spec
-``megatron-format.md`` 2.1), checked against real Megatron checkpoints in ``tests/data/megatron``:
+distributed optimizer shards every *bucket* of a buffer evenly over the data-parallel ranks. The rules
+(docs/megatron-format.md, "Buckets and their sizes"), checked against real Megatron checkpoints in
+``tests/data/megatron``:
 
 1. params are placed in **reverse** ``named_parameters()`` order;
 2. each param start is rounded up to a multiple of 64 elements;

@@ -9,8 +9,9 @@ the job:
 1. each rank (:func:`write_rank_pieces`) opens one temporary file of the directory, named after the plan's
    digest so every rank of the group finds the same one (never truncated; extended, sparse, to the plan's size),
    writes the bytes of its own shard in each world tensor (per bucket: ``[dp_rank * N_b/DP, min(U_b, ...))``,
-   spec 2.5) through the tier's positional writer (:mod:`tiered_ckpt.tiers._positional`: whole pages with
-   ``O_DIRECT``, the pages it shares with its neighbours through the page cache), CRC-32s them on the way,
+   docs/megatron-format.md, "Merging the DP shards into the file") through the tier's positional writer
+   (:mod:`tiered_ckpt.tiers._positional`: whole pages with ``O_DIRECT``, the pages it shares with its neighbours
+   through the page cache), CRC-32s them on the way,
    calls ``fdatasync``, and lists the ranges in its rank manifest: one entry keyed by the merged file, with each
    range's CRC-32 (``meta.in_place``);
 2. the committing rank (:func:`finish_files`), once every rank's manifest is there, checks that the ranges tile
@@ -147,7 +148,8 @@ def temp_key(merged_key: str, plan: FilePlan, run_id: str, step: int) -> str:
 @dataclass(frozen=True)
 class Span:
     """One DP rank's bytes of one bucket of a tensor record: ``[dp * N_b/DP, min(U_b, (dp + 1) * N_b/DP))`` of
-    the bucket (spec 2.5), at ``pos`` bytes from the record's data."""
+    the bucket (docs/megatron-format.md, "Merging the DP shards into the file"), at ``pos`` bytes from the record's
+    data."""
 
     rank: int
     record: int

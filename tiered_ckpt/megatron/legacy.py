@@ -4,9 +4,9 @@
 ``rank_sharded``: ours, ``rank_RRRRR/distrib_optim.pt`` beside them; ``dlrover``: the same directory names
 holding DLRover's per-param optimizer fragments), the iteration from Megatron's tracker, and the parallel
 topology from the directory names and the ``args`` inside ``model_optim_rng.pt``. Tracker edge cases follow
-Megatron (spec 4): whitespace is stripped, ``release`` names the ``release/`` directory, anything else is an error
-naming the file (Megatron would ``sys.exit``); a missing tracker is an error here (Megatron would silently start
-from random weights) unless ``step`` is given.
+Megatron (docs/megatron-format.md, "How Megatron reads the tracker"): whitespace is stripped, ``release`` names the
+``release/`` directory, anything else is an error naming the file (Megatron would ``sys.exit``); a missing tracker
+is an error here (Megatron would silently start from random weights) unless ``step`` is given.
 
 :func:`load_rank_items` returns one rank's items as the engine saves them: ``model_optim_rng`` (the dict) and
 ``distrib_optim`` (the rank's :mod:`.rank_shard` dict, split out of Megatron's gathered file at the
@@ -202,10 +202,10 @@ def load_rank_items(
     """This rank's ``model_optim_rng`` and ``distrib_optim`` items from the checkpoint of ``step`` on ``tier``.
 
     ``coords`` is the *current* job's rank and layout: TP, PP, EP and CP must match the checkpoint's, DP may
-    differ (the optimizer state is re-split, Megatron's rule, spec 2.4). ``geometry``: the live optimizer's
-    bucket geometry per sub-optimizer, to split a Megatron-written file without recomputing its buckets from the
-    model state. With a manifest (our layouts) every file read is verified (``verify``); without one nothing
-    is, and the result says so.
+    differ (the optimizer state is re-split by Megatron's rule: docs/megatron-format.md, "Re-splitting for
+    another DP size"). ``geometry``: the live optimizer's bucket geometry per sub-optimizer, to split a
+    Megatron-written file without recomputing its buckets from the model state. With a manifest (our layouts)
+    every file read is verified (``verify``); without one nothing is, and the result says so.
     """
     info = detect(tier, step=step, trust_pickles=trust_pickles)
     if not info.has_manifest:

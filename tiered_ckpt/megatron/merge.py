@@ -155,7 +155,8 @@ class _Pieces:
 
 
 def streamed_state(part: GroupPart) -> dict[Any, Any]:
-    """Megatron's dict for one sub-optimizer (spec 2.3), each world tensor streamed bucket by bucket."""
+    """Megatron's dict for one sub-optimizer (docs/megatron-format.md, "distrib_optim.pt"), each world tensor streamed
+    bucket by bucket."""
     pieces = _Pieces(iter_merge(part.shards, part.geometry))
     state: dict[Any, Any] = {BUCKETS_COALESCED: True}
     for g, buf in enumerate(part.geometry.buffers):
@@ -260,8 +261,8 @@ def merge_step_on_tier(
 
 
 class ShardWorld(LazyArray):
-    """Buffer ``g``'s world tensor for one state key (spec 2.3), read from a DP group's local shards only where
-    sliced: ``w[a:b]`` reads the parts of the shards that cover ``[a, b)``."""
+    """Buffer ``g``'s world tensor for one state key (docs/megatron-format.md, "distrib_optim.pt"), read from a DP
+    group's local shards only where sliced: ``w[a:b]`` reads the parts of the shards that cover ``[a, b)``."""
 
     def __init__(self, shards: Sequence[Mapping[str, Any]], buf: BufferGeometry, g: int, key: str):
         self.shards, self.buf, self.g, self.key = shards, buf, g, key

@@ -1,6 +1,6 @@
 """Megatron-LM's legacy (``torch``) checkpoint naming: step directories, rank directories, the tracker file.
 
-Layout of a checkpoint (spec ``megatron-format.md`` 1.1)::
+Layout of a checkpoint (docs/megatron-format.md, "Directories and the tracker file")::
 
     <save>/latest_checkpointed_iteration.txt          "10" (no padding, no newline) or "release"
     <save>/iter_0000010/mp_rank_TT[_PPP][_EEE]/model_optim_rng.pt

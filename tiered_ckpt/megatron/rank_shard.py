@@ -24,7 +24,8 @@ padding and alignment gaps), ordered by buffer, bucket, state key. Only tensors,
 strings and ``torch.dtype`` appear, so ``torch.load(weights_only=True)`` reads it with no allow-list.
 
 Merging (:mod:`.merge`): the files whose ``group`` is the same are concatenated bucket by bucket in DP-rank order,
-each bucket cut to ``U_b`` (spec 2.5); the result goes to the ``mp_rank_*`` directory of ``group[0]``.
+each bucket cut to ``U_b`` (docs/megatron-format.md, "Merging the DP shards into the file"); the result goes to the
+``mp_rank_*`` directory of ``group[0]``.
 
 DP groups (:func:`dp_group`), as Megatron forms them with its default order: a *dense* optimizer is sharded over
 Megatron's data-parallel group with context parallelism, i.e. the ranks that differ only in (cp, ep, dp) (EP is

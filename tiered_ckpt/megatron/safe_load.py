@@ -1,7 +1,7 @@
 """Load Megatron-LM's torch pickles safely, without Megatron installed.
 
 :func:`load` is ``torch.load(weights_only=True)`` plus the allow-list Megatron registers when
-``megatron.core`` is imported (spec ``megatron-format.md`` 1.5): ``argparse.Namespace``,
+``megatron.core`` is imported (docs/megatron-format.md, "What Megatron pickles (safe loading)"): ``argparse.Namespace``,
 ``types.SimpleNamespace``, ``PosixPath``, ``io.BytesIO``, ``signal.Signals``, ``torch.Generator``, numpy
 arrays, dtypes and scalars, and Megatron's own enums and ``OptimizerConfig``. Nothing outside it is ever
 called: such a file raises :class:`UnsafePickleError` naming the file and the offending globals, unless
