@@ -70,6 +70,7 @@ class DrainRuntime:
         self._queues: dict[str, queue.Queue] = {}
         self._threads: dict[str, threading.Thread] = {}
         self._closed = False
+        self._submitting = threading.RLock()  # submit() against close(): no job is queued behind a stop mark
         self._hasher = ThreadPoolExecutor(1, thread_name_prefix="tiered_ckpt-snapshot-hash")
         # tier -> the thread running what its last commit left (retention's deletions; _run): an S3 step's
         # deletion took 0.2-0.4 s of a 3 s drain on the development VM, now beside the tier's next write
@@ -141,19 +142,20 @@ class DrainRuntime:
 
     # ----- submitting --------------------------------------------------------------------------------------
     def submit(self, req: DrainRequest) -> None:
-        if self._closed:
-            raise RuntimeError("the drain is closed")
         job = _Job(req, {t: Future() for t in req.due}, {req.source: req.slot}, tiers_left=len(req.due))
-        with self._cond:
-            for t in (req.source, *req.due):
-                self._pins[(t, req.step)] += 1
-            self._pending += 1
-        if not req.due:
-            self._finish(job)
-            return
-        for t in req.due:
-            self._note_backlog(t, +1, req.step)  # before the put: the tier's thread may finish it at once
-            self._queue(t).put(job)
+        with self._submitting:
+            if self._closed:
+                raise RuntimeError("the drain is closed")
+            with self._cond:
+                for t in (req.source, *req.due):
+                    self._pins[(t, req.step)] += 1
+                self._pending += 1
+            if req.due:
+                for t in req.due:
+                    self._note_backlog(t, +1, req.step)  # before the put: the tier's thread may finish it at once
+                    self._queue(t).put(job)
+                return
+        self._finish(job)
 
     def _note_backlog(self, tier: str, change: int, step: int) -> None:
         """Count the steps a tier still has to take; warn at 4, 8, 16, ... of them (saves outpace it)."""
@@ -207,9 +209,10 @@ class DrainRuntime:
 
     def close(self, timeout: float | None = None) -> bool:
         idle = self.wait_idle(timeout)
-        self._closed = True
-        for q in self._queues.values():
-            q.put(None)
+        with self._submitting:  # a submit() either queued its job ahead of the stop marks, or is refused
+            self._closed = True
+            for q in self._queues.values():
+                q.put(None)
         for th in self._threads.values():
             th.join(timeout=1.0 if not idle else None)
         with self._cond:

@@ -331,6 +331,9 @@ class ProcessDrain:
 
     def submit(self, req: DrainRequest) -> None:
         with self._cond:
+            if self._closing:  # close() has run or runs: no new worker, nothing queued behind the stop message
+                raise TieredCkptError(f"step {req.step}: the drain is closed (close() ran while this save was "
+                                      "copying); the step was not handed to it")
             if self._proc is None or not self._proc.is_alive():
                 log.warning("the drain worker is not running; starting a new one")
                 self._start()
@@ -341,8 +344,9 @@ class ProcessDrain:
                 self._held.append(req)
                 return
             self._outstanding[(req.step, req.created)] = (req, set(req.due), False, self._proc)
-            sender = self._requests  # the channel of the worker recorded as its owner, whatever starts next
-        sender.put(req)  # (never blocks, never raises: worker_channel.py)
+            # Sent under the lock (put never blocks, never raises: worker_channel.py): close() sets _closing under
+            # it before its stop message, so a request goes ahead of that message or is refused above.
+            self._requests.put(req)
 
     def slots_ready(self) -> None:
         """Tell the worker to map the slots now (it does so on a thread of its own, after what is queued); a
@@ -419,7 +423,11 @@ class ProcessDrain:
                 log.error("the drain worker could not start: %s", msg[1])
                 self._worker_died(proc, msg[1])
                 return
-            elif kind == "closed":
+            elif kind == "closed":  # it reported every request it took first: any still here came too late
+                with self._cond:
+                    left = any(owner is proc for _r, _l, _rel, owner in self._outstanding.values())
+                if left:
+                    self._worker_died(proc, "the drain worker stopped before it took this step")
                 return
 
     def _worker_died(self, proc: Any, why: str | None = None) -> None:
@@ -481,7 +489,8 @@ class ProcessDrain:
 
     def close(self, timeout: float | None = None) -> bool:
         idle = self.wait_idle(timeout)
-        self._closing = True
+        with self._cond:  # submit() checks it under the lock
+            self._closing = True
         if self._local is not None:
             self._local.close(None if idle else 0)
         self._stop(STOP_GRACE_S if idle else 0.0)

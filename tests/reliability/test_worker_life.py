@@ -25,9 +25,12 @@ import uuid
 from pathlib import Path
 
 import pytest
+import torch
 from helpers import assert_same, make_items
 
 from tiered_ckpt import CheckpointEngine, SaveError
+from tiered_ckpt import drain as drain_module
+from tiered_ckpt.drain_protocol import DrainRequest
 from tiered_ckpt.worker import process_state
 
 HANG_GUARD_S = 120.0  # only against a hang: every wait below ends long before when the code is right
@@ -432,3 +435,99 @@ def test_the_worker_s_log_records_reach_the_training_process_s_handlers(shm_root
         engine.save(7, make_items(8)).wait(timeout=HANG_GUARD_S)  # the worker warns: committed, saved again
     said = [r for r in caplog.records if "is committed here and is being saved again" in r.getMessage()]
     assert said and said[0].name == "tiered_ckpt.file_store" and said[0].process != os.getpid()
+
+
+GUARD_S = 60
+
+
+def _cfg(shm_root, tmp_path, mode):
+    return {"run_id": f"dc-{uuid.uuid4().hex[:8]}", "drain": {"mode": mode},
+            "tiers": [{"name": "shm", "kind": "shm", "path": shm_root},
+                      {"name": "disk", "kind": "local", "path": str(tmp_path / "disk")}]}
+
+
+def _items(step):
+    return {"state": {"w": torch.full((100,), float(step))}}
+
+
+def test_a_submit_after_close_is_refused_and_starts_no_worker(shm_root, tmp_path):
+    with CheckpointEngine(_cfg(shm_root, tmp_path, "process")) as engine:
+        engine.save(1, _items(1)).wait(timeout=GUARD_S)
+        drain = engine._drain
+    proc = drain._proc
+    with pytest.raises(Exception, match="closed"):
+        drain.submit(DrainRequest(step=2, source="shm", slot=0, due=("disk",), created=time.time(), save_id=""))
+    assert drain._proc is proc and not proc.is_alive()
+
+
+def test_a_save_submitted_behind_the_stop_message_is_never_left_pending(shm_root, tmp_path):
+    """The save's submit lands right after close() queued the worker's stop message: it is refused (or, were
+    it sent, reported failed), never a handle that no one resolves."""
+    engine = CheckpointEngine(_cfg(shm_root, tmp_path, "process"))
+    drain = engine._drain
+    engine.save(1, _items(1)).wait(timeout=GUARD_S)
+    assert drain._ready.wait(GUARD_S)
+    store = engine.pipeline.entry_store
+    copy_may_end, outcome = threading.Event(), []
+    write_snapshot = store.write_snapshot
+
+    def slow_copy(*a, **k):
+        copy_may_end.wait(GUARD_S)
+        return write_snapshot(*a, **k)
+
+    def save():
+        try:
+            outcome.append(engine.save(2, _items(2)))
+        except Exception as exc:  # noqa: BLE001
+            outcome.append(exc)
+
+    store.write_snapshot = slow_copy
+    saver = threading.Thread(target=save, daemon=True)
+    saver.start()
+    time.sleep(0.3)
+    put = drain._requests.put
+
+    def put_then_let_the_save_submit(msg):
+        put(msg)
+        if msg is None:
+            copy_may_end.set()
+            saver.join(GUARD_S)
+
+    drain._requests.put = put_then_let_the_save_submit
+    engine.close()
+    assert outcome
+    if not isinstance(outcome[0], Exception):
+        with pytest.raises(SaveError):
+            outcome[0].wait(timeout=15)  # resolved, as failed (HEAD: TimeoutError: never resolved)
+    assert engine.pending() == {} and drain.wait_idle(5)
+
+
+def test_a_thread_drain_refuses_a_submit_that_passed_its_check_as_close_ran(shm_root, tmp_path, monkeypatch):
+    engine = CheckpointEngine(_cfg(shm_root, tmp_path, "thread"))
+    drain = engine._drain
+    engine.save(1, _items(1)).wait(timeout=GUARD_S)
+    inside, go_on, outcome = threading.Event(), threading.Event(), []
+    job = drain_module._Job
+
+    def late_job(*a, **k):
+        if threading.current_thread().name == "racer":
+            inside.set()
+            go_on.wait(GUARD_S)
+        return job(*a, **k)
+
+    monkeypatch.setattr(drain_module, "_Job", late_job)
+
+    def save():
+        try:
+            outcome.append(engine.save(2, _items(2)))
+        except Exception as exc:  # noqa: BLE001
+            outcome.append(exc)
+
+    racer = threading.Thread(target=save, name="racer", daemon=True)
+    racer.start()
+    assert inside.wait(GUARD_S)
+    engine.close()
+    go_on.set()
+    racer.join(GUARD_S)
+    assert outcome and isinstance(outcome[0], Exception), "HEAD: a handle that never resolves"
+    assert drain.wait_idle(5)
