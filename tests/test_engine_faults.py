@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import shutil
@@ -12,9 +13,11 @@ import textwrap
 import uuid
 
 import pytest
+import torch
 from helpers import assert_same, make_items
 
 from tiered_ckpt import CheckpointEngine, SaveError
+from tiered_ckpt.housekeeping import run_state
 
 FAST_RETRY = {"attempts": 6, "initial_s": 0.01, "max_s": 0.05, "deadline_s": 30}
 
@@ -351,3 +354,25 @@ def test_a_failed_save_of_this_process_is_not_cleared_by_a_later_one(shm_root, t
         with pytest.raises(SaveError, match="step 3 on tier 'local'") as info:
             engine.wait(timeout=60)
         assert "earlier process" not in str(info.value)
+
+
+def test_an_engine_whose_drain_cannot_start_lets_its_lock_go(shm_root, tmp_path, monkeypatch):
+    """Spawning the drain worker fails (EAGAIN under a pids limit): the constructor raises, and the next engine of
+    the run, in this process, starts. It was refused with RunLockedError naming this very process: the failed
+    engine's lock stayed held for the life of the process."""
+    from tiered_ckpt import worker as worker_module
+
+    cfg = {"run_id": f"fb-{uuid.uuid4().hex[:8]}",
+           "tiers": [{"name": "shm", "kind": "shm", "path": shm_root},
+                     {"name": "disk", "kind": "local", "path": str(tmp_path / "disk")}]}
+
+    def failing_start(self):
+        raise BlockingIOError(errno.EAGAIN, "Resource temporarily unavailable")
+
+    with monkeypatch.context() as m:
+        m.setattr(worker_module.ProcessDrain, "_start", failing_start)
+        with pytest.raises(BlockingIOError):
+            CheckpointEngine(cfg)
+    assert run_state(cfg["run_id"], shm_root) == "closed"
+    with CheckpointEngine(cfg) as engine:
+        engine.save(1, {"state": {"w": torch.ones(10)}}).wait(timeout=60)

@@ -157,16 +157,28 @@ class CheckpointEngine:
         # rank: the start-up exchange says): only then does load() wait for the recovery, with one barrier (one
         # process holds what it recovers in memory)
         self._recovering = False
-        for store in self.pipeline.stores.values():
-            for rel in store.clean_start():  # before the drain starts: no writer of ours is there yet
-                log.info("tier %r: removed %s, left by a killed process", store.name, rel)
-        self._drain: Drain = open_drain(self.pipeline, self._tier_done, self._slot_released)
+        try:
+            # alone(): the other ranks learn of a failure here at the recovery's exchange, as for build_pipeline
+            self._drain: Drain = self.coordinator.alone(self._start_drain)
+        except BaseException:
+            # Not yet in _live (nothing closes it at exit) and no drain to close: without this the rank lock's fd
+            # stayed open for the life of the process, and the next engine of the run (a retry in this process,
+            # or another process while this one lives) was refused with RunLockedError naming this process.
+            self.pipeline.close()
+            self._detach()
+            raise
         _live.add(self)
         try:
             self._recover()
         except BaseException:  # a failed start-up exchange (another rank failed): let the lock and worker go
             self.close(timeout=0)
             raise
+
+    def _start_drain(self) -> Drain:
+        for store in self.pipeline.stores.values():
+            for rel in store.clean_start():  # before the drain starts: no writer of ours is there yet
+                log.info("tier %r: removed %s, left by a killed process", store.name, rel)
+        return open_drain(self.pipeline, self._tier_done, self._slot_released)
 
     # ----- events ------------------------------------------------------------------------------------------
     def _emit(self, event: ev.Event) -> None:

@@ -177,7 +177,15 @@ class RunLock:
         makers: list[Callable[[], str]] = [(lambda p=p: shm_lock_dir(p, run_id)) for p in shm_paths]
         if not makers:
             makers = [lambda: lock_dir(run_id)]
-        self._ranks = [_LockFile(m, f"rank_{rank:05d}.lock") for m in makers]
+        self._ranks: list[_LockFile] = []
+        try:
+            for make in makers:
+                self._ranks.append(_LockFile(make, f"rank_{rank:05d}.lock"))
+        except BaseException:  # a later shm path refused (not writable, another user's): no empty run directory
+            for made in self._ranks:  # left in the earlier ones, where nothing would ever remove it
+                with contextlib.suppress(OSError):
+                    os.rmdir(made.dir)
+            raise
         # gc removes only shared memory: a run with no shm tier has no run.lock ($TMPDIR: rank locks alone).
         self._runs: list[_LockFile | None] = [_LockFile(m, RUN_LOCK) for m in makers] if shm_paths else [None]
 

@@ -186,8 +186,10 @@ def build_pipeline(config: Config, pm: PluginManager, coords: RankCoords, local_
     for name in order:
         try:
             stores[name] = make_store(pm, config, cfgs[name], coords, local_rank, emit)
-        except ConfigError as exc:
+        except BaseException as exc:  # a tier's PermanentTierError (a path it cannot create) too
             for store in stores.values():
                 store.close()
+            if not isinstance(exc, ConfigError):
+                raise
             raise _placed(exc, config, name) if name != STAGING else exc from None
     return Pipeline(config, coords, pm, order, cfgs, stores, emit, local_rank, node_ranks or [coords.rank])
