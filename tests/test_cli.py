@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import re
@@ -239,9 +240,10 @@ def test_gc_stale_runs(shm_root, tmp_path, capsys):
         assert run(capsys, "gc", "--stale", "--shm-path", str(shm_root), "--delete")[0] == EXIT_OK
         user_dir = next(Path(shm_root).iterdir())
         assert not (user_dir / dead).exists() and (user_dir / live).exists()
-        from tiered_ckpt.locking import lock_dir
+        from tiered_ckpt.housekeeping import lock_path
 
-        assert os.listdir(lock_dir(dead)) == []  # the dead run's lock files went with it (lock_dir re-creates)
+        assert not (user_dir / "@locks" / dead).exists()  # the dead run's lock files went with it
+        assert not os.path.exists(lock_path(dead))  # and nothing was made in $TMPDIR (lock_dir() would make it)
 
 
 def test_gc_stale_says_it_cannot_tell_whether_another_run_s_steps_reached_a_file_tier(shm_root, tmp_path, capsys):
@@ -474,3 +476,34 @@ def test_the_cli_s_default_shm_path_is_the_shm_tier_s():
     from tiered_ckpt.tiers.shm import ShmOptions
 
     assert DEFAULT_SHM_PATH == ShmOptions.path
+
+
+def _refused(errno_, strerror):
+    def mkstemp(*_a, dir=None, **_k):  # as a directory the user cannot write answers (root ignores modes)
+        raise OSError(errno_, strerror, os.path.join(dir, ".tiered_ckpt-bench-abc123"))
+    return mkstemp
+
+
+@pytest.mark.parametrize("errno_, strerror", [(errno.EACCES, "Permission denied"),
+                                               (errno.EROFS, "Read-only file system")])
+def test_bench_on_a_directory_it_cannot_write(tmp_path, capsys, monkeypatch, errno_, strerror):
+    from tiered_ckpt import machine_bench
+
+    monkeypatch.setattr(machine_bench.tempfile, "mkstemp", _refused(errno_, strerror))
+    code = main(["bench", str(tmp_path), "--size-mib", "1"])
+    err = capsys.readouterr().err
+    assert code == 4
+    assert f"in {tmp_path} (the directory given): {strerror}" in err and "tiered-ckpt bench DIR" in err, err
+    assert ".tiered_ckpt-bench-" not in err and "could not read" not in err and "Traceback" not in err
+    code = main(["bench", str(tmp_path), "--size-mib", "1", "--json"])
+    assert code == 4 and str(tmp_path) in json.loads(capsys.readouterr().out)["error"]
+
+
+def test_bench_without_a_directory_says_it_writes_in_the_working_directory(tmp_path, capsys, monkeypatch):
+    from tiered_ckpt import machine_bench
+
+    monkeypatch.setattr(machine_bench.tempfile, "mkstemp", _refused(errno.EACCES, "Permission denied"))
+    monkeypatch.chdir(tmp_path)
+    assert main(["bench", "--size-mib", "1"]) == 4
+    err = capsys.readouterr().err
+    assert "the current directory" in err and str(tmp_path) in err, err

@@ -12,6 +12,7 @@ from .cli_common import (
     DEFAULT_SHM_PATH,
     EXIT_NOT_FOUND,
     EXIT_OK,
+    EXIT_UNREADABLE,
     EXIT_USAGE,
     CommandError,
     Opened,
@@ -35,8 +36,10 @@ def cmd_gc(args: argparse.Namespace) -> int:
     from .housekeeping import (
         LEFT_YOUNG,
         find_debris,
+        find_stale_locks,
         find_stale_runs,
         find_unfinished_uploads,
+        remove_stale_locks,
         remove_stale_run,
         run_state,
     )
@@ -80,6 +83,12 @@ def cmd_gc(args: argparse.Namespace) -> int:
                 found.append(entry)
                 if args.delete and not entry.get("kept"):
                     remove_stale_run(run, shm_path)
+        # Lock files with no shared memory beside them (a killed engine of a run without an shm tier, in $TMPDIR;
+        # one killed before its first slot): nothing else ever removes them. --shm-path: only there.
+        for locks in find_stale_locks(looked_in, tmpdir=not args.shm_path):
+            found.append(locks.to_dict())
+            if args.delete:
+                remove_stale_locks(locks)
     if opened is not None:
         live = bool(args.config) and run_state(opened.config.run_id, shm_paths(opened.config)) == "live"
         live_run = opened.config.run_id if live else None
@@ -131,6 +140,8 @@ def cmd_gc(args: argparse.Namespace) -> int:
                     print(f"      whether step(s) {', '.join(map(str, f['unknown']))} reached a file tier is not "
                           f"known here (not this configuration's run): gc --config <run {f['run_id']!r}'s "
                           "configuration> --stale checks it and keeps what is only in memory")
+            elif f["what"] == "stale locks":
+                print(f"{verb}  lock files of run {f['run_id']!r} ({f['state']}, no shared memory)  {f['path']}")
             else:
                 done = "could not remove" if f.get("error") else verb
                 print(f"{done}  {f['what']}  tier {f['tier']!r}: {f['key']}  ({human_bytes(f['bytes'])})")
@@ -251,9 +262,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
     for store in stores.values():
         path = getattr(store.tier.options, "path", None)
         if store.tier.kind == "local" and path:
-            rows.append(mb.write_fsync(nbytes, path))
+            which = "the directory given" if args.target else f"the path of tier {store.name!r} in {args.config}"
+            rows.append(_write_fsync(mb, nbytes, path, which))
     if not stores:
-        rows.append(mb.write_fsync(nbytes, os.getcwd()))
+        rows.append(_write_fsync(mb, nbytes, os.getcwd(), "the current directory: no directory or --config given"))
     for store in stores.values():
         rows.extend(mb.tier_round_trip(store.tier, nbytes))
     ceiling = rows[0].gbps
@@ -263,6 +275,20 @@ def cmd_bench(args: argparse.Namespace) -> int:
     _print_table([[r.what, f"{r.seconds:.3f}", f"{r.gbps:.2f}", f"{r.gbps / ceiling:.2f}"] for r in rows],
                  ["what", "seconds", "GB/s", "vs copy"])
     return EXIT_OK
+
+
+def _write_fsync(mb: Any, nbytes: int, directory: str, which: str) -> Any:
+    """``mb.write_fsync``, its OSError (a directory this user cannot write, a read-only filesystem) told as what
+    bench tried, where, and how to go on."""
+    import errno
+
+    try:
+        return mb.write_fsync(nbytes, directory)
+    except OSError as exc:
+        fix = ("; give a directory this user can write on a writable filesystem (tiered-ckpt bench DIR), or run "
+               "bench from one" if exc.errno in (errno.EACCES, errno.EPERM, errno.EROFS) else "")
+        raise CommandError(f"cannot write its {human_bytes(nbytes)} test file (to measure write+fsync) in {directory} "
+                           f"({which}): {exc.strerror or exc}{fix}", EXIT_UNREADABLE) from None
 
 
 def cmd_demo(args: argparse.Namespace) -> int:

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from .errors import RunLockedError, TieredCkptError, TierError
-from .locking import LOCKS_DIR, RUN_LOCK, shm_lock_path, tmp_lock_base
+from .locking import LOCKS_DIR, RUN_LOCK, _remove_if_unheld, shm_lock_path, tmp_lock_base
 from .tiers._files import remove_empty_dirs
 from .tiers.base import _user_name
 
@@ -337,6 +337,56 @@ def _snapshot_meta(path: str) -> SlotMeta | None:
 def find_stale_runs(shm_path: str) -> list[StaleRun]:
     """Runs of this user with snapshots in ``shm_path`` and no live engine."""
     return [run for run in list_runs(shm_path) if not run.live]
+
+
+_LOCK_FILE = re.compile(r"(rank|worker)_\d{5}\.lock|run\.lock")
+
+
+@dataclass
+class StaleLocks:
+    """The lock directory of a run with no live engine and no shared memory, which no :class:`StaleRun` takes
+    along: what an engine of a run without an shm tier leaves in ``$TMPDIR`` when it is killed, or one killed
+    before its first slot (or whose slots went without gc) beside the slots (``@locks/``)."""
+
+    run_id: str
+    path: str
+    state: str  # run_state(): "stale" or "closed"
+
+    def to_dict(self) -> dict:
+        return {"what": "stale locks", "run_id": self.run_id, "path": self.path, "state": self.state}
+
+
+def find_stale_locks(shm_paths: Sequence[str], *, tmpdir: bool = True) -> list[StaleLocks]:
+    """Lock directories (in each shm path's ``@locks/``, and with ``tmpdir`` the ``$TMPDIR`` one) of runs that
+    have no directory of slots in ``shm_paths`` and no live engine. Reads only."""
+    user = _user_name()
+    out = []
+    for base in [*(os.path.join(p, user, LOCKS_DIR) for p in shm_paths), *([tmp_lock_base()] if tmpdir else [])]:
+        try:
+            run_ids = sorted(os.listdir(base))
+        except OSError:
+            continue
+        for run_id in run_ids:
+            path = os.path.join(base, run_id)
+            if not _RUN_ID.fullmatch(run_id) or os.path.islink(path) or not os.path.isdir(path):
+                continue
+            if any(os.path.lexists(os.path.join(p, user, run_id)) for p in shm_paths):
+                continue  # a run with shared memory: find_stale_runs finds it, its locks go with it
+            state = run_state(run_id, shm_paths)
+            if state != "live":
+                out.append(StaleLocks(run_id, path, state))
+    return out
+
+
+def remove_stale_locks(locks: StaleLocks) -> None:
+    """Remove the lock files of ``locks`` that nobody holds (each taken while it is unlinked, as a releasing
+    engine does: one taken meanwhile stays), then the directory if that left it empty."""
+    with contextlib.suppress(OSError):
+        for name in os.listdir(locks.path):
+            if _LOCK_FILE.fullmatch(name):
+                _remove_if_unheld(os.path.join(locks.path, name))
+    with contextlib.suppress(OSError):
+        os.rmdir(locks.path)
 
 
 def remove_stale_run(run: StaleRun, shm_path: str | None = None) -> None:

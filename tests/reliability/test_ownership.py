@@ -230,3 +230,60 @@ def test_a_drain_worker_that_starts_after_its_engine_is_gone_leaves_nothing_behi
     kind, message = results.get_nowait()
     assert kind == "fatal" and "lock directory" in message and "is gone" in message, message
     assert not shm.exists() and not (tmp_path / "local").exists()
+
+
+HOLD = textwrap.dedent("""
+    import json, sys
+    from tiered_ckpt import CheckpointEngine
+    engine = CheckpointEngine(json.loads(sys.argv[1]))
+    print("READY", flush=True)
+    sys.stdin.read()
+""")
+
+
+def _start(cfg, env):
+    proc = subprocess.Popen([sys.executable, "-c", HOLD, json.dumps(cfg)], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, text=True, env=env)
+    assert proc.stdout.readline().strip() == "READY"
+    return proc
+
+
+def test_gc_stale_removes_lock_directories_without_shared_memory(shm_root, tmp_path, monkeypatch):
+    monkeypatch.delenv("TIERED_CKPT_LOCK_DIR", raising=False)
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    monkeypatch.setattr("tempfile.tempdir", str(tmp))  # gc's $TMPDIR, the same as the engines'
+    env = {**{k: v for k, v in os.environ.items() if k != "TIERED_CKPT_LOCK_DIR"}, "TMPDIR": str(tmp)}
+
+    def local_only(name):
+        return {"run_id": f"{name}{uuid.uuid4().hex[:6]}", "drain": {"mode": "thread"},
+                "tiers": [{"name": "disk", "kind": "local", "path": str(tmp_path / name)}]}
+
+    dead, live = local_only("dead"), local_only("live")
+    early = {"run_id": f"early{uuid.uuid4().hex[:6]}", "drain": {"mode": "thread"},
+             "tiers": [{"name": "shm", "kind": "shm", "path": shm_root},
+                       {"name": "disk", "kind": "local", "path": str(tmp_path / "early")}]}
+    for cfg in (dead, early):
+        proc = _start(cfg, env)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+    (Path(shm_root) / _user_name() / early["run_id"]).rmdir()  # killed before its first slot; its slots dir went
+    holder = _start(live, env)
+    try:
+        tmp_locks = tmp / f"tiered_ckpt-{_user_name()}"
+        assert (tmp_locks / dead["run_id"] / "rank_00000.lock").exists()
+        conf = tmp_path / "early.json"  # gc's shm path: the test's own (--config; not --shm-path, see below)
+        conf.write_text(json.dumps(early))
+        code, out = cli("gc", "--stale", "--config", str(conf), "--json")  # its shm path and $TMPDIR
+        assert code == 0, out
+        assert {f["run_id"] for f in json.loads(out)["found"] if f["what"] == "stale locks"} >= {dead["run_id"]}
+        code, out = cli("gc", "--stale", "--shm-path", shm_root, "--delete", "--json")
+        assert code == 0, out
+        assert {f["run_id"] for f in json.loads(out)["found"]} == {early["run_id"]}  # --shm-path: only there
+        assert not (Path(shm_root) / _user_name() / "@locks" / early["run_id"]).exists()
+        assert cli("gc", "--stale", "--config", str(conf), "--delete")[0] == 0
+        assert not (tmp_locks / dead["run_id"]).exists()
+        assert (tmp_locks / live["run_id"] / "rank_00000.lock").exists()  # a live engine's: untouched
+    finally:
+        holder.kill()
+        holder.wait()
