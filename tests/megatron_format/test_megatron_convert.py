@@ -30,6 +30,7 @@ from tiered_ckpt import CheckpointEngine
 from tiered_ckpt.cli import main as cli_main
 from tiered_ckpt.errors import ConfigError, CorruptionError
 from tiered_ckpt.file_streams import checked_pieces
+from tiered_ckpt.megatron import convert as convert_module
 from tiered_ckpt.megatron import legacy
 from tiered_ckpt.megatron.convert import convert
 from tiered_ckpt.megatron.distrib_optim import merge_shards
@@ -400,3 +401,15 @@ def test_items_carried_by_convert_load_beside_the_merged_optimizer(tmp_path: Pat
         assert sorted(loaded.items) == ["dataloader", "distrib_optim", "model_optim_rng"], engine_layout
         assert loaded.verified
         assert torch.equal(loaded.items["dataloader"]["pos"], torch.tensor([7, 8, 9]))
+
+
+def test_convert_sizes_the_source_once_and_only_for_a_bar(tmp_path, monkeypatch):
+    calls = []
+    real = convert_module._estimate
+    monkeypatch.setattr(convert_module, "_estimate", lambda tier, info: calls.append(1) or real(tier, info))
+    src = copy_checkpoint("dp2_tp1_pp2", tmp_path / "megatron")  # Megatron-LM's files: checked, then converted
+    convert_module.convert(src, tmp_path / "quiet", to="rank_sharded", progress=False)
+    assert calls == []  # HEAD: 2 (the check's bar and the convert's, neither drawn)
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True)
+    convert_module.convert(src, tmp_path / "bar", to="rank_sharded", progress=True)
+    assert len(calls) == 1  # HEAD: 2

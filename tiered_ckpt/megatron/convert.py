@@ -24,10 +24,12 @@ size: sources are read by range (:mod:`.lazy_torch`), destinations written as st
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
@@ -143,9 +145,11 @@ def convert(
     if dst_tier.list(info.step_dir + "/"):
         raise ConfigError(f"{tier_io.where(dst_tier, info.step_dir)} already exists; convert into an empty place")
     notes = list(info.notes)
+    # The bars' total: a listing and a size per file (a HEAD each on S3), asked once, and only if a bar is drawn.
+    estimate = functools.cache(lambda: _estimate(src_tier, info))
     checked = "manifest" if info.has_manifest and verify else ""
     if not info.has_manifest and verify:  # after the cheap refusals: it reads the whole source
-        without = _check_zip_crcs(src_tier, info, progress)
+        without = _check_zip_crcs(src_tier, info, progress, estimate)
         checked = "zip CRC-32s" if not without else ""
         if without:
             notes.append(f"{len(without)} source file(s) written without CRC-32s: not verified "
@@ -160,7 +164,7 @@ def convert(
         notes=notes)
     try:
         with StepSource(src_tier, info, trust_pickles=trust_pickles, verify=verify) as source, \
-                _progress_bar(progress, _estimate(src_tier, info)) as bar:
+                _progress_bar(progress, estimate) as bar:
             entries = _write(source, store, to, target, report, bar)
             if not isinstance(bar, _NoBar):  # the total was an estimate: a finished bar says 100%, never 97%
                 bar.total = bar.n
@@ -187,7 +191,8 @@ def convert(
     return report
 
 
-def _check_zip_crcs(tier: Tier, info: legacy.CheckpointInfo, progress: bool) -> list[str]:
+def _check_zip_crcs(tier: Tier, info: legacy.CheckpointInfo, progress: bool,
+                    estimate: Callable[[], int | None]) -> list[str]:
     """A source without our manifest (Megatron-LM wrote it) has no checksums of ours: each of its torch files is
     checked against the CRC-32s of its zip directory before anything is converted, so that damage never leaves
     with our checksums vouching for it. Raises CorruptionError naming the damaged records; returns the files
@@ -197,7 +202,7 @@ def _check_zip_crcs(tier: Tier, info: legacy.CheckpointInfo, progress: bool) -> 
     keys = sorted(k for k in tier.list(info.step_dir + "/") if loadable.is_megatron_file(k))
     damaged: list[str] = []
     without: list[str] = []
-    with _progress_bar(progress, _estimate(tier, info), "check") as bar:
+    with _progress_bar(progress, estimate, "check") as bar:
         for key in keys:
             mismatches = open_lazy(tier, key, where=tier_io.where(tier, key), unpickle=False).damaged_records(
                 bar.update)
@@ -355,12 +360,13 @@ class _NoBar:
         pass
 
 
-def _progress_bar(enabled: bool, total: int | None, desc: str = "convert") -> Any:
+def _progress_bar(enabled: bool, total: Callable[[], int | None], desc: str = "convert") -> Any:
+    """A bar on stderr (a terminal), its total asked of ``total()`` only then."""
     if not enabled or not sys.stderr.isatty():
         return _NoBar()
     from ..progress import progress_bar
 
-    return progress_bar(total=total, desc=desc, file=sys.stderr)
+    return progress_bar(total=total(), desc=desc, file=sys.stderr)
 
 
 def _describe(target: Any, tier: Tier) -> str:
