@@ -451,7 +451,7 @@ def test_a_closed_engine_leaves_no_lock_directory(tmp_path, monkeypatch):
      "snapshots, never compressed; remove the key"),
     ("tiers: [{name: a, kind: local, path: /x, when_full: skip}]", "tiers.yaml: tiers[0].when_full: only memory"),
     ("tiers: [{name: m, kind: shm, slotz: 3}]", "tiers.yaml: tiers[0].slotz: unknown key (allowed for a shm tier: "
-     "enabled, kind, min_free, name, on_close, path, pin, retry, slots, when_full); did you mean 'slots'?"),
+     "enabled, kind, min_free, name, on_close, path, pin, slots, when_full); did you mean 'slots'?"),
     ("tiers: [{name: g, kind: gpu, device: tpu}]", 'tiers.yaml: tiers[0].device: expected a torch device'),
     ("tiers: [{name: a, kind: local, path: /x, retry: {atempts: 3}}]",
      "tiers.yaml: tiers[0].retry.atempts: unknown key (allowed here: attempts, deadline_s, initial_s, max_s); "
