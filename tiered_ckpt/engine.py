@@ -164,8 +164,10 @@ class CheckpointEngine:
             # Not yet in _live (nothing closes it at exit) and no drain to close: without this the rank lock's fd
             # stayed open for the life of the process, and the next engine of the run (a retry in this process,
             # or another process while this one lives) was refused with RunLockedError naming this process.
-            self.pipeline.close()
-            self._detach()
+            try:
+                self.pipeline.close()
+            finally:
+                self._detach()
             raise
         _live.add(self)
         try:

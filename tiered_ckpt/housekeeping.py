@@ -370,6 +370,12 @@ def find_stale_locks(shm_paths: Sequence[str], *, tmpdir: bool = True) -> list[S
             path = os.path.join(base, run_id)
             if not _RUN_ID.fullmatch(run_id) or os.path.islink(path) or not os.path.isdir(path):
                 continue
+            try:  # a lock directory holds lock files and nothing else (TIERED_CKPT_LOCK_DIR may be a shared place)
+                names = os.listdir(path)
+            except OSError:
+                continue
+            if not names or not all(_LOCK_FILE.fullmatch(n) for n in names):
+                continue
             if any(os.path.lexists(os.path.join(p, user, run_id)) for p in shm_paths):
                 continue  # a run with shared memory: find_stale_runs finds it, its locks go with it
             state = run_state(run_id, shm_paths)

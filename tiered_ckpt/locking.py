@@ -145,6 +145,12 @@ class _LockFile:
             try:
                 fcntl.flock(fd, mode | fcntl.LOCK_NB)
             except BlockingIOError:
+                # gc removing a stale lock holds it for the moment of its unlink: a file gone from the path was
+                # not a holder's; lock the one at the path now
+                if not _same_file(fd, self.path):
+                    os.close(fd)
+                    time.sleep(0.01)
+                    continue
                 try:
                     error = on_busy(fd)
                 finally:

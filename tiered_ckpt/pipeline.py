@@ -188,7 +188,10 @@ def build_pipeline(config: Config, pm: PluginManager, coords: RankCoords, local_
             stores[name] = make_store(pm, config, cfgs[name], coords, local_rank, emit)
         except BaseException as exc:  # a tier's PermanentTierError (a path it cannot create) too
             for store in stores.values():
-                store.close()
+                try:
+                    store.close()
+                except Exception:  # noqa: BLE001 - the error being raised is the one to report
+                    log.warning("tier %r: close after a failed start failed", store.name, exc_info=True)
             if not isinstance(exc, ConfigError):
                 raise
             raise _placed(exc, config, name) if name != STAGING else exc from None

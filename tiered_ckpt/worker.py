@@ -287,21 +287,26 @@ class ProcessDrain:
         self._local_runtime().submit(req)
 
     def _local_job_done(self, req: DrainRequest, results: dict, slots: dict) -> None:
-        send: list[DrainRequest] = []
+        dropped: list[DrainRequest] = []
         with self._cond:
-            sender = self._requests
             self._here_pending -= 1
             if self._here_pending == 0 and self._held:
                 held, self._held = self._held, []
                 for r in held:
-                    if self._ready.is_set():
+                    if self._closing:  # close() gave up waiting: nothing takes these any more
+                        dropped.append(r)
+                    elif self._ready.is_set():
                         self._outstanding[(r.step, r.created)] = (r, set(r.due), False, self._proc)
-                        send.append(r)
+                        # in order, ahead of any later save's request, and never behind the stop message: sent
+                        # under the lock, as submit() sends (put never blocks: worker_channel.py)
+                        self._requests.put(r)
                     else:  # the worker went away meanwhile: keep draining here
                         self._drain_here(r)
             self._cond.notify_all()
-        for r in send:
-            sender.put(r)
+        for r in dropped:
+            self.on_slot_released(r.source, r.slot, r.step)
+            for tier in r.due:
+                self.on_tier_done(r.step, tier, False, "the engine closed before this step was drained")
 
     def _start(self) -> None:
         self._ready.clear()
@@ -565,7 +570,12 @@ class SplitDrain:
         rest = tuple(t for t in req.due if t not in self.near_names)
         with self._lock:
             self._rest[(req.step, req.created)] = rest
-        self.local.submit(replace(req, due=near))
+        try:
+            self.local.submit(replace(req, due=near))
+        except BaseException:  # refused (the drain is closing): nothing will forward it
+            with self._lock:
+                self._rest.pop((req.step, req.created), None)
+            raise
 
     def _forward(self, req: DrainRequest, results: dict[str, bool], slots: dict[str, int]) -> None:
         with self._lock:

@@ -272,11 +272,15 @@ def test_gc_stale_removes_lock_directories_without_shared_memory(shm_root, tmp_p
     try:
         tmp_locks = tmp / f"tiered_ckpt-{_user_name()}"
         assert (tmp_locks / dead["run_id"] / "rank_00000.lock").exists()
+        (tmp_locks / "not-a-run").mkdir()  # what else the lock directory may hold: never taken for a run's locks
+        (tmp_locks / "not-a-run" / "notes.txt").write_text("mine")
+        (tmp_locks / "empty").mkdir()
         conf = tmp_path / "early.json"  # gc's shm path: the test's own (--config; not --shm-path, see below)
         conf.write_text(json.dumps(early))
         code, out = cli("gc", "--stale", "--config", str(conf), "--json")  # its shm path and $TMPDIR
         assert code == 0, out
-        assert {f["run_id"] for f in json.loads(out)["found"] if f["what"] == "stale locks"} >= {dead["run_id"]}
+        stale = {f["run_id"] for f in json.loads(out)["found"] if f["what"] == "stale locks"}
+        assert dead["run_id"] in stale and not {"not-a-run", "empty"} & stale, stale
         code, out = cli("gc", "--stale", "--shm-path", shm_root, "--delete", "--json")
         assert code == 0, out
         assert {f["run_id"] for f in json.loads(out)["found"]} == {early["run_id"]}  # --shm-path: only there
@@ -284,6 +288,7 @@ def test_gc_stale_removes_lock_directories_without_shared_memory(shm_root, tmp_p
         assert cli("gc", "--stale", "--config", str(conf), "--delete")[0] == 0
         assert not (tmp_locks / dead["run_id"]).exists()
         assert (tmp_locks / live["run_id"] / "rank_00000.lock").exists()  # a live engine's: untouched
+        assert (tmp_locks / "not-a-run" / "notes.txt").exists() and (tmp_locks / "empty").is_dir()
     finally:
         holder.kill()
         holder.wait()
