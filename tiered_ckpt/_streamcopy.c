@@ -20,20 +20,25 @@
 #endif
 
 #if STREAMING
-/* Cache line by cache line: four loads, then four stores. ``dst`` is 16-byte aligned. */
+/* One cache line: four loads, then four streaming stores. ``d`` is 16-byte aligned. */
+static inline void stream_line(char *d, const char *s)
+{
+    __m128i a = _mm_loadu_si128((const __m128i *)s);
+    __m128i b = _mm_loadu_si128((const __m128i *)(s + 16));
+    __m128i c = _mm_loadu_si128((const __m128i *)(s + 32));
+    __m128i e = _mm_loadu_si128((const __m128i *)(s + 48));
+    _mm_stream_si128((__m128i *)d, a);
+    _mm_stream_si128((__m128i *)(d + 16), b);
+    _mm_stream_si128((__m128i *)(d + 32), c);
+    _mm_stream_si128((__m128i *)(d + 48), e);
+}
+
+/* Line after line, the last partial line with memcpy. ``dst`` is 16-byte aligned. */
 static void stream_lines(char *dst, const char *src, size_t n)
 {
     size_t i = 0;
-    for (; i + 64 <= n; i += 64) {
-        __m128i a = _mm_loadu_si128((const __m128i *)(src + i));
-        __m128i b = _mm_loadu_si128((const __m128i *)(src + i + 16));
-        __m128i c = _mm_loadu_si128((const __m128i *)(src + i + 32));
-        __m128i d = _mm_loadu_si128((const __m128i *)(src + i + 48));
-        _mm_stream_si128((__m128i *)(dst + i), a);
-        _mm_stream_si128((__m128i *)(dst + i + 16), b);
-        _mm_stream_si128((__m128i *)(dst + i + 32), c);
-        _mm_stream_si128((__m128i *)(dst + i + 48), d);
-    }
+    for (; i + 64 <= n; i += 64)
+        stream_line(dst + i, src + i);
     memcpy(dst + i, src + i, n - i);
 }
 
@@ -47,45 +52,31 @@ static void stream_lines(char *dst, const char *src, size_t n)
 static size_t stream_pages(char *dst, const char *src, size_t n)
 {
     size_t done = 0;
-    for (; done + PAGES * PAGE <= n; done += PAGES * PAGE) {
-        for (size_t line = 0; line < PAGE; line += 64) {
-            for (int p = 0; p < PAGES; p++) {
-                const char *s = src + done + (size_t)p * PAGE + line;
-                char *d = dst + done + (size_t)p * PAGE + line;
-                __m128i a = _mm_loadu_si128((const __m128i *)s);
-                __m128i b = _mm_loadu_si128((const __m128i *)(s + 16));
-                __m128i c = _mm_loadu_si128((const __m128i *)(s + 32));
-                __m128i e = _mm_loadu_si128((const __m128i *)(s + 48));
-                _mm_stream_si128((__m128i *)d, a);
-                _mm_stream_si128((__m128i *)(d + 16), b);
-                _mm_stream_si128((__m128i *)(d + 32), c);
-                _mm_stream_si128((__m128i *)(d + 48), e);
-            }
-        }
-    }
+    for (; done + PAGES * PAGE <= n; done += PAGES * PAGE)
+        for (size_t line = 0; line < PAGE; line += 64)
+            for (size_t p = 0; p < PAGES; p++)
+                stream_line(dst + done + p * PAGE + line, src + done + p * PAGE + line);
     return done;
+}
+
+/* The bytes from address ``p`` up to the next multiple of ``align`` (a power of two), at most ``n``. */
+static size_t up_to(const char *p, size_t align, size_t n)
+{
+    size_t k = (align - ((uintptr_t)p & (align - 1))) & (align - 1);
+    return k < n ? k : n;
 }
 #endif
 
 static void stream_copy(char *dst, const char *src, size_t n)
 {
 #if STREAMING
-    size_t head = (16 - ((uintptr_t)dst & 15)) & 15; /* streaming stores need 16-byte aligned targets */
-    if (head > n)
-        head = n;
+    size_t head = up_to(dst, 16, n); /* streaming stores need 16-byte aligned targets */
     memcpy(dst, src, head);
-    dst += head;
-    src += head;
-    n -= head;
-    size_t to_page = (PAGE - ((uintptr_t)dst & (PAGE - 1))) & (PAGE - 1); /* then up to a page boundary */
-    if (to_page > n)
-        to_page = n;
-    stream_lines(dst, src, to_page);
-    dst += to_page;
-    src += to_page;
-    n -= to_page;
-    size_t done = stream_pages(dst, src, n);
-    stream_lines(dst + done, src + done, n - done);
+    size_t to_page = up_to(dst + head, PAGE, n - head); /* then line by line up to a page boundary */
+    stream_lines(dst + head, src + head, to_page);
+    size_t at = head + to_page;
+    size_t done = stream_pages(dst + at, src + at, n - at);
+    stream_lines(dst + at + done, src + at + done, n - at - done);
     _mm_sfence(); /* the streamed stores are visible to other threads before the caller goes on */
 #else
     memcpy(dst, src, n);
