@@ -86,9 +86,10 @@ def cmd_gc(args: argparse.Namespace) -> int:
         # Lock files with no shared memory beside them (a killed engine of a run without an shm tier, in $TMPDIR;
         # one killed before its first slot): nothing else ever removes them. --shm-path: only there.
         for locks in find_stale_locks(looked_in, tmpdir=not args.shm_path):
-            found.append(locks.to_dict())
-            if args.delete:
-                remove_stale_locks(locks)
+            entry = locks.to_dict()
+            found.append(entry)
+            if args.delete and not remove_stale_locks(locks):
+                entry["error"] = "an engine took one of its lock files meanwhile, or the directory could not go"
     if opened is not None:
         live = bool(args.config) and run_state(opened.config.run_id, shm_paths(opened.config)) == "live"
         live_run = opened.config.run_id if live else None
@@ -141,7 +142,8 @@ def cmd_gc(args: argparse.Namespace) -> int:
                           f"known here (not this configuration's run): gc --config <run {f['run_id']!r}'s "
                           "configuration> --stale checks it and keeps what is only in memory")
             elif f["what"] == "stale locks":
-                print(f"{verb}  lock files of run {f['run_id']!r} ({f['state']}, no shared memory)  {f['path']}")
+                done = f"kept ({f['error']})" if f.get("error") else verb
+                print(f"{done}  lock files of run {f['run_id']!r} ({f['state']}, no shared memory)  {f['path']}")
             else:
                 done = "could not remove" if f.get("error") else verb
                 print(f"{done}  {f['what']}  tier {f['tier']!r}: {f['key']}  ({human_bytes(f['bytes'])})")

@@ -384,15 +384,16 @@ def find_stale_locks(shm_paths: Sequence[str], *, tmpdir: bool = True) -> list[S
     return out
 
 
-def remove_stale_locks(locks: StaleLocks) -> None:
+def remove_stale_locks(locks: StaleLocks) -> bool:
     """Remove the lock files of ``locks`` that nobody holds (each taken while it is unlinked, as a releasing
-    engine does: one taken meanwhile stays), then the directory if that left it empty."""
+    engine does: one taken meanwhile stays), then the directory if that left it empty. Whether it is gone."""
     with contextlib.suppress(OSError):
         for name in os.listdir(locks.path):
             if _LOCK_FILE.fullmatch(name):
                 _remove_if_unheld(os.path.join(locks.path, name))
     with contextlib.suppress(OSError):
         os.rmdir(locks.path)
+    return not os.path.lexists(locks.path)
 
 
 def remove_stale_run(run: StaleRun, shm_path: str | None = None) -> None:
