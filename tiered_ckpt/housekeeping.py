@@ -339,7 +339,7 @@ def find_stale_runs(shm_path: str) -> list[StaleRun]:
     return [run for run in list_runs(shm_path) if not run.live]
 
 
-_LOCK_FILE = re.compile(r"(rank|worker)_\d{5}\.lock|run\.lock")
+_LOCK_FILE = re.compile(r"(rank|worker)_\d{5,}\.lock|run\.lock")
 
 
 @dataclass
@@ -417,9 +417,8 @@ def remove_stale_run(run: StaleRun, shm_path: str | None = None) -> None:
                                  "not removed")
         shutil.rmtree(run.path)
         for name in os.listdir(directory):
-            if name != RUN_LOCK:
-                with contextlib.suppress(OSError):
-                    os.unlink(os.path.join(directory, name))
+            if name != RUN_LOCK:  # one an engine took meanwhile (waiting for run.lock now) stays its own
+                _remove_if_unheld(os.path.join(directory, name))
         with contextlib.suppress(OSError):
             os.unlink(os.path.join(directory, RUN_LOCK))  # while held: a starting engine opens a fresh one
         with contextlib.suppress(OSError):

@@ -142,14 +142,11 @@ class _LockFile:
             except FileNotFoundError:  # a releasing engine removed the run's directory just now
                 self.dir = self._make_dir()
                 continue
-            try:
-                fcntl.flock(fd, mode | fcntl.LOCK_NB)
-            except BlockingIOError:
+            if not _flock_soon(fd, mode):
                 # gc removing a stale lock holds it for the moment of its unlink: a file gone from the path was
                 # not a holder's; lock the one at the path now
                 if not _same_file(fd, self.path):
                     os.close(fd)
-                    time.sleep(0.01)
                     continue
                 try:
                     error = on_busy(fd)
@@ -252,6 +249,19 @@ class RunLock:
                 run_lock.release(unlink=last)
             with contextlib.suppress(OSError):  # other ranks' lock files still there: it stays
                 os.rmdir(rank_lock.dir)
+
+
+def _flock_soon(fd: int, mode: int, tries: int = 5, pause_s: float = 0.01) -> bool:
+    """``flock(fd, mode)`` without blocking, tried again a few times ``pause_s`` apart: gc takes a stale lock
+    for the moment it needs to unlink it, and an engine starting then must not read that as a live holder."""
+    for i in range(tries):
+        try:
+            fcntl.flock(fd, mode | fcntl.LOCK_NB)
+            return True
+        except BlockingIOError:
+            if i + 1 < tries:
+                time.sleep(pause_s)
+    return False
 
 
 def _remove_if_unheld(path: str) -> None:

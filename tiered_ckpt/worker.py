@@ -303,10 +303,16 @@ class ProcessDrain:
                     else:  # the worker went away meanwhile: keep draining here
                         self._drain_here(r)
             self._cond.notify_all()
-        for r in dropped:
-            self.on_slot_released(r.source, r.slot, r.step)
+        for r in dropped:  # each reported whatever the others do: a handle no one resolves would hang wait()
+            try:
+                self.on_slot_released(r.source, r.slot, r.step)
+            except Exception:  # noqa: BLE001
+                log.exception("step %d: releasing its slot after close() failed", r.step)
             for tier in r.due:
-                self.on_tier_done(r.step, tier, False, "the engine closed before this step was drained")
+                try:
+                    self.on_tier_done(r.step, tier, False, "the engine closed before this step was drained")
+                except Exception:  # noqa: BLE001
+                    log.exception("step %d: reporting tier %r after close() failed", r.step, tier)
 
     def _start(self) -> None:
         self._ready.clear()

@@ -292,3 +292,41 @@ def test_gc_stale_removes_lock_directories_without_shared_memory(shm_root, tmp_p
     finally:
         holder.kill()
         holder.wait()
+
+
+def test_gc_never_unlinks_a_rank_lock_an_engine_took_while_the_stale_run_was_removed(shm_root, tmp_path,
+                                                                                      monkeypatch):
+    """An engine of the run starting while gc removes the run's shared memory takes its rank lock, then waits for
+    run.lock (gc holds it): gc must leave that rank lock, or a second engine of the same rank would be let in."""
+    import fcntl
+
+    from tiered_ckpt import housekeeping
+    from tiered_ckpt.locking import shm_lock_path
+
+    cfg = {"run_id": f"race{uuid.uuid4().hex[:6]}", "drain": {"mode": "thread"},
+           "tiers": [{"name": "shm", "kind": "shm", "path": shm_root},
+                     {"name": "disk", "kind": "local", "path": str(tmp_path / "disk")}]}
+    proc = _start(cfg, dict(os.environ))
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    (run,) = [r for r in housekeeping.find_stale_runs(shm_root) if r.run_id == cfg["run_id"]]
+    rank_lock = os.path.join(shm_lock_path(shm_root, cfg["run_id"]), "rank_00000.lock")
+    taken: list[int] = []
+    real_rmtree = shutil.rmtree
+
+    def rmtree_while_an_engine_starts(path, *a, **k):
+        real_rmtree(path, *a, **k)
+        if str(path) != run.path:  # the $TMPDIR lock files of older versions, removed after
+            return
+        fd = os.open(rank_lock, os.O_RDWR | os.O_CREAT, 0o600)  # what _LockFile.acquire does for the rank
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        taken.append(fd)
+
+    monkeypatch.setattr(housekeeping.shutil, "rmtree", rmtree_while_an_engine_starts)
+    try:
+        housekeeping.remove_stale_run(run, shm_root)
+        assert taken and os.path.exists(rank_lock)
+        assert os.fstat(taken[0]).st_ino == os.stat(rank_lock).st_ino  # the very file the engine holds
+    finally:
+        for fd in taken:
+            os.close(fd)
