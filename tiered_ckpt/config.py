@@ -198,11 +198,11 @@ def _tier_config(raw: Any, index: int, registries: Any, source: str | None) -> T
     options = build_dataclass(tier_cls.Options, own, path, source)
     tc = build_dataclass(TierConfig, common, path, source)
     try:
-        memory = tier_cls.capabilities_for(options).memory
+        capabilities = tier_cls.capabilities_for(options)
     except ConfigError as exc:  # a kind that validates more of its options here (the faulty plugin's inner tier)
         where = _join(path, exc.key_path) if exc.key_path else path
         raise ConfigError(exc.message, source=source, key_path=where) from None
-    capabilities = tier_cls.capabilities_for(options)
+    memory = capabilities.memory
     inapplicable = _FILE_TIER_KEYS if memory else _MEMORY_TIER_KEYS
     for key, why in inapplicable.items():
         if key in common:
@@ -232,12 +232,21 @@ def _check_order(tiers: tuple[TierConfig, ...], registries: Any, source: str | N
                               source=source, key_path=f"tiers[{i}]")
 
 
+def _chosen_codecs(tc: TierConfig) -> list[tuple[str, str | None, str]]:
+    """(key, item or None for the tier-wide ``codec``, codec name) of each codec a tier's configuration names."""
+    chosen: list[tuple[str, str | None, str]] = [("codec", None, tc.codec)] if tc.codec is not None else []
+    return chosen + [(f"codecs.{item}", item, name) for item, name in tc.codecs.items()]
+
+
+def _tier_codecs(registries: Any) -> list[str]:
+    """The codecs a tier may name: every registered one but a layout's own (``FileCodec.layout_only``)."""
+    return [n for n, cls, _ in registries.codecs.items() if not getattr(cls, "layout_only", False)]
+
+
 def _check_codecs(tc: TierConfig, registries: Any, path: str, source: str | None) -> None:
     """``codec`` and ``codecs`` name registered codecs (the layout's own constraints: _check_layout_codecs)."""
-    known = [n for n, cls, _ in registries.codecs.items() if not getattr(cls, "layout_only", False)]
-    chosen = [("codec", tc.codec)] if tc.codec is not None else []
-    chosen += [(f"codecs.{item}", name) for item, name in tc.codecs.items()]
-    for key, name in chosen:
+    known = _tier_codecs(registries)
+    for key, _, name in _chosen_codecs(tc):
         if name in registries.codecs:
             continue
         hint = suggest(name, known)
@@ -254,15 +263,13 @@ def _check_layout_codecs(tiers: tuple[TierConfig, ...], layout_cls: Any, registr
     (``FileCodec.layout_only``) is not a tier's choice."""
     layout = layout_cls()
     for i, t in enumerate(tiers):
-        chosen = [("codec", None, t.codec)] if t.codec is not None else []
-        chosen += [(f"codecs.{item}", item, name) for item, name in t.codecs.items()]
-        for key, item, name in chosen:
-            codec_cls = registries.codecs.get(name) if name in registries.codecs else None
-            if getattr(codec_cls, "layout_only", False) and (item is None or layout.codec_for(item) != name):
-                allowed = [n for n, cls, _ in registries.codecs.items() if not getattr(cls, "layout_only", False)]
+        for key, item, name in _chosen_codecs(t):  # every name is registered (_check_codecs)
+            if getattr(registries.codecs.get(name), "layout_only", False) and (
+                    item is None or layout.codec_for(item) != name):
                 raise ConfigError(f"codec \"{name}\" is the format of a layout's own files (the layout picks it "
-                                  f"for the items it builds), not a tier's choice (allowed: {', '.join(allowed)}); "
-                                  "remove the key", source=source, key_path=f"tiers[{i}].{key}")
+                                  f"for the items it builds), not a tier's choice (allowed: "
+                                  f"{', '.join(_tier_codecs(registries))}); remove the key", source=source,
+                                  key_path=f"tiers[{i}].{key}")
         for item, name in t.codecs.items():
             want = layout.codec_for(item)
             if want != layout.default_codec and name != want:

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 
 from . import events as ev
 from .drain_protocol import DrainRequest, OnSlotReleased, OnTierDone
-from .errors import TieredCkptError
+from .errors import DrainClosedError
 from .parallel import RankCoords
 from .store import Store
 
@@ -146,8 +146,7 @@ class DrainRuntime:
         job = _Job(req, {t: Future() for t in req.due}, {req.source: req.slot}, tiers_left=len(req.due))
         with self._submitting:
             if self._closed:
-                raise TieredCkptError(f"step {req.step}: the drain is closed (close() ran while this save was "
-                                      "copying); the step was not handed to it")
+                raise DrainClosedError(req.step)
             with self._cond:
                 for t in (req.source, *req.due):
                     self._pins[(t, req.step)] += 1

@@ -26,6 +26,16 @@ class ConfigError(TieredCkptError, ValueError):
         super().__init__(prefix + message)
 
 
+class DrainClosedError(TieredCkptError):
+    """A save reached the drain after ``close()`` had begun: the step was not handed to it (its snapshot stays in
+    the first tier's slot until the slot is reused)."""
+
+    def __init__(self, step: int):
+        self.step = step
+        super().__init__(f"step {step}: the drain is closed (close() ran while this save was being taken); the step "
+                         "was not handed to it")
+
+
 class PluginError(TieredCkptError):
     """A plugin could not be loaded, or two plugins claim the same name."""
 

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from .errors import RunLockedError, TieredCkptError, TierError
-from .locking import LOCKS_DIR, RUN_LOCK, _remove_if_unheld, shm_lock_path, tmp_lock_base
+from .locking import LOCKS_DIR, RUN_LOCK, remove_if_unheld, shm_lock_path, tmp_lock_base
 from .tiers._files import remove_empty_dirs
 from .tiers.base import _user_name
 
@@ -390,7 +390,7 @@ def remove_stale_locks(locks: StaleLocks) -> bool:
     with contextlib.suppress(OSError):
         for name in os.listdir(locks.path):
             if _LOCK_FILE.fullmatch(name):
-                _remove_if_unheld(os.path.join(locks.path, name))
+                remove_if_unheld(os.path.join(locks.path, name))
     with contextlib.suppress(OSError):
         os.rmdir(locks.path)
     return not os.path.lexists(locks.path)
@@ -418,7 +418,7 @@ def remove_stale_run(run: StaleRun, shm_path: str | None = None) -> None:
         shutil.rmtree(run.path)
         for name in os.listdir(directory):
             if name != RUN_LOCK:  # one an engine took meanwhile (waiting for run.lock now) stays its own
-                _remove_if_unheld(os.path.join(directory, name))
+                remove_if_unheld(os.path.join(directory, name))
         with contextlib.suppress(OSError):
             os.unlink(os.path.join(directory, RUN_LOCK))  # while held: a starting engine opens a fresh one
         with contextlib.suppress(OSError):

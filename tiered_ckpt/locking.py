@@ -237,7 +237,7 @@ class RunLock:
     def release(self) -> None:
         for rank_lock, run_lock in zip(self._ranks, self._runs, strict=True):
             if rank_lock.fd is not None:
-                _remove_if_unheld(os.path.join(rank_lock.dir, f"worker_{self.rank:05d}.lock"))
+                remove_if_unheld(os.path.join(rank_lock.dir, f"worker_{self.rank:05d}.lock"))
             rank_lock.release()
             if run_lock is not None and run_lock.fd is not None:
                 # The last engine of the run removes run.lock: only it can take it exclusively.
@@ -264,9 +264,10 @@ def _flock_soon(fd: int, mode: int, tries: int = 5, pause_s: float = 0.01) -> bo
     return False
 
 
-def _remove_if_unheld(path: str) -> None:
-    """Remove a lock file of this rank that nobody holds (a drain worker's, fencing.py, left by a worker that was
-    killed): the run's lock directory then goes with its last engine. One still held (an orphan) stays."""
+def remove_if_unheld(path: str) -> None:
+    """Remove a lock file that nobody holds, taking it for the moment of the unlink: one still held (an orphaned
+    drain worker's, fencing.py; an engine's that started meanwhile) stays. A closing engine removes its worker's
+    lock this way, and ``gc`` a stale run's locks."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
     except OSError:

@@ -34,7 +34,7 @@ from . import events as ev
 from .config import Config
 from .drain import DrainRuntime
 from .drain_protocol import Drain, DrainRequest, OnSlotReleased, OnTierDone
-from .errors import BlobNotFoundError, TieredCkptError
+from .errors import BlobNotFoundError, DrainClosedError, TieredCkptError
 from .fencing import hold_worker_lock, owner_alive, release_worker_lock, watch_parent, worker_lock_path
 from .manifest import SAVE_KEY
 from .parallel import RankCoords
@@ -343,8 +343,7 @@ class ProcessDrain:
     def submit(self, req: DrainRequest) -> None:
         with self._cond:
             if self._closing:  # close() has run or runs: no new worker, nothing queued behind the stop message
-                raise TieredCkptError(f"step {req.step}: the drain is closed (close() ran while this save was "
-                                      "copying); the step was not handed to it")
+                raise DrainClosedError(req.step)
             if self._proc is None or not self._proc.is_alive():
                 log.warning("the drain worker is not running; starting a new one")
                 self._start()
