@@ -13,7 +13,6 @@ import textwrap
 import uuid
 
 import pytest
-import torch
 from helpers import assert_same, make_items
 
 from tiered_ckpt import CheckpointEngine, SaveError
@@ -375,4 +374,4 @@ def test_an_engine_whose_drain_cannot_start_lets_its_lock_go(shm_root, tmp_path,
             CheckpointEngine(cfg)
     assert run_state(cfg["run_id"], shm_root) == "closed"
     with CheckpointEngine(cfg) as engine:
-        engine.save(1, {"state": {"w": torch.ones(10)}}).wait(timeout=60)
+        engine.save(1, make_items(1)).wait(timeout=60)

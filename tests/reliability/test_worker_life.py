@@ -25,7 +25,6 @@ import uuid
 from pathlib import Path
 
 import pytest
-import torch
 from helpers import assert_same, make_items
 
 from tiered_ckpt import CheckpointEngine, SaveError
@@ -437,47 +436,34 @@ def test_the_worker_s_log_records_reach_the_training_process_s_handlers(shm_root
     assert said and said[0].name == "tiered_ckpt.file_store" and said[0].process != os.getpid()
 
 
-GUARD_S = 60
-
-
-def _cfg(shm_root, tmp_path, mode):
-    return {"run_id": f"dc-{uuid.uuid4().hex[:8]}", "drain": {"mode": mode},
-            "tiers": [{"name": "shm", "kind": "shm", "path": shm_root},
-                      {"name": "disk", "kind": "local", "path": str(tmp_path / "disk")}]}
-
-
-def _items(step):
-    return {"state": {"w": torch.full((100,), float(step))}}
-
-
 def test_a_submit_after_close_is_refused_and_starts_no_worker(shm_root, tmp_path):
-    with CheckpointEngine(_cfg(shm_root, tmp_path, "process")) as engine:
-        engine.save(1, _items(1)).wait(timeout=GUARD_S)
+    with CheckpointEngine(_config(shm_root, tmp_path)) as engine:
+        engine.save(1, make_items(1)).wait(timeout=HANG_GUARD_S)
         drain = engine._drain
     proc = drain._proc
     with pytest.raises(Exception, match="closed"):
-        drain.submit(DrainRequest(step=2, source="shm", slot=0, due=("disk",), created=time.time(), save_id=""))
+        drain.submit(DrainRequest(step=2, source="shm", slot=0, due=("local",), created=time.time(), save_id=""))
     assert drain._proc is proc and not proc.is_alive()
 
 
 def test_a_save_submitted_behind_the_stop_message_is_never_left_pending(shm_root, tmp_path):
     """The save's submit lands right after close() queued the worker's stop message: it is refused (or, were
     it sent, reported failed), never a handle that no one resolves."""
-    engine = CheckpointEngine(_cfg(shm_root, tmp_path, "process"))
+    engine = CheckpointEngine(_config(shm_root, tmp_path))
     drain = engine._drain
-    engine.save(1, _items(1)).wait(timeout=GUARD_S)
-    assert drain._ready.wait(GUARD_S)
+    engine.save(1, make_items(1)).wait(timeout=HANG_GUARD_S)
+    assert drain._ready.wait(HANG_GUARD_S)
     store = engine.pipeline.entry_store
     copy_may_end, outcome = threading.Event(), []
     write_snapshot = store.write_snapshot
 
     def slow_copy(*a, **k):
-        copy_may_end.wait(GUARD_S)
+        copy_may_end.wait(HANG_GUARD_S)
         return write_snapshot(*a, **k)
 
     def save():
         try:
-            outcome.append(engine.save(2, _items(2)))
+            outcome.append(engine.save(2, make_items(2)))
         except Exception as exc:  # noqa: BLE001
             outcome.append(exc)
 
@@ -491,7 +477,7 @@ def test_a_save_submitted_behind_the_stop_message_is_never_left_pending(shm_root
         put(msg)
         if msg is None:
             copy_may_end.set()
-            saver.join(GUARD_S)
+            saver.join(HANG_GUARD_S)
 
     drain._requests.put = put_then_let_the_save_submit
     engine.close()
@@ -503,31 +489,31 @@ def test_a_save_submitted_behind_the_stop_message_is_never_left_pending(shm_root
 
 
 def test_a_thread_drain_refuses_a_submit_that_passed_its_check_as_close_ran(shm_root, tmp_path, monkeypatch):
-    engine = CheckpointEngine(_cfg(shm_root, tmp_path, "thread"))
+    engine = CheckpointEngine({**_config(shm_root, tmp_path), "drain": {"mode": "thread"}})
     drain = engine._drain
-    engine.save(1, _items(1)).wait(timeout=GUARD_S)
+    engine.save(1, make_items(1)).wait(timeout=HANG_GUARD_S)
     inside, go_on, outcome = threading.Event(), threading.Event(), []
     job = drain_module._Job
 
     def late_job(*a, **k):
         if threading.current_thread().name == "racer":
             inside.set()
-            go_on.wait(GUARD_S)
+            go_on.wait(HANG_GUARD_S)
         return job(*a, **k)
 
     monkeypatch.setattr(drain_module, "_Job", late_job)
 
     def save():
         try:
-            outcome.append(engine.save(2, _items(2)))
+            outcome.append(engine.save(2, make_items(2)))
         except Exception as exc:  # noqa: BLE001
             outcome.append(exc)
 
     racer = threading.Thread(target=save, name="racer", daemon=True)
     racer.start()
-    assert inside.wait(GUARD_S)
+    assert inside.wait(HANG_GUARD_S)
     engine.close()
     go_on.set()
-    racer.join(GUARD_S)
+    racer.join(HANG_GUARD_S)
     assert outcome and isinstance(outcome[0], Exception), "HEAD: a handle that never resolves"
     assert drain.wait_idle(5)
