@@ -507,3 +507,28 @@ def test_bench_without_a_directory_says_it_writes_in_the_working_directory(tmp_p
     assert main(["bench", "--size-mib", "1"]) == 4
     err = capsys.readouterr().err
     assert "the current directory" in err and str(tmp_path) in err, err
+
+
+def test_bench_with_too_little_room_in_dev_shm_says_so_and_goes_on(tmp_path, capsys, monkeypatch):
+    """Trial (an 8 MiB tmpfs over /dev/shm): bench died of SIGBUS with no message, its fresh-file write faulting
+    pages the tmpfs had no room for."""
+    from tiered_ckpt import machine_bench
+
+    real = os.statvfs
+
+    def statvfs(path):  # /dev/shm as Docker's default 64 MiB, nearly full
+        st = real(path)
+        if str(path) != "/dev/shm":
+            return st
+        return os.statvfs_result((st.f_bsize, 4096, 16384, 512, 512, *st[5:10]))
+
+    monkeypatch.setattr(machine_bench.os, "statvfs", statvfs)
+    code = main(["bench", str(tmp_path), "--size-mib", "4", "--json"])
+    captured = capsys.readouterr()
+    rows = {r["what"] for r in json.loads(captured.out)}
+    assert code == EXIT_OK
+    assert "copy into pre-faulted memory" in rows and any(w.startswith("write+fsync in ") for w in rows)
+    assert not any(w.startswith("first write into a fresh file") for w in rows)
+    assert "/dev/shm has 2 MiB free and the fresh-file write needs 4 MiB" in captured.err, captured.err
+    assert "--shm-size" in captured.err and "--size-mib" in captured.err
+    assert not list(Path("/dev/shm").glob(".tiered_ckpt-bench-*"))

@@ -5,7 +5,9 @@ unless ``--delete``), ``bench`` (this machine's and the tiers' throughput) and `
 from __future__ import annotations
 
 import argparse
+import errno
 import os
+import sys
 from typing import TYPE_CHECKING, Any
 
 from .cli_common import (
@@ -257,7 +259,14 @@ def cmd_bench(args: argparse.Namespace) -> int:
     nbytes = args.size_mib << 20
     rows = [mb.copy_prefaulted(nbytes)]
     if os.path.isdir("/dev/shm"):
-        rows.append(mb.fresh_shm_write(nbytes))
+        try:
+            rows.append(mb.fresh_shm_write(nbytes))
+        except OSError as exc:
+            if exc.errno != errno.ENOSPC:
+                raise
+            print(f"tiered-ckpt bench: skipped the first write into a fresh /dev/shm file: {exc.strerror}; "
+                  f"give a smaller --size-mib, or a larger /dev/shm (docker run --shm-size, a pod's memory-backed "
+                  f"emptyDir): an shm tier needs room for its slots there too", file=sys.stderr)
     stores: dict = {}
     if args.config or args.target:
         _, stores = _built_stores(args)
@@ -282,8 +291,6 @@ def cmd_bench(args: argparse.Namespace) -> int:
 def _write_fsync(mb: Any, nbytes: int, directory: str, which: str) -> Any:
     """``mb.write_fsync``, its OSError (a directory this user cannot write, a read-only filesystem) told as what
     bench tried, where, and how to go on."""
-    import errno
-
     try:
         return mb.write_fsync(nbytes, directory)
     except OSError as exc:

@@ -7,6 +7,7 @@ reads one blob of the same size through its own primitives.
 
 from __future__ import annotations
 
+import errno
 import os
 import tempfile
 import time
@@ -52,6 +53,13 @@ def copy_prefaulted(nbytes: int, repeats: int = 3) -> Measure:
 def fresh_shm_write(nbytes: int, directory: str = "/dev/shm") -> Measure:
     import mmap
 
+    # A page fault with no room left on the tmpfs is a SIGBUS that kills the process without a word (Docker's
+    # default /dev/shm is 64 MiB): look first.
+    st = os.statvfs(directory)
+    free = st.f_bavail * st.f_frsize
+    if free < nbytes:
+        raise OSError(errno.ENOSPC, f"{directory} has {free >> 20} MiB free and the fresh-file write needs "
+                                    f"{nbytes >> 20} MiB")
     src = torch.ones(nbytes, dtype=torch.uint8)
     path = os.path.join(directory, f".tiered_ckpt-bench-{uuid.uuid4().hex}")
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
