@@ -95,8 +95,11 @@ def test_rank_killed_mid_drain_then_consistent_restore(tmp_path, shm_root, world
     crash = {victim: {"TIERED_CKPT_CRASH_AT": "drain.before_write:5"}}
     first = run_ranks(world, {"config": cfg, "save": [1, 2, 3]}, env_of=crash)
     assert first[victim]["killed"]
-    # The committing rank gives up on the step the victim never drained: committed on no tier below shm.
-    assert "not committed" in first[0]["save_errors"]["3"]
+    # The committing rank gives up on the step the victim never drained, on seeing its engine is gone (not after
+    # commit_timeout_s on each tier in turn): committed on no tier below shm.
+    why = first[0]["save_errors"]["3"]
+    assert "not committed" in why and f"the engine of rank(s) {victim} on this node died" in why, why
+    assert "after 8 s" not in why
     for root in (shared, local):
         assert committed(root) == [1, 2]
 
@@ -385,6 +388,23 @@ def test_a_rank_whose_part_fails_stops_the_other_ranks_waiting_for_the_commit(tm
         else:
             assert f"rank {victim} could not write its part here" in error, (rank, error)
     assert committed(shared) == []
+
+
+def test_the_committing_rank_killed_before_its_commit_ends_the_others_wait_at_once(tmp_path, shm_root):
+    """Rank 0 dies in its drain just before it commits step 1 (killed: it records nothing). The other ranks'
+    wait_committed() waited out its whole timeout (60 s here) to say "not committed after 60 s"; each now sees the
+    committing rank's engine gone on its node and says so."""
+    run_id = f"k{uuid.uuid4().hex[:8]}"
+    cfg = {"run_id": run_id, "drain": {"mode": "thread", "commit_timeout_s": 300},
+           "tiers": [{"name": "shm", "kind": "shm", "path": str(shm_root)},
+                     {"name": "shared", "kind": "local", "path": str(tmp_path / "shared")}]}
+    results = run_ranks(3, {"config": cfg, "save": [1], "wait_committed": True},
+                        env_of={0: {"TIERED_CKPT_CRASH_AT": "drain.before_commit:1"}}, timeout=200)
+    assert results[0]["killed"]
+    for rank in (1, 2):
+        error = results[rank]["save_errors"]["1"]
+        assert "the engine of the committing rank 0 died on this node" in error and "rank_00000.lock" in error, error
+    assert committed(tmp_path / "shared") == []
 
 
 @pytest.mark.parametrize("where", ["configuration", "tiers"])

@@ -861,11 +861,18 @@ class CheckpointEngine:
             try:
                 files.wait_committed(handle.step, self.coords.rank, max(0.0, deadline - time.monotonic()),
                                      save_id=handle.save_id, fail_fast=handle not in self.recovered,
-                                     why=f" (the committing rank is rank {committer}; its log says more)")
+                                     why=f" (the committing rank is rank {committer}; its log says more)",
+                                     committer_gone=self._gone_probe(files, committer))
             except TierError as exc:
                 failures[name] = str(exc)
         if failures:
             raise SaveError(handle.step, failures)
+
+    def _gone_probe(self, files: Any, committer: int) -> Callable[[], dict[int, str]] | None:
+        """Whether the committing rank's engine died on this node (``FileStore.gone_probe``); None if it is not on
+        this node."""
+        probe = files.gone_probe(self.coords, self.coordinator.node_ranks)
+        return None if probe is None else (lambda: probe([committer]))
 
     def _wait_with_bar(self, timeout: float | None) -> None:
         from tqdm import tqdm
@@ -954,7 +961,8 @@ class CheckpointEngine:
         for meta in voted:
             try:
                 files.wait_committed(meta.step, self.coords.rank, max(0.0, deadline - time.monotonic()),
-                                     save_id=meta.save_id, fail_fast=True)  # this process's save: its first drain
+                                     save_id=meta.save_id, fail_fast=True,  # this process's save: its first drain
+                                     committer_gone=self._gone_probe(files, self._voters(store)[0]))
             except TierError as exc:
                 log.info("close(): tier %r: %s; its slot stays in memory", store.name, exc)
 

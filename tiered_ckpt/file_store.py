@@ -41,6 +41,7 @@ from .file_store_read import CommittedFiles
 from .file_streams import raw_pieces
 from .layouts.base import Layout
 from .layouts.foreign import foreign_step_dirs
+from .locking import gone_ranks
 from .manifest import (
     SAVE_KEY,
     CheckpointManifest,
@@ -73,6 +74,7 @@ REMOVAL_WAIT_S = 300.0
 # after this store opened is another job writing the same directory at the same time, not an earlier run's step
 # (FileStore._another_job_s). One committed before, or within it, is taken for an earlier run's.
 CONCURRENT_JOB_MARGIN_S = 2.0
+GONE_LOOK_S = 0.5  # how often a committing rank looks whether a missing rank of its node died (seen twice: dead)
 RECORD_LOOK_S = 1.0  # a failure record already looked at (none, or another save's) is read again after this
 
 
@@ -123,8 +125,11 @@ class FileStore(CommittedFiles):
     reading half: :class:`~tiered_ckpt.file_store_read.CommittedFiles`)."""
 
     def __init__(self, tier: Tier, cfg: TierConfig, layout: Layout, codecs: dict[str, FileCodec],
-                 emit: Emit, run_id: str = "default"):
+                 emit: Emit, run_id: str = "default", lock_dir: str | None = None):
         self.tier = tier
+        # where this run's engines on this node hold their rank locks (locking.py): a committing rank stops
+        # waiting for a rank of its node whose engine died (gone_ranks)
+        self.lock_dir = lock_dir
         self.cfg = cfg
         self.layout = layout
         self.codecs = codecs
@@ -280,7 +285,8 @@ class FileStore(CommittedFiles):
         committed, failure = None, []
         try:
             committed = self.try_commit(written.step, coords, self._voters(coords, node_ranks), wait_s=wait_s,
-                                        save_id=save_id, fail_fast=fail_fast, failure=failure)
+                                        save_id=save_id, fail_fast=fail_fast, failure=failure,
+                                        gone=self.gone_probe(coords, node_ranks))
         finally:
             if committed is None:
                 with self._retention:
@@ -341,6 +347,16 @@ class FileStore(CommittedFiles):
     def _voters(self, coords: RankCoords, node_ranks: list[int]) -> list[int]:
         # A shared tier is committed by global rank 0 for the job; a node-local one by each node's first rank.
         return sorted(node_ranks) if self.tier.capabilities.node_local else list(range(coords.world_size))
+
+    def gone_probe(self, coords: RankCoords, node_ranks: list[int]) -> Callable[[list[int]], dict[int, str]] | None:
+        """Which of the ranks asked about died on this node (:func:`gone_ranks`). Only the ranks the start-up
+        exchange placed on this node: each of them held its lock before that exchange, so a lock left unheld is
+        a dead engine of this job, never one still starting."""
+        peers = {r for r in node_ranks if r != coords.rank}
+        if self.lock_dir is None or not peers:
+            return None
+        directory = self.lock_dir
+        return lambda missing: gone_ranks(directory, [r for r in missing if r in peers])
 
     def _commits_here(self, coords: RankCoords, node_ranks: list[int]) -> bool:
         return coords.rank == self._voters(coords, node_ranks)[0]
@@ -650,19 +666,32 @@ class FileStore(CommittedFiles):
 
     # ----- committing --------------------------------------------------------------------------------------
     def wait_committed(self, step: int, rank: int, wait_s: float, *, save_id: str = "", why: str = "",
-                       fail_fast: bool = False) -> None:
+                       fail_fast: bool = False, committer_gone: Callable[[], dict[int, str]] | None = None) -> None:
         """Return once ``step`` is committed here, by the save ``save_id`` where one is given (an earlier commit
         of the step is another save's); :class:`TierError` saying ``why`` it matters after ``wait_s`` without,
-        or (``fail_fast``, the save's first drain) as soon as the committing rank recorded that it failed.
+        or (``fail_fast``, the save's first drain) as soon as the committing rank recorded that it failed, or
+        ``committer_gone`` (:meth:`gone_probe` of the committing rank) saw it dead twice, ``GONE_LOOK_S`` apart.
         The pause between looks grows from 20 ms to 1 s: every rank of a job may be looking at the one key."""
         deadline = time.monotonic() + wait_s
         key = self.layout.manifest_key(step)
         pause = 0.02
         next_look = 0.0  # the failure record is looked for at once, then at most every RECORD_LOOK_S
+        next_probe, seen_gone = 0.0, False
         while True:
             committed_here = self._retry(lambda: self.tier.exists(key), step, rank, f"look for {key}")
             if committed_here and (not save_id or self.committed_save(step, rank) == save_id):
                 return
+            if fail_fast and committer_gone is not None and time.monotonic() >= next_probe:
+                next_probe = time.monotonic() + GONE_LOOK_S
+                dead = committer_gone()
+                if dead and seen_gone:
+                    if self._committed_by(key, step, rank, save_id):  # just before it died
+                        return
+                    (committer, lock), = dead.items()
+                    raise TierError(f"step {step} was not committed here: the engine of the committing rank "
+                                    f"{committer} died on this node (its lock {lock} is left and nobody holds it)"
+                                    f"{why}", tier=self.name, key=key)
+                seen_gone = bool(dead)
             if fail_fast and save_id and time.monotonic() >= next_look:
                 # also beside another save's commit of the step (another job's, which this save's refused)
                 next_look = time.monotonic() + RECORD_LOOK_S
@@ -685,6 +714,11 @@ class FileStore(CommittedFiles):
                                 key=key)
             time.sleep(min(pause, left))
             pause = min(pause * 1.5, 1.0)
+
+    def _committed_by(self, key: str, step: int, rank: int, save_id: str) -> bool:
+        """Whether ``step``'s manifest ``key`` is here, committed by ``save_id`` where one is given."""
+        return self._retry(lambda: self.tier.exists(key), step, rank, f"look for {key}") and (
+            not save_id or self.committed_save(step, rank) == save_id)
 
     def _committed_earlier(self, step: int, save_id: str, rank: int) -> bool:
         """Whether a newer commit here names the save ``save_id`` of ``step`` among the commits made before it."""
@@ -727,16 +761,19 @@ class FileStore(CommittedFiles):
 
     def try_commit(self, step: int, coords: RankCoords, ranks: list[int] | None = None, *, wait_s: float = 0.0,
                    poll_s: float = 0.05, save_id: str = "", fail_fast: bool = False,
-                   failure: list[str] | None = None) -> CheckpointManifest | None:
+                   failure: list[str] | None = None,
+                   gone: Callable[[list[int]], dict[int, str]] | None = None) -> CheckpointManifest | None:
         """As the committing rank: once every rank of ``ranks`` (default: the whole job) has its manifest here,
         write the checkpoint manifest, then the tracker. Waits up to ``wait_s``; None means not committed.
         ``save_id``: only rank manifests of that save are votes (another save's are stale). ``fail_fast``: stop
         waiting as soon as a rank recorded that its part of this save failed (failure_records.py), appending
-        what it said to ``failure``."""
+        what it said to ``failure``; and (with ``gone``, :meth:`gone_probe`) as soon as a missing rank's engine is
+        seen dead twice, ``GONE_LOOK_S`` apart."""
         ranks = list(range(coords.world_size)) if ranks is None else sorted(ranks)
         deadline = time.monotonic() + wait_s
         votes: dict[int, RankManifest] = {}
         looked: dict[int, float] = {}  # rank → when its failure record was read last (another save's, or none)
+        next_probe, seen_gone = 0.0, set()
         while True:
             present, failed, step_failed = self._retry(lambda: self._step_records(step), step, coords.rank,
                                                        "list rank manifests")
@@ -767,6 +804,20 @@ class FileStore(CommittedFiles):
                         if failure is not None:
                             failure.append(why)
                         return None
+            if fail_fast and gone is not None and time.monotonic() >= next_probe:
+                # A killed rank never sends its part: without this the step waited out wait_s (on each tier in
+                # turn) before it was given up.
+                next_probe = time.monotonic() + GONE_LOOK_S
+                dead = gone(missing)
+                confirmed = sorted(r for r in dead if r in seen_gone)
+                seen_gone = set(dead)
+                if confirmed:
+                    why = (f"the engine of rank(s) {_short(confirmed)} on this node died before its files arrived "
+                           f"(its lock {dead[confirmed[0]]} is left and nobody holds it)")
+                    log.warning("tier %r: step %d not committed: %s", self.name, step, why)
+                    if failure is not None:
+                        failure.append(why)
+                    return None
             if time.monotonic() >= deadline:
                 why = f"no files from rank(s) {_short(missing)} after {wait_s:.0f} s" + (
                     f" ({'; '.join(stale[:4])})" if stale else "")

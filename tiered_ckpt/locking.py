@@ -251,6 +251,36 @@ class RunLock:
                 os.rmdir(rank_lock.dir)
 
 
+def run_lock_path(run_id: str, shm_paths: Sequence[str] = ()) -> str:
+    """The directory the rank locks of ``run_id`` live in (as :class:`RunLock` makes it; never created here)."""
+    return shm_lock_path(shm_paths[0], run_id) if shm_paths else os.path.join(tmp_lock_base(), run_id)
+
+
+def gone_ranks(directory: str, ranks: Sequence[int]) -> dict[int, str]:
+    """Of ``ranks``, those whose engine died on this node: its lock file is still in ``directory`` (a killed process
+    leaves it; a closing engine removes it) and no process holds it. Rank → that lock file. A rank with no lock file
+    here (on another node, closed, or not started) is not in the answer. Taken for a moment with ``LOCK_SH``: an
+    engine starting meanwhile tries its lock again a few times (:func:`_flock_soon`)."""
+    gone = {}
+    for rank in ranks:
+        path = os.path.join(directory, f"rank_{rank:05d}.lock")
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+        except OSError:
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except OSError:  # held (BlockingIOError): alive
+            os.close(fd)
+            continue
+        try:
+            if _same_file(fd, path):  # not one its engine unlinked while closing
+                gone[rank] = path
+        finally:
+            os.close(fd)  # lets the lock go
+    return gone
+
+
 def _flock_soon(fd: int, mode: int, tries: int = 5, pause_s: float = 0.01) -> bool:
     """``flock(fd, mode)`` without blocking, tried again a few times ``pause_s`` apart: gc takes a stale lock
     for the moment it needs to unlink it, and an engine starting then must not read that as a live holder."""

@@ -17,6 +17,7 @@ from .codecs.file_codecs import FileCodec
 from .config import Config, TierConfig
 from .errors import ConfigError
 from .file_store import FileStore
+from .locking import run_lock_path, shm_paths
 from .memory_store import MemoryStore
 from .parallel import RankCoords
 from .plugins import PluginManager
@@ -47,7 +48,8 @@ def make_store(pm: PluginManager, config: Config, cfg: TierConfig, coords: RankC
         return MemoryStore(tier, coords.rank, cfg.slots or DEFAULT_SLOTS, cfg)
     layout = pm.registries.layouts.get(config.layout)()
     codecs: dict[str, FileCodec] = {name: c() for name, c, _ in pm.registries.codecs.items()}
-    return FileStore(tier, cfg, layout, codecs, emit, run_id=config.run_id)
+    return FileStore(tier, cfg, layout, codecs, emit, run_id=config.run_id,
+                     lock_dir=run_lock_path(config.run_id, shm_paths(config)))
 
 
 def staging_config(pm: PluginManager) -> TierConfig:
