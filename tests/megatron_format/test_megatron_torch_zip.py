@@ -123,6 +123,47 @@ def test_lazy_reads_only_the_pickle_and_the_slices(tmp_path: Path) -> None:
     assert torch.equal(materialize(f.obj)["big"], t)
 
 
+def test_a_lazy_copy_reads_its_ranges_several_at_once_into_the_right_places(tmp_path: Path,
+                                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """A bucket's shard copied out of a file on an object store was read one range at a time (a reshard from S3
+    at one request's speed). Now up to READ_AHEAD ranges are in flight; each lands at its own place, and every
+    byte is read once."""
+    import threading
+    import time
+
+    from tiered_ckpt.megatron import lazy_torch
+
+    monkeypatch.setattr(lazy_torch, "READ_PIECE", 4096)
+    t = torch.randn(10_000)  # ten ranges of 4 KiB
+    (tmp_path / "f.pt").write_bytes(saved({"t": t}))
+    tier = LocalTier("t", LocalOptions(path=str(tmp_path)))
+    in_flight, most = 0, 0
+    lock = threading.Lock()
+    read_range = tier.read_range
+
+    def slow_read_range(key: str, offset: int, length: int) -> bytes:
+        nonlocal in_flight, most
+        with lock:
+            in_flight += 1
+            most = max(most, in_flight)
+        time.sleep(0.05)  # a request's round trip
+        try:
+            return read_range(key, offset, length)
+        finally:
+            with lock:
+                in_flight -= 1
+
+    monkeypatch.setattr(tier, "read_range", slow_read_range)
+    f = open_lazy(tier, "f.pt")
+    assert torch.equal(f.obj["t"][0:1], t[0:1])  # the record's place is found (its local header read)
+    before, most = f.reader.bytes_read, 0
+    out = torch.empty(9_000)
+    lazy_torch.copy_range(out, f.obj["t"], 500, 9_500)
+    assert torch.equal(out, t[500:9_500])
+    assert f.reader.bytes_read - before == 9_000 * 4
+    assert most == lazy_torch.READ_AHEAD
+
+
 def test_lazy_refuses_garbage_and_unsafe_pickles(tmp_path: Path) -> None:
     tier = LocalTier("t", LocalOptions(path=str(tmp_path)))
     (tmp_path / "junk.pt").write_bytes(b"hello" * 100)

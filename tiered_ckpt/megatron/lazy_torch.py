@@ -13,7 +13,9 @@ import functools
 import io
 import pickle
 import struct
+import threading
 import warnings
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,6 +27,7 @@ from .torch_records import DICTS, ZIP64_MARKER, itemsize, same_dict
 
 MAX_PICKLE_BYTES = 256 << 20  # a data.pkl larger than this is not a checkpoint we read lazily
 READ_PIECE = 16 << 20  # bytes per range read when copying out of a file
+READ_AHEAD = 4  # such ranges read at once
 
 
 
@@ -36,13 +39,15 @@ class RangeReader:
         self.tier, self.key = tier, key
         self.where = where or key
         self.bytes_read = 0
+        self._count = threading.Lock()  # ranges of one copy are read on several threads
 
     def size(self) -> int:
         return self.tier.size(self.key)
 
     def read(self, offset: int, length: int) -> bytes:
         data = self.tier.read_range(self.key, offset, length)
-        self.bytes_read += length
+        with self._count:
+            self.bytes_read += length
         return data
 
     def view(self, offset: int, length: int) -> Any:
@@ -285,14 +290,25 @@ class LazyTorchFile:
         if start < 0 or (start + count) * item > rec.size or out.numel() != count:
             raise DecodeError(f"{self.where}: elements [{start}, {start + count}) outside {record}")
         step = max(1, READ_PIECE // item)
-        for at in range(0, count, step):  # bounded reads: a bucket's shard can be hundreds of MB
+
+        def piece(at: int) -> None:
             n = min(step, count - at)
             data = self.reader.read(rec.data_offset + (start + at) * item, n * item)
             with warnings.catch_warnings():  # read-only bytes: the view is only read, by copy_
                 warnings.simplefilter("ignore", UserWarning)
                 view = torch.frombuffer(data, dtype=torch.uint8)
             out[at:at + n].copy_(view.view(dtype))
-            del data, view
+
+        starts = range(0, count, step)  # bounded reads: a bucket's shard can be hundreds of MB
+        if len(starts) == 1 or isinstance(self.reader, BytesReader):
+            for at in starts:
+                piece(at)
+            return
+        # A few ranges in flight: on an object store each is a request of its own, and one at a time leaves the
+        # connection idle between them (a reshard from S3 read at one request's speed). At most READ_AHEAD
+        # pieces are held at once.
+        with ThreadPoolExecutor(min(READ_AHEAD, len(starts)), thread_name_prefix="tiered_ckpt-ranges") as pool:
+            list(pool.map(piece, starts))
 
     # ----- the pickle ---------------------------------------------------------------------------------------
     def _unpickle(self, pkl: bytes) -> Any:
