@@ -133,6 +133,8 @@ class CheckpointEngine:
             raise
         try:
             self.coordinator = Coordinator.create(self.coords)
+            if self.coordinator.incarnation:  # before any save: other ranks tell its death by it (gone_ranks)
+                lock.stamp(self.coordinator.incarnation)
             # alone(): should the tiers fail to build here, the others learn it at the recovery's exchange
             self.pipeline: Pipeline = self.coordinator.alone(build_pipeline, self.config, self.pm, self.coords,
                                                              local_rank(), self._emit, self.coordinator.node_ranks)
@@ -846,9 +848,9 @@ class CheckpointEngine:
         on the commit (a load right after it, a copy elsewhere): it runs no collective. A commit that retention
         has retired since counts (each commit's manifest names the saves committed before it). A commit that
         failed is known here as soon as the committing rank records it (a rank's part that could not be
-        written, the committing rank's own failure); one whose committing rank died is known at the deadline
-        only, and so is the failure of a save recovered at start-up: in a training loop, give a ``timeout``
-        within the time between saves."""
+        written, the committing rank's own failure), or once the committing rank's engine is seen dead on this
+        node; one whose committing rank died on another node is known at the deadline only, and so is the failure
+        of a save recovered at start-up: in a training loop, give a ``timeout`` within the time between saves."""
         limit = 2 * self.config.drain.commit_timeout_s + 10
         deadline = time.monotonic() + (limit if timeout is None else timeout)
         handle.wait(timeout=timeout)
@@ -862,16 +864,16 @@ class CheckpointEngine:
                 files.wait_committed(handle.step, self.coords.rank, max(0.0, deadline - time.monotonic()),
                                      save_id=handle.save_id, fail_fast=handle not in self.recovered,
                                      why=f" (the committing rank is rank {committer}; its log says more)",
-                                     committer_gone=self._gone_probe(files, committer))
+                                     committer_gone=self._gone_probe(files, committer, handle.save_id))
             except TierError as exc:
                 failures[name] = str(exc)
         if failures:
             raise SaveError(handle.step, failures)
 
-    def _gone_probe(self, files: Any, committer: int) -> Callable[[], dict[int, str]] | None:
-        """Whether the committing rank's engine died on this node (``FileStore.gone_probe``); None if it is not on
-        this node."""
-        probe = files.gone_probe(self.coords, self.coordinator.node_ranks)
+    def _gone_probe(self, files: Any, committer: int, save_id: str) -> Callable[[], dict[int, str]] | None:
+        """Whether the committing rank's engine died on this node (``FileStore.gone_probe``); None where no rank
+        of this node is looked at."""
+        probe = files.gone_probe(self.coords, self.coordinator.node_ranks, save_id)
         return None if probe is None else (lambda: probe([committer]))
 
     def _wait_with_bar(self, timeout: float | None) -> None:
@@ -962,7 +964,7 @@ class CheckpointEngine:
             try:
                 files.wait_committed(meta.step, self.coords.rank, max(0.0, deadline - time.monotonic()),
                                      save_id=meta.save_id, fail_fast=True,  # this process's save: its first drain
-                                     committer_gone=self._gone_probe(files, self._voters(store)[0]))
+                                     committer_gone=self._gone_probe(files, self._voters(store)[0], meta.save_id))
             except TierError as exc:
                 log.info("close(): tier %r: %s; its slot stays in memory", store.name, exc)
 

@@ -286,7 +286,7 @@ class FileStore(CommittedFiles):
         try:
             committed = self.try_commit(written.step, coords, self._voters(coords, node_ranks), wait_s=wait_s,
                                         save_id=save_id, fail_fast=fail_fast, failure=failure,
-                                        gone=self.gone_probe(coords, node_ranks))
+                                        gone=self.gone_probe(coords, node_ranks, save_id))
         finally:
             if committed is None:
                 with self._retention:
@@ -348,15 +348,18 @@ class FileStore(CommittedFiles):
         # A shared tier is committed by global rank 0 for the job; a node-local one by each node's first rank.
         return sorted(node_ranks) if self.tier.capabilities.node_local else list(range(coords.world_size))
 
-    def gone_probe(self, coords: RankCoords, node_ranks: list[int]) -> Callable[[list[int]], dict[int, str]] | None:
-        """Which of the ranks asked about died on this node (:func:`gone_ranks`). Only the ranks the start-up
-        exchange placed on this node: each of them held its lock before that exchange, so a lock left unheld is
-        a dead engine of this job, never one still starting."""
+    def gone_probe(self, coords: RankCoords, node_ranks: list[int], save_id: str
+                   ) -> Callable[[list[int]], dict[int, str]] | None:
+        """Which of the ranks asked about died on this node (:func:`gone_ranks`) while in the job incarnation
+        that made ``save_id`` (its first part, ``Coordinator.incarnation``). Only the ranks the start-up exchange
+        placed on this node: each of them held its lock, and stamped it with the incarnation, before the first
+        save of any rank, so an unheld lock so stamped is a dead engine of this job, never one still starting."""
         peers = {r for r in node_ranks if r != coords.rank}
-        if self.lock_dir is None or not peers:
+        job = save_id.partition(".")[0]
+        if self.lock_dir is None or not peers or not job:
             return None
         directory = self.lock_dir
-        return lambda missing: gone_ranks(directory, [r for r in missing if r in peers])
+        return lambda missing: gone_ranks(directory, [r for r in missing if r in peers], job)
 
     def _commits_here(self, coords: RankCoords, node_ranks: list[int]) -> bool:
         return coords.rank == self._voters(coords, node_ranks)[0]
@@ -687,10 +690,12 @@ class FileStore(CommittedFiles):
                 if dead and seen_gone:
                     if self._committed_by(key, step, rank, save_id):  # just before it died
                         return
+                    record = recorded_failure(self.tier, self.layout.commit_failed_key(step), save_id)
                     (committer, lock), = dead.items()
-                    raise TierError(f"step {step} was not committed here: the engine of the committing rank "
-                                    f"{committer} died on this node (its lock {lock} is left and nobody holds it)"
-                                    f"{why}", tier=self.name, key=key)
+                    reason = record["reason"] if record is not None else (  # what it said before it died
+                        f"the engine of the committing rank {committer} died on this node (its lock {lock} is left "
+                        "and nobody holds it)")
+                    raise TierError(f"step {step} was not committed here: {reason}{why}", tier=self.name, key=key)
                 seen_gone = bool(dead)
             if fail_fast and save_id and time.monotonic() >= next_look:
                 # also beside another save's commit of the step (another job's, which this save's refused)

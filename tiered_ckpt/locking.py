@@ -98,9 +98,12 @@ def shm_paths(config: Any) -> list[str]:
     return list(dict.fromkeys(paths))
 
 
-def owner_record() -> bytes:
-    return json.dumps({"pid": os.getpid(), "host": socket.gethostname(),
-                       "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}).encode()
+def owner_record(job: str | None = None) -> bytes:
+    """What a rank lock holds: its owner's pid, host and start, and (once the start-up exchange gave it) the job
+    incarnation it belongs to (:meth:`RunLock.stamp`)."""
+    record = {"pid": os.getpid(), "host": socket.gethostname(),
+              "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    return json.dumps({**record, "job": job} if job else record).encode()
 
 
 def describe_owner(raw: bytes) -> str:
@@ -212,6 +215,16 @@ class RunLock:
             self.release()
             raise
 
+    def stamp(self, job: str) -> None:
+        """Write the job incarnation (``Coordinator.incarnation``) into the held rank locks: :func:`gone_ranks`
+        counts only locks of the job asking, never one an earlier run left (or one of a rank that shares this
+        node's name but not its lock directory: containers on the host network with their own /dev/shm)."""
+        for rank_lock in self._ranks:
+            if rank_lock.fd is not None:
+                record = owner_record(job)
+                os.pwrite(rank_lock.fd, record, 0)
+                os.ftruncate(rank_lock.fd, len(record))  # never empty meanwhile: the record grows in place
+
     def _share_run_lock(self, run_lock: _LockFile) -> None:
         deadline = time.monotonic() + GC_WAIT_S
         while True:
@@ -256,11 +269,12 @@ def run_lock_path(run_id: str, shm_paths: Sequence[str] = ()) -> str:
     return shm_lock_path(shm_paths[0], run_id) if shm_paths else os.path.join(tmp_lock_base(), run_id)
 
 
-def gone_ranks(directory: str, ranks: Sequence[int]) -> dict[int, str]:
-    """Of ``ranks``, those whose engine died on this node: its lock file is still in ``directory`` (a killed process
-    leaves it; a closing engine removes it) and no process holds it. Rank → that lock file. A rank with no lock file
-    here (on another node, closed, or not started) is not in the answer. Taken for a moment with ``LOCK_SH``: an
-    engine starting meanwhile tries its lock again a few times (:func:`_flock_soon`)."""
+def gone_ranks(directory: str, ranks: Sequence[int], job: str) -> dict[int, str]:
+    """Of ``ranks``, those whose engine of the job incarnation ``job`` died on this node: its lock file is still in
+    ``directory`` (a killed process leaves it; a closing engine removes it), stamped with ``job``
+    (:meth:`RunLock.stamp`), and no process holds it. Rank → that lock file. A rank with no such file here (on
+    another node, closed, not started, or a lock of an earlier run) is not in the answer. Taken for a moment with
+    ``LOCK_SH``: an engine starting meanwhile tries its lock again a few times (:func:`_flock_soon`)."""
     gone = {}
     for rank in ranks:
         path = os.path.join(directory, f"rank_{rank:05d}.lock")
@@ -274,11 +288,20 @@ def gone_ranks(directory: str, ranks: Sequence[int]) -> dict[int, str]:
             os.close(fd)
             continue
         try:
-            if _same_file(fd, path):  # not one its engine unlinked while closing
+            # not one its engine unlinked while closing, and this job's
+            if _same_file(fd, path) and _job_of(os.pread(fd, 4096, 0)) == job:
                 gone[rank] = path
         finally:
             os.close(fd)  # lets the lock go
     return gone
+
+
+def _job_of(raw: bytes) -> str | None:
+    try:
+        record = json.loads(raw)
+    except ValueError:
+        return None
+    return record.get("job") if isinstance(record, dict) else None
 
 
 def _flock_soon(fd: int, mode: int, tries: int = 5, pause_s: float = 0.01) -> bool:

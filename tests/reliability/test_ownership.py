@@ -333,44 +333,50 @@ def test_gc_never_unlinks_a_rank_lock_an_engine_took_while_the_stale_run_was_rem
 
 
 LOCKER = textwrap.dedent("""
-    import fcntl, os, sys
+    import fcntl, json, os, sys
     fd = os.open(sys.argv[1], os.O_RDWR | os.O_CREAT, 0o600)
     fcntl.flock(fd, fcntl.LOCK_EX)
+    os.write(fd, json.dumps({"pid": os.getpid(), "job": sys.argv[2]}).encode())
     print("HELD", flush=True)
     sys.stdin.read()
 """)
 
 
-def test_gone_ranks_are_those_whose_lock_a_dead_process_left(tmp_path, monkeypatch):
-    """A committing rank stops waiting for a rank of its node whose engine died (its lock file left, held by
-    nobody); a live holder, a closed engine (no file) and this process's own engine are never taken for dead, and
-    the look never keeps the rank's next engine from taking its lock."""
+def test_gone_ranks_are_those_whose_lock_a_dead_engine_of_the_job_left(tmp_path, monkeypatch):
+    """A committing rank stops waiting for a rank of its node whose engine died: its lock file left, held by
+    nobody, stamped with this job's incarnation. A live holder, a closed engine (no file), this process's own
+    engine, and a lock an earlier run left (another incarnation: a restarted job whose ranks may now sit in
+    another container of the same host name) are never taken for dead; the rank's next engine takes its lock."""
     from tiered_ckpt.locking import RunLock, gone_ranks
 
     directory = tmp_path / "locks"
     directory.mkdir()
     procs = {}
-    for rank in (0, 1):  # 0 lives on; 1 is killed holding its lock
-        procs[rank] = subprocess.Popen([sys.executable, "-c", LOCKER, str(directory / f"rank_{rank:05d}.lock")],
+    for rank, job in ((0, "J"), (1, "J"), (4, "EARLIER")):  # 0 lives on; 1 and 4 are killed holding their lock
+        procs[rank] = subprocess.Popen([sys.executable, "-c", LOCKER, str(directory / f"rank_{rank:05d}.lock"), job],
                                        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         assert procs[rank].stdout.readline().strip() == "HELD"
-    procs[1].kill()
-    procs[1].wait()
+    for rank in (1, 4):
+        procs[rank].kill()
+        procs[rank].wait()
     monkeypatch.setenv("TIERED_CKPT_LOCK_DIR", str(tmp_path))
     run_id = directory.name
     mine = RunLock(run_id, 3)
     try:
         mine.acquire()
-        assert Path(mine.path).parent == directory
+        mine.stamp("J")
+        assert Path(mine.path).parent == directory and json.loads(Path(mine.path).read_text())["job"] == "J"
         # rank 2 has no file (closed, or on another node); rank 3 is this process's engine
-        assert gone_ranks(str(directory), [0, 1, 2, 3]) == {1: str(directory / "rank_00001.lock")}
+        assert gone_ranks(str(directory), [0, 1, 2, 3, 4], "J") == {1: str(directory / "rank_00001.lock")}
+        assert gone_ranks(str(directory), [0, 1, 2, 3, 4], "EARLIER") == {4: str(directory / "rank_00004.lock")}
         again = RunLock(run_id, 1)
         again.acquire()  # the dead rank's next engine takes its lock as usual
         try:
-            assert gone_ranks(str(directory), [1]) == {}
+            again.stamp("K")
+            assert gone_ranks(str(directory), [1], "J") == gone_ranks(str(directory), [1], "K") == {}
         finally:
             again.release()
-        assert gone_ranks(str(directory), [1]) == {}  # released: its file is gone with it
+        assert gone_ranks(str(directory), [1], "K") == {}  # released: its file is gone with it
     finally:
         mine.release()
         procs[0].stdin.close()
