@@ -351,9 +351,9 @@ class FileStore(CommittedFiles):
     def gone_probe(self, coords: RankCoords, node_ranks: list[int], save_id: str
                    ) -> Callable[[list[int]], dict[int, str]] | None:
         """Which of the ranks asked about died on this node (:func:`gone_ranks`) while in the job incarnation
-        that made ``save_id`` (its first part, ``Coordinator.incarnation``). Only the ranks the start-up exchange
-        placed on this node: each of them held its lock, and stamped it with the incarnation, before the first
-        save of any rank, so an unheld lock so stamped is a dead engine of this job, never one still starting."""
+        that made ``save_id`` (its first part, ``Coordinator.incarnation``), among the ranks the start-up exchange
+        placed on this node. Only an engine of this job past that exchange stamps its lock with the incarnation,
+        and a closing one removes its lock: an unheld lock so stamped is a dead engine of this job."""
         peers = {r for r in node_ranks if r != coords.rank}
         job = save_id.partition(".")[0]
         if self.lock_dir is None or not peers or not job:
