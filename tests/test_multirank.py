@@ -407,6 +407,23 @@ def test_the_committing_rank_killed_before_its_commit_ends_the_others_wait_at_on
     assert committed(tmp_path / "shared") == []
 
 
+def test_close_with_on_close_release_stops_waiting_for_a_committing_rank_that_died(tmp_path, shm_root):
+    """close() before on_close: release waits for the commit of the newest step this rank voted for, up to
+    commit_timeout_s (300 s here). Rank 0 dies just before that commit: ranks 1 and 2 now see it dead on their node,
+    close at once, and keep their snapshots in memory (the step is committed nowhere)."""
+    run_id = f"r{uuid.uuid4().hex[:8]}"
+    tier_list = [{"name": "shm", "kind": "shm", "path": str(shm_root), "on_close": "release"},
+                 {"name": "shared", "kind": "local", "path": str(tmp_path / "shared")}]
+    cfg = {"run_id": run_id, "drain": {"mode": "thread", "commit_timeout_s": 300}, "tiers": tier_list}
+    results = run_ranks(3, {"config": cfg, "save": [1]}, env_of={0: {"TIERED_CKPT_CRASH_AT": "drain.before_commit:1"}},
+                        timeout=100)
+    assert results[0]["killed"]
+    assert all("save_errors" not in results[r] and "error" not in results[r] for r in (1, 2)), results
+    assert committed(tmp_path / "shared") == []
+    kept = {p.parent.name for p in Path(shm_root).rglob("slot_*")}
+    assert {"rank_00001", "rank_00002"} <= kept, kept
+
+
 @pytest.mark.parametrize("where", ["configuration", "tiers"])
 def test_a_rank_whose_engine_cannot_start_stops_the_others_at_once(tmp_path, shm_root, where):
     """Rank 1's engine cannot start: a typo in its configuration, or a tier only the machine can refuse (a gpu
