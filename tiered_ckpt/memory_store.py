@@ -98,6 +98,7 @@ class MemoryStore:
         self._slot_step: dict[int, int] | None = None
         self._held: set[int] = set()
         self._hashing: dict[int, Future] = {}  # slot -> the checksums being taken after its save's copy
+        self._stop_hashing: dict[int, threading.Event] = {}  # slot -> set when its snapshot is overwritten
 
     @property
     def name(self) -> str:
@@ -269,12 +270,17 @@ class MemoryStore:
         self.publish(meta)
         if meta.checksums == "pending":
             # Off the blocking path, but from the slot right after the copy: what is hashed is what was saved.
-            self._hashing[slot] = _born_pool().submit(self._take_checksums, meta, buf)
+            stop = self._stop_hashing[slot] = threading.Event()
+            self._hashing[slot] = _born_pool().submit(self._take_checksums, meta, buf, stop)
         return meta
 
-    def _take_checksums(self, meta: SlotMeta, buf: torch.Tensor) -> SlotMeta:
-        done = replace(meta, checksums="saved", items=[  # yielding to a later save's copy (snapshot_hash.py)
-            replace(it, checksum=snapshot_hash.checksum(buf[it.offset:it.offset + it.nbytes])) for it in meta.items])
+    def _take_checksums(self, meta: SlotMeta, buf: torch.Tensor, stop: threading.Event) -> SlotMeta | None:
+        try:
+            done = replace(meta, checksums="saved", items=[  # yielding to a later save's copy (snapshot_hash.py)
+                replace(it, checksum=snapshot_hash.checksum(buf[it.offset:it.offset + it.nbytes], stop))
+                for it in meta.items])
+        except snapshot_hash.Stopped:
+            return None  # a new save overwrites the slot (invalidate): its record is deleted, not published
         # Nothing else writes this slot meanwhile: a new save or a release first waits for this (settle_hash).
         self.publish(done)
         return done
@@ -365,7 +371,13 @@ class MemoryStore:
         return buf
 
     def invalidate(self, slot: int) -> None:
-        self.settle_hash(slot)  # its hashing thread would publish the old record again
+        # The old snapshot is overwritten now: its checksums, still being taken (saves back to back, with no
+        # drain that needed them), are of no use, and the save would wait for them. Called off, then waited for:
+        # its hashing thread would publish the old record again.
+        stop = self._stop_hashing.pop(slot, None)
+        if stop is not None:
+            stop.set()
+        self.settle_hash(slot)
         self.tier.delete(self.meta_key(slot))
         self._slot_holds(slot, None)
 

@@ -9,6 +9,9 @@ a later save copies (docs/architecture.md, "The data path of a save").
 
 from __future__ import annotations
 
+import functools
+import threading
+
 import xxhash
 
 from . import copy_gate
@@ -18,25 +21,32 @@ from .tiers.base import Chunk, as_memoryview
 STEP = 8 << 20  # bytes hashed between two looks at the gate (a few ms of one core)
 
 
-def _piece_digest(mv: memoryview) -> str:
+class Stopped(Exception):
+    """The hashing was called off (``stop``): the bytes are being overwritten, their checksum is of no use."""
+
+
+def _piece_digest(mv: memoryview, stop: threading.Event | None = None) -> str:
     h = xxhash.xxh3_128()
     for start in range(0, len(mv), STEP):
         copy_gate.wait_clear()
+        if stop is not None and stop.is_set():
+            raise Stopped
         h.update(mv[start:start + STEP])
     return h.hexdigest()
 
 
-def _digests(data: Chunk) -> list[str]:
+def _digests(data: Chunk, stop: threading.Event | None = None) -> list[str]:
     mv = as_memoryview(data)
     pieces = [mv[i:i + SNAPSHOT_PIECE] for i in range(0, len(mv), SNAPSHOT_PIECE)] or [mv]
     if len(pieces) == 1:
-        return [_piece_digest(pieces[0])]
-    return list(hash_pool().map(_piece_digest, pieces))
+        return [_piece_digest(pieces[0], stop)]
+    return list(hash_pool().map(functools.partial(_piece_digest, stop=stop), pieces))
 
 
-def checksum(data: Chunk) -> str:
-    """:func:`~tiered_ckpt.checksum.snapshot_checksum` of ``data``, yielding to a save's copy."""
-    return f"{_SNAPSHOT_TAG}:" + ",".join(_digests(data))
+def checksum(data: Chunk, stop: threading.Event | None = None) -> str:
+    """:func:`~tiered_ckpt.checksum.snapshot_checksum` of ``data``, yielding to a save's copy; :class:`Stopped`
+    within a few MiB once ``stop`` is set."""
+    return f"{_SNAPSHOT_TAG}:" + ",".join(_digests(data, stop))
 
 
 def matches(data: Chunk, expected: str) -> bool:

@@ -140,9 +140,9 @@ def test_the_drain_writes_while_the_checksums_are_taken_and_publishes_only_after
         writing.set()
         return write_blob(self, key, chunks, *a, **k)
 
-    def late_checksum(data):
+    def late_checksum(data, stop=None):
         checked.append(writing.wait(15))  # the drain is writing before any checksum is in
-        return checksum(data)
+        return checksum(data, stop)
 
     monkeypatch.setattr(LocalTier, "write_blob", watched_write)
     monkeypatch.setattr(snapshot_hash, "checksum", late_checksum)
@@ -156,3 +156,39 @@ def test_the_drain_writes_while_the_checksums_are_taken_and_publishes_only_after
         local = eng.pipeline.stores["local"].read_step(1, eng.coords, copy=True, map_location=None, verify=True,
                                                        trust_pickles=False, into=None)
         assert local[1] and torch.equal(local[0]["state"]["w"], items(1)["state"]["w"])  # drained verified
+
+
+def test_a_save_over_a_slot_whose_checksums_are_still_being_taken_calls_them_off(shm_root, tmp_path, monkeypatch):
+    """Saves back to back with no drain that needs the checksums (shm only, or steps not due on a file tier): the
+    save that reuses a slot waited for the old snapshot's checksums to finish, which it then overwrote (in a tight
+    loop, blocking twice the copy). The hashing is called off instead; the new snapshot's are taken as usual."""
+    import threading
+    import time
+
+    from tiered_ckpt import memory_store, snapshot_hash
+
+    release = threading.Event()
+    real = snapshot_hash.checksum
+
+    def held(data, stop=None):  # hashing that goes on until released or called off
+        while not release.is_set():
+            if stop is not None and stop.is_set():
+                raise snapshot_hash.Stopped
+            time.sleep(0.01)
+        return real(data, stop)
+
+    monkeypatch.setattr(memory_store.snapshot_hash, "checksum", held)
+    cfg = config(shm_root, tmp_path, f"h{uuid.uuid4().hex[:6]}", with_local=False)
+    cfg["tiers"][0]["slots"] = 1
+    with CheckpointEngine(cfg) as engine:
+        try:
+            engine.save(1, items(1))
+            second = threading.Thread(target=engine.save, args=(2, items(2)), daemon=True)
+            second.start()
+            second.join(60)
+            assert not second.is_alive(), "the save waited for the checksums of the snapshot it overwrites"
+        finally:
+            release.set()
+        loaded = engine.load()
+        assert loaded.step == 2 and loaded.verified
+        assert torch.equal(loaded.items["state"]["w"], items(2)["state"]["w"])
