@@ -98,11 +98,11 @@ def shm_paths(config: Any) -> list[str]:
     return list(dict.fromkeys(paths))
 
 
-def owner_record(job: str | None = None) -> bytes:
-    """What a rank lock holds: its owner's pid, host and start, and (once the start-up exchange gave it) the job
-    incarnation it belongs to (:meth:`RunLock.stamp`)."""
+def owner_record(job: str | None = None, started: str | None = None) -> bytes:
+    """What a rank lock holds: its owner's pid, host and start (``started``: now), and (once the start-up exchange
+    gave it) the job incarnation it belongs to (:meth:`RunLock.stamp`)."""
     record = {"pid": os.getpid(), "host": socket.gethostname(),
-              "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+              "started": started or time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
     return json.dumps({**record, "job": job} if job else record).encode()
 
 
@@ -180,6 +180,7 @@ class RunLock:
     def __init__(self, run_id: str, rank: int, shm_paths: Sequence[str] = ()):
         self.run_id = run_id
         self.rank = rank
+        self._started = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())  # what the lock says, stamped or not
         makers: list[Callable[[], str]] = [(lambda p=p: shm_lock_dir(p, run_id)) for p in shm_paths]
         if not makers:
             makers = [lambda: lock_dir(run_id)]
@@ -210,7 +211,7 @@ class RunLock:
                 if run_lock is not None:
                     self._share_run_lock(run_lock)
                 os.ftruncate(rank_lock.fd, 0)
-                os.pwrite(rank_lock.fd, owner_record(), 0)
+                os.pwrite(rank_lock.fd, owner_record(started=self._started), 0)
         except BaseException:
             self.release()
             raise
@@ -219,11 +220,13 @@ class RunLock:
         """Write the job incarnation (``Coordinator.incarnation``) into the held rank locks: :func:`gone_ranks`
         counts only locks of the job asking, never one an earlier run left (or one of a rank that shares this
         node's name but not its lock directory: containers on the host network with their own /dev/shm)."""
+        record = owner_record(job, started=self._started)
         for rank_lock in self._ranks:
             if rank_lock.fd is not None:
-                record = owner_record(job)
+                # the same record with the job added: written over the old one, which it only lengthens, so a
+                # reader never finds it empty
                 os.pwrite(rank_lock.fd, record, 0)
-                os.ftruncate(rank_lock.fd, len(record))  # never empty meanwhile: the record grows in place
+                os.ftruncate(rank_lock.fd, len(record))
 
     def _share_run_lock(self, run_lock: _LockFile) -> None:
         deadline = time.monotonic() + GC_WAIT_S

@@ -28,8 +28,9 @@ class Stopped(Exception):
 def _piece_digest(mv: memoryview, stop: threading.Event | None = None) -> str:
     h = xxhash.xxh3_128()
     for start in range(0, len(mv), STEP):
-        copy_gate.wait_clear()
         if stop is not None and stop.is_set():
+            raise Stopped
+        if copy_gate.wait_clear() and stop is not None and stop.is_set():  # called off while it waited
             raise Stopped
         h.update(mv[start:start + STEP])
     return h.hexdigest()

@@ -130,6 +130,7 @@ def test_a_lazy_copy_reads_its_ranges_several_at_once_into_the_right_places(tmp_
     byte is read once."""
     import threading
     import time
+    import warnings
 
     from tiered_ckpt.megatron import lazy_torch
 
@@ -158,9 +159,15 @@ def test_a_lazy_copy_reads_its_ranges_several_at_once_into_the_right_places(tmp_
     assert torch.equal(f.obj["t"][0:1], t[0:1])  # the record's place is found (its local header read)
     before, most = f.reader.bytes_read, 0
     out = torch.empty(9_000)
-    lazy_torch.copy_range(out, f.obj["t"], 500, 9_500)
-    assert torch.equal(out, t[500:9_500])
-    assert f.reader.bytes_read - before == 9_000 * 4
+    filters = list(warnings.filters)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no warning on the threads (torch's "buffer is not writable", say)
+        lazy_torch.copy_range(out, f.obj["t"], 500, 9_500)
+        wider = torch.empty(9_000, dtype=torch.float64)
+        lazy_torch.copy_range(wider, f.obj["t"], 500, 9_500)  # a cast on the way
+    assert warnings.filters == filters  # the threads never touch the process's warning filters
+    assert torch.equal(out, t[500:9_500]) and torch.equal(wider, t[500:9_500].double())
+    assert f.reader.bytes_read - before == 2 * 9_000 * 4
     assert most == lazy_torch.READ_AHEAD
 
 

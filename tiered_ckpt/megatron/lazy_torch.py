@@ -14,11 +14,11 @@ import io
 import pickle
 import struct
 import threading
-import warnings
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 from ..errors import DecodeError
@@ -294,10 +294,13 @@ class LazyTorchFile:
         def piece(at: int) -> None:
             n = min(step, count - at)
             data = self.reader.read(rec.data_offset + (start + at) * item, n * item)
-            with warnings.catch_warnings():  # read-only bytes: the view is only read, by copy_
-                warnings.simplefilter("ignore", UserWarning)
-                view = torch.frombuffer(data, dtype=torch.uint8)
-            out[at:at + n].copy_(view.view(dtype))
+            dst = out[at:at + n]
+            # On the pool's threads: no torch tensor over the read-only bytes (torch warns, and silencing that
+            # with warnings.catch_warnings is not thread-safe: it could leave the filter on for the process).
+            if dst.dtype == dtype and dst.device.type == "cpu" and dst.is_contiguous():
+                dst.view(torch.uint8).numpy()[:] = np.frombuffer(data, dtype=np.uint8)
+            else:  # a cast (or another device): through a writable copy of the piece
+                dst.copy_(bytes_to_tensor(data).view(dtype))
 
         starts = range(0, count, step)  # bounded reads: a bucket's shard can be hundreds of MB
         if len(starts) == 1 or isinstance(self.reader, BytesReader):
