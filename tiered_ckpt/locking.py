@@ -30,7 +30,7 @@ import os
 import socket
 import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from .errors import RunLockedError, TieredCkptError
@@ -281,21 +281,9 @@ def gone_ranks(directory: str, ranks: Sequence[int], job: str) -> dict[int, str]
     gone = {}
     for rank in ranks:
         path = os.path.join(directory, f"rank_{rank:05d}.lock")
-        try:
-            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
-        except OSError:
-            continue
-        try:
-            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-        except OSError:  # held (BlockingIOError): alive
-            os.close(fd)
-            continue
-        try:
-            # not one its engine unlinked while closing, and this job's
-            if _same_file(fd, path) and _job_of(os.pread(fd, 4096, 0)) == job:
+        with _taken_if_unheld(path, fcntl.LOCK_SH) as fd:
+            if fd is not None and _job_of(os.pread(fd, 4096, 0)) == job:
                 gone[rank] = path
-        finally:
-            os.close(fd)  # lets the lock go
     return gone
 
 
@@ -324,16 +312,29 @@ def remove_if_unheld(path: str) -> None:
     """Remove a lock file that nobody holds, taking it for the moment of the unlink: one still held (an orphaned
     drain worker's, fencing.py; an engine's that started meanwhile) stays. A closing engine removes its worker's
     lock this way, and ``gc`` a stale run's locks."""
+    with _taken_if_unheld(path, fcntl.LOCK_EX) as fd:
+        if fd is not None:
+            with contextlib.suppress(OSError):  # gone meanwhile
+                os.unlink(path)  # while held: a worker opening it now sees it is gone
+
+
+@contextlib.contextmanager
+def _taken_if_unheld(path: str, mode: int) -> Iterator[int | None]:
+    """The lock file at ``path`` taken with ``mode`` (``LOCK_SH``/``LOCK_EX``) for the block, its fd, if no process
+    holds it and it is still the file at the path (not unlinked by its releasing owner meanwhile); None when it is
+    held, absent or gone. Let go when the block ends."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
     except OSError:
+        yield None
         return
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        if _same_file(fd, path):
-            os.unlink(path)  # while held: a worker opening it now sees it is gone
-    except OSError:  # held (BlockingIOError) or gone
-        pass
+        try:
+            fcntl.flock(fd, mode | fcntl.LOCK_NB)
+        except OSError:  # held (BlockingIOError)
+            yield None
+            return
+        yield fd if _same_file(fd, path) else None
     finally:
         os.close(fd)
 
