@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import shutil
 import signal
+import subprocess
 import sys
 import tempfile
 import time
@@ -52,7 +53,7 @@ def _run_with_victim(spec: dict, victim: int, point: str, timeout: float = 120) 
         for p in procs.values():
             try:
                 p.wait(timeout=max(0.0, deadline - time.monotonic()))
-            except TimeoutError:
+            except subprocess.TimeoutExpired:
                 p.kill()  # a peer of a dead rank 0, stuck in gloo
     finally:
         for p in procs.values():
