@@ -864,17 +864,12 @@ class CheckpointEngine:
                 files.wait_committed(handle.step, self.coords.rank, max(0.0, deadline - time.monotonic()),
                                      save_id=handle.save_id, fail_fast=handle not in self.recovered,
                                      why=f" (the committing rank is rank {committer}; its log says more)",
-                                     committer_gone=self._gone_probe(files, committer, handle.save_id))
+                                     committer=committer,
+                                     gone=files.gone_probe(self.coords, self.coordinator.node_ranks, handle.save_id))
             except TierError as exc:
                 failures[name] = str(exc)
         if failures:
             raise SaveError(handle.step, failures)
-
-    def _gone_probe(self, files: Any, committer: int, save_id: str) -> Callable[[], dict[int, str]] | None:
-        """Whether the committing rank's engine died on this node (``FileStore.gone_probe``); None where no rank
-        of this node is looked at."""
-        probe = files.gone_probe(self.coords, self.coordinator.node_ranks, save_id)
-        return None if probe is None else (lambda: probe([committer]))
 
     def _wait_with_bar(self, timeout: float | None) -> None:
         from tqdm import tqdm
@@ -954,8 +949,8 @@ class CheckpointEngine:
         slot for ever (found by a trial of the DCP writer: every rank but 0 left its slot behind). An earlier
         process's snapshots are not waited for: the start-up may have found them uncommittable, or of another
         layout (a trial: 120 s at every close of a restarted job)."""
-        files = store.files()
-        if files is None or self._voters(store)[0] == self.coords.rank:
+        files, committer = store.files(), self._voters(store)[0]
+        if files is None or committer == self.coords.rank:
             return
         metas = sorted((m for m in self.pipeline.entry_store.metas().values()
                         if m.persistent and m.created >= self._started), key=lambda m: (m.step, m.created))
@@ -964,7 +959,8 @@ class CheckpointEngine:
             try:
                 files.wait_committed(meta.step, self.coords.rank, max(0.0, deadline - time.monotonic()),
                                      save_id=meta.save_id, fail_fast=True,  # this process's save: its first drain
-                                     committer_gone=self._gone_probe(files, self._voters(store)[0], meta.save_id))
+                                     committer=committer,
+                                     gone=files.gone_probe(self.coords, self.coordinator.node_ranks, meta.save_id))
             except TierError as exc:
                 log.info("close(): tier %r: %s; its slot stays in memory", store.name, exc)
 

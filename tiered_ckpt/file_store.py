@@ -120,6 +120,26 @@ def _short(ranks: list[int]) -> str:
     return ", ".join(map(str, ranks[:8])) + (f" and {len(ranks) - 8} more" if len(ranks) > 8 else "")
 
 
+class GoneWatch:
+    """Which of the ranks a commit waits for died on this node, from ``probe`` (:meth:`FileStore.gone_probe`):
+    looked at most every ``GONE_LOOK_S``; a rank counts once seen dead at two looks in a row."""
+
+    def __init__(self, probe: Callable[[list[int]], dict[int, str]] | None):
+        self.probe = probe
+        self._next = 0.0
+        self._seen: set[int] = set()
+
+    def confirmed(self, ranks: list[int]) -> dict[int, str]:
+        """Of ``ranks``, those seen dead at this look and the last, each with its lock file."""
+        if self.probe is None or time.monotonic() < self._next:
+            return {}
+        self._next = time.monotonic() + GONE_LOOK_S
+        dead = self.probe(ranks)
+        confirmed = {r: lock for r, lock in sorted(dead.items()) if r in self._seen}
+        self._seen = set(dead)
+        return confirmed
+
+
 class FileStore(CommittedFiles):
     """One file tier seen through a layout, with this tier's compression and retry policy (its discovering and
     reading half: :class:`~tiered_ckpt.file_store_read.CommittedFiles`)."""
@@ -669,34 +689,31 @@ class FileStore(CommittedFiles):
 
     # ----- committing --------------------------------------------------------------------------------------
     def wait_committed(self, step: int, rank: int, wait_s: float, *, save_id: str = "", why: str = "",
-                       fail_fast: bool = False, committer_gone: Callable[[], dict[int, str]] | None = None) -> None:
+                       fail_fast: bool = False, committer: int | None = None,
+                       gone: Callable[[list[int]], dict[int, str]] | None = None) -> None:
         """Return once ``step`` is committed here, by the save ``save_id`` where one is given (an earlier commit
         of the step is another save's); :class:`TierError` saying ``why`` it matters after ``wait_s`` without,
         or (``fail_fast``, the save's first drain) as soon as the committing rank recorded that it failed, or
-        ``committer_gone`` (:meth:`gone_probe` of the committing rank) saw it dead twice, ``GONE_LOOK_S`` apart.
+        ``gone`` (:meth:`gone_probe`) saw the ``committer`` rank dead (:class:`GoneWatch`).
         The pause between looks grows from 20 ms to 1 s: every rank of a job may be looking at the one key."""
         deadline = time.monotonic() + wait_s
         key = self.layout.manifest_key(step)
         pause = 0.02
         next_look = 0.0  # the failure record is looked for at once, then at most every RECORD_LOOK_S
-        next_probe, seen_gone = 0.0, False
+        watch = GoneWatch(gone if fail_fast and committer is not None else None)
         while True:
             committed_here = self._retry(lambda: self.tier.exists(key), step, rank, f"look for {key}")
             if committed_here and (not save_id or self.committed_save(step, rank) == save_id):
                 return
-            if fail_fast and committer_gone is not None and time.monotonic() >= next_probe:
-                next_probe = time.monotonic() + GONE_LOOK_S
-                dead = committer_gone()
-                if dead and seen_gone:
-                    if self._committed_by(key, step, rank, save_id):  # just before it died
-                        return
-                    record = recorded_failure(self.tier, self.layout.commit_failed_key(step), save_id)
-                    (committer, lock), = dead.items()
-                    reason = record["reason"] if record is not None else (  # what it said before it died
-                        f"the engine of the committing rank {committer} died on this node (its lock {lock} is left "
-                        "and nobody holds it)")
-                    raise TierError(f"step {step} was not committed here: {reason}{why}", tier=self.name, key=key)
-                seen_gone = bool(dead)
+            dead = watch.confirmed([committer] if committer is not None else [])
+            if dead:
+                if self._committed_by(key, step, rank, save_id):  # just before it died
+                    return
+                record = recorded_failure(self.tier, self.layout.commit_failed_key(step), save_id)
+                reason = record["reason"] if record is not None else (  # what it said before it died
+                    f"the engine of the committing rank {committer} died on this node (its lock {dead[committer]} "
+                    "is left and nobody holds it)")
+                raise TierError(f"step {step} was not committed here: {reason}{why}", tier=self.name, key=key)
             if fail_fast and save_id and time.monotonic() >= next_look:
                 # also beside another save's commit of the step (another job's, which this save's refused)
                 next_look = time.monotonic() + RECORD_LOOK_S
@@ -773,12 +790,12 @@ class FileStore(CommittedFiles):
         ``save_id``: only rank manifests of that save are votes (another save's are stale). ``fail_fast``: stop
         waiting as soon as a rank recorded that its part of this save failed (failure_records.py), appending
         what it said to ``failure``; and (with ``gone``, :meth:`gone_probe`) as soon as a missing rank's engine is
-        seen dead twice, ``GONE_LOOK_S`` apart."""
+        seen dead (:class:`GoneWatch`)."""
         ranks = list(range(coords.world_size)) if ranks is None else sorted(ranks)
         deadline = time.monotonic() + wait_s
         votes: dict[int, RankManifest] = {}
         looked: dict[int, float] = {}  # rank → when its failure record was read last (another save's, or none)
-        next_probe, seen_gone = 0.0, set()
+        watch = GoneWatch(gone if fail_fast else None)
         while True:
             present, failed, step_failed = self._retry(lambda: self._step_records(step), step, coords.rank,
                                                        "list rank manifests")
@@ -809,20 +826,16 @@ class FileStore(CommittedFiles):
                         if failure is not None:
                             failure.append(why)
                         return None
-            if fail_fast and gone is not None and time.monotonic() >= next_probe:
-                # A killed rank never sends its part: without this the step waited out wait_s (on each tier in
-                # turn) before it was given up.
-                next_probe = time.monotonic() + GONE_LOOK_S
-                dead = gone(missing)
-                confirmed = sorted(r for r in dead if r in seen_gone)
-                seen_gone = set(dead)
-                if confirmed:
-                    why = (f"the engine of rank(s) {_short(confirmed)} on this node died before its files arrived "
-                           f"(its lock {dead[confirmed[0]]} is left and nobody holds it)")
-                    log.warning("tier %r: step %d not committed: %s", self.name, step, why)
-                    if failure is not None:
-                        failure.append(why)
-                    return None
+            # A killed rank never sends its part: without this the step waited out wait_s (on each tier in turn)
+            # before it was given up.
+            dead = watch.confirmed(missing)
+            if dead:
+                why = (f"the engine of rank(s) {_short(list(dead))} on this node died before its files arrived "
+                       f"(its lock {next(iter(dead.values()))} is left and nobody holds it)")
+                log.warning("tier %r: step %d not committed: %s", self.name, step, why)
+                if failure is not None:
+                    failure.append(why)
+                return None
             if time.monotonic() >= deadline:
                 why = f"no files from rank(s) {_short(missing)} after {wait_s:.0f} s" + (
                     f" ({'; '.join(stale[:4])})" if stale else "")

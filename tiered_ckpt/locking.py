@@ -98,11 +98,10 @@ def shm_paths(config: Any) -> list[str]:
     return list(dict.fromkeys(paths))
 
 
-def owner_record(job: str | None = None, started: str | None = None) -> bytes:
-    """What a rank lock holds: its owner's pid, host and start (``started``: now), and (once the start-up exchange
-    gave it) the job incarnation it belongs to (:meth:`RunLock.stamp`)."""
-    record = {"pid": os.getpid(), "host": socket.gethostname(),
-              "started": started or time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+def owner_record(started: str, job: str | None = None) -> bytes:
+    """What a rank lock holds: its owner's pid, host and start, and (once the start-up exchange gave it) the job
+    incarnation it belongs to (:meth:`RunLock.stamp`)."""
+    record = {"pid": os.getpid(), "host": socket.gethostname(), "started": started}
     return json.dumps({**record, "job": job} if job else record).encode()
 
 
@@ -211,7 +210,7 @@ class RunLock:
                 if run_lock is not None:
                     self._share_run_lock(run_lock)
                 os.ftruncate(rank_lock.fd, 0)
-                os.pwrite(rank_lock.fd, owner_record(started=self._started), 0)
+                os.pwrite(rank_lock.fd, owner_record(self._started), 0)
         except BaseException:
             self.release()
             raise
@@ -220,7 +219,7 @@ class RunLock:
         """Write the job incarnation (``Coordinator.incarnation``) into the held rank locks: :func:`gone_ranks`
         counts only locks of the job asking, never one an earlier run left (or one of a rank that shares this
         node's name but not its lock directory: containers on the host network with their own /dev/shm)."""
-        record = owner_record(job, started=self._started)
+        record = owner_record(self._started, job)
         for rank_lock in self._ranks:
             if rank_lock.fd is not None:
                 # the same record with the job added: written over the old one, which it only lengthens, so a
