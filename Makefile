@@ -31,7 +31,7 @@ $(STAMP): pyproject.toml setup.py tiered_ckpt/_streamcopy.c plugins/tiered-ckpt-
 
 test: venv
 	$(BIN)/ruff check .
-	$(BIN)/python -m pytest -q tests plugins/tiered-ckpt-faults/tests
+	$(BIN)/python -m pytest -q --durations=25 tests plugins/tiered-ckpt-faults/tests
 
 demo: venv
 	$(BIN)/tiered-ckpt demo

@@ -171,6 +171,43 @@ def test_a_lazy_copy_reads_its_ranges_several_at_once_into_the_right_places(tmp_
     assert most == lazy_torch.READ_AHEAD
 
 
+def test_a_lazy_copy_from_a_tier_that_reads_ranges_as_whole_blobs_reads_one_range_at_a_time(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A plugin kind may keep Tier's fallback read_range, which reads the whole blob for each range: several of
+    them at once would hold several whole files (a distrib_optim.pt of many GB). Such a tier gets one at a time."""
+    import threading
+
+    from tiered_ckpt.megatron import lazy_torch
+    from tiered_ckpt.tiers.base import Tier
+
+    class WholeBlobTier(LocalTier):
+        read_range = Tier.read_range
+
+    monkeypatch.setattr(lazy_torch, "READ_PIECE", 4096)
+    t = torch.randn(10_000)
+    (tmp_path / "f.pt").write_bytes(saved({"t": t}))
+    tier = WholeBlobTier("t", LocalOptions(path=str(tmp_path)))
+    in_flight, most = 0, 0
+    lock = threading.Lock()
+
+    def counted(key: str, offset: int, length: int) -> bytes:
+        nonlocal in_flight, most
+        with lock:
+            in_flight += 1
+            most = max(most, in_flight)
+        try:
+            return Tier.read_range(tier, key, offset, length)
+        finally:
+            with lock:
+                in_flight -= 1
+
+    monkeypatch.setattr(tier, "read_range", counted)
+    f = open_lazy(tier, "f.pt")
+    out = torch.empty(9_000)
+    lazy_torch.copy_range(out, f.obj["t"], 500, 9_500)
+    assert torch.equal(out, t[500:9_500]) and most == 1
+
+
 def test_lazy_refuses_garbage_and_unsafe_pickles(tmp_path: Path) -> None:
     tier = LocalTier("t", LocalOptions(path=str(tmp_path)))
     (tmp_path / "junk.pt").write_bytes(b"hello" * 100)

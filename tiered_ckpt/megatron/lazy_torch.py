@@ -22,14 +22,12 @@ import numpy as np
 import torch
 
 from ..errors import DecodeError
-from ..tiers.base import bytes_to_tensor
+from ..tiers.base import Tier, bytes_to_tensor
 from .torch_records import DICTS, ZIP64_MARKER, itemsize, same_dict
 
 MAX_PICKLE_BYTES = 256 << 20  # a data.pkl larger than this is not a checkpoint we read lazily
 READ_PIECE = 16 << 20  # bytes per range read when copying out of a file
 READ_AHEAD = 4  # such ranges read at once
-
-
 
 
 class RangeReader:
@@ -43,6 +41,14 @@ class RangeReader:
 
     def size(self) -> int:
         return self.tier.size(self.key)
+
+    @property
+    def ranges_at_once(self) -> int:
+        """How many ranges a copy may read at once: one where the tier reads a range by reading the whole blob
+        (a plugin kind that keeps :class:`~tiered_ckpt.tiers.base.Tier`'s fallback), which would hold that many
+        whole files."""
+        whole_blob = getattr(type(self.tier), "read_range", None) is Tier.read_range
+        return 1 if whole_blob else READ_AHEAD
 
     def read(self, offset: int, length: int) -> bytes:
         data = self.tier.read_range(self.key, offset, length)
@@ -303,14 +309,15 @@ class LazyTorchFile:
                 dst.copy_(bytes_to_tensor(data).view(dtype))
 
         starts = range(0, count, step)  # bounded reads: a bucket's shard can be hundreds of MB
-        if len(starts) == 1 or isinstance(self.reader, BytesReader):
+        at_once = self.reader.ranges_at_once
+        if len(starts) == 1 or at_once == 1 or isinstance(self.reader, BytesReader):
             for at in starts:
                 piece(at)
             return
         # A few ranges in flight: on an object store each is a request of its own, and one at a time leaves the
-        # connection idle between them (a reshard from S3 read at one request's speed). At most READ_AHEAD
+        # connection idle between them (a reshard from S3 read at one request's speed). At most ``at_once``
         # pieces are held at once.
-        with ThreadPoolExecutor(min(READ_AHEAD, len(starts)), thread_name_prefix="tiered_ckpt-ranges") as pool:
+        with ThreadPoolExecutor(min(at_once, len(starts)), thread_name_prefix="tiered_ckpt-ranges") as pool:
             list(pool.map(piece, starts))
 
     # ----- the pickle ---------------------------------------------------------------------------------------
