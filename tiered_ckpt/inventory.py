@@ -326,7 +326,23 @@ def verify_foreign_step(store: FileStore, step: int, progress: bool | TextIO = F
                             f"False): only their structure and pickle were checked ({', '.join(no_crcs[:3])})")
     if not keys:
         report.problems.append(f"{step_dir}: no Megatron file (model_optim_rng.pt, distrib_optim.pt) is there")
+    elif not report.problems:
+        _check_foreign_structure(store, step, report)
     return report
+
+
+def _check_foreign_structure(store: FileStore, step: int, report: VerifyReport) -> None:
+    """A problem where the step's directories show something missing (an ``mp_rank_*`` directory of the args'
+    TP size, a file the other directories have), as the loaders and ``convert`` would refuse it."""
+    from .errors import LayoutMismatchError
+    from .megatron.legacy import detect
+
+    try:
+        detect(store.tier, step=step)
+    except LayoutMismatchError as exc:
+        report.problems.append(str(exc))
+    except Exception as exc:  # noqa: BLE001 - each file was read above; this adds only the structure
+        report.notes.append(f"the step's directory structure was not checked: {exc}")
 
 
 def _megatron_refusal(store: FileStore, key: str) -> str | None:

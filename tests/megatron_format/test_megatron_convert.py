@@ -278,6 +278,31 @@ def test_a_damaged_megatron_written_source_is_refused_before_anything_is_written
     assert not (tmp_path / "rs2").exists() or not any((tmp_path / "rs2").rglob("*.pt"))
 
 
+@pytest.mark.parametrize("lost", ["mp_rank_01", "mp_rank_01/distrib_optim.pt", "mp_rank_00/model_optim_rng.pt"])
+def test_an_incomplete_megatron_written_step_is_refused_by_convert_and_failed_by_verify(
+        tmp_path: Path, capsys: pytest.CaptureFixture, lost: str) -> None:
+    """A user's trial: a TP=2 checkpoint Megatron-LM wrote, with one TP rank's directory (or one of its files) gone
+    (a copy cut short). The names alone passed for TP=1, and a missing distrib_optim.pt was skipped: convert wrote
+    half a model (or no optimizer state for a TP rank), exit 0, our checksums vouching for it; verify said OK. The
+    args' TP size and the files every mp_rank_* directory holds now tell it incomplete."""
+    import shutil
+
+    src = tmp_path / "m"
+    write_checkpoint(SyntheticJob(tp=2, dp=2, iteration=100), src, layout="megatron", manifest=False)
+    lost_path = src / "iter_0000100" / lost
+    shutil.rmtree(lost_path) if lost_path.is_dir() else lost_path.unlink()
+    want = "missing mp_rank_01" if lost == "mp_rank_01" else f"incomplete checkpoint, missing {lost}"
+    for to in ("megatron", "rank_sharded"):
+        dst = tmp_path / f"to_{to}"
+        assert cli_main(["convert", str(src), str(dst), "--to", to]) == 1
+        err = capsys.readouterr().err
+        assert want in err and "iter_0000100" in err, err
+        assert not dst.exists() or not any(dst.rglob("*.pt"))
+    assert cli_main(["verify", str(src)]) == 1
+    out = capsys.readouterr().out
+    assert "FAILED" in out and want in out, out
+
+
 def test_a_source_written_without_crcs_is_converted_and_said_unchecked(tmp_path: Path) -> None:
     write_checkpoint(_job(dict(tp=1, pp=1, dp=2)), tmp_path / "m", layout="megatron", manifest=False)
     from torch.utils.serialization import config as serialization

@@ -122,6 +122,7 @@ def detect(tier: Tier, *, step: Iteration | None = None, trust_pickles: bool = F
         topo = rank_shard.as_topology(manifest.parallel)
         layout, writer = manifest.layout, "tiered_ckpt"
     else:
+        _check_complete(names, mp_dirs, has_distrib, where)
         args = _read_args(tier, f"{step_dir}/{mp_dirs[0]}/{MODEL_FILENAME}", trust_pickles)
         topo = _topology(mp_dirs, rank_files, args, where)
         layout, writer = "megatron", "megatron"
@@ -138,6 +139,19 @@ def detect(tier: Tier, *, step: Iteration | None = None, trust_pickles: bool = F
                           has_distrib, tracker, writer, where, args, tuple(notes))
 
 
+def _check_complete(names: set[str], mp_dirs: Sequence[str], has_distrib: bool, where: str) -> None:
+    """LayoutMismatchError when a file Megatron-LM writes in every ``mp_rank_*`` directory is missing from some:
+    ``model_optim_rng.pt`` always, ``distrib_optim.pt`` in all of them or none (a copy cut short, a lost file).
+    Read as it is, such a step would lose those ranks' state without a word."""
+    wanted = [MODEL_FILENAME, *([DISTRIB_OPTIM_FILENAME] if has_distrib else [])]
+    missing = [f"{d}/{f}" for d in mp_dirs for f in wanted if f"{d}/{f}" not in names]
+    if missing:
+        shown = ", ".join(missing[:8]) + (f" and {len(missing) - 8} more" if len(missing) > 8 else "")
+        raise LayoutMismatchError(f"{where}: incomplete checkpoint, missing {shown} (Megatron-LM writes "
+                                  f"{MODEL_FILENAME} in every mp_rank_* directory, and {DISTRIB_OPTIM_FILENAME} in "
+                                  "all of them or none): copy the step again from where it was saved")
+
+
 def _read_args(tier: Tier, key: str, trust_pickles: bool) -> Any:
     """The ``args`` of a ``model_optim_rng.pt``, reading only its pickle (not the weights) when it is safe."""
     try:
@@ -152,7 +166,10 @@ def _read_args(tier: Tier, key: str, trust_pickles: bool) -> Any:
 
 
 def _topology(mp_dirs: Sequence[str], rank_files: Sequence[int], args: Any, where: str) -> MegatronTopology:
-    scan = scan_rank_dirs(mp_dirs, args=args)
+    try:
+        scan = scan_rank_dirs(mp_dirs, args=args)
+    except LayoutMismatchError as exc:
+        raise LayoutMismatchError(f"{where}: {exc}") from None
     cp = int(getattr(args, "context_parallel_size", 1) or 1)
     model_parallel = scan.tp_size * scan.pp_size * scan.ep_size * cp
     if rank_files:

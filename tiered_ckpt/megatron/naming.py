@@ -243,9 +243,13 @@ def scan_rank_dirs(
     rank_names = sorted(n for n in names if n.startswith("mp_rank_"))
     if not rank_names:
         raise DecodeError("no mp_rank_* directories")
+    tp_size: int | None = None
     if args is not None:
         pp_size = pp_size if pp_size is not None else getattr(args, "pipeline_model_parallel_size", None)
         ep_size = ep_size if ep_size is not None else getattr(args, "expert_model_parallel_size", None)
+        # The names alone cannot show that the last TP ranks' directories are gone (a copy cut short): the
+        # checkpoint would pass for a smaller TP with half the model. The args say how many there were.
+        tp_size = _positive_int(getattr(args, "tensor_model_parallel_size", None))
     parts = {n: sum(1 for g in _match_rank_dir(n).groups() if g is not None) for n in rank_names}
     if len(set(parts.values())) != 1:
         raise LayoutMismatchError(f"rank directories mix naming schemes: {rank_names}")
@@ -263,7 +267,7 @@ def scan_rank_dirs(
     elif ep_size is None:
         ep_size = 1 if pp_size > 1 else None
     coords = {n: parse_rank_dir(n, pp_size=pp_size, ep_size=ep_size) for n in rank_names}
-    tp_size = 1 + max(c.tp for c in coords.values())
+    tp_size = tp_size or 1 + max(c.tp for c in coords.values())
     found_pp = 1 + max(c.pp for c in coords.values())
     found_ep = 1 + max(c.ep for c in coords.values())
     pp_size = found_pp if pp_size is None else pp_size
@@ -271,12 +275,19 @@ def scan_rank_dirs(
     expected = {(t, p, e) for t in range(tp_size) for p in range(pp_size) for e in range(ep_size)}
     got = {(c.tp, c.pp, c.ep) for c in coords.values()}
     if got != expected:
-        missing = sorted(expected - got)[:8]
+        missing, extra = sorted(expected - got), sorted(got - expected)
+        told = [f"missing {', '.join(rank_dir_name(*c, pp_size=pp_size, ep_size=ep_size) for c in missing[:8])}"
+                if missing else "", f"unexpected (tp, pp, ep) {extra[:8]}" if extra else ""]
+        from_args = " (the sizes of the checkpoint's args)" if args is not None else ""
         raise LayoutMismatchError(
-            f"rank directories do not form a tp={tp_size} x pp={pp_size} x ep={ep_size} grid; "
-            f"missing (tp, pp, ep): {missing}"
+            f"rank directories do not form a tp={tp_size} x pp={pp_size} x ep={ep_size} grid{from_args}: "
+            f"{'; '.join(t for t in told if t)}"
         )
     return RankDirScan(tp_size, pp_size, ep_size, coords)
+
+
+def _positive_int(value: Any) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 1 else None
 
 
 def _match_rank_dir(name: str) -> re.Match[str]:
