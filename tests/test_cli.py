@@ -15,7 +15,7 @@ import torch
 from helpers import make_items
 
 from tiered_ckpt import CheckpointEngine
-from tiered_ckpt.cli import EXIT_FAILED, EXIT_NOT_FOUND, EXIT_OK, EXIT_USAGE, build_parser, main
+from tiered_ckpt.cli import EXIT_FAILED, EXIT_NOT_FOUND, EXIT_OK, EXIT_UNREADABLE, EXIT_USAGE, build_parser, main
 from tiered_ckpt.cli_maintain import parse_min_age
 
 
@@ -127,8 +127,8 @@ def test_verify_all_goes_on_after_a_file_larger_than_its_manifest(ckpt, capsys):
 
 
 def test_verify_all_goes_on_after_a_store_error_of_any_kind(ckpt, capsys, monkeypatch):
-    """A storage library's own exception (gcsfs, adlfs and plugins raise their own types) fails that file's step,
-    not the whole run."""
+    """A storage library's own exception (gcsfs, adlfs and plugins raise their own types) is that file's step not
+    read, not the whole run's end, and not damage: exit 4."""
     root, _ = ckpt
     from tiered_ckpt.tiers.local import LocalTier
 
@@ -141,9 +141,43 @@ def test_verify_all_goes_on_after_a_store_error_of_any_kind(ckpt, capsys, monkey
 
     monkeypatch.setattr(LocalTier, "read_blob_hashed", failing)
     code, out = run(capsys, "verify", str(root), "--all", "--json")
-    results = json.loads(out)
-    assert code == EXIT_FAILED and [(r["step"], r["ok"]) for r in results] == [(1, False), (2, True)], out
-    assert "RuntimeError: the store's own error" in json.dumps(results[0])
+    results = json.loads(out)["results"]
+    assert code == EXIT_UNREADABLE and [(r["step"], r["status"]) for r in results] == [(1, "UNREADABLE"), (2, "OK")]
+    assert "RuntimeError: the store's own error" in json.dumps(results[0]) and not results[0]["problems"]
+
+
+@pytest.mark.parametrize(("error", "status", "exit_code"), [
+    (PermissionError(errno.EACCES, "Permission denied"), "UNREADABLE", 4),
+    ("tier", "UNREADABLE", 4),  # a TierError: an S3 AccessDenied, a timeout
+    ("missing", "FAILED", 1),  # a file the committed step lists that is not there: damage
+])
+def test_verify_and_ls_never_call_what_could_not_be_read_damage(ckpt, capsys, monkeypatch, error, status,
+                                                                exit_code):
+    """A user's trial: a step whose manifest or data file gave "permission denied" was listed by ls as a "corrupt
+    manifest" and failed verify (exit 1, "a check failed"): an operator would delete a healthy step. What could
+    not be read is UNREADABLE and exit 4 ("nothing can be said"); a file that is not there is still damage."""
+    from tiered_ckpt.errors import BlobNotFoundError, TierError
+    from tiered_ckpt.tiers.local import LocalTier
+
+    root, _ = ckpt
+    raised = {"tier": TierError("AccessDenied", tier="target", key="k"),
+              "missing": BlobNotFoundError("no such file", tier="target", key="k")}.get(error, error)
+    for what in ("tiered_ckpt/manifest.json", "rank_00000/state.flat"):
+        for method in ("read_blob", "read_blob_hashed"):
+            def failing(self, key, *a, _real=getattr(LocalTier, method), _key=f"iter_0000002/{what}", **kw):
+                if key == _key:
+                    raise raised
+                return _real(self, key, *a, **kw)
+
+            monkeypatch.setattr(LocalTier, method, failing)
+        code, out = run(capsys, "verify", str(root), "--step", "2")
+        assert code == exit_code and out.startswith(f"{status}  tier"), out
+        if what.endswith("manifest.json"):
+            code, out = run(capsys, "ls", str(root))
+            row = next(line for line in out.splitlines() if line.split()[1:2] == ["2"])
+            want = "corrupt manifest" if error == "missing" else "unreadable manifest"
+            assert code == EXIT_OK and want in row, out
+        monkeypatch.undo()
 
 
 def test_gc_dry_run_then_delete(ckpt, capsys):

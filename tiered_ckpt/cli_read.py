@@ -228,19 +228,23 @@ def cmd_verify(args: argparse.Namespace) -> int:
     if len(stores) > 1:
         for text in empty:
             _note(args, text)
-    bad = [r for r in results if not r.ok]
+    bad = [r for r in results if r.problems]  # damage found
+    for r in results:  # what could not be read is no damage, and no pass either: exit 4, as for a tier
+        if r.unread and not r.problems:
+            opened.unreadable.setdefault(r.tier, f"step {r.step}: {r.unread[0]}"
+                                         + (f" (and {len(r.unread) - 1} more)" if len(r.unread) > 1 else ""))
     payload = [{"tier": r.tier, "step": r.step, "files": r.checked, "bytes": r.nbytes, "ok": r.ok,
-                "problems": r.problems, "checked_against": r.against, **({"notes": r.notes} if r.notes else {})}
+                "status": r.status, "problems": r.problems, "unread": r.unread, "checked_against": r.against,
+                **({"notes": r.notes} if r.notes else {})}
                for r in results]
     problem = None if bad else opened.problem(bool(results), "; ".join(empty) or "no committed checkpoint")
 
     def text() -> None:
         for r in results:
-            status = "OK" if r.ok else "FAILED"
             against = "" if r.against == "manifest" else f"; checked against {r.against}"
-            print(f"{status}  tier {r.tier!r} step {r.step}: {r.checked} file{'' if r.checked == 1 else 's'}, "
+            print(f"{r.status}  tier {r.tier!r} step {r.step}: {r.checked} file{'' if r.checked == 1 else 's'}, "
                   f"{human_bytes(r.nbytes)}{against}")
-            for p in r.problems:
+            for p in [*r.problems, *r.unread]:
                 print(f"    {p}")
             for n in r.notes:
                 print(f"    note: {n}")

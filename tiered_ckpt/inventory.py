@@ -14,7 +14,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TextIO
 
-from .errors import ConfigError, CorruptionError, TieredCkptError, TierError
+from .errors import BlobNotFoundError, ConfigError, CorruptionError, TieredCkptError, TierError
 from .housekeeping import files_age
 from .layouts.foreign import DCP_STATE, foreign_step_dirs
 
@@ -145,8 +145,9 @@ def file_steps(store: FileStore) -> list[StepInfo]:
                 out.append(StepInfo(store.name, step, "committed", m.total_bytes, now - m.created, len(m.files),
                                     sorted({f.rank for f in m.files} | voters)))
                 continue
-            except (CorruptionError, TierError) as exc:
-                out.append(StepInfo(store.name, step, f"corrupt manifest ({exc})", 0, None, 0))
+            except Exception as exc:  # noqa: BLE001 - a store's own error too: that step's row says so
+                what = "unreadable manifest" if cannot_read(exc) else "corrupt manifest"
+                out.append(StepInfo(store.name, step, f"{what} ({exc})", 0, None, 0))
                 continue
         prefix = store.layout.step_dir(step) + "/"
         files = [k for k in keys if k.startswith(prefix)]
@@ -198,13 +199,34 @@ class VerifyReport:
     step: int
     checked: int = 0
     nbytes: int = 0
-    problems: list[str] = field(default_factory=list)
+    problems: list[str] = field(default_factory=list)  # damage found: a file missing, cut short or changed
     against: str = "manifest"  # what the bytes were checked against (FOREIGN_CHECK: a step Megatron-LM wrote)
     notes: list[str] = field(default_factory=list)  # said, not failures
+    # What could not be read (permission denied, a store's error): nothing is said about those bytes, so they
+    # are never reported as damage (an operator would delete a healthy step).
+    unread: list[str] = field(default_factory=list)
 
     @property
     def ok(self) -> bool:
-        return not self.problems
+        return not self.problems and not self.unread
+
+    @property
+    def status(self) -> str:
+        return "FAILED" if self.problems else "UNREADABLE" if self.unread else "OK"
+
+    def failed_to_read(self, what: str, exc: BaseException) -> None:
+        """``exc`` while reading ``what``: damage when the file is not there, else a read failure."""
+        text = f"{what}: cannot read: {exc}" if isinstance(exc, TieredCkptError | OSError) else \
+            f"{what}: cannot read: {type(exc).__name__}: {exc}"
+        (self.unread if cannot_read(exc) else self.problems).append(text)
+
+
+def cannot_read(exc: BaseException) -> bool:
+    """Whether ``exc``, raised while reading a file, says it could not be read rather than that it is damaged or
+    missing (a missing file of a committed step is damage)."""
+    if isinstance(exc, CorruptionError | BlobNotFoundError | FileNotFoundError):
+        return False
+    return isinstance(exc, TierError | OSError) or not isinstance(exc, TieredCkptError)
 
 
 def verify_step(store: FileStore, step: int, progress: bool | TextIO = False) -> VerifyReport:
@@ -218,11 +240,11 @@ def verify_step(store: FileStore, step: int, progress: bool | TextIO = False) ->
     report = VerifyReport(store.name, step)
     try:
         manifest = store.read_manifest(step)
-    except (CorruptionError, TierError) as exc:
+    except CorruptionError as exc:
         report.problems.append(str(exc))
         return report
-    except Exception as exc:  # noqa: BLE001 - a store's own error (gcsfs, adlfs, a plugin): this step failed
-        report.problems.append(f"cannot read the manifest: {type(exc).__name__}: {exc}")
+    except Exception as exc:  # noqa: BLE001 - a store's own error too (gcsfs, adlfs, a plugin): not read
+        report.failed_to_read("the manifest", exc)
         return report
     stream_out: Any = None if isinstance(progress, bool) else progress
     with progress_bar(total=sum(e.size for e in manifest.files), desc=f"verify {store.name} step {step}",
@@ -246,14 +268,11 @@ def _verify_file(store: FileStore, entry: Any, report: VerifyReport, is_megatron
     algorithm = entry.checksum.split(":", 1)[0]
     try:
         blob = store.tier.read_blob_hashed(entry.key, hasher, max_size=entry.size)  # a far larger file: never whole
-    except (TierError, OSError) as exc:
-        report.problems.append(f"{entry.key}: cannot read: {exc}")
-        return
     except CorruptionError as exc:  # found while reading (larger than its manifest says, a split blob's bad piece)
         report.problems.append(f"{entry.key}: {exc}")
         return
-    except Exception as exc:  # noqa: BLE001 - a store's own error (gcsfs, adlfs, a plugin), no memory: this file
-        report.problems.append(f"{entry.key}: cannot read: {type(exc).__name__}: {exc}")
+    except Exception as exc:  # noqa: BLE001 - a store's own error too (gcsfs, adlfs, a plugin), no memory
+        report.failed_to_read(entry.key, exc)
         return
     nbytes, hexdigest = blob.numel(), hasher.hexdigest()
     report.checked += 1
@@ -296,7 +315,7 @@ def verify_foreign_step(store: FileStore, step: int, progress: bool | TextIO = F
         keys = sorted(k for k in store.tier.list(step_dir + "/") if is_megatron_file(k))
         sizes = {k: store.tier.size(k) for k in keys}
     except (TierError, OSError) as exc:
-        report.problems.append(f"{step_dir}: cannot list its files: {exc}")
+        report.unread.append(f"{step_dir}: cannot list its files: {exc}")
         return report
     stream_out: Any = None if isinstance(progress, bool) else progress
     no_crcs = []
@@ -314,7 +333,7 @@ def verify_foreign_step(store: FileStore, step: int, progress: bool | TextIO = F
                 if refused:
                     report.problems.append(explain(key, refused))
             except (TierError, OSError) as exc:
-                report.problems.append(f"{key}: cannot read: {exc}")
+                report.failed_to_read(key, exc)
                 continue
             except Exception as exc:  # noqa: BLE001 - a truncated or overwritten file: this file failed
                 report.problems.append(f"{key}: not a readable torch file ({type(exc).__name__}: {exc})")
@@ -326,7 +345,7 @@ def verify_foreign_step(store: FileStore, step: int, progress: bool | TextIO = F
                             f"False): only their structure and pickle were checked ({', '.join(no_crcs[:3])})")
     if not keys:
         report.problems.append(f"{step_dir}: no Megatron file (model_optim_rng.pt, distrib_optim.pt) is there")
-    elif not report.problems:
+    elif report.ok:
         _check_foreign_structure(store, step, report)
     return report
 
