@@ -732,16 +732,32 @@ def test_when_full_skip(tiers, recorder):
         assert first.done()
 
 
-def test_loaded_views_are_zero_copy_when_asked(tiers):
+def _mapped_file(ptr: int) -> str | None:
+    """The file mapped at address ``ptr`` of this process, if any (/proc/self/maps)."""
+    with open("/proc/self/maps") as f:
+        for line in f:
+            parts = line.split()
+            lo, hi = (int(x, 16) for x in parts[0].split("-"))
+            if lo <= ptr < hi:
+                return parts[5] if len(parts) > 5 else None
+    return None
+
+
+def test_loaded_views_are_zero_copy_when_asked_and_writing_into_them_never_changes_the_snapshot(tiers):
+    """load(copy=False): views of the slot file, mapped copy-on-write. In the saving process they were views of
+    its own writable slot buffer: a user's trial wrote into them (an optimizer step) and the next load() found
+    the snapshot damaged."""
     with CheckpointEngine(config(tiers, "shm")) as engine:
         engine.save(1, make_items(1)).wait(timeout=60)
         viewed = engine.load(copy=False).items["state"]["model"]["embedding.weight"]
         copied = engine.load(copy=True).items["state"]["model"]["embedding.weight"]
-        buf = engine.pipeline.entry_store._buffers
-        base = [b for b in buf.values()]
-        in_slot = any(b.data_ptr() <= viewed.data_ptr() < b.data_ptr() + b.numel() for b in base)
-        assert in_slot
-        assert not any(b.data_ptr() <= copied.data_ptr() < b.data_ptr() + b.numel() for b in base)
+        base = list(engine.pipeline.entry_store._buffers.values())
+        assert (_mapped_file(viewed.data_ptr()) or "").endswith(".data")  # zero-copy: the slot file's pages
+        for t in (viewed, copied):
+            assert not any(b.data_ptr() <= t.data_ptr() < b.data_ptr() + b.numel() for b in base)
+        viewed.add_(1)
+        again = engine.load(copy=False)
+        assert again.verified and torch.equal(again.items["state"]["model"]["embedding.weight"], copied)
 
 
 def test_second_engine_same_run_id_fails_clearly(tiers):

@@ -455,8 +455,9 @@ class MemoryStore:
 
     def data(self, meta: SlotMeta, *, cached: bool = True) -> torch.Tensor:
         """The slot's bytes. ``cached=False`` maps them afresh: what ``load`` hands to users, who may write into
-        zero-copy views (copy-on-write keeps the slot intact, but a kept mapping would show their changes)."""
-        buf = self._buffers.get(meta.slot)
+        zero-copy views (copy-on-write keeps the slot intact, but a kept mapping would show their changes, and in
+        the saving process its own buffer is the slot itself)."""
+        buf = self._buffers.get(meta.slot) if cached else None
         if buf is None or buf.numel() < meta.total_bytes:
             buf = self._mapped(meta.slot) if cached else self.tier.read_blob(self.data_key(meta.slot))
         if buf.numel() < meta.total_bytes:
@@ -512,17 +513,20 @@ class MemoryStore:
         from .load_into import copy_out, copy_out_verified
 
         out = {}
-        # Views handed to the caller need a mapping of their own (see ``data``); with ``copy`` nothing handed out
-        # points into the mapping, and the kept one spares populating a new one.
-        cached = copy
+        # Views handed to the caller need a mapping of their own (see ``data``): writing into them must never
+        # change the snapshot (a user's trial: in the saving process, an optimizer step on tensors from
+        # load(copy=False) damaged the checkpoint). With ``copy``, or ``into`` (which copies into the caller's
+        # tensors, and copies what has no target there), nothing handed out points into the mapping, and the kept
+        # one spares populating a new one.
+        cached = copy or into is not None
         for src, it in zip(self.item_sources(meta, cached=cached), meta.items, strict=True):
             if only is not None and it.name not in only:
                 continue
             target = into.get(it.name) if into is not None else None
             if target is not None:
-                out[it.name] = self._load_into(meta, src, it, target, copy=copy, verify=verify)
+                out[it.name] = self._load_into(meta, src, it, target, copy=cached, verify=verify)
                 continue
-            data, copy_item = src.data, copy
+            data, copy_item = src.data, cached
             check = verify and bool(it.checksum)
             if copy and data.device.type == "cpu" and map_location is None:
                 # One populated buffer, copied on every core and verified as it is copied; views into it after.
