@@ -939,3 +939,30 @@ def test_a_rank_that_read_a_step_another_rank_could_not_says_why_it_moves_on(tmp
     assert any("step 2: another rank could not load its part" in f for f in got.fallbacks), got.fallbacks
     assert [e.step for e in recorder.kinds("load")] == [1]
     assert [e.step for e in recorder.kinds("fallback")] == [2]
+
+
+@pytest.mark.parametrize("name", ["a\\b", "x\x00y", "/abs", "a//b", "a/../b", "..", "a" * 201, "é" * 101])
+def test_an_item_name_no_file_could_have_is_refused_at_save(tiers, name):
+    """A user's trial: such names passed save() and failed every tier's write in the background (SaveError at
+    wait(): "invalid key", "File name too long"). save() refuses them, naming the item; nothing is written."""
+    with CheckpointEngine(config(tiers, "shm", "local")) as engine:
+        with pytest.raises(ValueError, match="item name"):
+            engine.save(1, {name: {"t": torch.ones(2)}})
+        assert engine.available_steps() == {"shm": [], "local": []}
+        engine.save(2, {"a/b": {"t": torch.ones(2)}, "a" * 200: {"t": torch.zeros(1)}}).wait(timeout=60)
+        assert engine.load().items["a/b"]["t"].tolist() == [1.0, 1.0]
+
+
+def test_save_and_prepare_on_a_closed_engine_are_refused_and_allocate_nothing(tiers, shm_root):
+    """A user's trial: prepare() after close() made the slots again in shared memory, which nothing released."""
+    from tiered_ckpt.errors import TieredCkptError
+
+    cfg = config(tiers, "shm")
+    cfg["tiers"][0]["on_close"] = "release"
+    engine = CheckpointEngine(cfg)
+    engine.close()
+    before = sorted(p.name for p in Path(shm_root).rglob("slot_*"))
+    for call in (lambda: engine.prepare(make_items(1)), lambda: engine.save(1, make_items(1))):
+        with pytest.raises(TieredCkptError, match="closed engine"):
+            call()
+    assert sorted(p.name for p in Path(shm_root).rglob("slot_*")) == before == []

@@ -231,6 +231,8 @@ class CheckpointEngine:
     # ----- saving ------------------------------------------------------------------------------------------
     def prepare(self, template: dict[str, Any]) -> None:
         """Allocate and pre-fault every slot for items shaped like ``template``, so even the first save is fast."""
+        if self._closed:  # its slots would stay in shared memory, released by nothing
+            raise TieredCkptError("prepare() on a closed engine")
         _, total = plan_items(template, placement=self.pipeline.placement)
         self.pipeline.prepare(total)
         self._drain.slots_ready()
@@ -285,6 +287,8 @@ class CheckpointEngine:
             raise ValueError(f"save({step}, items): every value of items is a tensor ({names}): this looks like one "
                              "state dict given as the items, which would store each tensor as an item of its own. "
                              f"Name it: save({step}, {{\"model\": model.state_dict()}})")
+        for name in items:
+            check_item_name(name)
         self.pipeline.check_items(list(items))
         t0 = time.perf_counter()
         placed, total = plan_items(items, self._plan_memos, self.pipeline.placement)
@@ -1012,6 +1016,25 @@ def _forget_engines_in_child() -> None:
 
 
 os.register_at_fork(after_in_child=_forget_engines_in_child)
+
+
+#: Bytes of an item name (of each ``/`` part): with the layouts' extensions and temporary-file suffixes, a file
+#: name stays within the 255 bytes of common file systems.
+MAX_ITEM_NAME_BYTES = 200
+
+
+def check_item_name(name: str) -> None:
+    """ValueError at ``save()`` for an item name no tier could store as a file name (an item name becomes one:
+    ``rank_00000/<name>.flat``), instead of a failure of each tier's write in the background."""
+    where = f"item name {name[:60]!r}{'...' if len(name) > 60 else ''}"
+    if "\\" in name or "\x00" in name or name.startswith("/"):
+        raise ValueError(f"{where}: backslashes, NUL and a leading '/' cannot be in a file name; rename the item")
+    for part in name.split("/"):
+        if part in ("", ".", ".."):
+            raise ValueError(f"{where}: empty, '.' and '..' parts between '/' cannot be file names; rename the item")
+        if len(part.encode("utf-8", "surrogatepass")) > MAX_ITEM_NAME_BYTES:
+            raise ValueError(f"{where}: longer than {MAX_ITEM_NAME_BYTES} bytes, too long for a file name; "
+                             "use a shorter name")
 
 
 def _holds(held: list[tuple[int, str]], step: int, save: str) -> bool:
