@@ -464,6 +464,13 @@ def test_demo_removes_its_shared_memory_when_interrupted_or_failing(stop, demo_l
     assert (other / "rank_00000").is_dir()
 
 
+def test_bench_refuses_a_directory_that_does_not_exist_and_creates_nothing(tmp_path, capsys):
+    """A user's trial: a mistyped path was created (with its missing parents), measured, exit 0."""
+    typo = tmp_path / "typo" / "deep"
+    assert main(["bench", str(typo), "--size-mib", "1"]) == EXIT_NOT_FOUND
+    assert "no such directory" in capsys.readouterr().err and not (tmp_path / "typo").exists()
+
+
 def test_bench_measures_the_machine_and_each_tier(ckpt, capsys, tmp_path):
     _, cfg = ckpt
     path = tmp_path / "tiers.json"

@@ -257,6 +257,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
     from . import machine_bench as mb
 
     nbytes = args.size_mib << 20
+    local = args.target[len("file://"):] if args.target and args.target.startswith("file://") else args.target
+    if local and "://" not in local and not os.path.isdir(local):  # a typo would be created, measured, left
+        raise CommandError(f"{args.target}: no such directory (bench writes its test files into an existing one; "
+                           "create it first)", EXIT_NOT_FOUND)
     rows = [mb.copy_prefaulted(nbytes)]
     if os.path.isdir("/dev/shm"):
         try:
