@@ -459,34 +459,37 @@ def _as_from_a_terminal() -> None:
     signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
 
 
-def _ctrl_c(proc: subprocess.Popen) -> bytes:
-    """Ctrl-C to ``proc`` until it ends; its stderr. On a loaded machine the first SIGINT was seen lost once in a
-    while (cause not found yet; torch's native thread is ruled out, it blocks SIGINT): press it again, as a user
-    would, a few times."""
+def _ctrl_c(proc: subprocess.Popen) -> tuple[bytes, bytes]:
+    """Ctrl-C to ``proc`` until it ends; its stdout and stderr. On a loaded machine the first SIGINT was seen lost
+    once in a while (cause not found yet; torch's native thread is ruled out, it blocks SIGINT): press it again, as
+    a user would, a few times."""
     for _ in range(12):
         proc.send_signal(signal.SIGINT)
         try:
-            return proc.communicate(timeout=10)[1]
+            return proc.communicate(timeout=10)
         except subprocess.TimeoutExpired:
             continue
-    return b""
+    return b"", b""
 
 
-def test_ctrl_c_prints_one_line_and_exits_130(tmp_path):
+@pytest.mark.parametrize("as_json", [False, True])
+def test_ctrl_c_prints_one_line_and_exits_130(tmp_path, as_json):
+    """With --json, stdout also gets the failure object a script reading it was promised (it got nothing)."""
     fifo = tmp_path / "tiers.yaml"
     os.mkfifo(fifo)
-    proc = subprocess.Popen([*CLI, "ls", "--config", str(fifo)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            cwd=ROOT, preexec_fn=_as_from_a_terminal)
-    err = b""
+    proc = subprocess.Popen([*CLI, "ls", "--config", str(fifo), *(["--json"] if as_json else [])],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=ROOT, preexec_fn=_as_from_a_terminal)
+    out = err = b""
     try:
         with open(fifo, "w"):  # returns once the command opened the file to read it: it is inside the command
-            err = _ctrl_c(proc)
+            out, err = _ctrl_c(proc)
     finally:
         if proc.poll() is None:
             proc.kill()
     assert proc.returncode == EXIT_INTERRUPTED
     lines = err.decode().splitlines()
     assert lines.count("tiered-ckpt ls: interrupted") == 1 and not any("Traceback" in ln for ln in lines), lines
+    assert (json.loads(out) == {"error": "interrupted", "exit_code": EXIT_INTERRUPTED}) if as_json else out == b""
 
 
 @pytest.mark.slow
@@ -515,7 +518,7 @@ def test_ctrl_c_during_the_demo_leaves_no_shared_memory_and_no_rank_behind(tmp_p
                 break  # the ranks of the checkpointing run have written their shared memory
             time.sleep(0.02)
         assert run_dir is not None and run_dir.exists(), proc.communicate()
-        err = _ctrl_c(proc)
+        err = _ctrl_c(proc)[1]
     finally:
         if proc.poll() is None:
             proc.kill()

@@ -181,6 +181,9 @@ def main(argv: list[str] | None = None) -> int:
             _import_torch_without_sigint()
             return _run(args)
         except KeyboardInterrupt:
+            if getattr(args, "json", False):  # a script reading stdout gets the failure it was promised
+                _print_json({"error": "interrupted", "exit_code": EXIT_INTERRUPTED})
+                sys.stdout.flush()
             print(f"tiered-ckpt {args.command}: interrupted", file=sys.stderr)
             return EXIT_INTERRUPTED
     except BrokenPipeError:
