@@ -375,3 +375,29 @@ def test_an_engine_whose_drain_cannot_start_lets_its_lock_go(shm_root, tmp_path,
     assert run_state(cfg["run_id"], shm_root) == "closed"
     with CheckpointEngine(cfg) as engine:
         engine.save(1, make_items(1)).wait(timeout=60)
+
+
+def test_a_close_that_waits_for_drains_says_what_for_and_how_long(shm_root, tmp_path, monkeypatch, caplog):
+    """A user's trial: Ctrl-C in a training script whose last save drained to a slow tier sat silent for up to
+    close_timeout_s (600 s) while its engine closed at exit. Past a few seconds close() names the step, the tier,
+    how long it may wait and what interrupting it means."""
+    import logging
+
+    from tiered_ckpt import engine as engine_module
+
+    monkeypatch.setattr(engine_module, "CLOSE_NOTICE_S", 0.2)
+    cfg = _config(shm_root, tmp_path)
+    cfg["tiers"][1] = _faulty("local", tmp_path / "local", latency_s=0.5)
+    engine = CheckpointEngine(cfg)
+    engine.save(7, make_items(7))
+    with caplog.at_level(logging.WARNING, logger="tiered_ckpt.engine"):
+        engine.close(timeout=30)
+    said = [r.getMessage() for r in caplog.records if "close() waits" in r.getMessage()]
+    assert len(said) == 1 and "step 7 to 'local'" in said[0] and "up to 30 s" in said[0], said
+    assert "stays in shared memory" in said[0] and cfg["run_id"] in said[0]
+    caplog.clear()
+    quick = CheckpointEngine(_config(shm_root, tmp_path))  # a close with nothing to wait for says nothing
+    quick.save(8, make_items(8)).wait(timeout=60)
+    with caplog.at_level(logging.WARNING, logger="tiered_ckpt.engine"):
+        quick.close()
+    assert not [r for r in caplog.records if "close() waits" in r.getMessage()]

@@ -55,6 +55,7 @@ log = logging.getLogger(__name__)
 #: progress (a stopped worker, a hung tier) would otherwise stop training without a word.
 SLOT_WAIT_WARN_S = 30.0
 SLOT_WAIT_WARN_EVERY_S = 60.0
+CLOSE_NOTICE_S = 3.0  # a close() still waiting for drains after this long says what it waits for, and how long
 # load(): listings again after every step listed vanished, before "no checkpoint". Each one found a step not
 # tried yet (a saver's newer commit), so the bound only matters against a saver that keeps committing faster than
 # a read ends (keep: 1 on a loaded machine lost 16 races in a row: a test run beside three trials)
@@ -903,6 +904,7 @@ class CheckpointEngine:
             # the parent's slots, unlock its run lock (flock is shared with the child) and stop its drain.
             return
         timeout = self.config.drain.close_timeout_s if timeout is None else timeout
+        notice = self._close_notice(timeout)
         try:
             for thread in self._commit_threads:  # each is bounded by commit_timeout_s
                 thread.join(timeout)
@@ -912,9 +914,34 @@ class CheckpointEngine:
             else:
                 self._release_memory()
         finally:
+            if notice is not None:
+                notice.cancel()
             self.pipeline.close()
             self._detach()
             _live.discard(self)
+
+    def _close_notice(self, timeout: float) -> threading.Timer | None:
+        """A warning, should close() still wait after CLOSE_NOTICE_S, naming what it waits for: a script stopped
+        with Ctrl-C (its engines close at exit) otherwise sat silent for up to ``close_timeout_s``."""
+        def say() -> None:
+            left = self.pending()
+            if not left:
+                return
+            what = "; ".join(f"step {s} to {', '.join(map(repr, t))}" for s, t in list(left.items())[:4])
+            kept = self.pipeline.entry_store.tier.capabilities.survives_process
+            after = (f"what is not drained stays in shared memory, and the next engine of run_id "
+                     f"{self.config.run_id!r} drains it" if kept else
+                     "those tiers do not get the step (it is in this process's memory only)")
+            log.warning("close() waits for the drain of %s (up to %.0f s, drain.close_timeout_s); interrupting it "
+                        "(Ctrl-C again) stops the wait: %s", what, timeout, after)
+
+        timer = threading.Timer(CLOSE_NOTICE_S, say)
+        timer.daemon = True
+        try:
+            timer.start()
+        except RuntimeError:  # no new thread at interpreter shutdown: no notice
+            return None
+        return timer
 
     def _release_memory(self) -> None:
         """``on_close: release``: delete this rank's slots on memory tiers that outlive the process, where a file
