@@ -236,6 +236,27 @@ def test_steps_some_ranks_hold_and_others_lack_are_not_no_checkpoint(tmp_path):
             engine.load()
 
 
+def test_a_resume_from_an_older_step_than_some_ranks_hold_says_so(tmp_path, caplog):
+    """A review: with node-local tiers, a step that failed on one node's disk (or that node's retention) leaves
+    ranks holding different steps; load() resumed every rank from the newest step all hold without a word, the
+    newer steps some ranks had silently passed over. Simulated as above: a second rank that lists only step 100."""
+    cfg = {"run_id": run_id(), "drain": {"mode": "thread"},
+           "tiers": [{"name": "disk", "kind": "local", "path": str(tmp_path / "disk")}]}
+    with CheckpointEngine(cfg) as engine:
+        for step in (100, 200):
+            engine.save(step, {"m": {"w": torch.full((4,), float(step))}})
+        engine.wait()
+    with CheckpointEngine(cfg) as engine, caplog.at_level(logging.WARNING, logger="tiered_ckpt"):
+        real = engine.coordinator.all_gather
+        engine.coordinator.all_gather = lambda v, what="": real(v, what) + ([[100]] if what == "agree_on_step" else [])
+        assert engine.load().step == 100
+        said = [r.getMessage() for r in caplog.records if "newest step every rank holds" in r.getMessage()]
+        assert len(said) == 1 and "rank 0: 200" in said[0], said
+        caplog.clear()
+        engine.coordinator.all_gather = lambda v, what="": real(v, what) + ([v] if what == "agree_on_step" else [])
+        assert engine.load().step == 200 and not [r for r in caplog.records if "every rank holds" in r.getMessage()]
+
+
 def test_a_job_that_goes_back_to_an_older_step_keeps_its_new_steps(tmp_path, caplog):
     """Review: in one process, a job that loaded step 100 (of 100 and 200, keep: 1) and saved 110 saw 110 deleted
     right after its commit: retention counted from the highest step the process had ever committed."""

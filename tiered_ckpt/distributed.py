@@ -48,6 +48,8 @@ class Coordinator:
         self.group = group
         self.node_ranks = node_ranks or [coords.rank]
         self.incarnation = incarnation
+        #: after :meth:`agree_on_step`: rank -> the steps it holds that are newer than the one agreed on
+        self.newer_elsewhere: dict[int, list[int]] = {}
 
     @property
     def distributed(self) -> bool:
@@ -139,9 +141,11 @@ class Coordinator:
         """The newest step every rank can read (or ``requested`` if every rank can); None if there is none."""
         everyone = self.all_gather(sorted(mine), "agree_on_step")
         common = set(everyone[0]).intersection(*map(set, everyone[1:]))
-        if requested is not None:
-            return requested if requested in common else None
-        return max(common) if common else None
+        chosen = (requested if requested in common else None) if requested is not None else max(common, default=None)
+        floor = -1 if chosen is None else chosen
+        self.newer_elsewhere = {r: [s for s in steps if s > floor and s not in common]
+                                for r, steps in enumerate(everyone) if any(s > floor for s in steps)}
+        return chosen
 
     def all_succeeded(self, ok: bool, what: str = "all_succeeded") -> bool:
         return all(self.all_gather(bool(ok), what))

@@ -661,6 +661,14 @@ class CheckpointEngine:
                 self._emit(ev.Event(ev.LOAD, step=result.step, rank=self.coords.rank, tier=result.tier,
                                     seconds=result.seconds, nbytes=result.nbytes, detail={"verified": result.verified}))
                 result.unreachable = dict(unreachable)
+                newer = self.coordinator.newer_elsewhere if step is None else {}
+                if newer and self.coords.rank == min(newer):
+                    # The job resumes from an older step than some ranks hold: never without a word (a tier that
+                    # failed on one node, or another node's retention removed the step this one still has).
+                    held = "; ".join(f"rank {r}: {_steps_text(s)}" for r, s in list(newer.items())[:8])
+                    log.warning("load: step %d is the newest step every rank holds; newer steps are held by some "
+                                "ranks only (%s): their other ranks' parts are missing on every tier",
+                                result.step, held)
                 if unreachable:
                     log.warning("load: step %d from tier %r without seeing tier(s) %s: a newer step may be there",
                                 result.step, result.tier, ", ".join(repr(t) for t in unreachable))
