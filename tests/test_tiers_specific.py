@@ -611,3 +611,20 @@ def test_fsspec_a_store_answer_without_a_byte_count_is_a_corruption_error(make_t
     for read in (tier.size, tier.read_blob, lambda k: tier.read_range(k, 0, 1)):
         with pytest.raises(CorruptionError, match="the store gives no byte count"):
             read("k")
+
+
+def test_a_local_tier_made_under_a_missing_directory_says_it_may_be_an_unmounted_mount(tmp_path, caplog):
+    """A review: a checkpoint path under a mount point that is not mounted was created on the disk below, every
+    missing parent with it, and load() said "no checkpoint": the job would start over. The tier says so."""
+    import logging
+
+    from tiered_ckpt.tiers.local import LocalOptions, LocalTier
+
+    with caplog.at_level(logging.WARNING, logger="tiered_ckpt"):
+        LocalTier("ssd", LocalOptions(path=str(tmp_path / "mnt" / "nvme" / "ckpt")))
+        said = [r.getMessage() for r in caplog.records]
+        assert len(said) == 1 and f"{tmp_path / 'mnt'} should be a mounted file system" in said[0], said
+        caplog.clear()
+        LocalTier("ssd", LocalOptions(path=str(tmp_path / "mnt" / "nvme" / "ckpt")))  # there now: nothing to say
+        LocalTier("new", LocalOptions(path=str(tmp_path / "fresh")))  # only the directory itself is new: normal
+        assert not caplog.records

@@ -15,6 +15,7 @@ they were verified, and follow any later write to the file.
 from __future__ import annotations
 
 import errno
+import logging
 import os
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -26,6 +27,8 @@ from ..errors import ConfigError, PermanentTierError
 from ._files import BlobFiles, FilesHousekeeping
 from ._positional import PositionalFiles
 from .base import Capabilities, Chunk, Tier, TierContext, check_key, file_in_path, not_a_directory
+
+log = logging.getLogger(__name__)
 
 # Why the tier's directory could not be made, where the configuration is what to change.
 _CREATE_FIXES = {
@@ -51,6 +54,18 @@ class LocalOptions:
             raise ValueError("path: expected a directory, got an empty string")
 
 
+def _first_missing(path: str) -> str | None:
+    """The outermost directory of ``path`` that does not exist (``path`` itself when only it is missing), or None."""
+    missing = None
+    here = path
+    while not os.path.lexists(here):
+        missing, parent = here, os.path.dirname(here)
+        if parent == here:
+            break
+        here = parent
+    return missing
+
+
 class LocalTier(FilesHousekeeping, Tier):
     kind = "local"
     capabilities = Capabilities(memory=False, node_local=True, survives_process=True,
@@ -64,6 +79,7 @@ class LocalTier(FilesHousekeeping, Tier):
         if blocker is not None:
             raise ConfigError(f"{not_a_directory(self.root, blocker)}: give the tier the directory that holds (or "
                               "will hold) its checkpoints", key_path=f"tier {name!r}.path")
+        top = _first_missing(self.root)
         try:
             os.makedirs(self.root, exist_ok=True)
         except OSError as exc:
@@ -75,6 +91,12 @@ class LocalTier(FilesHousekeeping, Tier):
                                      tier=name) from exc
         if not os.path.isdir(self.root):
             raise PermanentTierError(f"{self.root} is not a directory", tier=name)
+        if top is not None and top != self.root:
+            # A checkpoint directory under a mount point that is not mounted (a node's SSD, a network file system)
+            # is made on the disk below it, and a resume there finds nothing: never without a word.
+            log.warning("tier %r: created %s and the directories above it from %s, which did not exist: if %s "
+                        "should be a mounted file system, it is not mounted, and checkpoints go to the disk below "
+                        "(where a restart finds none of the mounted one's)", name, self.root, top, top)
         direct = options.fsync if options.direct_io == "auto" else bool(options.direct_io)
         self.files = BlobFiles(name, self.root, file_mode=0o644, dir_mode=0o755, fsync=options.fsync,
                                direct_io=direct)
