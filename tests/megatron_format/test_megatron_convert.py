@@ -303,6 +303,26 @@ def test_an_incomplete_megatron_written_step_is_refused_by_convert_and_failed_by
     assert "FAILED" in out and want in out, out
 
 
+def test_a_failed_convert_leaves_no_directory_it_created_and_a_good_one_says_nothing_of_mounts(
+        tmp_path: Path, capsys: pytest.CaptureFixture, caplog: pytest.LogCaptureFixture) -> None:
+    """A user's trial: a convert refused (a damaged source) left the destination's new directories behind."""
+    import logging
+
+    src = copy_checkpoint("dp4_tp1_pp1", tmp_path / "m")
+    good = tmp_path / "good"
+    write_checkpoint(SyntheticJob(tp=1, dp=2, iteration=100), good, layout="megatron", manifest=False)
+    _flip_a_tensor_byte(src / ITER_DIR / "mp_rank_00" / "distrib_optim.pt")
+    (tmp_path / "kept").mkdir()
+    for dst in (tmp_path / "new" / "a" / "b", tmp_path / "kept" / "a"):
+        assert cli_main(["convert", str(src), str(dst), "--to", "rank_sharded"]) == 1
+    assert not (tmp_path / "new").exists() and list((tmp_path / "kept").iterdir()) == []
+    capsys.readouterr()
+    with caplog.at_level(logging.WARNING, logger="tiered_ckpt"):
+        assert cli_main(["convert", str(good), str(tmp_path / "new" / "a" / "b"), "--to", "rank_sharded"]) == 0
+    assert not [r for r in caplog.records if "mounted" in r.getMessage()]
+    assert (tmp_path / "new" / "a" / "b" / "latest_checkpointed_iteration.txt").exists()
+
+
 def test_a_source_written_without_crcs_is_converted_and_said_unchecked(tmp_path: Path) -> None:
     write_checkpoint(_job(dict(tp=1, pp=1, dp=2)), tmp_path / "m", layout="megatron", manifest=False)
     from torch.utils.serialization import config as serialization

@@ -27,6 +27,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import shutil
 import sys
 import time
 from collections.abc import Callable
@@ -49,6 +50,7 @@ from ..parallel import ParallelLayout
 from ..pipeline import make_store
 from ..plugins import get_plugin_manager
 from ..tiers.base import Tier
+from ..tiers.local import first_missing_dir
 from . import legacy, loadable, rank_shard, tier_io
 from .merge import plan_dirs, write_megatron_file
 from .naming import DISTRIB_OPTIM_FILENAME, MODEL_FILENAME, RELEASE, MegatronTopology
@@ -118,8 +120,28 @@ def convert(
     at ``dst``, for data-parallel size ``dp`` (Megatron's meaning: world / (TP x PP x CP); default: unchanged).
 
     ``src``/``dst``: a directory, a ``file://`` or fsspec URL (``s3://...``), or a Tier. ``dst`` must not hold
-    this step yet. ``progress``: a tqdm bar on stderr when it is a terminal.
+    this step yet. ``progress``: a tqdm bar on stderr when it is a terminal. A convert that fails leaves no
+    directory it created behind.
     """
+    made = None
+    if not isinstance(dst, Tier) and ("://" not in os.fspath(dst) or os.fspath(dst).startswith("file://")):
+        path = os.path.abspath(os.path.expanduser(os.fspath(dst).removeprefix("file://")))
+        made = first_missing_dir(path)
+        try:  # made here, wanted: the tier would take missing parents for a mount point that is not mounted
+            os.makedirs(path, exist_ok=True)
+        except OSError:
+            pass  # the tier says what is wrong with the path
+    try:
+        return _convert(src, dst, to=to, dp=dp, step=step, progress=progress, trust_pickles=trust_pickles,
+                        verify=verify)
+    except BaseException:
+        if made is not None and os.path.isdir(made) and not any(files for _, _, files in os.walk(made)):
+            shutil.rmtree(made, ignore_errors=True)  # only directories: what it wrote is removed already
+        raise
+
+
+def _convert(src: str | os.PathLike[str] | Tier, dst: str | os.PathLike[str] | Tier, *, to: str, dp: int | None,
+             step: int | None, progress: bool, trust_pickles: bool, verify: bool) -> ConvertReport:
     if to not in TARGETS:
         raise ConfigError(f"to: expected one of {', '.join(TARGETS)}, got {to!r}")
     t0 = time.perf_counter()

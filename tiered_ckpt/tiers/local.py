@@ -54,7 +54,7 @@ class LocalOptions:
             raise ValueError("path: expected a directory, got an empty string")
 
 
-def _first_missing(path: str) -> str | None:
+def first_missing_dir(path: str) -> str | None:
     """The outermost directory of ``path`` that does not exist (``path`` itself when only it is missing), or None."""
     missing = None
     here = path
@@ -79,7 +79,7 @@ class LocalTier(FilesHousekeeping, Tier):
         if blocker is not None:
             raise ConfigError(f"{not_a_directory(self.root, blocker)}: give the tier the directory that holds (or "
                               "will hold) its checkpoints", key_path=f"tier {name!r}.path")
-        top = _first_missing(self.root)
+        top = first_missing_dir(self.root)
         try:
             os.makedirs(self.root, exist_ok=True)
         except OSError as exc:
