@@ -210,6 +210,7 @@ class Opened:
     # Absent tiers that could still be built (an object-store prefix with no object): gc asks them for uploads.
     empty: dict[str, Store] = field(default_factory=dict)
     unreadable: dict[str, str] = field(default_factory=dict)  # tiers that could not be read: why
+    unchanged: dict[str, str] = field(default_factory=dict)  # tiers where a removal (gc --delete) failed: why
     memory_skipped: list[str] = field(default_factory=list)  # selected shm-like tiers left closed (memory=False)
 
     def label(self, name: str) -> str:
@@ -221,10 +222,15 @@ class Opened:
     def problem(self, found: bool, nothing: str) -> CommandError | None:
         """The command's failure, if any: a tier could not be read (4), or nothing was found (3): because the
         directory or bucket given does not exist, or because ``nothing``."""
-        if self.unreadable:
-            why = "; ".join(f"{self.label(n)}: {w}" for n, w in self.unreadable.items())
-            return CommandError(f"could not read {why} (nothing can be said about what it holds)", EXIT_UNREADABLE,
-                                unreadable=dict(self.unreadable))
+        if self.unreadable or self.unchanged:
+            told = []
+            if self.unreadable:
+                why = "; ".join(f"{self.label(n)}: {w}" for n, w in self.unreadable.items())
+                told.append(f"could not read {why} (nothing can be said about what it holds)")
+            if self.unchanged:
+                told.append("; ".join(f"{self.label(n)}: {w}" for n, w in self.unchanged.items()))
+            extra = {k: dict(v) for k, v in (("unreadable", self.unreadable), ("unchanged", self.unchanged)) if v}
+            return CommandError("; ".join(told), EXIT_UNREADABLE, **extra)
         if self.target is not None and self.absent:
             return CommandError(f"{self.target}: {next(iter(self.absent.values()))}", EXIT_NOT_FOUND)
         if not found:
