@@ -559,9 +559,9 @@ def test_a_refused_convert_creates_no_destination(tmp_path, shm_root, capsys):
     assert not dst.exists()
 
 
-def _in_terminal(argv: list[str], size: tuple[int, int] | None) -> tuple[int, str]:
-    """Run the command line in a real pseudo-terminal (``size``: columns, rows; None leaves it 0x0, as
-    ``script`` does without one) and return its exit code and everything it printed."""
+def _in_terminal(argv: list[str], size: tuple[int, int] | None, program: list[str] = CLI) -> tuple[int, str]:
+    """Run the command line (or ``program``) in a real pseudo-terminal (``size``: columns, rows; None leaves it
+    0x0, as ``script`` does without one) and return its exit code and everything it printed."""
     import fcntl
     import pty
     import struct
@@ -570,7 +570,7 @@ def _in_terminal(argv: list[str], size: tuple[int, int] | None) -> tuple[int, st
     master, slave = pty.openpty()
     if size is not None:
         fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", size[1], size[0], 0, 0))
-    proc = subprocess.Popen([*CLI, *argv], stdin=slave, stdout=slave, stderr=slave, close_fds=True)
+    proc = subprocess.Popen([*program, *argv], stdin=slave, stdout=slave, stderr=slave, close_fds=True)
     os.close(slave)
     out = b""
     while True:
@@ -601,6 +601,27 @@ def test_verify_draws_its_progress_bar_in_a_terminal(tmp_path, size):
     assert len(bars) == 2 and all("100%" in b for b in bars), out
     assert sum(line.startswith("OK ") for line in lines) == 2, out
     assert not [line for line in out.strip().replace("\r\n", "\n").split("\n") if not line.strip("\r ")], out
+
+
+@pytest.mark.parametrize("size", [None, (100, 30)], ids=["no size", "100x30"])
+def test_engine_wait_draws_its_progress_bar_in_a_terminal(tmp_path, size):
+    """A user's trial: engine.wait(progress=True) drew nothing in a terminal of no known size (the command
+    line's bars already had 80x24 for it)."""
+    script = textwrap.dedent(f"""
+        import torch
+        from tiered_ckpt import CheckpointEngine
+        cfg = {{"run_id": "bar{uuid.uuid4().hex[:6]}", "drain": {{"mode": "thread"}},
+               "tiers": [{{"name": "shm", "kind": "shm", "path": {str(tmp_path / "shm")!r}}},
+                         {{"name": "slow", "kind": "faulty", "latency_s": 0.4,
+                          "inner": {{"kind": "local", "path": {str(tmp_path / "disk")!r}}}}}]}}
+        with CheckpointEngine(cfg) as engine:
+            engine.save(1, {{"m": {{"w": torch.ones(16)}}}})
+            engine.wait(progress=True)
+        print("DONE")
+        """)
+    code, out = _in_terminal(["-c", script], size, program=[sys.executable])
+    assert code == 0 and "DONE" in out, out
+    assert "rank 0 drain" in out and "deliveries" in out, out
 
 
 def test_the_demo_names_a_command_line_that_runs(monkeypatch):

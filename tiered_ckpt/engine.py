@@ -885,13 +885,13 @@ class CheckpointEngine:
             raise SaveError(handle.step, failures)
 
     def _wait_with_bar(self, timeout: float | None) -> None:
-        from tqdm import tqdm
+        from .progress import sized_bar
 
         deadline = None if timeout is None else time.monotonic() + timeout
         total = sum(map(len, self.pending().values()))
         # counts of deliveries, no rate: a delivery takes seconds, and tqdm's "3.27s/ deliveries" reads badly
-        with tqdm(total=total, desc=f"rank {self.coords.rank} drain", leave=False,
-                  bar_format="{l_bar}{bar}| {n_fmt}/{total_fmt} deliveries [{elapsed}]{postfix}") as bar:
+        with sized_bar(total=total, desc=f"rank {self.coords.rank} drain", leave=False,
+                       bar_format="{l_bar}{bar}| {n_fmt}/{total_fmt} deliveries [{elapsed}]{postfix}") as bar:
             while True:
                 left = self.pending()
                 bar.set_postfix_str(", ".join(f"step {s}: {'/'.join(t)}" for s, t in list(left.items())[:3]))
