@@ -573,3 +573,13 @@ def test_bench_with_too_little_room_in_dev_shm_says_so_and_goes_on(tmp_path, cap
     assert "/dev/shm has 2 MiB free and the fresh-file write needs 4 MiB" in captured.err, captured.err
     assert "--shm-size" in captured.err and "--size-mib" in captured.err
     assert not list(Path("/dev/shm").glob(".tiered_ckpt-bench-*"))
+
+
+def test_inspect_of_a_damaged_newest_manifest_names_the_other_steps(ckpt, capsys):
+    """A user's trial: inspect stopped at the damaged manifest of the newest step, saying nothing of the others."""
+    root, _ = ckpt
+    (root / "iter_0000002" / "tiered_ckpt" / "manifest.json").write_text("{ not json")
+    assert main(["inspect", str(root)]) == EXIT_FAILED
+    err = capsys.readouterr().err
+    assert "the other committed steps: 1 (inspect one with --step N)" in err and "verify" in err, err
+    assert main(["inspect", str(root), "--step", "1"]) == EXIT_OK

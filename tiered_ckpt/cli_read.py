@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 from .cli_common import (
     EXIT_FAILED,
     EXIT_OK,
+    CommandError,
     Opened,
     _emit,
     _file_tiers,
@@ -28,7 +29,7 @@ from .cli_common import (
     no_commit_message,
     step_directory_hint,
 )
-from .errors import NoCheckpointError, TierError
+from .errors import CorruptionError, NoCheckpointError, TierError
 
 if TYPE_CHECKING:
     from .file_store import FileStore
@@ -140,7 +141,13 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     if (plain := _inspect_dcp(store, args)) is not None:  # a DCP directory without our manifest (issue #14)
         return plain
     step = _pick_step(store, args.step, opened.label(name))
-    m = store.read_manifest(step)
+    try:
+        m = store.read_manifest(step)
+    except CorruptionError as exc:  # the newest step's manifest damaged: the others may be fine
+        older = [s for s in store.committed_steps() if s != step]
+        shown = ", ".join(map(str, older[-8:]))
+        hint = f"; the other committed steps: {shown} (inspect one with --step N)" if older else ""
+        raise CommandError(f"{exc}{hint}; `tiered-ckpt verify` checks the step's files", EXIT_FAILED) from None
     if args.json:
         from dataclasses import asdict
 
