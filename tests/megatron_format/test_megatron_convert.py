@@ -303,6 +303,14 @@ def test_an_incomplete_megatron_written_step_is_refused_by_convert_and_failed_by
     assert "FAILED" in out and want in out, out
 
 
+def test_convert_of_a_step_that_is_not_there_names_the_steps_that_are(tmp_path: Path, capsys) -> None:
+    src = tmp_path / "m"
+    write_checkpoint(SyntheticJob(tp=1, dp=2, iteration=100), src, layout="megatron", manifest=False)
+    assert cli_main(["convert", str(src), str(tmp_path / "out"), "--to", "rank_sharded", "--step", "99"]) == 3
+    assert "step 99 was asked for, but this step directory is missing or empty (step directories there: 100)" \
+        in capsys.readouterr().err
+
+
 def test_a_failed_convert_leaves_no_directory_it_created_and_a_good_one_says_nothing_of_mounts(
         tmp_path: Path, capsys: pytest.CaptureFixture, caplog: pytest.LogCaptureFixture) -> None:
     """A user's trial: a convert refused (a damaged source) left the destination's new directories behind."""

@@ -94,7 +94,11 @@ def detect(tier: Tier, *, step: Iteration | None = None, trust_pickles: bool = F
     where = tier_io.where(tier, step_dir)
     if not keys:
         named = f"the tracker names iteration {iteration}" if step is None else f"step {iteration} was asked for"
-        raise NoCheckpointError(f"{where}: {named}, but this step directory is missing or empty")
+        there = sorted({it for k in tier.list("iter_") if (it := parse_iteration_dir(k.split("/", 1)[0]))
+                        is not None})
+        shown = ", ".join(map(str, there[-10:])) if there else "none"
+        raise NoCheckpointError(f"{where}: {named}, but this step directory is missing or empty (step directories "
+                                f"there: {shown})")
     names = {k[len(step_dir) + 1:] for k in keys}
     if "metadata.json" in names:
         raise DecodeError(f"{where}: a torch_dist (distributed) checkpoint; only Megatron's legacy torch format is "
