@@ -118,6 +118,14 @@ def test_writer_refuses_what_megatron_refuses() -> None:
 
     with pytest.raises(EncodeError, match=r"model_optim_rng.pt: .*refuses builtins.print"):
         _file({"args": argparse.Namespace(hook=print)}, megatron_loadable=True)
+    # Another item in torch format (codecs: {state: torch}): the same allow-list, said without Megatron's load
+    # (a user's trial: "its load_checkpoint would stop" about a plain item of a rank_sharded job)
+    import numpy as np
+
+    from tiered_ckpt.megatron.torch_zip import iter_torch_save
+
+    with pytest.raises(EncodeError, match=r"item 'state' \(codec torch\): numpy.* would not load back.*codec \(flat\)"):
+        b"".join(bytes(c) for c in iter_torch_save({"lr": np.float64(0.1)}, archive="state", megatron_loadable=True))
 
 
 def _engine(tmp_path: Path, shm_root: str, run_id: str, mode: str | None) -> CheckpointEngine:

@@ -355,9 +355,15 @@ def iter_torch_save(obj: Any, *, archive: str = "archive", page_congruent: bool 
 
 def _check_megatron_loadable(pkl: bytes, archive: str) -> None:
     refused = refused_globals(pkl)
-    if refused:
-        raise EncodeError(explain(f"{archive}.pt", refused) + ": keep such objects out of the checkpoint, or "
-                          "turn them into plain values (str, int, dict) before saving")
+    if not refused:
+        return
+    fix = ": keep such objects out of the checkpoint, or turn them into plain values (str, int, dict) before saving"
+    if f"{archive}.pt" in (MEGATRON_FILES := ("model_optim_rng.pt", "distrib_optim.pt")):
+        raise EncodeError(explain(f"{archive}.pt", refused) + fix)
+    # Another item in torch format: loaded with the same allow-list (tiered_ckpt never unpickles code)
+    raise EncodeError(f"item {archive!r} (codec torch): {', '.join(refused)} would not load back: torch files are "
+                      f"read with torch's weights-only loader and Megatron-LM's safe globals (as {MEGATRON_FILES[0]} "
+                      f"is){fix}, or save the item with the default codec (flat), which keeps them")
 
 
 def _records(z: _ZipStream, pkl: bytes, streams: list[StreamedTensor], page_congruent: bool) -> Iterator[Any]:
