@@ -16,6 +16,7 @@ import pytest
 from helpers import assert_same, make_items
 
 from tiered_ckpt import CheckpointEngine, SaveError
+from tiered_ckpt.errors import CheckpointUnreadableError
 from tiered_ckpt.housekeeping import run_state
 
 FAST_RETRY = {"attempts": 6, "initial_s": 0.01, "max_s": 0.05, "deadline_s": 30}
@@ -401,3 +402,21 @@ def test_a_close_that_waits_for_drains_says_what_for_and_how_long(shm_root, tmp_
     with caplog.at_level(logging.WARNING, logger="tiered_ckpt.engine"):
         quick.close()
     assert not [r for r in caplog.records if "close() waits" in r.getMessage()]
+
+
+def test_a_damaged_manifest_is_warned_of_once_per_load(shm_root, tmp_path, caplog):
+    """A user's trial: load() printed "tier 'disk' lists step 2 as committed, but ..." twice (it lists twice)."""
+    import logging
+
+    cfg = {"run_id": f"w{uuid.uuid4().hex[:6]}", "drain": {"mode": "thread"},
+           "tiers": [{"name": "disk", "kind": "local", "path": str(tmp_path / "disk")}]}
+    with CheckpointEngine(cfg) as engine:
+        for step in (1, 2):
+            engine.save(step, make_items(step)).wait(timeout=60)
+    (tmp_path / "disk" / "iter_0000002" / "tiered_ckpt" / "manifest.json").write_text("{ not json")
+    (tmp_path / "disk" / "iter_0000001" / "rank_00000" / "state.flat").write_bytes(b"cut short")
+    with CheckpointEngine(cfg) as engine, caplog.at_level(logging.WARNING, logger="tiered_ckpt"):
+        with pytest.raises(CheckpointUnreadableError):  # every step tried: load() lists again before saying so
+            engine.load()
+    said = [r.getMessage() for r in caplog.records if "lists step 2 as committed" in r.getMessage()]
+    assert len(said) == 1, said

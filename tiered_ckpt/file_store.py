@@ -160,6 +160,7 @@ class FileStore(CommittedFiles):
         # committed manifests, for listings (steps_for_rank); a load reads the one it uses afresh (a step saved
         # again gets a new one, maybe committed by another process)
         self._manifests: dict[int, CheckpointManifest] = {}
+        self._told_unreadable: set[tuple[int, str]] = set()  # (step, error) already warned of by steps_for_rank
         # Counts this store's commits and un-commits (a re-save replaces a manifest); the lock makes "no commit
         # since I began reading" and the cache entry one step for a reader (file_store_read.read_manifest).
         self._manifest_changes = 0

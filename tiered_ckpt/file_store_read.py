@@ -38,6 +38,7 @@ class CommittedFiles:
     _manifests: dict[int, CheckpointManifest]
     _manifest_changes: int
     _manifest_lock: threading.Lock
+    _told_unreadable: set[tuple[int, str]]
     name: str
     _retry: Callable[..., Any]
     read_tracker: Callable[[], int | None]
@@ -76,7 +77,9 @@ class CommittedFiles:
             except BlobNotFoundError:
                 continue  # removed since it was listed
             except CorruptionError as exc:
-                log.warning("tier %r lists step %d as committed, but %s", self.name, step, exc)
+                if (step, str(exc)) not in self._told_unreadable:  # a load lists more than once: said once
+                    self._told_unreadable.add((step, str(exc)))
+                    log.warning("tier %r lists step %d as committed, but %s", self.name, step, exc)
                 out.append(step)  # listed as committed, unreadable: load() reports it (a fallback) if it is chosen
                 continue
             same_layout = ParallelLayout.from_dict(manifest.parallel) == coords.layout
