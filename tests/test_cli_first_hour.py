@@ -636,3 +636,15 @@ def test_the_demo_names_a_command_line_that_runs(monkeypatch):
     monkeypatch.setenv("PATH", f"{bindir}:/usr/bin:/bin")
     if (Path(bindir) / "tiered-ckpt").exists():
         assert _cli_command() == "tiered-ckpt"
+
+
+def test_missing_tier_directories_of_a_configuration_are_named_for_every_kind(tmp_path, capsys):
+    """A user's trial: a missing fsspec tier's directory was "no such directory" with no URL (a local tier's has
+    its path), and verify said "no file tier to look at" though the configuration has two."""
+    cfg = tmp_path / "tiers.yaml"
+    cfg.write_text(f"run_id: miss\ntiers:\n  - {{name: nvme, kind: local, path: {tmp_path / 'a'}}}\n"
+                   f"  - {{name: remote, kind: fsspec, url: 'file://{tmp_path / 'b'}'}}\n")
+    code, out, err = run(capsys, "ls", "--config", str(cfg))
+    assert code == EXIT_NOT_FOUND and f"tier 'remote': no such directory (fsspec file://{tmp_path / 'b'})" in err
+    code, out, err = run(capsys, "verify", "--config", str(cfg))
+    assert code == EXIT_NOT_FOUND and "no file tier holds anything yet" in err, err

@@ -293,6 +293,9 @@ def _open(args: argparse.Namespace, *, memory: bool) -> Opened:
             if why is None:
                 store = build_stores(config, pm, RankCoords(rank=0), 0, [cfg.name], lambda e: None)[cfg.name]
                 why = absent_location(store.tier)
+                url = getattr(store.tier.options, "url", None)
+                if why == "no such directory" and args.config and isinstance(url, str):  # say which, as for paths
+                    why = f"no such directory ({store.tier.describe()})"
         except Unreadable as exc:
             opened.unreadable[cfg.name] = str(exc)
             continue
@@ -417,7 +420,9 @@ def _pick_step(store: FileStore, step: int | None, label: str) -> int:
 def _file_tiers(opened: Opened) -> dict[str, FileStore]:
     stores = opened.file_stores()
     if not stores:
-        problem = opened.problem(False, "no file tier to look at (memory tiers are listed by `ls`)")
+        nothing = "no file tier holds anything yet" if opened.absent else \
+            "no file tier to look at (memory tiers are listed by `ls`)"
+        problem = opened.problem(False, nothing)
         assert problem is not None
         raise problem
     return stores
