@@ -43,11 +43,13 @@ class Coordinator:
     Saves are told apart by it (docs/architecture.md, "Save identity")."""
 
     def __init__(self, coords: RankCoords, group: Any = None, node_ranks: list[int] | None = None,
-                 incarnation: str | None = None):
+                 incarnation: str | None = None, nodes: list[str] | None = None):
         self.coords = coords
         self.group = group
         self.node_ranks = node_ranks or [coords.rank]
         self.incarnation = incarnation
+        self.node = node_id()
+        self.nodes = nodes or [self.node]  # every node of the job (start-up exchange), once each
         #: after :meth:`agree_on_step`: rank -> the steps it holds that are newer than the one agreed on
         self.newer_elsewhere: dict[int, list[int]] = {}
 
@@ -78,7 +80,8 @@ class Coordinator:
                                   f"start ({told}). Every rank stops here; the failing rank's own error says what "
                                   "to fix", failed)
         mine = names[coords.rank][0]
-        return cls(coords, group, [r for r, (n, _) in enumerate(names) if n == mine], incarnation=names[0][1])
+        return cls(coords, group, [r for r, (n, _) in enumerate(names) if n == mine], incarnation=names[0][1],
+                   nodes=sorted({n for n, _ in names}))
 
     @staticmethod
     def start_failed(why: str, timeout_s: float = 600.0) -> None:

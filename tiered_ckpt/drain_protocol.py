@@ -29,6 +29,9 @@ class DrainRequest:
     created: float = field(default_factory=time.time)  # when the snapshot was taken (time to durable)
     recover: bool = False
     save_id: str = ""  # the save's identity (engine._save_id): a commit found after a worker died is this save's
+    # node-local tier -> the newest step every node has committed there: retention keeps it and every newer one
+    # (node_commits.py; -1: not known yet, keep every step); a tier not named: retention as on one node
+    kept_from: dict[str, int] = field(default_factory=dict)
 
 
 class Drain(Protocol):

@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from . import events as ev
+from . import node_commits
 from .codecs.flat import PlanMemo
 from .config import Config, TierConfig, load_config
 from .distributed import Coordinator
@@ -117,6 +118,7 @@ class CheckpointEngine:
         # while it still has not, load() waits RELIST_AFTER_STALL_S for a new listing, not that long again
         self._stalled_at_start: dict[str, _Listing] = {}
         lock: RunLock | None = None
+        self._node_commits: node_commits.NodeCommits | None = None
         try:
             self.config: Config = load_config(config, registries=self.pm.registries)
             # plugins.py: this engine's own observers and run_id on its events; a plugin the drain worker could
@@ -172,6 +174,10 @@ class CheckpointEngine:
             finally:
                 self._detach()
             raise
+        # a job on several nodes: each node's retention of its node-local tiers learns what the others committed
+        self._node_commits = node_commits.start(
+            self.coordinator, {n: f for n, s in self.pipeline.durable_stores().items()
+                               if (f := s.files()) is not None}, self.coords)
         _live.add(self)
         try:
             self._recover()
@@ -224,6 +230,8 @@ class CheckpointEngine:
             if handle is not None:
                 handle._resolve(tier, ok, error)
             self._drop_handles(step, SaveHandle.done)
+        if ok and self._node_commits is not None:  # on the node's committing rank: committed (node_commits.py)
+            self._node_commits.committed(tier, step)
 
     def _slot_released(self, tier: str, slot: int, step: int) -> None:
         if tier == self.pipeline.entry:
@@ -325,7 +333,7 @@ class CheckpointEngine:
             self._emit(ev.Event(ev.SNAPSHOT, step=step, rank=self.coords.rank, tier=self.pipeline.entry,
                                 seconds=blocking, nbytes=total, detail={"slot": slot, "due": list(due)}))
             self._drain.submit(DrainRequest(step=step, source=self.pipeline.entry, slot=slot, due=due,
-                                            created=handle.created, save_id=save_id))
+                                            created=handle.created, save_id=save_id, kept_from=self._kept_from()))
         except BaseException:
             # Not handed to the drain (its worker could not be started, an interrupt): nothing would ever release
             # the slot or report on the handle, and a later save would wait for the slot for ever. The snapshot
@@ -334,6 +342,9 @@ class CheckpointEngine:
             store.release_slot(slot)
             raise
         return handle
+
+    def _kept_from(self) -> dict[str, int]:
+        return self._node_commits.kept_from() if self._node_commits is not None else {}
 
     def _forget(self, handle: SaveHandle) -> None:
         with self._cond:
@@ -382,7 +393,8 @@ class CheckpointEngine:
                                 nbytes=meta.total_bytes, detail={"due": list(due), "slot": meta.slot},
                                 message="a snapshot left in memory by an earlier process is drained"))
             self._drain.submit(DrainRequest(step=meta.step, source=self.pipeline.entry, slot=meta.slot, due=due,
-                                            created=meta.created, recover=True, save_id=meta.save_id))
+                                            created=meta.created, recover=True, save_id=meta.save_id,
+                                            kept_from=self._kept_from()))
 
     def _voters(self, store: Store) -> list[int]:
         """The ranks whose parts a commit of ``store`` needs, the committing one first: a shared tier's are the
@@ -924,6 +936,8 @@ class CheckpointEngine:
         finally:
             if notice is not None:
                 notice.cancel()
+            if self._node_commits is not None:
+                self._node_commits.close()
             self.pipeline.close()
             self._detach()
             _live.discard(self)

@@ -1,0 +1,49 @@
+"""Retention of node-local tiers on several nodes (tiered_ckpt/node_commits.py, docs/operations.md): a step that
+fails on one node's disk never lets the other nodes retire the newest step every node holds.
+
+Two gloo ranks, each its own node (``TIERED_CKPT_NODE``), each with a local tier of its own behind the faults
+plugin. A review found that with ``keep: 1`` node A, committing step 3 that node B's disk refused, deleted step 2:
+no step was left on both, and the restart could load nothing (with ``keep: 2``, two failures in a row did it)."""
+
+from __future__ import annotations
+
+import sys
+import uuid
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from test_multirank import run_ranks  # noqa: E402
+
+pytestmark = pytest.mark.slow
+WORKER = Path(__file__).resolve().parents[1] / "node_retention_worker.py"
+NODES = {0: "A", 1: "B"}
+
+
+def _committed(base: Path, node: str) -> list[int]:
+    manifests = (base / node / "local").glob("iter_*/tiered_ckpt/manifest.json")
+    return sorted(int(p.parent.parent.name[5:]) for p in manifests)
+
+
+@pytest.mark.parametrize(("keep", "fail", "mode"), [
+    (1, [3], "thread"),
+    (2, [3, 4], "process"),  # two failures in a row, the drain in its own process
+])
+def test_a_step_one_node_failed_never_costs_the_step_every_node_holds(tmp_path, keep, fail, mode):
+    spec = {"base": str(tmp_path), "run_id": f"nl{uuid.uuid4().hex[:6]}", "keep": keep, "mode": mode}
+    steps = list(range(1, fail[-1] + 1))
+    saved = run_ranks(2, {**spec, "save": steps, "fail": {"B": fail}}, node_of=NODES, worker=WORKER)
+    assert saved[1].get("failed") == fail and "failed" not in saved[0], saved
+    last_common = fail[0] - 1
+    assert last_common in _committed(tmp_path, "A") and last_common in _committed(tmp_path, "B")
+    assert max(_committed(tmp_path, "A")) == fail[-1]  # node A committed the steps B failed
+    loaded = run_ranks(2, {**spec, "load": True}, node_of=NODES, worker=WORKER)
+    assert [loaded[r]["step"] for r in (0, 1)] == [last_common] * 2, loaded
+    assert loaded[0]["w"] == [float(last_common)] * 4
+
+    # once newer steps are on every node again (and the nodes learnt it: about a second), the older ones go
+    again = run_ranks(2, {**spec, "save": [10, 11, 12], "pause_s": 1.5}, node_of=NODES, worker=WORKER)
+    assert not any("failed" in r for r in again.values()), again
+    for node in NODES.values():  # keep, or one more: the newest step every node holds stays with the newer ones
+        assert _committed(tmp_path, node) in ([11, 12][-keep:], [11, 12]), _committed(tmp_path, node)
