@@ -21,12 +21,17 @@ from tiered_ckpt.errors import TieredCkptError  # noqa: E402
 def body(rank: int, world: int, spec: dict, out: dict) -> None:
     from tiered_ckpt_faults import write_control_file
 
+    from tiered_ckpt import node_commits
+
+    node_commits.REFRESH_S = 0.1  # the nodes learn each other's commits within a training step's pause
+
     node = os.environ["TIERED_CKPT_NODE"]
     control = os.path.join(spec["base"], f"{node}.control.json")
     cfg = {"run_id": spec["run_id"], "drain": {"mode": spec.get("mode", "thread"), "commit_timeout_s": 10},
            "tiers": [{"name": "local", "kind": "faulty", "control_file": control, "keep": spec["keep"],
                       "inner": {"kind": "local", "path": os.path.join(spec["base"], node, "local")}}]}
     with CheckpointEngine(cfg) as engine:
+        time.sleep(spec.get("settle_s", 0))  # a job's start-up: the nodes have told each other what they hold
         for step in spec.get("save", []):
             failing = step in spec.get("fail", {}).get(node, [])
             if failing:

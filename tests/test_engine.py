@@ -966,3 +966,21 @@ def test_save_and_prepare_on_a_closed_engine_are_refused_and_allocate_nothing(ti
         with pytest.raises(TieredCkptError, match="closed engine"):
             call()
     assert sorted(p.name for p in Path(shm_root).rglob("slot_*")) == before == []
+
+
+def test_load_into_hands_out_no_view_of_the_snapshot_for_what_has_no_target(tiers):
+    """A review: with into=, a numpy array (an RNG state) or a tensor without a counterpart in into stayed a view
+    of the slot, in the saving process its own writable buffer: writing into it damaged the snapshot."""
+    import numpy as np
+
+    with CheckpointEngine(config(tiers, "shm")) as engine:
+        state = {"w": torch.ones(8), "rng": np.arange(6, dtype=np.uint32), "extra": torch.zeros(4)}
+        engine.save(1, {"state": state}).wait(timeout=60)
+        for copy in (False, True):
+            target = {"state": {"w": torch.empty(8)}}
+            got = engine.load(copy=copy, into=target).items["state"]
+            got["rng"][:] = 7
+            got["extra"].add_(1)
+            again = engine.load(copy=True)
+            assert again.verified and again.items["state"]["rng"].tolist() == list(range(6))
+            assert again.items["state"]["extra"].tolist() == [0.0] * 4

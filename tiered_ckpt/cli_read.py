@@ -144,7 +144,10 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     try:
         m = store.read_manifest(step)
     except CorruptionError as exc:  # the newest step's manifest damaged: the others may be fine
-        older = [s for s in store.committed_steps() if s != step]
+        try:
+            older = [s for s in store.committed_steps() if s != step]
+        except (TierError, OSError):  # the damage found is what to report
+            older = []
         shown = ", ".join(map(str, older[-8:]))
         hint = f"; the other committed steps: {shown} (inspect one with --step N)" if older else ""
         raise CommandError(f"{exc}{hint}; `tiered-ckpt verify` checks the step's files", EXIT_FAILED) from None

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 
 from . import events as ev
 from .drain_protocol import DrainRequest, OnSlotReleased, OnTierDone
-from .errors import DrainClosedError
+from .errors import DrainClosedError, TierError
 from .parallel import RankCoords
 from .store import Store
 
@@ -109,9 +109,9 @@ class DrainRuntime:
             return set()
         try:
             return {s for s in files.committed_steps() if s >= floor}
-        except Exception as exc:  # noqa: BLE001 - retention's own listing fails the same way and says so
-            log.debug("tier %r: cannot list what the other nodes still need: %s", tier, exc)
-            return set()
+        except Exception as exc:  # fail closed: retention stops here and is tried again later
+            raise TierError(f"cannot list the steps the other nodes still need ({exc}): nothing is retired now",
+                            tier=tier) from exc
 
     def _needed_below(self, tier: str) -> set[int]:
         """Steps of a node-local tier that ranks of this node may still be copying to a shared tier below it.

@@ -174,12 +174,12 @@ class CheckpointEngine:
             finally:
                 self._detach()
             raise
-        # a job on several nodes: each node's retention of its node-local tiers learns what the others committed
-        self._node_commits = node_commits.start(
-            self.coordinator, {n: f for n, s in self.pipeline.durable_stores().items()
-                               if (f := s.files()) is not None}, self.coords)
         _live.add(self)
         try:
+            # a job on several nodes: each node's retention of its node-local tiers learns what the others hold
+            self._node_commits = node_commits.start(
+                self.coordinator, {n: f for n, s in self.pipeline.durable_stores().items()
+                                   if (f := s.files()) is not None}, self.coords)
             self._recover()
         except BaseException:  # a failed start-up exchange (another rank failed): let the lock and worker go
             self.close(timeout=0)
@@ -230,8 +230,6 @@ class CheckpointEngine:
             if handle is not None:
                 handle._resolve(tier, ok, error)
             self._drop_handles(step, SaveHandle.done)
-        if ok and self._node_commits is not None:  # on the node's committing rank: committed (node_commits.py)
-            self._node_commits.committed(tier, step)
 
     def _slot_released(self, tier: str, slot: int, step: int) -> None:
         if tier == self.pipeline.entry:
@@ -333,7 +331,8 @@ class CheckpointEngine:
             self._emit(ev.Event(ev.SNAPSHOT, step=step, rank=self.coords.rank, tier=self.pipeline.entry,
                                 seconds=blocking, nbytes=total, detail={"slot": slot, "due": list(due)}))
             self._drain.submit(DrainRequest(step=step, source=self.pipeline.entry, slot=slot, due=due,
-                                            created=handle.created, save_id=save_id, kept_from=self._kept_from()))
+                                            created=handle.created, save_id=save_id,
+                                            kept_from=self._kept_from(save_id)))
         except BaseException:
             # Not handed to the drain (its worker could not be started, an interrupt): nothing would ever release
             # the slot or report on the handle, and a later save would wait for the slot for ever. The snapshot
@@ -343,8 +342,13 @@ class CheckpointEngine:
             raise
         return handle
 
-    def _kept_from(self) -> dict[str, int]:
-        return self._node_commits.kept_from() if self._node_commits is not None else {}
+    def _kept_from(self, save_id: str | None) -> dict[str, int]:
+        """What retention of each node-local tier keeps for the other nodes (node_commits.py): for the save
+        ``save_id``; None (a snapshot an earlier process left): every step."""
+        commits = self._node_commits
+        if commits is None:
+            return {}
+        return commits.kept_from(save_id) if save_id else dict.fromkeys(commits.stores, node_commits.UNKNOWN)
 
     def _forget(self, handle: SaveHandle) -> None:
         with self._cond:
@@ -394,7 +398,7 @@ class CheckpointEngine:
                                 message="a snapshot left in memory by an earlier process is drained"))
             self._drain.submit(DrainRequest(step=meta.step, source=self.pipeline.entry, slot=meta.slot, due=due,
                                             created=meta.created, recover=True, save_id=meta.save_id,
-                                            kept_from=self._kept_from()))
+                                            kept_from=self._kept_from(None)))
 
     def _voters(self, store: Store) -> list[int]:
         """The ranks whose parts a commit of ``store`` needs, the committing one first: a shared tier's are the

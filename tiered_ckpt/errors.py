@@ -95,6 +95,11 @@ class BlobNotFoundError(TierError, KeyError):
         return Exception.__str__(self)
 
 
+class RangeError(TierError):
+    """A read of a range the blob does not hold: the blob is shorter than what points into it says (a file cut
+    short, or an index that is wrong): damage, not a failure to reach the tier."""
+
+
 class CapacityError(PermanentTierError):
     """A memory tier has no room for the requested allocation (checked before allocating, never a SIGBUS)."""
 

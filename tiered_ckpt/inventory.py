@@ -14,7 +14,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TextIO
 
-from .errors import BlobNotFoundError, ConfigError, CorruptionError, TieredCkptError, TierError
+from .errors import BlobNotFoundError, ConfigError, CorruptionError, RangeError, TieredCkptError, TierError
 from .housekeeping import files_age
 from .layouts.foreign import DCP_STATE, foreign_step_dirs
 
@@ -145,6 +145,8 @@ def file_steps(store: FileStore) -> list[StepInfo]:
                 out.append(StepInfo(store.name, step, "committed", m.total_bytes, now - m.created, len(m.files),
                                     sorted({f.rank for f in m.files} | voters)))
                 continue
+            except BlobNotFoundError:
+                continue  # removed since it was listed (a live job's retention)
             except Exception as exc:  # noqa: BLE001 - a store's own error too: that step's row says so
                 what = "unreadable manifest" if cannot_read(exc) else "corrupt manifest"
                 out.append(StepInfo(store.name, step, f"{what} ({exc})", 0, None, 0))
@@ -224,7 +226,7 @@ class VerifyReport:
 def cannot_read(exc: BaseException) -> bool:
     """Whether ``exc``, raised while reading a file, says it could not be read rather than that it is damaged or
     missing (a missing file of a committed step is damage)."""
-    if isinstance(exc, CorruptionError | BlobNotFoundError | FileNotFoundError):
+    if isinstance(exc, CorruptionError | BlobNotFoundError | RangeError | FileNotFoundError):
         return False
     return isinstance(exc, TierError | OSError) or not isinstance(exc, TieredCkptError)
 

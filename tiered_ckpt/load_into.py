@@ -26,6 +26,7 @@ import logging
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import numpy as np
 import torch
 import xxhash
 
@@ -102,6 +103,8 @@ def _pair(loaded: Any, into: Any, path: str, pairs: list, unmatched: Callable | 
             into = [_ABSENT] * len(loaded)
         return type(loaded)(_pair(v, t, f"{path}[{i}]", pairs, unmatched)
                             for i, (v, t) in enumerate(zip(loaded, into, strict=True)))
+    if unmatched is not None and isinstance(loaded, np.ndarray):  # a view of the snapshot too (an RNG state)
+        return loaded.copy()
     return loaded
 
 

@@ -528,7 +528,7 @@ class MemoryStore:
                 continue
             data, copy_item = src.data, cached
             check = verify and bool(it.checksum)
-            if copy and data.device.type == "cpu" and map_location is None:
+            if copy_item and data.device.type == "cpu" and map_location is None:
                 # One populated buffer, copied on every core and verified as it is copied; views into it after.
                 data = copy_out_verified(data, it.checksum) if check else copy_out(data)
                 if data is None:

@@ -4,16 +4,18 @@ on several nodes").
 A node-local tier (each node's own disk) commits each node's ranks on their own, and each node's retention counts
 ``keep`` among its own commits. A step that failed on one node's disk and committed on the others let their
 retention delete the step before it, the failing node's newest: no step was left on every node. So each node's
-committing rank publishes the steps its node committed on such a tier in the job's ``torch.distributed`` store
-(a key-value store every rank already reaches, no collective), and each node's retention keeps every step from
-the newest one that every node has committed (:meth:`NodeCommits.kept_from`). While a node has not told its
-commits (at start-up, for a moment) or no step is on every node, nothing there is retired.
+committing rank publishes, in the job's ``torch.distributed`` store (a key-value store every rank already
+reaches, no collective), the steps its node holds committed on such a tier with the save that made each (its
+save id: the job's incarnation and generation, docs/architecture.md "Save identity"). Global rank 0 works out,
+per tier, the newest step of the current save generation that every node holds (the *floor*) and publishes it;
+each node's retention keeps that step and every newer one. Where no step of the generation is on every node yet
+(the first step of a job, or after it went back to an older step), nothing is retired there.
 
-Only the ranks that commit a node-local tier for their node take part (one per node; retention runs there). Global
-rank 0 reads every node's commits and publishes the floor of each tier; the others read that one key, so the
-store answers a few requests per node and second, whatever the job's size. The floors travel with each drain
-request (a drain worker process has no store of its own); one a little stale is lower, never higher: it only
-keeps more.
+Only the ranks that commit a node-local tier for their node take part (one per node; retention runs there): the
+store answers a few requests per node and second. What is published comes from listing the tier (a step
+un-committed to be saved again leaves the list), never from memory of what was committed. The floor travels with
+each drain request (a drain worker process has no store of its own) with the save id it belongs to: a floor of
+another generation than the save's counts as unknown, and one a little stale is lower, so it only keeps more.
 """
 
 from __future__ import annotations
@@ -25,27 +27,29 @@ from collections.abc import Iterable
 from typing import Any
 
 from .file_store import FileStore
+from .manifest import SAVE_KEY
 
 log = logging.getLogger(__name__)
 
-REFRESH_S = 1.0  # how often the other nodes' commits are read
-PUBLISHED = 64  # the newest committed steps a node publishes per tier (only the newest common one matters)
+REFRESH_S = 1.0  # how often each node lists its commits and reads the floor
+PUBLISHED = 16  # the newest committed steps a node publishes per tier (only the newest common one matters)
 UNKNOWN = -1  # a floor under every step: keep them all
+JOIN_S = 2.0  # how long close() waits for the background thread
 
 
 class NodeCommits:
     """One engine's view of what every node committed on each node-local tier, through the key-value store ``kv``
     (``set``/``get``/``check``, as torch.distributed's stores have them)."""
 
-    def __init__(self, kv: Any, prefix: str, node: str, nodes: Iterable[str], stores: dict[str, FileStore],
-                 publishes: Iterable[str], *, aggregates: bool):
+    def __init__(self, kv: Any, prefix: str, node: str, nodes: Iterable[str], stores: dict[str, FileStore], *,
+                 aggregates: bool):
         self.kv, self.prefix, self.node = kv, prefix, node
         self.nodes = sorted(set(nodes))
-        self.stores = stores
-        self.publishes = set(publishes)  # the tiers this rank commits for its node
+        self.stores = stores  # the node-local tiers this rank commits for its node
         self.aggregates = aggregates  # global rank 0: works out the floors for every node
-        self._mine: dict[str, set[int]] = {t: set() for t in self.publishes}
-        self._floors: dict[str, int] = {t: UNKNOWN for t in self.publishes}
+        self._published: dict[str, str] = {}
+        self._floors: dict[str, tuple[str, int]] = {}  # tier -> (save id, newest step every node holds)
+        self._current = ""  # the save id of this engine's newest save
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="tiered_ckpt-node-commits", daemon=True)
@@ -54,88 +58,93 @@ class NodeCommits:
     def _key(self, tier: str, node: str) -> str:
         return f"{self.prefix}/{tier}/{node}"
 
-    def committed(self, tier: str, step: int) -> None:
-        """This node committed ``step`` on ``tier`` (on its committing rank): tell the other nodes."""
-        if tier not in self.publishes:
-            return
+    def kept_from(self, save_id: str) -> dict[str, int]:
+        """Per node-local tier, for a save ``save_id``: the newest step of that save's generation every node
+        holds (retention keeps it and every newer one), or UNKNOWN."""
         with self._lock:
-            self._mine[tier].add(step)
-            steps = sorted(self._mine[tier])[-PUBLISHED:]
-        self._publish(tier, steps)
-
-    def kept_from(self) -> dict[str, int]:
-        """Per node-local tier: the newest step every node has committed (retention keeps it and every newer
-        one), or UNKNOWN."""
-        with self._lock:
-            return dict(self._floors)
+            self._current = save_id  # the job's current save generation (rank 0 works out the floors for it)
+            floors = dict(self._floors)
+        return {t: floors[t][1] if t in floors and floors[t][0] == save_id else UNKNOWN for t in self.stores}
 
     def close(self) -> None:
         self._stop.set()
+        if self._thread is not threading.current_thread():
+            self._thread.join(JOIN_S)  # it may be in a store call: never past a moment
 
     # ----- in the background -------------------------------------------------------------------------------
-    def _publish(self, tier: str, steps: list[int]) -> None:
-        try:
-            self.kv.set(self._key(tier, self.node), json.dumps(steps))
-        except Exception as exc:  # noqa: BLE001 - the other nodes then keep more, never less
-            log.warning("tier %r: could not tell the other nodes which steps this node committed: %s", tier, exc)
-
     def _run(self) -> None:
-        for tier in self.publishes:  # what this node holds already (a restart): before any floor is worked out
-            try:
-                found = self.stores[tier].committed_steps()
-            except Exception as exc:  # noqa: BLE001 - its commits are told as they come
-                log.warning("tier %r: could not list its committed steps for the other nodes: %s", tier, exc)
-                found = []
-            with self._lock:
-                self._mine[tier].update(found)
-                steps = sorted(self._mine[tier])[-PUBLISHED:]
-            self._publish(tier, steps)
         while True:
-            for tier in self.publishes:
+            for tier, files in self.stores.items():
+                self._publish(tier, files)
                 floor = self._common_floor(tier) if self.aggregates else self._read_floor(tier)
-                if self.aggregates and floor != UNKNOWN:
-                    self._set_floor(tier, floor)
+                if self.aggregates and floor is not None:
+                    self._set(self._key(tier, "@floor"), json.dumps(floor))
                 with self._lock:
-                    self._floors[tier] = floor
+                    if floor is None:
+                        self._floors.pop(tier, None)
+                    else:
+                        self._floors[tier] = floor
             if self._stop.wait(REFRESH_S):
                 return
 
-    def _set_floor(self, tier: str, floor: int) -> None:
+    def _publish(self, tier: str, files: FileStore) -> None:
+        """This node's committed steps of ``tier`` with their save ids, newest last, when they changed."""
         try:
-            self.kv.set(self._key(tier, "@floor"), str(floor))
-        except Exception as exc:  # noqa: BLE001 - the nodes keep their older floor: more, never less
-            log.debug("tier %r: could not publish the floor: %s", tier, exc)
+            held = []
+            for step in files.committed_steps()[-PUBLISHED:]:
+                manifest = files.read_manifest(step)
+                held.append([step, manifest.extra.get(SAVE_KEY, "")])
+        except Exception as exc:  # noqa: BLE001 - published as before: the floor keeps more, never less
+            log.debug("tier %r: could not list this node's commits for the other nodes: %s", tier, exc)
+            return
+        text = json.dumps(held)
+        if self._published.get(tier) != text and self._set(self._key(tier, self.node), text):
+            self._published[tier] = text
 
-    def _read_floor(self, tier: str) -> int:
-        key = self._key(tier, "@floor")
+    def _set(self, key: str, value: str) -> bool:
         try:
-            return int(self.kv.get(key)) if self.kv.check([key]) else UNKNOWN
+            self.kv.set(key, value)
+            return True
+        except Exception as exc:  # noqa: BLE001 - the other nodes keep more, never less
+            log.debug("could not publish %s: %s", key, exc)
+            return False
+
+    def _get(self, key: str) -> Any:
+        """The JSON value of ``key``, None when it is not there (``get`` would wait for it) or unreadable."""
+        try:
+            return json.loads(self.kv.get(key)) if self.kv.check([key]) else None
         except Exception as exc:  # noqa: BLE001 - cannot tell: keep everything until it can
-            log.debug("tier %r: the floor could not be read: %s", tier, exc)
-            return UNKNOWN
+            log.debug("could not read %s: %s", key, exc)
+            return None
 
-    def _common_floor(self, tier: str) -> int:
-        common: set[int] | None = None
+    def _read_floor(self, tier: str) -> tuple[str, int] | None:
+        found = self._get(self._key(tier, "@floor"))
+        return (str(found[0]), int(found[1])) if isinstance(found, list) and len(found) == 2 else None
+
+    def _common_floor(self, tier: str) -> tuple[str, int] | None:
+        """The newest (save id, step) of the current save generation that every node holds, or None."""
+        held: list[set[tuple[str, int]]] = []
         for node in self.nodes:
-            key = self._key(tier, node)
-            try:
-                if not self.kv.check([key]):
-                    return UNKNOWN  # a node that has not told its commits yet
-                steps = set(json.loads(self.kv.get(key)))
-            except Exception as exc:  # noqa: BLE001 - cannot tell: keep everything until it can
-                log.debug("tier %r: the commits of node %r could not be read: %s", tier, node, exc)
-                return UNKNOWN
-            common = steps if common is None else common & steps
-        return max(common) if common else UNKNOWN
+            found = self._get(self._key(tier, node))
+            if not isinstance(found, list):
+                return None  # a node that has not told its commits (yet)
+            held.append({(str(save), int(step)) for step, save in found})
+        with self._lock:
+            current = self._current  # every rank saves the same steps: rank 0's newest save is the job's
+        if not current:
+            return None
+        common = set.intersection(*[{p for p in pairs if p[0] == current} for pairs in held])
+        return max(common, key=lambda p: p[1]) if common else None
 
 
 def start(coordinator: Any, stores: dict[str, FileStore], coords: Any) -> NodeCommits | None:
     """The node commits of a job on several nodes with node-local file tiers that retire steps, through the
-    default ``torch.distributed`` store; None where there is nothing to coordinate (one node, no such tier, no
-    store)."""
+    default ``torch.distributed`` store; None where there is nothing to coordinate (one node, no such tier, not
+    this node's committing rank, no store)."""
     nodes = getattr(coordinator, "nodes", None) or []
     incarnation = getattr(coordinator, "incarnation", None)
-    local = {n: s for n, s in stores.items() if s.tier.capabilities.node_local and s.cfg.keep is not None}
+    local = {n: s for n, s in stores.items() if s.tier.capabilities.node_local and s.cfg.keep is not None
+             and s._commits_here(coords, coordinator.node_ranks)}
     if len(set(nodes)) < 2 or not local or not incarnation:
         return None
     try:
@@ -146,8 +155,5 @@ def start(coordinator: Any, stores: dict[str, FileStore], coords: Any) -> NodeCo
         log.warning("node-local tiers %s: no torch.distributed store to learn the other nodes' commits from (%s): "
                     "each node's retention counts only its own", ", ".join(map(repr, local)), exc)
         return None
-    publishes = [n for n, s in local.items() if s._commits_here(coords, coordinator.node_ranks)]
-    if not publishes:  # not this node's committing rank: its retention never runs
-        return None
-    return NodeCommits(kv, f"tiered_ckpt/{incarnation}/node_commits", coordinator.node, nodes, local, publishes,
+    return NodeCommits(kv, f"tiered_ckpt/{incarnation}/node_commits", coordinator.node, nodes, local,
                        aggregates=coords.rank == 0)

@@ -42,8 +42,32 @@ def test_a_step_one_node_failed_never_costs_the_step_every_node_holds(tmp_path, 
     assert [loaded[r]["step"] for r in (0, 1)] == [last_common] * 2, loaded
     assert loaded[0]["w"] == [float(last_common)] * 4
 
-    # once newer steps are on every node again (and the nodes learnt it: about a second), the older ones go
-    again = run_ranks(2, {**spec, "save": [10, 11, 12], "pause_s": 1.5}, node_of=NODES, worker=WORKER)
+    # once newer steps are on every node again (and the nodes learnt it), the older ones go
+    again = run_ranks(2, {**spec, "save": [10, 11, 12], "pause_s": 1.0}, node_of=NODES, worker=WORKER)
     assert not any("failed" in r for r in again.values()), again
     for node in NODES.values():  # keep, or one more: the newest step every node holds stays with the newer ones
         assert _committed(tmp_path, node) in ([11, 12][-keep:], [11, 12]), _committed(tmp_path, node)
+
+
+def test_a_step_saved_again_that_fails_on_one_node_never_costs_the_one_before(tmp_path):
+    """A review: the nodes published every step they had ever committed, by number. A restarted job saving again
+    the step it resumed at un-commits the old one on every node first; when the new save then failed on node B,
+    node A (holding the new save of the step, B's old one still listed) retired the step before it."""
+    spec = {"base": str(tmp_path), "run_id": f"nl{uuid.uuid4().hex[:6]}", "keep": 1, "mode": "thread"}
+    first = run_ranks(2, {**spec, "save": [1, 2, 3], "pause_s": 0.5}, node_of=NODES, worker=WORKER)
+    assert not any("failed" in r for r in first.values()), first
+    again = run_ranks(2, {**spec, "save": [3], "fail": {"B": [3]}, "settle_s": 1.0}, node_of=NODES, worker=WORKER)
+    assert again[1].get("failed") == [3], again
+    assert 2 in _committed(tmp_path, "A") and _committed(tmp_path, "B") == [2]
+    loaded = run_ranks(2, {**spec, "load": True}, node_of=NODES, worker=WORKER)
+    assert [loaded[r]["step"] for r in (0, 1)] == [2, 2], loaded
+
+
+def test_a_job_gone_back_to_older_step_numbers_keeps_the_step_every_node_holds(tmp_path):
+    """A review: after saves below the steps already there (a job that went back), the floor was the newest
+    old step every node held, above every step retention counts: it protected none of them."""
+    spec = {"base": str(tmp_path), "run_id": f"nl{uuid.uuid4().hex[:6]}", "keep": 1, "mode": "thread"}
+    out = run_ranks(2, {**spec, "save": [10, 11, 5, 6], "fail": {"B": [6]}, "pause_s": 0.5}, node_of=NODES,
+                    worker=WORKER)
+    assert out[1].get("failed") == [6], out
+    assert 5 in _committed(tmp_path, "A") and 5 in _committed(tmp_path, "B"), _committed(tmp_path, "A")

@@ -27,7 +27,6 @@ from __future__ import annotations
 import functools
 import logging
 import os
-import shutil
 import sys
 import time
 from collections.abc import Callable
@@ -135,8 +134,12 @@ def convert(
         return _convert(src, dst, to=to, dp=dp, step=step, progress=progress, trust_pickles=trust_pickles,
                         verify=verify)
     except BaseException:
-        if made is not None and os.path.isdir(made) and not any(files for _, _, files in os.walk(made)):
-            shutil.rmtree(made, ignore_errors=True)  # only directories: what it wrote is removed already
+        if made is not None:  # its empty directories only, deepest first: a file (another writer's) stops it
+            for here, _, _ in sorted(os.walk(made), key=lambda w: -w[0].count(os.sep)):
+                try:
+                    os.rmdir(here)
+                except OSError:
+                    pass
         raise
 
 

@@ -48,7 +48,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from ..errors import BlobNotFoundError, BlobTooLargeError, TierError
+from ..errors import BlobNotFoundError, BlobTooLargeError, RangeError, TierError
 
 Chunk = Any  # bytes, bytearray, memoryview, numpy array or a 1-D uint8 torch tensor (any device)
 
@@ -170,7 +170,7 @@ def check_prefix(prefix: str) -> str:
 def check_range(offset: int, length: int, size: int, *, tier: str | None, key: str) -> None:
     """The bounds every ``read_range`` checks: ``offset + length`` within a blob of ``size`` bytes."""
     if offset < 0 or length < 0 or offset + length > size:
-        raise TierError(f"range {offset}+{length} is outside the blob of {size} bytes", tier=tier, key=key)
+        raise RangeError(f"range {offset}+{length} is outside the blob of {size} bytes", tier=tier, key=key)
 
 def as_memoryview(chunk: Chunk) -> memoryview:
     """A flat byte view of a host chunk, without copying."""
