@@ -394,7 +394,7 @@ def test_a_close_that_waits_for_drains_says_what_for_and_how_long(shm_root, tmp_
     with caplog.at_level(logging.WARNING, logger="tiered_ckpt.engine"):
         engine.close(timeout=30)
     said = [r.getMessage() for r in caplog.records if "close() waits" in r.getMessage()]
-    assert len(said) == 1 and "step 7 to 'local'" in said[0] and "up to 30 s" in said[0], said
+    assert len(said) == 1 and "step 7 to 'local'" in said[0] and "close_timeout_s: 30 s" in said[0], said
     assert "stays in shared memory" in said[0] and cfg["run_id"] in said[0]
     caplog.clear()
     quick = CheckpointEngine(_config(shm_root, tmp_path))  # a close with nothing to wait for says nothing

@@ -958,7 +958,7 @@ class CheckpointEngine:
             after = (f"what is not drained stays in shared memory, and the next engine of run_id "
                      f"{self.config.run_id!r} drains it" if kept else
                      "those tiers do not get the step (it is in this process's memory only)")
-            log.warning("close() waits for the drain of %s (up to %.0f s, drain.close_timeout_s); interrupting it "
+            log.warning("close() waits for the drain of %s (drain.close_timeout_s: %.0f s); interrupting it "
                         "(Ctrl-C again) stops the wait: %s", what, timeout, after)
 
         timer = threading.Timer(CLOSE_NOTICE_S, say)
