@@ -499,7 +499,7 @@ def test_gc_aborts_the_multipart_upload_of_a_save_killed_mid_upload(remote, shm_
     out, err = capsys.readouterr()
     assert code == EXIT_UNREADABLE
     assert f"could not remove  unfinished upload  tier 'target': {STEP_KEY.format(2)}" in out
-    assert "s3:AbortMultipartUpload" in err and "(the rest was removed)" in err
+    assert "s3:AbortMultipartUpload" in err and "removed)" not in err  # nothing else was there to remove
     assert "could not read" not in err  # a removal refused is no failure to read (a user's trial: it said so)
     remote.proxy.clear()
     assert cli_main(["gc", remote.url, "--min-age", "0", "--delete"]) == 0

@@ -208,8 +208,9 @@ def _removed(args: argparse.Namespace, opened: Opened, name: str, store: Any, de
     if failed:
         what, _ = failed[0]
         more = f" (and {len(failed) - 1} more)" if len(failed) > 1 else ""
-        opened.unchanged[name] = (f"could not remove {what.what} {what.key}{more}: {errors[id(what)]} (the rest "
-                                  "was removed)")
+        rest = len(debris) - len(failed)
+        done = f" ({rest} other{'s' if rest > 1 else ''} removed)" if rest else ""
+        opened.unchanged[name] = f"could not remove {what.what} {what.key}{more}: {errors[id(what)]}{done}"
     return [{**d.to_dict(), **({"error": errors[id(d)]} if id(d) in errors else {})} for d in debris]
 
 
