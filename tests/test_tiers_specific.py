@@ -628,3 +628,18 @@ def test_a_local_tier_made_under_a_missing_directory_says_it_may_be_an_unmounted
         LocalTier("ssd", LocalOptions(path=str(tmp_path / "mnt" / "nvme" / "ckpt")))  # there now: nothing to say
         LocalTier("new", LocalOptions(path=str(tmp_path / "fresh")))  # only the directory itself is new: normal
         assert not caplog.records
+
+
+def test_an_fsspec_file_tier_made_under_a_missing_directory_says_so_at_its_first_write(tmp_path, caplog):
+    """The same for a file:// tier (a network file system mounted there, say), whose directory is made at its
+    first write: it was made, parents and all, without a word."""
+    import logging
+
+    from tiered_ckpt.tiers.fsspec_tier import FsspecOptions, FsspecTier
+
+    tier = FsspecTier("nfs", FsspecOptions(url=f"file://{tmp_path / 'mnt' / 'nfs' / 'ckpt'}"))
+    with caplog.at_level(logging.WARNING, logger="tiered_ckpt"):
+        tier.write_blob("a", [b"x"])
+        tier.write_blob("b", [b"y"])
+    said = [r.getMessage() for r in caplog.records]
+    assert len(said) == 1 and f"{tmp_path / 'mnt'} should be a mounted file system" in said[0], said

@@ -72,6 +72,7 @@ from .base import (
     file_in_path,
     not_a_directory,
 )
+from .local import first_missing_dir, said_if_parents_made
 
 log = logging.getLogger(__name__)
 
@@ -311,8 +312,10 @@ class FsspecTier(Tier):
     # ----- blob primitives ---------------------------------------------------------------------------------
     def write_blob(self, key: str, chunks: Iterable[Chunk]) -> int:
         if self.files is not None:
+            top = first_missing_dir(self.root)
             with self._errors(key, "create", self.root):  # made on the first write: reading never creates it
                 os.makedirs(self.root, exist_ok=True)
+            said_if_parents_made(self.name, self.root, top)
             return self.files.write(check_key(key), chunks)
         path = self._path(key)
         if self._rename:

@@ -66,6 +66,16 @@ def first_missing_dir(path: str) -> str | None:
     return missing
 
 
+def said_if_parents_made(name: str, root: str, top: str | None) -> None:
+    """A warning when making ``root`` made directories above it too (``top``: :func:`first_missing_dir` before):
+    a checkpoint directory under a mount point that is not mounted (a node's SSD, a network file system) is made
+    on the disk below it, and a resume there finds nothing: never without a word."""
+    if top is not None and top != root:
+        log.warning("tier %r: created %s and the directories above it from %s, which did not exist: if %s should "
+                    "be a mounted file system, it is not mounted, and checkpoints go to the disk below (where a "
+                    "restart finds none of the mounted one's)", name, root, top, top)
+
+
 class LocalTier(FilesHousekeeping, Tier):
     kind = "local"
     capabilities = Capabilities(memory=False, node_local=True, survives_process=True,
@@ -91,12 +101,7 @@ class LocalTier(FilesHousekeeping, Tier):
                                      tier=name) from exc
         if not os.path.isdir(self.root):
             raise PermanentTierError(f"{self.root} is not a directory", tier=name)
-        if top is not None and top != self.root:
-            # A checkpoint directory under a mount point that is not mounted (a node's SSD, a network file system)
-            # is made on the disk below it, and a resume there finds nothing: never without a word.
-            log.warning("tier %r: created %s and the directories above it from %s, which did not exist: if %s "
-                        "should be a mounted file system, it is not mounted, and checkpoints go to the disk below "
-                        "(where a restart finds none of the mounted one's)", name, self.root, top, top)
+        said_if_parents_made(name, self.root, top)
         direct = options.fsync if options.direct_io == "auto" else bool(options.direct_io)
         self.files = BlobFiles(name, self.root, file_mode=0o644, dir_mode=0o755, fsync=options.fsync,
                                direct_io=direct)
