@@ -420,3 +420,24 @@ def test_a_damaged_manifest_is_warned_of_once_per_load(shm_root, tmp_path, caplo
             engine.load()
     said = [r.getMessage() for r in caplog.records if "lists step 2 as committed" in r.getMessage()]
     assert len(said) == 1, said
+
+
+def test_a_resume_from_memory_only_with_empty_file_tiers_says_it_is_one(shm_root, tmp_path, caplog):
+    """A Megatron user's trial: the checkpoint directory emptied to start over, the job launched again with the
+    same run_id resumed from its shared-memory snapshot without a word (Megatron starts at iteration 0 there)."""
+    import logging
+
+    cfg = _config(shm_root, tmp_path)
+    with CheckpointEngine(cfg) as engine:
+        engine.save(8, make_items(8)).wait(timeout=60)
+    shutil.rmtree(tmp_path / "local")
+    with CheckpointEngine(cfg) as engine, caplog.at_level(logging.WARNING, logger="tiered_ckpt"):
+        loaded = engine.load()
+        assert (loaded.step, loaded.tier) == (8, "shm")
+    said = [r.getMessage() for r in caplog.records if "was only in memory" in r.getMessage()]
+    assert said and "does not start over" in said[0] and cfg["run_id"] in said[0], said
+    caplog.clear()
+    with CheckpointEngine(cfg) as engine, caplog.at_level(logging.WARNING, logger="tiered_ckpt"):
+        engine.save(9, make_items(9)).wait(timeout=60)
+        assert engine.load().step == 9  # the file tier holds a step again: nothing to say
+    assert not [r for r in caplog.records if "was only in memory" in r.getMessage()]

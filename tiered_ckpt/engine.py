@@ -157,6 +157,7 @@ class CheckpointEngine:
         self._plan_memos: dict[str, PlanMemo] = {}  # what planning each item at the next save may reuse
         self._cond = threading.Condition()
         self.recovered: list[SaveHandle] = []
+        self._only_in_memory: set[int] = set()  # steps found in memory at start while every file tier was empty
         self._commit_threads: list[threading.Thread] = []  # commits of what other ranks recovered (_recover)
         # whether some rank recovered at start-up a step another rank no longer holds in memory (alike on every
         # rank: the start-up exchange says): only then does load() wait for the recovery, with one barrier (one
@@ -510,6 +511,9 @@ class CheckpointEngine:
             log.warning("tier %r cannot be listed, so the snapshots in memory are not recovered to it now: %s",
                         name, why)
             self._emit(ev.Event(ev.TIER_UNREACHABLE, rank=self.coords.rank, tier=name, message=why))
+        if durable and len(durable) == len(self.pipeline.durable_stores()) and not any(committed.values()):
+            # every file tier answered, and holds nothing: a load of these steps resumes from memory alone
+            self._only_in_memory = {m.step for m in metas}
         other_layout: list[str] = []
         found: list[tuple[SlotMeta, tuple[str, ...]]] = []
         for meta in metas:
@@ -685,6 +689,15 @@ class CheckpointEngine:
                     log.warning("load: step %d is the newest step every rank holds; newer steps are held by some "
                                 "ranks only (%s): their other ranks' parts are missing on every tier",
                                 result.step, held)
+                if self.coords.rank == 0 and result.step in self._only_in_memory:
+                    # A job launched again after its checkpoint directory was emptied (to start over) resumes
+                    # from what its previous process left in memory (drained back there at start-up): a resume,
+                    # never a silent one.
+                    log.warning("load: step %d was only in memory when this process started (tier %r, run_id %r): "
+                                "the file tiers held no step. This resumes the run, it does not start over. To "
+                                "start over, remove the "
+                                "run's snapshots first (`tiered-ckpt gc --config ... --stale --delete --force`) or "
+                                "give the job a new run_id", result.step, result.tier, self.config.run_id)
                 if unreachable:
                     log.warning("load: step %d from tier %r without seeing tier(s) %s: a newer step may be there",
                                 result.step, result.tier, ", ".join(repr(t) for t in unreachable))

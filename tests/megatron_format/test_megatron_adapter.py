@@ -255,6 +255,26 @@ def test_signatures_are_megatrons(func, megatron) -> None:
                if p.kind is inspect.Parameter.KEYWORD_ONLY)  # ours come after, all optional
 
 
+def test_the_drop_in_called_before_torch_distributed_is_initialised_refuses(tmp_path: Path, shm_root: str,
+                                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """A Megatron user's trial: load_checkpoint called once before init_process_group (WORLD_SIZE=2) built the
+    drop-in's engine without the process group and kept it: the ranks resumed at different steps, and each
+    committed steps alone. The drop-in refuses instead, and builds nothing."""
+    import yaml
+
+    job = SyntheticJob(ModelSpec(num_layers=2), tp=1, pp=1, dp=1, seed=9)
+    rank = fake_rank(job, 0)
+    cfg = _config(f"t{uuid.uuid4().hex[:8]}", shm_root, tmp_path / "shared", "shm", "shared")
+    (tmp_path / "tiers.yaml").write_text(yaml.safe_dump(cfg))
+    monkeypatch.setenv(adapter.CONFIG_ENV, str(tmp_path / "tiers.yaml"))
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setattr(adapter, "_default_engine", None)
+    with pytest.raises(ConfigError, match=r"before torch.distributed.init_process_group \(WORLD_SIZE=2\)"):
+        adapter.load_checkpoint(rank.model, rank.optimizer, rank.scheduler, checkpointing_context={},
+                                args=rank.args, rng_tracker=rank.rng_tracker)
+    assert adapter._default_engine is None
+
+
 def test_training_py_calls_work_verbatim(tmp_path: Path, shm_root: str, monkeypatch: pytest.MonkeyPatch,
                                         caplog: pytest.LogCaptureFixture) -> None:
     """The calls Megatron's training.py makes (save_checkpoint_and_time, the resume in setup_model_and_optimizer),

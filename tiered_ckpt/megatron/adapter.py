@@ -118,6 +118,14 @@ def engine_for(engine: Any, checkpointing_context: Any, args: Any) -> Any:
             if not path:
                 raise ConfigError(f"no engine: pass engine=..., or set {CONFIG_ENV} to a tiers.yaml (the drop-in "
                                   "builds its engine from it)")
+            world = int(os.environ.get("WORLD_SIZE", "1") or 1)
+            if world > 1 and not torch.distributed.is_initialized():
+                # The engine would be built (and kept for the process) without the job's process group: each rank
+                # would load, and commit, on its own (a user's trial: ranks resumed at different steps).
+                raise ConfigError(f"the drop-in was called before torch.distributed.init_process_group "
+                                  f"(WORLD_SIZE={world}): the ranks could not agree on a step to load or commit a "
+                                  "step together; call it after Megatron's initialize_megatron (or your own "
+                                  "init_process_group)")
             from ..engine import CheckpointEngine
 
             _default_engine = CheckpointEngine(path, layout_from_args(args))
