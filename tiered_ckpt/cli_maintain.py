@@ -20,6 +20,7 @@ from .cli_common import (
     Opened,
     _built_stores,
     _emit,
+    _is_url,
     _open,
     _print_json,
     _print_table,
@@ -259,8 +260,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
     from . import machine_bench as mb
 
     nbytes = args.size_mib << 20
-    local = args.target[len("file://"):] if args.target and args.target.startswith("file://") else args.target
-    if local and "://" not in local and not os.path.isdir(local):  # a typo would be created, measured, left
+    if args.target and not _is_url(args.target) and not os.path.isdir(args.target.removeprefix("file://")):
+        # a typo would be created, measured, left
         raise CommandError(f"{args.target}: no such directory (bench writes its test files into an existing one; "
                            "create it first)", EXIT_NOT_FOUND)
     rows = [mb.copy_prefaulted(nbytes)]

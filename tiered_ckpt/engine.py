@@ -49,6 +49,7 @@ from .pipeline import STAGING, Pipeline, build_pipeline
 from .plugins import PluginManager, get_plugin_manager
 from .snapshot_record import SlotMeta, snapshot_layout_changes, undrained_tiers
 from .store import Store
+from .tiers.base import check_key
 from .worker import open_drain
 
 log = logging.getLogger(__name__)
@@ -695,9 +696,9 @@ class CheckpointEngine:
                     # never a silent one.
                     log.warning("load: step %d was only in memory when this process started (tier %r, run_id %r): "
                                 "the file tiers held no step. This resumes the run, it does not start over. To "
-                                "start over, remove the "
-                                "run's snapshots first (`tiered-ckpt gc --config ... --stale --delete --force`) or "
-                                "give the job a new run_id", result.step, result.tier, self.config.run_id)
+                                "start over, remove the run's snapshots first (`tiered-ckpt gc --config ... --stale "
+                                "--delete --force`) or give the job a new run_id", result.step, result.tier,
+                                self.config.run_id)
                 if unreachable:
                     log.warning("load: step %d from tier %r without seeing tier(s) %s: a newer step may be there",
                                 result.step, result.tier, ", ".join(repr(t) for t in unreachable))
@@ -1093,11 +1094,11 @@ def check_item_name(name: str) -> None:
     """ValueError at ``save()`` for an item name no tier could store as a file name (an item name becomes one:
     ``rank_00000/<name>.flat``), instead of a failure of each tier's write in the background."""
     where = f"item name {name[:60]!r}{'...' if len(name) > 60 else ''}"
-    if "\\" in name or "\x00" in name or name.startswith("/"):
-        raise ValueError(f"{where}: backslashes, NUL and a leading '/' cannot be in a file name; rename the item")
+    try:
+        check_key(name)  # what every tier refuses in a key: a leading '/', backslashes, NUL, empty/./.. parts
+    except ValueError as exc:
+        raise ValueError(f"{where}: cannot be a file name ({exc}); rename the item") from None
     for part in name.split("/"):
-        if part in ("", ".", ".."):
-            raise ValueError(f"{where}: empty, '.' and '..' parts between '/' cannot be file names; rename the item")
         if len(part.encode("utf-8", "surrogatepass")) > MAX_ITEM_NAME_BYTES:
             raise ValueError(f"{where}: longer than {MAX_ITEM_NAME_BYTES} bytes, too long for a file name; "
                              "use a shorter name")

@@ -23,9 +23,9 @@ from __future__ import annotations
 import json
 import logging
 import threading
-from collections.abc import Iterable
 from typing import Any
 
+from .distributed import Coordinator
 from .file_store import FileStore
 from .manifest import SAVE_KEY
 
@@ -41,10 +41,10 @@ class NodeCommits:
     """One engine's view of what every node committed on each node-local tier, through the key-value store ``kv``
     (``set``/``get``/``check``, as torch.distributed's stores have them)."""
 
-    def __init__(self, kv: Any, prefix: str, node: str, nodes: Iterable[str], stores: dict[str, FileStore], *,
+    def __init__(self, kv: Any, prefix: str, node: str, nodes: list[str], stores: dict[str, FileStore], *,
                  aggregates: bool):
         self.kv, self.prefix, self.node = kv, prefix, node
-        self.nodes = sorted(set(nodes))
+        self.nodes = nodes  # every node of the job, once each (Coordinator.nodes)
         self.stores = stores  # the node-local tiers this rank commits for its node
         self.aggregates = aggregates  # global rank 0: works out the floors for every node
         self._published: dict[str, str] = {}
@@ -137,15 +137,13 @@ class NodeCommits:
         return max(common, key=lambda p: p[1]) if common else None
 
 
-def start(coordinator: Any, stores: dict[str, FileStore], coords: Any) -> NodeCommits | None:
+def start(coordinator: Coordinator, stores: dict[str, FileStore], coords: Any) -> NodeCommits | None:
     """The node commits of a job on several nodes with node-local file tiers that retire steps, through the
     default ``torch.distributed`` store; None where there is nothing to coordinate (one node, no such tier, not
     this node's committing rank, no store)."""
-    nodes = getattr(coordinator, "nodes", None) or []
-    incarnation = getattr(coordinator, "incarnation", None)
     local = {n: s for n, s in stores.items() if s.tier.capabilities.node_local and s.cfg.keep is not None
              and s._commits_here(coords, coordinator.node_ranks)}
-    if len(set(nodes)) < 2 or not local or not incarnation:
+    if len(coordinator.nodes) < 2 or not local or not coordinator.incarnation:
         return None
     try:
         import torch.distributed as dist
@@ -155,5 +153,5 @@ def start(coordinator: Any, stores: dict[str, FileStore], coords: Any) -> NodeCo
         log.warning("node-local tiers %s: no torch.distributed store to learn the other nodes' commits from (%s): "
                     "each node's retention counts only its own", ", ".join(map(repr, local)), exc)
         return None
-    return NodeCommits(kv, f"tiered_ckpt/{incarnation}/node_commits", coordinator.node, nodes, local,
-                       aggregates=coords.rank == 0)
+    return NodeCommits(kv, f"tiered_ckpt/{coordinator.incarnation}/node_commits", coordinator.node,
+                       coordinator.nodes, local, aggregates=coords.rank == 0)

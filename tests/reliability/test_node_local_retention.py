@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from test_multirank import run_ranks  # noqa: E402
+from test_multirank import committed, run_ranks  # noqa: E402
 
 pytestmark = pytest.mark.slow
 WORKER = Path(__file__).resolve().parents[1] / "node_retention_worker.py"
@@ -22,8 +22,7 @@ NODES = {0: "A", 1: "B"}
 
 
 def _committed(base: Path, node: str) -> list[int]:
-    manifests = (base / node / "local").glob("iter_*/tiered_ckpt/manifest.json")
-    return sorted(int(p.parent.parent.name[5:]) for p in manifests)
+    return committed(base / node / "local")
 
 
 @pytest.mark.parametrize(("keep", "fail", "mode"), [

@@ -48,8 +48,7 @@ from ..manifest import FileEntry
 from ..parallel import ParallelLayout
 from ..pipeline import make_store
 from ..plugins import get_plugin_manager
-from ..tiers.base import Tier
-from ..tiers.local import first_missing_dir
+from ..tiers.base import Tier, first_missing_dir
 from . import legacy, loadable, rank_shard, tier_io
 from .merge import plan_dirs, write_megatron_file
 from .naming import DISTRIB_OPTIM_FILENAME, MODEL_FILENAME, RELEASE, MegatronTopology
@@ -84,6 +83,17 @@ class ConvertReport:
         return asdict(self)
 
 
+def _local_path(target: str | os.PathLike[str] | Tier) -> str | None:
+    """The directory a target names on this machine (a path, or a ``file://`` URL); None for a Tier or another
+    URL."""
+    if isinstance(target, Tier):
+        return None
+    text = os.fspath(target)
+    if "://" in text and not text.startswith("file://"):
+        return None
+    return os.path.abspath(os.path.expanduser(text.removeprefix("file://")))
+
+
 def open_store(target: str | os.PathLike[str] | Tier, layout: str, name: str) -> FileStore:
     """A FileStore for a directory, a ``file://`` or other fsspec URL, or an existing tier."""
     pm = get_plugin_manager()
@@ -93,11 +103,9 @@ def open_store(target: str | os.PathLike[str] | Tier, layout: str, name: str) ->
         codecs = {n: c() for n, c, _ in pm.registries.codecs.items()}
         return FileStore(target, TierConfig(name=target.name, kind=target.kind), pm.registries.layouts.get(layout)(),
                          codecs, lambda e: None)
-    text = os.fspath(target)
-    if "://" in text and not text.startswith("file://"):
-        raw = {"name": name, "kind": "fsspec", "url": text}
-    else:
-        raw = {"name": name, "kind": "local", "path": os.path.abspath(os.path.expanduser(text.removeprefix("file://")))}
+    path = _local_path(target)
+    raw = {"name": name, "kind": "fsspec", "url": os.fspath(target)} if path is None else \
+        {"name": name, "kind": "local", "path": path}
     config = load_config({"layout": layout, "tiers": [raw]}, registries=pm.registries)
     files = make_store(pm, config, config.tiers[0], ParallelLayout().coords(0), 0, lambda e: None).files()
     assert files is not None, "a local or fsspec tier holds files"
@@ -122,9 +130,9 @@ def convert(
     this step yet. ``progress``: a tqdm bar on stderr when it is a terminal. A convert that fails leaves no
     directory it created behind.
     """
+    path = _local_path(dst)
     made = None
-    if not isinstance(dst, Tier) and ("://" not in os.fspath(dst) or os.fspath(dst).startswith("file://")):
-        path = os.path.abspath(os.path.expanduser(os.fspath(dst).removeprefix("file://")))
+    if path is not None:
         made = first_missing_dir(path)
         try:  # made here, wanted: the tier would take missing parents for a mount point that is not mounted
             os.makedirs(path, exist_ok=True)

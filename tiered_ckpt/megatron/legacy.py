@@ -62,6 +62,11 @@ def read_tracker(tier: Tier) -> Iteration | None:
     return parse_tracker(bytes(as_memoryview(data)[:4096]), source=tier_io.where(tier, TRACKER_FILENAME))
 
 
+def _step_dirs(tier: Tier) -> list[int]:
+    """The iterations of the ``iter_*`` directories on ``tier``, oldest first."""
+    return sorted({it for k in tier.list("iter_") if (it := parse_iteration_dir(k.split("/", 1)[0])) is not None})
+
+
 def _manifest_key(step_dir: str) -> str:
     return f"{step_dir}/{META_DIR}/manifest.json"
 
@@ -78,8 +83,7 @@ def detect(tier: Tier, *, step: Iteration | None = None, trust_pickles: bool = F
         notes.append(f"the tracker is unreadable and was ignored: {exc}")
     iteration = step if step is not None else tracker
     if iteration is None:
-        steps = sorted({it for k in tier.list("iter_") if (it := parse_iteration_dir(k.split("/", 1)[0]))
-                        is not None})
+        steps = _step_dirs(tier)
         committed = [s for s in steps if tier.exists(_manifest_key(iteration_dir_name(s)))]
         if not committed:
             if not steps and is_step_directory(tier.list("")):
@@ -94,8 +98,7 @@ def detect(tier: Tier, *, step: Iteration | None = None, trust_pickles: bool = F
     where = tier_io.where(tier, step_dir)
     if not keys:
         named = f"the tracker names iteration {iteration}" if step is None else f"step {iteration} was asked for"
-        there = sorted({it for k in tier.list("iter_") if (it := parse_iteration_dir(k.split("/", 1)[0]))
-                        is not None})
+        there = _step_dirs(tier)
         shown = ", ".join(map(str, there[-10:])) if there else "none"
         raise NoCheckpointError(f"{where}: {named}, but this step directory is missing or empty (step directories "
                                 f"there: {shown})")

@@ -34,6 +34,7 @@ from ..fast_crc import crc32  # ISA-L: on a 2 GiB file zlib's CRC-32 is most of 
 from ..pickle_by_name import StandInDetector
 from ..tiers.base import IO_BLOCK, as_memoryview
 from .loadable import explain, refused_globals
+from .naming import DISTRIB_OPTIM_FILENAME, MODEL_FILENAME
 from .torch_records import DICTS, ZIP64_MARKER, itemsize, same_dict
 
 ALIGNMENT = 64
@@ -358,11 +359,11 @@ def _check_megatron_loadable(pkl: bytes, archive: str) -> None:
     if not refused:
         return
     fix = ": keep such objects out of the checkpoint, or turn them into plain values (str, int, dict) before saving"
-    if f"{archive}.pt" in (MEGATRON_FILES := ("model_optim_rng.pt", "distrib_optim.pt")):
+    if f"{archive}.pt" in (MODEL_FILENAME, DISTRIB_OPTIM_FILENAME):
         raise EncodeError(explain(f"{archive}.pt", refused) + fix)
     # Another item in torch format: loaded with the same allow-list (tiered_ckpt never unpickles code)
     raise EncodeError(f"item {archive!r} (codec torch): {', '.join(refused)} would not load back: torch files are "
-                      f"read with torch's weights-only loader and Megatron-LM's safe globals (as {MEGATRON_FILES[0]} "
+                      f"read with torch's weights-only loader and Megatron-LM's safe globals (as {MODEL_FILENAME} "
                       f"is){fix}, or save the item with the default codec (flat), which keeps them")
 
 

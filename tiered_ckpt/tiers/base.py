@@ -128,15 +128,26 @@ class NoOptions:
     """For kinds that take no options of their own."""
 
 
+def first_missing_dir(path: str) -> str | None:
+    """The outermost directory of ``path`` (absolute) that does not exist (``path`` itself when only it is
+    missing), or None when ``path`` exists."""
+    missing = None
+    here = path
+    while not os.path.lexists(here):
+        missing, parent = here, os.path.dirname(here)
+        if parent == here:
+            break
+        here = parent
+    return missing
+
+
 def file_in_path(path: str) -> str | None:
     """The file that stands where ``path`` (absolute) or one of its parents must be a directory, or None: a tier
     told to use ``/data/ckpt`` where ``/data`` is a file fails at its configuration's key, not in a drain."""
-    here = path
-    while not os.path.lexists(here):
-        parent = os.path.dirname(here)
-        if parent == here:
-            return None
-        here = parent
+    missing = first_missing_dir(path)
+    here = path if missing is None else os.path.dirname(missing)
+    if here == missing:  # nothing of it exists, not even its root
+        return None
     return None if os.path.isdir(here) else here
 
 

@@ -70,9 +70,10 @@ from .base import (
     check_prefix,
     check_range,
     file_in_path,
+    first_missing_dir,
     not_a_directory,
 )
-from .local import first_missing_dir, said_if_parents_made
+from .local import said_if_parents_made
 
 log = logging.getLogger(__name__)
 

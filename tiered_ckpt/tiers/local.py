@@ -26,7 +26,16 @@ import torch
 from ..errors import ConfigError, PermanentTierError
 from ._files import BlobFiles, FilesHousekeeping
 from ._positional import PositionalFiles
-from .base import Capabilities, Chunk, Tier, TierContext, check_key, file_in_path, not_a_directory
+from .base import (
+    Capabilities,
+    Chunk,
+    Tier,
+    TierContext,
+    check_key,
+    file_in_path,
+    first_missing_dir,
+    not_a_directory,
+)
 
 log = logging.getLogger(__name__)
 
@@ -52,18 +61,6 @@ class LocalOptions:
     def __post_init__(self) -> None:
         if not self.path:
             raise ValueError("path: expected a directory, got an empty string")
-
-
-def first_missing_dir(path: str) -> str | None:
-    """The outermost directory of ``path`` that does not exist (``path`` itself when only it is missing), or None."""
-    missing = None
-    here = path
-    while not os.path.lexists(here):
-        missing, parent = here, os.path.dirname(here)
-        if parent == here:
-            break
-        here = parent
-    return missing
 
 
 def said_if_parents_made(name: str, root: str, top: str | None) -> None:
