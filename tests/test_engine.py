@@ -17,7 +17,7 @@ import torch
 from helpers import assert_same, make_items
 
 from tiered_ckpt import CheckpointEngine, CheckpointUnreadableError, NoCheckpointError, SaveError, StepNotFoundError
-from tiered_ckpt.errors import TierError
+from tiered_ckpt.errors import CorruptionError, TierError
 from tiered_ckpt.memory_store import MemoryStore, plan_items
 from tiered_ckpt.parallel import RankCoords
 
@@ -145,6 +145,25 @@ def test_a_step_saved_again_takes_a_free_slot_before_the_one_its_drain_still_rea
     store.release_slot(0)
     assert store.acquire_slot(10, wait=False, pinned=lambda s: s in (10, 20)) == 1  # a step never waits for itself
     store.close()  # its checksums, taken in the background, are written before the directory goes
+
+
+def test_a_slot_record_read_again_is_what_its_bytes_say_now_and_each_reader_gets_its_own(make_tier):
+    """Records are parsed once per content (a load lists the slots, then reads them): a record rewritten in place
+    is read afresh, a damaged one is refused, and a caller changing the record it got changes no other's."""
+    store = MemoryStore(make_tier("shm", pin=False), 0, 1)
+    for step in (3, 4):
+        placed, total = plan_items({"m": {"w": torch.full((4,), float(step))}})
+        store.write_snapshot(step, 0, placed, total, coords=RankCoords(0), layout="rank_sharded", run_id="r",
+                             persistent=True)
+        first = store.read_meta(0)
+        assert first.step == step
+        first.items[0].checksum, first.coords["dp"] = "xx", 99
+        again = store.read_meta(0)
+        assert again.step == step and again.items[0].checksum != "xx" and again.coords.get("dp") != 99
+    store.tier.write_blob(store.meta_key(0), [b"{\"not\": \"a record\"}"])
+    with pytest.raises(CorruptionError):
+        store.read_meta(0)
+    store.close()
 
 
 def test_memory_rows_are_one_per_step_with_the_ranks_that_hold_it(make_tier):

@@ -120,8 +120,8 @@ def test_views_of_one_flat_buffer_are_copied_as_one_span_and_exactly(monkeypatch
     flat_params = torch.arange(64 * 40, dtype=torch.float32)
     state = {f"p{i}": flat_params[i * 64:(i + 1) * 64] for i in range(40)}  # 256 B each: no alignment gaps
     moved: list = []
-    real = memcopy._move
-    monkeypatch.setattr(memcopy, "_move", lambda share: (moved.append(list(share)), real(share)))
+    real = memcopy.move_all
+    monkeypatch.setattr(memcopy, "move_all", lambda share: (moved.append(list(share)), real(share)))
     plan = plan_snapshot(state)
     dest = torch.zeros(plan.total_bytes, dtype=torch.uint8)
     copy_into(plan, dest)
@@ -381,6 +381,71 @@ def test_the_streaming_copy_refuses_a_negative_count_a_null_or_an_impossible_add
         with pytest.raises(OverflowError):
             _streamcopy.copy(bad, buf.data_ptr(), 8)
     _streamcopy.copy(0, 0, 0)  # nothing to move: no address is touched
+
+
+@pytest.mark.parametrize("streaming", [True, False], ids=["streaming", "memmove"])
+def test_move_all_copies_every_span_exactly_and_nothing_else(monkeypatch, streaming):
+    """Many spans in one call of the C helper: small ones (memcpy), ones above STREAM_MIN (streamed), any
+    alignment, an empty one, and an overlapping one (memmove's result)."""
+    if streaming and not memcopy.STREAMING:
+        pytest.skip("the C helper is not built here")
+    monkeypatch.setattr(memcopy, "STREAMING", streaming)
+    monkeypatch.setattr(memcopy, "STREAM_MIN", 4096)
+    gen = torch.Generator().manual_seed(1)
+    src = torch.randint(0, 256, (1 << 20,), dtype=torch.uint8, generator=gen)
+    dst = torch.full((1 << 20,), 0xA5, dtype=torch.uint8)
+    want = dst.clone()
+    spans, at = [], 0
+    for k, n in enumerate([1, 63, 64, 4095, 4096, 4097, 0, 20000, 7, 100_000]):
+        d, s = at + k % 16, 5000 + at * 2 + k
+        spans.append((dst.data_ptr() + d, src.data_ptr() + s, n))
+        want[d:d + n] = src[s:s + n]
+        at += n + 100
+    real, calls = memcopy._copy_many, []
+    monkeypatch.setattr(memcopy, "_copy_many", lambda *a: (calls.append(a), real(*a))[1])
+    memcopy.move_all(spans)
+    assert torch.equal(dst, want)
+    assert len(calls) == 1  # one hand-off of the GIL for all of them
+    buf = torch.arange(256, dtype=torch.uint8).repeat(4)
+    expect = buf.clone()
+    ctypes.memmove(expect.data_ptr() + 10, expect.data_ptr(), 600)
+    memcopy.move_all([(buf.data_ptr() + 10, buf.data_ptr(), 600), (buf.data_ptr(), buf.data_ptr(), 0)])
+    assert torch.equal(buf, expect)
+
+
+def test_copy_many_refuses_a_malformed_list_a_null_or_an_impossible_length():
+    if not memcopy.STREAMING:
+        pytest.skip("the C helper is not built here")
+    import array
+
+    from tiered_ckpt import _streamcopy
+
+    buf = torch.zeros(64, dtype=torch.uint8)
+    p = buf.data_ptr()
+    with pytest.raises(ValueError, match="triples"):
+        _streamcopy.copy_many(array.array("Q", [p, p]), 0)
+    with pytest.raises(ValueError, match="span 1 has a null address"):
+        _streamcopy.copy_many(array.array("Q", [p, p + 8, 8, 0, p, 8]), 0)
+    with pytest.raises(ValueError, match="span 0 is"):
+        _streamcopy.copy_many(array.array("Q", [p, p + 32, 1 << 63]), 0)
+    assert bool((buf == 0).all())  # a refused list copies nothing, not even its good spans
+    _streamcopy.copy_many(array.array("Q", [0, 0, 0]), 0)  # nothing to move: no address is touched
+
+
+def test_a_snapshot_of_many_small_tensors_is_copied_in_few_calls(monkeypatch):
+    """A model without the distributed optimizer holds thousands of tensors: the copy of a save must not pay a
+    call (and a hand-off of the GIL) per tensor."""
+    if memcopy._copy_many is None:
+        pytest.skip("the C helper is not built here")
+    real, calls = memcopy._copy_many, []
+    monkeypatch.setattr(memcopy, "_copy_many", lambda *a: (calls.append(1), real(*a))[1])
+    state = {f"t{i}": torch.full((100,), float(i)) for i in range(2000)}
+    plan = plan_snapshot(state)
+    buf = torch.zeros(plan.total_bytes, dtype=torch.uint8)
+    copy_into(plan, buf)
+    assert 0 < len(calls) <= 2 * memcopy.threads() * memcopy.PIECES_PER_THREAD
+    back = restore(decode_header(encode_header(plan)), buf)
+    assert all(torch.equal(back[k], v) for k, v in state.items())
 
 
 def test_memmove_releases_the_gil():

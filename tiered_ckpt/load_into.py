@@ -181,13 +181,14 @@ def copy_verified(data: torch.Tensor, checksum: str, pairs: list[tuple[torch.Ten
             stop = min(end, pos + _SUB)
             while i < len(spans) and spans[i][0] + spans[i][1] <= pos:
                 i += 1
-            j = i
+            j, moves = i, []
             while j < len(spans) and spans[j][0] < stop:
                 off, nbytes, dst = spans[j]
                 lo, hi = max(pos, off), min(stop, off + nbytes)
                 if lo < hi:
-                    memcopy.move(dst + lo - off, base + lo, hi - lo)  # releases the GIL: pieces run in parallel
+                    moves.append((dst + lo - off, base + lo, hi - lo))
                 j += 1
+            memcopy.move_all(moves)  # releases the GIL: pieces run in parallel
             h.update(memoryview(src[pos:stop]))  # the bytes just read: hashed from the cache
             pos = stop
         return h.hexdigest() == expected[k]

@@ -18,6 +18,7 @@ itself (:class:`SlotMeta`, its JSON form, :func:`snapshot_layout_changes`) is in
 
 from __future__ import annotations
 
+import copy
 import functools
 import logging
 import threading
@@ -92,6 +93,7 @@ class MemoryStore:
         self._read_cache: dict[int, tuple[tuple, torch.Tensor]] = {}
         self._map_locks: dict[int, threading.Lock] = {}  # one mapping per slot file, whichever thread asks first
         self._reported: set[str] = set()  # malformed slot records already logged
+        self._parsed: dict[int, tuple[bytes, SlotMeta]] = {}  # slot -> its record's bytes and what they say
         # Slot allocation: which step each slot holds (read from the records on first use: a restart finds the
         # slots of the process before it), and the slots a writer or the drain still holds.
         self._slot_cond = threading.Condition()
@@ -432,7 +434,13 @@ class MemoryStore:
         except BlobNotFoundError:
             return None
         data = bytes(raw.cpu().numpy()) if raw.numel() else b""
-        return SlotMeta.from_json(data, self.meta_key(slot), self.tier.name)
+        # A load lists the slots and reads them again; the record of thousands of tensors takes tens of ms to
+        # parse and check: the same bytes give the same record (a copy: callers may change theirs).
+        seen = self._parsed.get(slot)
+        if seen is None or seen[0] != data:
+            seen = (data, SlotMeta.from_json(data, self.meta_key(slot), self.tier.name))
+            self._parsed[slot] = seen
+        return copy.deepcopy(seen[1])
 
     def metas(self) -> dict[int, SlotMeta]:
         """Every slot of this rank holding a complete snapshot (malformed records are skipped)."""
