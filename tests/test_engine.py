@@ -786,6 +786,22 @@ def test_second_engine_same_run_id_fails_clearly(tiers):
             CheckpointEngine(cfg)
 
 
+def test_process_mode_with_a_tier_in_this_process_s_memory_drains_in_threads(tiers, recorder):
+    """A plugin author's trial: with ``memory://`` (or any tier whose blobs live in the writing process) below shm,
+    the worker process committed every step into its own memory: reported committed, never loadable here."""
+    from tiered_ckpt.plugins import _uses_worker, get_plugin_manager
+
+    cfg = config(tiers, "shm", "memory", mode="process")
+    with CheckpointEngine(cfg) as engine:
+        assert type(engine._drain).__name__ == "DrainRuntime"
+        assert not _uses_worker(get_plugin_manager(), engine.config)  # nor is a plugin checked for one
+        h = engine.save(4, make_items(4))
+        h.wait(timeout=120)
+        assert h.results == {"remote": True}
+        assert engine.available_steps()["remote"] == [4]
+        assert_same(make_items(4), engine._load_from("remote", 4, True, None)[0])
+
+
 def test_process_mode_drains_and_commits(tiers, recorder):
     cfg = config(tiers, "shm", "local", "memory", mode="process")
     cfg["tiers"][2] = tiers["file"]  # memory:// is per process; a file:// tier is visible to the worker

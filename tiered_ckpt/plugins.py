@@ -39,6 +39,7 @@ from . import hookspecs
 from .errors import PluginError
 from .events import Event
 from .registry import Registry
+from .tiers.base import worker_source
 from .validate import suggest
 
 if TYPE_CHECKING:
@@ -371,16 +372,12 @@ def _implemented(pm: pluggy.PluginManager, plugin: Any) -> set[str]:
 
 def _uses_worker(manager: PluginManager, config: Config) -> bool:
     """Whether an engine on ``config`` drains in a worker process: mode ``process`` and a memory tier that
-    outlives the process (the snapshot the worker reads)."""
+    outlives the process (the snapshot the worker reads), none after it in one process's memory (worker_source)."""
     if config.drain.mode != "process":
         return False
-    for tier in config.tiers:
-        if tier.enabled is False or tier.kind not in manager.registries.tiers:
-            continue
-        caps = manager.registries.tiers.get(tier.kind).capabilities_for(tier.options)
-        if caps.memory and caps.survives_process:
-            return True
-    return False
+    tiers = manager.registries.tiers
+    return worker_source([tiers.get(t.kind).capabilities_for(t.options) for t in config.tiers
+                          if t.enabled is not False and t.kind in tiers]) is not None
 
 
 class EngineEvents:

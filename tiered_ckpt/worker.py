@@ -41,6 +41,7 @@ from .parallel import RankCoords
 from .pipeline import Pipeline, build_stores
 from .plugins import manager_for_worker
 from .store import Store
+from .tiers.base import worker_source
 from .worker_channel import QueuedSender, channels, close_child_ends
 
 log = logging.getLogger(__name__)
@@ -58,15 +59,18 @@ def open_drain(pipeline: Pipeline, on_tier_done: OnTierDone, on_slot_released: O
     """The drain for ``pipeline``: the worker process (``drain.mode: process``) where a shared-memory tier can
     hand it the snapshot (behind threads for an in-process tier above it), threads of this process otherwise."""
     stores, order = pipeline.stores, pipeline.order
-    shared = next((i for i, n in enumerate(order) if stores[n].slots() is not None
-                   and stores[n].tier.capabilities.survives_process), None)
+    shared = worker_source([stores[n].tier.capabilities for n in order])
     if pipeline.config.drain.mode == "process" and shared is not None:
         if shared == 0:
             return ProcessDrain(pipeline.config, pipeline.coords, order, pipeline.local_rank, pipeline.node_ranks,
                                 pipeline.emit, on_tier_done, on_slot_released, stores=stores)
         return SplitDrain(pipeline, shared, on_tier_done, on_slot_released)
     if pipeline.config.drain.mode == "process":
-        log.info("no shared-memory tier to hand the snapshot to a worker process: the drain runs as threads")
+        volatile = [n for n in order if not stores[n].tier.capabilities.survives_process
+                    and stores[n].slots() is None]
+        log.info("%s: the drain runs as threads of this process", f"tier(s) {', '.join(map(repr, volatile))} keep "
+                 "their files in this process's memory, where a worker process could not write them" if volatile
+                 else "no shared-memory tier to hand the snapshot to a worker process")
     return DrainRuntime(stores, order, pipeline.coords, pipeline.emit, on_tier_done, on_slot_released,
                         **pipeline.drain_options())
 

@@ -42,7 +42,7 @@ import getpass
 import os
 import socket
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -92,6 +92,18 @@ class Capabilities:
     survives_process: bool = True  # a blob outlives the process that wrote it
     atomic_rename: bool = True  # write_blob/publish use rename (False: object stores, where puts are atomic)
     zero_copy_read: bool = False
+
+
+def worker_source(caps: Sequence[Capabilities]) -> int | None:
+    """Where a drain worker process (``drain.mode: process``) reads its snapshots, for tiers of these capabilities
+    in pipeline order: the index of the first memory tier whose slots outlive the process. None when the drain
+    must run in the training process: no such tier, or a tier after it keeps its blobs in the memory of the
+    process that writes them (``survives_process=False``, fsspec's ``memory://``): a worker would write them into
+    its own memory, to vanish with it, after reporting them committed (a plugin author's trial)."""
+    shared = next((i for i, c in enumerate(caps) if c.memory and c.survives_process), None)
+    if shared is None or any(not c.survives_process for c in caps[shared + 1:]):
+        return None
+    return shared
 
 
 @dataclass(frozen=True)
