@@ -26,7 +26,7 @@ from tiered_ckpt import CheckpointEngine, NoCheckpointError, SaveError
 from tiered_ckpt.checksum import ALGORITHM, digest
 from tiered_ckpt.cli import EXIT_NOT_FOUND, EXIT_UNREADABLE
 from tiered_ckpt.cli import main as cli_main
-from tiered_ckpt.errors import ConfigError, CorruptionError
+from tiered_ckpt.errors import CheckpointUnreadableError, ConfigError, CorruptionError
 from tiered_ckpt.testing.s3 import S3FaultProxy, S3Server, s3_operation
 from tiered_ckpt.tiers import _s3
 from tiered_ckpt.tiers._s3 import RequestBody
@@ -346,6 +346,25 @@ def test_faults_on_reads_are_retried(remote, shm_root, recorder, kind):
     assert fault.hits == 2
     retries = recorder.kinds("retry", "s3")
     assert retries and all("read" in e.message and "state.flat" in e.message for e in retries)
+
+
+@pytest.mark.parametrize("kind", ["slowdown", "reset"])
+def test_a_newest_step_the_store_will_not_serve_is_never_passed_over_for_an_older_one(remote, shm_root, kind):
+    """A new user's trial: every read of the newest step's data failing (throttled) past the retries made load()
+    resume from the step before, with a warning only, and the job's next save replaced the newest step. The load
+    fails instead, naming the step, and loads it once the store serves it again."""
+    with CheckpointEngine(config(shm_root, remote.tier(direct=True), local=None)) as engine:
+        for step in (1, 2):
+            engine.save(step, make_state(step, mib=1)).wait(timeout=60)
+    fault = remote.proxy.inject(kind, op="GetObject", path=r"iter_0000002/rank_00000/state\.flat$", times=None)
+    with pytest.raises(CheckpointUnreadableError, match=r"step 2 could not be read .*load\(step=1\)") as err:
+        load_from_s3(remote, request_attempts=1, retry={"attempts": 2, "initial_s": 0.01, "max_s": 0.02})
+    assert not isinstance(err.value, NoCheckpointError)
+    assert fault.hits >= 2  # the retries went to the store
+    remote.proxy.clear()
+    loaded = load_from_s3(remote)
+    assert loaded.step == 2
+    assert_same(make_state(2, mib=1), loaded.items)
 
 
 def test_stalls_past_the_timeout_are_retried_and_never_hang(remote, shm_root, recorder):

@@ -33,6 +33,7 @@ from .errors import (
     DecodeError,
     LoadIntoError,
     NoCheckpointError,
+    RangeError,
     StepNotFoundError,
     TieredCkptError,
     TierError,
@@ -674,6 +675,7 @@ class CheckpointEngine:
                                                     f"found no loadable copy of {what} on any tier{detail}",
                                        tried=sorted(rejected), fallbacks=fallbacks, damaged=damaged,
                                        held=sorted(mine) if step is None else sorted(mine & {step}), requested=step)
+            tried_from = len(damaged)
             result = self.coordinator.alone(self._load_step, chosen, available, copy, map_location, fallbacks, into,
                                             damaged, step is not None, written_into)
             if self.coordinator.all_succeeded(result is not None, "loaded"):
@@ -703,7 +705,13 @@ class CheckpointEngine:
                     log.warning("load: step %d from tier %r without seeing tier(s) %s: a newer step may be there",
                                 result.step, result.tier, ", ".join(repr(t) for t in unreachable))
                 return result
-            # Some rank could not read its part of this step anywhere: everyone moves to an older one together.
+            # Some rank could not read its part of this step anywhere: everyone moves to an older one together,
+            # unless a file tier failed with its own errors (throttled, unreachable, permission denied): the step is
+            # there, and an older one would lose the progress since (its saves then replace this step).
+            if step is None:
+                unsure = result is None and "error" in damaged[tried_from:]
+                if not self.coordinator.all_succeeded(not unsure, "tier errors"):
+                    self._tier_errors(chosen, sorted(mine - rejected - {chosen}), unsure, fallbacks)
             if result is not None:  # this rank read its part: say why it is not used
                 why = f"step {chosen}: another rank could not load its part of it (its log says why)"
                 fallbacks.append(why)
@@ -756,6 +764,20 @@ class CheckpointEngine:
         for name, why in unreachable.items():
             self._emit(ev.Event(ev.TIER_UNREACHABLE, step=step, rank=self.coords.rank, tier=name, message=why))
         return available, unreachable
+
+    def _tier_errors(self, step: int, older: list[int], here: bool, fallbacks: list[str]) -> None:
+        """Raise CheckpointUnreadableError, on every rank, for ``step``: a file tier holds it and failed to read
+        it with its own errors (``here``: on this rank), not proof of damage (a new user's trial: a throttled
+        object store made a restart resume from the step before, and the next save replaced the newest)."""
+        who = "this rank" if here else "another rank (its log says which tier and why)"
+        then = (f"; to resume from an older step anyway, load(step={older[-1]}) (the newest older step this rank "
+                "holds)" if older else "")
+        raise CheckpointUnreadableError(
+            f"step {step} could not be read by {who}: its tier answered with errors, not proof of damage "
+            f"({'; '.join(fallbacks[-3:]) if here else 'see that rank'}). Not moving to an older step: the step is "
+            "there, and resuming before it would lose the training since (and the next saves would replace it). "
+            f"Load again once the tier answers; tiered-ckpt verify says whether its files are intact{then}",
+            fallbacks)
 
     def _nothing_loadable(self, unreachable: dict[str, str], message: str, *, tried: list[int] | None = None,
                           fallbacks: list[str] | None = None, damaged: list[str] | None = None,
@@ -820,8 +842,11 @@ class CheckpointEngine:
                     written_into.append(step)  # a memory snapshot's fused copy writes the targets before its verdict
                 fallbacks.append(f"tier {name!r} step {step}: {exc}")
                 if damaged is not None:
-                    damaged.append("damage" if isinstance(exc, CorruptionError | DecodeError | BlobNotFoundError)
-                                   else "layout" if getattr(exc, "layout_mismatch", False) else "error")
+                    damaged.append(
+                        "damage" if isinstance(exc, CorruptionError | DecodeError | BlobNotFoundError | RangeError
+                                               | FileNotFoundError)  # (a step retired since the listing, too)
+                        else "layout" if getattr(exc, "layout_mismatch", False)
+                        else "error" if self.pipeline.stores[name].slots() is None else "memory")
                 self._emit(ev.Event(ev.FALLBACK, step=step, rank=self.coords.rank, tier=name, message=str(exc),
                                     detail={"key": getattr(exc, "key", None)}))
                 order = self.pipeline.order
