@@ -52,7 +52,7 @@ def cmd_plugins(args: argparse.Namespace) -> int:
 
 
 def cmd_ls(args: argparse.Namespace) -> int:
-    from .inventory import StepInfo, file_steps, memory_steps
+    from .inventory import UNREADABLE_MANIFEST, StepInfo, file_steps, memory_steps
 
     opened = _open(args, memory=True)
     infos: list[StepInfo] = []
@@ -65,6 +65,10 @@ def cmd_ls(args: argparse.Namespace) -> int:
             continue
         committed[name] = {i.step for i in steps if i.state == "committed" and i.step is not None}
         infos.extend(steps)
+        unread = [i for i in steps if i.state.startswith(UNREADABLE_MANIFEST)]
+        if unread:  # listed, yet not known to hold anything: exit 4, as for a tier (an S3 user's trial: exit 0)
+            opened.unreadable.setdefault(name, f"the manifest of step {unread[0].step} could not be read"
+                                         + (f" (and {len(unread) - 1} more)" if len(unread) > 1 else ""))
     run_id = opened.config.run_id
     shm_bases: list[tuple[str, str]] = []
     for name, cfg in opened.cfgs.items():

@@ -26,6 +26,7 @@ if TYPE_CHECKING:
     from .tiers.base import Tier
 
 CONFIG_SUFFIXES = (".yaml", ".yml", ".json")
+UNREADABLE_MANIFEST = "unreadable manifest"  # a step row whose manifest the tier would not serve (not damage)
 
 
 class Unreadable(TieredCkptError):
@@ -148,7 +149,7 @@ def file_steps(store: FileStore) -> list[StepInfo]:
             except BlobNotFoundError:
                 continue  # removed since it was listed (a live job's retention)
             except Exception as exc:  # noqa: BLE001 - a store's own error too: that step's row says so
-                what = "unreadable manifest" if cannot_read(exc) else "corrupt manifest"
+                what = UNREADABLE_MANIFEST if cannot_read(exc) else "corrupt manifest"
                 out.append(StepInfo(store.name, step, f"{what} ({exc})", 0, None, 0))
                 continue
         prefix = store.layout.step_dir(step) + "/"
