@@ -101,6 +101,36 @@ def test_inspect(ckpt, capsys):
     assert run(capsys, "inspect", str(root), "--step", "3")[0] == EXIT_NOT_FOUND
 
 
+def test_inspect_with_config_takes_the_newest_step_from_the_fastest_tier_holding_it(ckpt, capsys, tmp_path,
+                                                                                   monkeypatch):
+    """An S3 user's trial: with the first file tier empty (a new node's disk) and the next one holding steps,
+    `inspect --config` said "holds no committed checkpoint", exit 3. It looks where load() looks."""
+    root, cfg = ckpt
+    cfg = {**cfg, "tiers": [cfg["tiers"][0], {"name": "new", "kind": "local", "path": str(tmp_path / "new")},
+                            cfg["tiers"][1]]}
+    path = tmp_path / "tiers.json"
+    path.write_text(json.dumps(cfg))
+    code, out = run(capsys, "inspect", "--config", str(path), "--json")
+    assert code == EXIT_OK and (json.loads(out)["tier"], json.loads(out)["step"]) == ("disk", 2)
+    code, out = run(capsys, "inspect", "--config", str(path), "--step", "1")
+    assert code == EXIT_OK and out.startswith("tier 'disk'") and "step 1" in out
+    assert run(capsys, "inspect", "--config", str(path), "--step", "7")[0] == EXIT_NOT_FOUND
+    # a tier that could not be listed may hold a newer step: what was found is shown, and the exit status says so
+    from tiered_ckpt.tiers.local import LocalTier
+
+    (tmp_path / "new").mkdir()
+    real = LocalTier.list
+
+    def failing(self, prefix=""):
+        if self.name == "new":
+            raise PermissionError(errno.EACCES, "Permission denied", str(tmp_path / "new"))
+        return real(self, prefix)
+
+    monkeypatch.setattr(LocalTier, "list", failing)
+    code, out = run(capsys, "inspect", "--config", str(path))
+    assert code == EXIT_UNREADABLE and "step 2" in out, out
+
+
 def test_verify_passes_then_fails_on_corruption(ckpt, capsys):
     root, _ = ckpt
     code, out = run(capsys, "verify", str(root), "--all", "--json")

@@ -140,11 +140,15 @@ def _other_runs(tier: str, shm_path: str, run_id: str) -> list:
 
 def cmd_inspect(args: argparse.Namespace) -> int:
     opened = _open(args, memory=False)
-    name, store = next(iter(_file_tiers(opened).items()))
+    stores = _file_tiers(opened)
     opened.notes(args)
-    if (plain := _inspect_dcp(store, args)) is not None:  # a DCP directory without our manifest (issue #14)
-        return plain
-    step = _pick_step(store, args.step, opened.label(name))
+    if len(stores) == 1:
+        name, store = next(iter(stores.items()))
+        if (plain := _inspect_dcp(store, args)) is not None:  # a DCP directory without our manifest (issue #14)
+            return plain
+        step = _pick_step(store, args.step, opened.label(name))
+    else:
+        store, step = _holding_tier(opened, stores, args.step)
     try:
         m = store.read_manifest(step)
     except CorruptionError as exc:  # the newest step's manifest damaged: the others may be fine
@@ -155,19 +159,41 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         shown = ", ".join(map(str, older[-8:]))
         hint = f"; the other committed steps: {shown} (inspect one with --step N)" if older else ""
         raise CommandError(f"{exc}{hint}; `tiered-ckpt verify` checks the step's files", EXIT_FAILED) from None
-    if args.json:
-        from dataclasses import asdict
+    from dataclasses import asdict
 
-        _print_json({"tier": store.name, **asdict(m)})
-        return EXIT_OK
-    p = m.parallel
-    print(f"tier {store.name!r} ({store.tier.describe()}), step {m.step}, layout {m.layout}, run_id {m.run_id}")
-    print(f"parallel: world {p.get('world_size')}  tp {p.get('tp')}  pp {p.get('pp')}  dp {p.get('dp')}  "
-          f"ep {p.get('ep')}  cp {p.get('cp')}  order {p.get('order')}")
-    print(f"{len(m.files)} file{'' if len(m.files) == 1 else 's'}, {human_bytes(m.total_bytes)}")
-    _print_table([[f.rank, f.item, f.key, human_bytes(f.size), f.compression or "-", f.checksum] for f in m.files],
-                 ["rank", "item", "file", "size", "compression", "checksum"])
-    return EXIT_OK
+    def text() -> None:
+        p = m.parallel
+        print(f"tier {store.name!r} ({store.tier.describe()}), step {m.step}, layout {m.layout}, run_id {m.run_id}")
+        print(f"parallel: world {p.get('world_size')}  tp {p.get('tp')}  pp {p.get('pp')}  dp {p.get('dp')}  "
+              f"ep {p.get('ep')}  cp {p.get('cp')}  order {p.get('order')}")
+        print(f"{len(m.files)} file{'' if len(m.files) == 1 else 's'}, {human_bytes(m.total_bytes)}")
+        _print_table([[f.rank, f.item, f.key, human_bytes(f.size), f.compression or "-", f.checksum]
+                      for f in m.files], ["rank", "item", "file", "size", "compression", "checksum"])
+
+    # a tier that could not be listed may hold a newer step: shown, and exit 4 (as ls does)
+    return _emit(args, {"tier": store.name, **asdict(m)}, opened.problem(True, ""), text, True)
+
+
+def _holding_tier(opened: Opened, stores: dict[str, FileStore], step: int | None) -> tuple[FileStore, int]:
+    """``inspect --config``: the fastest tier holding ``step`` (default: the newest step any tier holds, which
+    ``load()`` would take), as load() looks (an S3 user's trial: only the first file tier was looked at, and an
+    empty local directory on a new node read as "no checkpoint" while S3 held steps)."""
+    held: dict[str, list[int]] = {}
+    for name, store in stores.items():
+        try:
+            held[name] = store.committed_steps()
+        except (TierError, OSError) as exc:
+            opened.unreadable[name] = _text(exc)
+    every = sorted({s for steps in held.values() for s in steps})
+    want = every[-1] if step is None and every else step
+    for name, steps in held.items():
+        if want in steps:
+            return stores[name], want
+    what = f"no tier holds committed step {step} (committed: {every})" if step is not None and every else \
+        "no tier holds a committed checkpoint"
+    problem = opened.problem(False, what)
+    assert problem is not None
+    raise problem
 
 
 def _inspect_dcp(store: FileStore, args: argparse.Namespace) -> int | None:
