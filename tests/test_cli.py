@@ -617,3 +617,18 @@ def test_inspect_of_a_damaged_newest_manifest_names_the_other_steps(ckpt, capsys
     err = capsys.readouterr().err
     assert "the other committed steps: 1 (inspect one with --step N)" in err and "verify" in err, err
     assert main(["inspect", str(root), "--step", "1"]) == EXIT_OK
+
+
+def test_a_broken_installed_plugin_is_a_configuration_error_not_a_failed_check(ckpt, capsys, monkeypatch):
+    """A plugin author's trial: with a broken plugin installed (a misspelt hook), `verify` of a healthy directory
+    exited 1, which reads as "a mismatch was found"."""
+    import tiered_ckpt.plugins as plugins
+    from tiered_ckpt.errors import PluginError
+
+    def broken(*a, **kw):
+        raise PluginError("plugin 'mine' implements 'tiered_ckpt_register_tier', which is no hook of tiered_ckpt")
+
+    monkeypatch.setattr(plugins, "get_plugin_manager", broken)
+    root, _ = ckpt
+    code, out = run(capsys, "verify", str(root), "--json")
+    assert code == EXIT_USAGE and json.loads(out)["error"].startswith("plugin error: plugin 'mine'"), out

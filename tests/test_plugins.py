@@ -364,3 +364,20 @@ def test_a_plugin_kinds_options_load_from_yaml_with_the_same_checks(tmp_path):
         load_config(str(path), registries=pm.registries)
     assert str(info.value).startswith(f"{path}: tiers[0].fsyn: unknown key (allowed for a mirror tier: ")
     assert str(info.value).endswith("did you mean 'fsync'?")
+
+
+def test_two_installed_plugins_under_one_entry_point_name_are_refused(monkeypatch):
+    """A plugin author's trial: a plugin whose pyproject.toml kept the entry point name of tiered-ckpt-faults hid
+    it (its kinds vanished, exit 0), whichever came first on the path winning. The same plugin seen twice on the
+    path (an editable install beside its built one) is still one plugin."""
+    from importlib.metadata import EntryPoint
+
+    import tiered_ckpt.plugins as plugins
+
+    ours = EntryPoint("faults", "tiered_ckpt_faults", "tiered_ckpt")
+    monkeypatch.setattr(plugins, "entry_points", lambda group: [ours, EntryPoint("faults", "tiered_ckpt_faults",
+                                                                                 group)])
+    assert "faulty" in PluginManager().registries.tiers
+    monkeypatch.setattr(plugins, "entry_points", lambda group: [ours, EntryPoint("faults", "my_tier.plugin", group)])
+    with pytest.raises(PluginError, match=r"two plugins .* name 'faults' .*tiered_ckpt_faults and my_tier\.plugin"):
+        PluginManager()

@@ -49,6 +49,7 @@ from .errors import (
     BlobNotFoundError,
     ConfigError,
     NoCheckpointError,
+    PluginError,
     TieredCkptError,
     TierError,
     TierUnavailableError,
@@ -140,6 +141,8 @@ def _run(args: argparse.Namespace) -> int:
         return _failure(args, str(exc), exc.exit_code, exc.extra)
     except ConfigError as exc:
         return _failure(args, f"configuration error: {exc}", EXIT_USAGE)
+    except PluginError as exc:  # an installed plugin is broken: no command can trust the registries (not "failed")
+        return _failure(args, f"plugin error: {exc}", EXIT_USAGE)
     except (NoCheckpointError, BlobNotFoundError) as exc:
         return _failure(args, str(exc), EXIT_NOT_FOUND)
     except TierUnavailableError as exc:

@@ -204,19 +204,27 @@ class PluginManager:
     def _load_entry_points(self, names: Iterable[str] | None) -> None:
         """The built-ins, then every installed plugin of the ``tiered_ckpt`` group (``names`` None) or those named."""
         wanted = None if names is None else set(names)
-        found = set()
+        found: dict[str, str] = {}  # entry point name -> what it names
         installed = [(ep, "entry_point") for ep in entry_points(group=ENTRY_POINT_GROUP)]
         for ep, how in [(ep, "builtin") for ep in BUILTIN_ENTRY_POINTS] + installed:
-            if ep.name in self._hooks or (how != "builtin" and wanted is not None and ep.name not in wanted):
+            if how != "builtin" and wanted is not None and ep.name not in wanted:
                 continue
-            found.add(ep.name)
+            if ep.name in found:
+                if found[ep.name] == ep.value:  # one distribution seen twice on the path (an editable install)
+                    continue
+                # Which one won depended on the path's order, and the other's kinds vanished without a word (a
+                # plugin author's trial: a copied pyproject.toml kept the name of the faults plugin).
+                raise PluginError(f"two plugins are installed under the entry point name {ep.name!r} of group "
+                                  f"{ENTRY_POINT_GROUP!r}: {found[ep.name]} and {ep.value}; rename one of them (the "
+                                  "name in its [project.entry-points] table) or uninstall one")
+            found[ep.name] = ep.value
             try:
                 plugin = ep.load()
             except Exception as exc:  # a broken third-party plugin must say who it is
                 raise PluginError(f"plugin {ep.name!r} ({ep.value}) failed to load: {exc}") from exc
             self._add(plugin, ep.name, origin=(how, ep.name))
-        if wanted and wanted - found:
-            missing = ", ".join(sorted(wanted - found))
+        if wanted and wanted - found.keys():
+            missing = ", ".join(sorted(wanted - found.keys()))
             raise PluginError(f"entry point(s) {missing} of group {ENTRY_POINT_GROUP!r} are not installed in this "
                               "environment (the drain worker runs the same Python as the training process)")
 
