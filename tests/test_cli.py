@@ -632,3 +632,28 @@ def test_a_broken_installed_plugin_is_a_configuration_error_not_a_failed_check(c
     root, _ = ckpt
     code, out = run(capsys, "verify", str(root), "--json")
     assert code == EXIT_USAGE and json.loads(out)["error"].startswith("plugin error: plugin 'mine'"), out
+
+
+def test_gc_finds_a_temporary_file_whose_size_the_tier_will_not_tell(ckpt, capsys, monkeypatch):
+    """A plugin author's trial: a tier whose size() refused temporary keys (they are no blobs) had gc skip them:
+    "nothing to remove", exit 0, with a pending write's bytes there."""
+    from tiered_ckpt.errors import BlobNotFoundError
+    from tiered_ckpt.tiers.local import LocalTier
+
+    root, _ = ckpt
+    temp = root / "iter_0000002" / ".state.flat.tmp-0123456789abcdef"
+    temp.write_bytes(b"half")
+    os.utime(temp, (1, 1))
+    real = LocalTier.size
+
+    def size(self, key):
+        if ".tmp-" in key:
+            raise BlobNotFoundError("not a blob", tier=self.name, key=key)
+        return real(self, key)
+
+    monkeypatch.setattr(LocalTier, "size", size)
+    code, out = run(capsys, "gc", str(root))
+    assert code == EXIT_OK and "would remove  temporary file" in out and "size unknown" in out, out
+    code, out = run(capsys, "gc", str(root), "--delete", "--json")
+    assert code == EXIT_OK and not temp.exists()
+    assert [(f["what"], f["bytes"]) for f in json.loads(out)["found"]] == [("temporary file", None)]

@@ -149,12 +149,12 @@ def cmd_gc(args: argparse.Namespace) -> int:
                 print(f"{done}  lock files of run {f['run_id']!r} ({f['state']}, no shared memory)  {f['path']}")
             else:
                 done = "could not remove" if f.get("error") else verb
-                print(f"{done}  {f['what']}  tier {f['tier']!r}: {f['key']}  ({human_bytes(f['bytes'])})")
+                print(f"{done}  {f['what']}  tier {f['tier']!r}: {f['key']}  ({_size(f['bytes'])})")
         for d in left:
             age = "age unknown" if d.age_s is None else f"changed {human_duration(d.age_s)} ago"
             why = "" if d.left == LEFT_YOUNG else ("; newer than every committed step: a save may be writing it, "
                                                   "and retention removes it once a step above it is committed")
-            print(f"left  {d.what}  tier {d.tier!r}: {d.key}  ({human_bytes(d.nbytes)}; {age}{why})")
+            print(f"left  {d.what}  tier {d.tier!r}: {d.key}  ({_size(d.nbytes)}; {age}{why})")
         young = sum(d.left == LEFT_YOUNG for d in left)
         if young:
             print(f"{young} left: changed less than --min-age ({human_duration(args.min_age)}) ago, or whose age "
@@ -172,6 +172,10 @@ def cmd_gc(args: argparse.Namespace) -> int:
 
     payload = {"deleted": args.delete, "found": found, "left": [d.to_dict() for d in left], "live_run": live_run}
     return _emit(args, payload, problem, text, bool(found))
+
+
+def _size(nbytes: int | None) -> str:
+    return "size unknown" if nbytes is None else human_bytes(nbytes)
 
 
 def parse_min_age(text: str) -> float:

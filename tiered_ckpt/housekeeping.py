@@ -46,7 +46,7 @@ class Debris:
     tier: str
     what: str  # "partial step", "temporary file" or "unfinished upload"
     key: str
-    nbytes: int
+    nbytes: int | None  # None: the tier would not tell
     upload: UnfinishedUpload | None = None  # an unfinished upload's, to abort it
     age_s: float | None = None  # since its newest file (or part) changed, where gc looked at it; None: unknown
     left: str | None = None  # why it is found but not debris (LEFT_YOUNG, LEFT_NEWEST); None: debris
@@ -104,9 +104,9 @@ def find_debris(store: FileStore, *, live: bool = False, min_age_s: float = TEMP
     for rel in store.tier.temp_files():  # the Tier interface (tiers/base.py): every kind answers, plugins too
         age = _age(store, rel, now) if min_age_s > 0 else None
         try:
-            size = store.tier.size(rel)
-        except (TierError, OSError):
-            continue
+            size: int | None = store.tier.size(rel)
+        except (TierError, OSError):  # still found (a plugin's size() refusing temp keys hid them: a trial)
+            size = None
         debris = _is_old(age, min_age_s)
         (out if debris else kept).append(Debris(store.name, "temporary file", rel, size, age_s=age,
                                                 left=None if debris else LEFT_YOUNG))
