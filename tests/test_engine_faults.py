@@ -441,3 +441,20 @@ def test_a_resume_from_memory_only_with_empty_file_tiers_says_it_is_one(shm_root
         engine.save(9, make_items(9)).wait(timeout=60)
         assert engine.load().step == 9  # the file tier holds a step again: nothing to say
     assert not [r for r in caplog.records if "was only in memory" in r.getMessage()]
+
+
+def test_the_only_tier_unreachable_is_not_advised_away(shm_root, tmp_path):
+    """An S3 user's trial: with S3 the only tier, and down, the error spoke of "the other tiers" and advised
+    `enabled: false` on it, which leaves no tier at all."""
+    from tiered_ckpt.errors import TierUnavailableError
+
+    path, run_id = _step_1_saved_on(shm_root, tmp_path, "remote")
+    alone = {"run_id": run_id, "drain": {"mode": "thread"},
+             "tiers": [_faulty("remote", path, permanent_error=True, ops=["list"])]}
+    with CheckpointEngine(alone) as engine, pytest.raises(TierUnavailableError) as err:
+        engine.load()
+    assert "No other tier to look at" in str(err.value) and "enabled: false" not in str(err.value)
+    both = {**alone, "tiers": [{"name": "local", "kind": "local", "path": str(tmp_path / "empty")}, *alone["tiers"]]}
+    with CheckpointEngine(both) as engine, pytest.raises(TierUnavailableError) as err:
+        engine.load()
+    assert "Nothing loadable on the other tiers" in str(err.value) and "enabled: false" in str(err.value)

@@ -62,6 +62,11 @@ def test_builtin_kinds_are_registered(tier_registry):
     (FsspecTier, {"url": "gs://b/p", "timeout_s": "5s"}, "timeout_s: only plain S3 URLs"),
     (FsspecTier, {"url": "simplecache::s3://b/p", "request_attempts": 5}, "request_attempts: only plain S3 URLs"),
     (FsspecTier, {"url": "s3://b/p", "block_size": "1MiB"}, "block_size: S3 tiers read and write in part_size"),
+    # an endpoint without its scheme failed every save with botocore's "Invalid endpoint" (an S3 user's trial)
+    (FsspecTier, {"url": "s3://b/p", "options": {"endpoint_url": "127.0.0.1:9000"}},
+     "options.endpoint_url: '127.0.0.1:9000' is not an endpoint URL: write it with its scheme, http://127.0.0.1:9000"),
+    (FsspecTier, {"url": "s3://b/p", "options": {"client_kwargs": {"endpoint_url": "minio:9000"}}},
+     "options.client_kwargs.endpoint_url: 'minio:9000' is not an endpoint URL"),
 ])
 def test_options_are_validated(cls, data, message):
     with pytest.raises(ConfigError, match=message.replace("[", r"\[").replace("]", r"\]")):

@@ -814,12 +814,15 @@ class CheckpointEngine:
             if requested is None:  # where it looked: a wrong path or run_id shows here
                 raise NoCheckpointError(f"{message} (looked in {self._where()})")
             raise StepNotFoundError(message)
+        everywhere = set(unreachable) >= set(self.tiers)
         advice = ("This is not \"no checkpoint\": one may be on a tier that could not be looked at. Make it "
-                  "reachable and load again (or set enabled: false on it to resume without it)")
+                  "reachable and load again" + ("" if everywhere else
+                                                " (or set enabled: false on it to resume without it)"))
         if unreachable:
             why = "; ".join(f"tier {t!r}: {r}" for t, r in unreachable.items())
-            raise TierUnavailableError(f"rank {self.coords.rank} could not list {why}. Nothing loadable on the other "
-                                       f"tiers: {message}. {advice}", unreachable)
+            rest = "No other tier to look at" if everywhere else f"Nothing loadable on the other tiers: {message}"
+            raise TierUnavailableError(f"rank {self.coords.rank} could not list {why}. {rest}. {advice}",
+                                       unreachable)
         raise TierUnavailableError(f"another rank could not list every tier (its log and tier_unreachable events say "
                                    f"which). Nothing loadable on the tiers listed: {message}. {advice}", {})
 

@@ -35,6 +35,7 @@ import io
 import logging
 import os
 import re
+import urllib.parse
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field, fields
 from typing import Any
@@ -115,6 +116,8 @@ class FsspecOptions:
                              f"{self.part_size} bytes")
         if self.timeout_s is not None and self.timeout_s <= 0:
             raise ValueError(f"timeout_s: expected a positive duration, got {self.timeout_s}")
+        if is_s3_url(self.url):
+            _check_endpoint(self.options)
         if self.split_blobs and not is_s3_url(self.url):
             raise ValueError(f"split_blobs: only plain S3 URLs (s3://, s3a://, not chained) store blobs split, not "
                              f"{redact(self.url)}: remove split_blobs")
@@ -134,6 +137,21 @@ class FsspecOptions:
                 f"block_size={self.block_size!r}, part_size={self.part_size!r}, "
                 f"max_concurrency={self.max_concurrency!r}, timeout_s={self.timeout_s!r}, "
                 f"request_attempts={self.request_attempts!r}, split_blobs={self.split_blobs!r})")
+
+
+def _check_endpoint(options: dict[str, Any]) -> None:
+    """An S3 endpoint without its scheme (``127.0.0.1:9000``) passed the configuration and failed every save with
+    botocore's "Invalid endpoint" (an S3 user's trial): refused with the fix, as a mistyped key is."""
+    client = options.get("client_kwargs")
+    for where, value in (("options.endpoint_url", options.get("endpoint_url")),
+                         ("options.client_kwargs.endpoint_url",
+                          client.get("endpoint_url") if isinstance(client, dict) else None)):
+        if value is None or value == "":  # "": the default endpoint (``${S3_ENDPOINT:-}`` unset)
+            continue
+        parts = urllib.parse.urlsplit(value) if isinstance(value, str) else None
+        if parts is None or parts.scheme not in ("http", "https") or not parts.netloc:
+            raise ValueError(f"{where}: {value!r} is not an endpoint URL: write it with its scheme, "
+                             f"http://{value if isinstance(value, str) else 'host:port'} (or https://...)")
 
 
 def protocol_of(url: str) -> str:
