@@ -773,10 +773,10 @@ class CheckpointEngine:
         then = (f"; to resume from an older step anyway, load(step={older[-1]}) (the newest older step this rank "
                 "holds)" if older else "")
         raise CheckpointUnreadableError(
-            f"step {step} could not be read by {who}: its tier answered with errors, not proof of damage "
+            f"step {step} could not be read by {who}: its tier answered with errors, not proven damage "
             f"({'; '.join(fallbacks[-3:]) if here else 'see that rank'}). Not moving to an older step: the step is "
-            "there, and resuming before it would lose the training since (and the next saves would replace it). "
-            f"Load again once the tier answers; tiered-ckpt verify says whether its files are intact{then}",
+            "there, and resuming before it would lose the training since (and the next saves would replace it): "
+            f"load again once the tier answers; tiered-ckpt verify says whether its files are intact{then}",
             fallbacks)
 
     def _nothing_loadable(self, unreachable: dict[str, str], message: str, *, tried: list[int] | None = None,
@@ -844,18 +844,19 @@ class CheckpointEngine:
                 if into is not None and written_into is not None and self.pipeline.stores[name].slots() is not None:
                     written_into.append(step)  # a memory snapshot's fused copy writes the targets before its verdict
                 fallbacks.append(f"tier {name!r} step {step}: {exc}")
-                if damaged is not None:
-                    damaged.append(
-                        "damage" if isinstance(exc, CorruptionError | DecodeError | BlobNotFoundError | RangeError
+                kind = ("damage" if isinstance(exc, CorruptionError | DecodeError | BlobNotFoundError | RangeError
                                                | FileNotFoundError)  # (a step retired since the listing, too)
                         else "layout" if getattr(exc, "layout_mismatch", False)
                         else "error" if self.pipeline.stores[name].slots() is None else "memory")
+                if damaged is not None:
+                    damaged.append(kind)
                 self._emit(ev.Event(ev.FALLBACK, step=step, rank=self.coords.rank, tier=name, message=str(exc),
                                     detail={"key": getattr(exc, "key", None)}))
                 order = self.pipeline.order
                 later = [t for t in order[order.index(name) + 1:] if step in available.get(t, [])]
                 then = (f"trying tier {later[0]!r}" if later else "no other tier holds it" + (
-                    "" if explicit else ": trying an older step, if every rank has one"))
+                    "" if explicit else ", and a tier's error is no damage: not moving to an older step"
+                    if kind == "error" else ": trying an older step, if every rank has one"))
                 log.warning("load: tier %r step %d: %s; %s", name, step, exc, then)
                 continue
             seconds = time.perf_counter() - t0

@@ -80,7 +80,10 @@ def absent_location(tier: Tier) -> str | None:
     except FileNotFoundError:
         info = None
     except Exception as exc:
-        raise Unreadable(_redacted(tier, _why(exc))) from None
+        # the tier's own reading of its store's error where it has one (a bare "Forbidden" gets its hint)
+        mapped = getattr(tier, "_tier_exception", None)
+        err = mapped(exc, None, "look at", root) if callable(mapped) else None
+        raise Unreadable(str(err) if err is not None else _redacted(tier, _why(exc))) from None
     if info is not None:
         if info.get("type") == "file":
             raise ConfigError(_redacted(tier, f"{url} is a file, not a checkpoint directory"))

@@ -255,6 +255,7 @@ class FsspecTier(Tier):
                                    temp_written_point="fsspec.temp_written")  # modes: less the umask, as fsspec
 
     _install_hint = ""  # appended to "cannot open URL: <ImportError>"
+    _permission_hint = ""  # appended to "permission denied: <the store's message>"
 
     def _storage_options(self) -> dict[str, Any]:
         """The keyword arguments for ``fsspec.url_to_fs`` (subclasses add their store's settings)."""
@@ -288,7 +289,9 @@ class FsspecTier(Tier):
         if isinstance(exc, (TimeoutError, ConnectionError)):
             return TransientTierError(text(f"{type(exc).__name__}: {exc}"), tier=self.name, key=key)
         if isinstance(exc, PermissionError):
-            return PermanentTierError(text(f"permission denied: {exc}"), tier=self.name, key=key)
+            detail = str(exc).rstrip(".")
+            return PermanentTierError(text(f"permission denied: {detail}") + self._permission_hint, tier=self.name,
+                                      key=key)
         if isinstance(exc, OSError) and exc.errno is not None:
             code = self._error_code(exc)
             detail = exc.strerror or str(exc)

@@ -205,6 +205,10 @@ class S3Tier(FsspecTier):
     def _error_code(self, exc: BaseException) -> str | None:
         return s3_error_code(exc)
 
+    # a HEAD's 403 has no body: "Forbidden" alone (an S3 user's trial, with a key the store did not know)
+    _permission_hint = (" (the store refused these credentials for this key: check the tier's key/secret or "
+                        "AWS_ACCESS_KEY_ID, and that they may read and write the bucket)")
+
     def _tier_exception(self, exc: BaseException, key: str | None, op: str, path: str,
                         missing_ok: bool = False) -> BaseException | None:
         if isinstance(exc, (TierError, CorruptionError)) or not isinstance(exc, Exception):
