@@ -367,6 +367,20 @@ def test_a_newest_step_the_store_will_not_serve_is_never_passed_over_for_an_olde
     assert_same(make_state(2, mib=1), loaded.items)
 
 
+def test_a_refused_request_says_which_credentials_to_check(remote, shm_root, capsys):
+    """An S3 user's trial with a key the store did not know: a HEAD's 403 has no body, and saves, `ls` and `verify`
+    said "permission denied: Forbidden" and no more."""
+    from tiered_ckpt.cli import main
+
+    remote.proxy.inject("access_denied", method="HEAD", times=None)
+    with CheckpointEngine(config(shm_root, remote.tier())) as engine, pytest.raises(SaveError) as err:
+        engine.save(1, make_state(1, mib=1)).wait(timeout=60)
+    assert "permission denied" in str(err.value) and "check the tier's key/secret" in str(err.value)
+    flags = [f for k, v in remote.proxy.storage_options().items() if isinstance(v, str) for f in ("-o", f"{k}={v}")]
+    assert main(["ls", remote.url, *flags]) == 4
+    assert "check the tier's key/secret" in capsys.readouterr().err
+
+
 def test_stalls_past_the_timeout_are_retried_and_never_hang(remote, shm_root, recorder):
     items = make_state(7)
     up = remote.proxy.inject("stall", op="UploadPart", nth=2, delay_s=60)
