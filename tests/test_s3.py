@@ -758,6 +758,9 @@ def test_a_bucket_that_does_not_exist_is_not_no_checkpoint(remote, shm_root):
     cfg = {"run_id": f"r{uuid.uuid4().hex[:8]}", "drain": {"mode": "thread"}, "tiers": [typo.tier(direct=True)]}
     with CheckpointEngine(cfg) as engine, pytest.raises(TierUnavailableError, match="no such bucket"):
         engine.load()
+    with CheckpointEngine(cfg) as engine, pytest.raises(SaveError) as err:  # a save says which bucket too
+        engine.save(1, make_state(1, mib=1)).wait(timeout=60)
+    assert f"no such bucket '{typo.bucket}': create it, or correct the tier's url" in str(err.value)
     with CheckpointEngine({**cfg, "tiers": [remote.tier(direct=True)]}) as engine, \
             pytest.raises(NoCheckpointError):  # the bucket is there, nothing under the prefix yet
         engine.load()

@@ -42,6 +42,7 @@ classify.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import os
 import threading
@@ -222,6 +223,9 @@ class S3Tier(FsspecTier):
             return PermanentTierError(f"{where}: {self._redact(f'{type(exc).__name__}: {exc}')} (give key/secret "
                                       "in the tier's options or set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY)",
                                       tier=self.name, key=key)
+        if s3_error_code(exc) == "NoSuchBucket":  # "The specified bucket does not exist": which, and what to do
+            return PermanentTierError(f"{where}: no such bucket {self.root.split('/', 1)[0]!r}: create it, or "
+                                      "correct the tier's url", tier=self.name, key=key)
         err = super()._tier_exception(exc, key, op, path, missing_ok)
         if err is None:  # the S3 stack's other errors: a redacted message; the retry policy reads the cause
             err = TierError(f"{where}: {self._redact(f'{type(exc).__name__}: {exc}')}", tier=self.name, key=key)
@@ -233,10 +237,11 @@ class S3Tier(FsspecTier):
             return TransientTierError(f"{where}: HTTP {status}: {self._redact(str(exc))}", tier=self.name, key=key)
         return err
 
-    def _log_retry(self, attempt: int, err: BaseException, delay: float) -> None:
-        # the request layer (request_attempts), under the engine's per-tier `retry` policy: say which
-        log.warning("%s (request try %d of %d, request_attempts; again in %.2f s)", self._redact(str(err)), attempt,
-                    self.options.request_attempts, delay)
+    def _log_retry(self, attempt: int, err: BaseException, delay: float, *, tries: int | None = None) -> None:
+        # the request layer (request_attempts), under the engine's per-tier `retry` policy: say which (the last
+        # try's failure goes to that policy, which says so itself)
+        log.warning("%s (request try %d of %d failed, request_attempts; trying again in %.2f s)",
+                    self._redact(str(err)), attempt, tries or self.options.request_attempts, delay)
 
     def _request(self, op: str, key: str | None, path: str, fn: Callable[[], Any], missing_ok: bool = False) -> Any:
         """``fn()`` with storage errors mapped, transient ones tried up to ``request_attempts`` times."""
@@ -270,7 +275,8 @@ class S3Tier(FsspecTier):
                     raise
                 raise err from exc
 
-        retrying = request_retrying(attempts or self.options.request_attempts, on_retry=self._log_retry,
+        tries = attempts or self.options.request_attempts
+        retrying = request_retrying(tries, on_retry=functools.partial(self._log_retry, tries=tries),
                                     give_up=stop.is_set if stop is not None else None, asynchronous=True)
         return await retrying(once)
 
