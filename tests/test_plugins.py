@@ -381,3 +381,53 @@ def test_two_installed_plugins_under_one_entry_point_name_are_refused(monkeypatc
     monkeypatch.setattr(plugins, "entry_points", lambda group: [ours, EntryPoint("faults", "my_tier.plugin", group)])
     with pytest.raises(PluginError, match=r"two plugins .* name 'faults' .*tiered_ckpt_faults and my_tier\.plugin"):
         PluginManager()
+
+
+def _registering(cls: object) -> types.SimpleNamespace:
+    @hookimpl
+    def tiered_ckpt_register_tiers(registry):
+        registry.add("mine", cls)
+
+    return types.SimpleNamespace(tiered_ckpt_register_tiers=tiered_ckpt_register_tiers)
+
+
+def _abstract_left() -> type:
+    from tiered_ckpt.tiers.base import Tier
+
+    class Half(Tier):  # write_blob and the rest left out
+        kind = "mine"
+
+    return Half
+
+
+def _options_not_a_dataclass() -> type:
+    class Plain(LocalTier):
+        class Options:
+            path: str = "/x"
+
+    return Plain
+
+
+@pytest.mark.parametrize(("cls", "says"), [
+    (object, "must be a subclass of tiered_ckpt.tiers.base.Tier, got <class 'object'>"),
+    ("not a class", "must be a subclass of tiered_ckpt.tiers.base.Tier, got 'not a class'"),
+    (object.__new__(LocalTier), "got an instance of LocalTier (register the class itself)"),
+    (_abstract_left(), "does not implement delete, exists, list, read_blob, size, write_blob"),
+    (_options_not_a_dataclass(), "has an Options that is not a dataclass"),
+])
+def test_a_registered_kind_that_cannot_work_is_refused_naming_the_plugin(cls, says):
+    """A plugin author's trial: a non-Tier class, an instance, a class missing a primitive or with a plain Options
+    were registered, and failed later with a bare AttributeError or TypeError (`tiered-ckpt plugins` crashed)."""
+    with pytest.raises(PluginError, match="tier kind 'mine'") as info:
+        PluginManager(load_entry_points=False, extra_plugins=(_registering(cls),))
+    assert says in str(info.value)
+
+
+def test_a_hook_function_given_as_the_plugin_says_so():
+    """A plugin author's trial: `extra_plugins=(fn,)` said the plugin "implements 'plugin', which is no hook"."""
+    @hookimpl
+    def tiered_ckpt_register_tiers(registry):
+        registry.add("mine", LocalTier)
+
+    with pytest.raises(PluginError, match=r"is the function .*tiered_ckpt_register_tiers, not a plugin: .*module"):
+        PluginManager(load_entry_points=False, extra_plugins=(tiered_ckpt_register_tiers,))

@@ -39,7 +39,7 @@ from . import hookspecs
 from .errors import PluginError
 from .events import Event
 from .registry import Registry
-from .tiers.base import worker_source
+from .tiers.base import Tier, worker_source
 from .validate import suggest
 
 if TYPE_CHECKING:
@@ -229,6 +229,11 @@ class PluginManager:
                               "environment (the drain worker runs the same Python as the training process)")
 
     def _add(self, plugin: Any, name: str | None, origin: tuple[str, Any] | None = None) -> str:
+        if inspect.isroutine(plugin):  # the hook function itself: pluggy read it as a hook named after our holder
+            fn = getattr(plugin, "__qualname__", repr(plugin))
+            raise PluginError(f"plugin {name or fn!r} is the function {fn}, not a plugin: a plugin is the module (or "
+                              "object) whose attributes are the hook functions; register the module, or "
+                              f"types.SimpleNamespace({getattr(plugin, '__name__', 'hook')}=...)")
         name = name or self.pm.get_canonical_name(plugin)
         if name in self._hooks:
             raise PluginError(f"a plugin named {name!r} is already registered ({self._hooks[name].plugin!r}); "
@@ -276,7 +281,7 @@ class PluginManager:
                               ) from None
 
     def _build_registries(self) -> Registries:
-        regs = Registries(Registry("tier kind"), Registry("layout"), Registry("codec"))
+        regs = Registries(Registry("tier kind", Tier, _tier_class_problem), Registry("layout"), Registry("codec"))
         self.pm.hook.tiered_ckpt_register_tiers(registry=regs.tiers)
         self.pm.hook.tiered_ckpt_register_layouts(registry=regs.layouts)
         self.pm.hook.tiered_ckpt_register_codecs(registry=regs.codecs)
@@ -366,6 +371,17 @@ class PluginManager:
         if why is not None:
             raise PluginError(f"the configuration cannot reach the drain worker process: {why}; a tier kind's "
                               f"Options class must be importable too: {fix}")
+
+
+def _tier_class_problem(cls: type) -> str | None:
+    """Why a tier class cannot be built (an abstract method left out, an ``Options`` that is no dataclass), or
+    None."""
+    missing = sorted(getattr(cls, "__abstractmethods__", ()))
+    if missing:
+        return f"does not implement {', '.join(missing)} (docs/plugins.md, section 1)"
+    if not dataclasses.is_dataclass(cls.Options):
+        return f"has an Options that is not a dataclass ({cls.Options!r}): decorate it with @dataclass"
+    return None
 
 
 def _implemented(pm: pluggy.PluginManager, plugin: Any) -> set[str]:

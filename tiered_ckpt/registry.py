@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import difflib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Generic, TypeVar
 
 from .errors import PluginError
@@ -18,14 +18,26 @@ class Registry(Generic[T]):
     name both sides.
     """
 
-    def __init__(self, what: str):
+    def __init__(self, what: str, base: type | None = None, check: Callable[[type], str | None] | None = None):
         self.what = what
+        self.base = base  # what every entry must subclass
+        self.check = check  # more of what an entry must be: why it is not, or None
         self._entries: dict[str, tuple[type[T], str]] = {}
         self.provider = "<direct>"
 
     def add(self, name: str, cls: type[T]) -> None:
         if not isinstance(name, str) or not name:
             raise PluginError(f"{self.provider}: {self.what} name must be a non-empty string, got {name!r}")
+        # Refused here, naming the plugin: taken as it came, a wrong one failed later with a bare AttributeError
+        # or TypeError from wherever it was first used (a plugin author's trial).
+        if self.base is not None and not (isinstance(cls, type) and issubclass(cls, self.base)):
+            base = f"{self.base.__module__}.{self.base.__qualname__}"
+            got = f"an instance of {type(cls).__qualname__} (register the class itself)" \
+                if isinstance(cls, self.base) else repr(cls)
+            raise PluginError(f"{self.provider}: {self.what} {name!r} must be a subclass of {base}, got {got}")
+        why = self.check(cls) if self.check is not None else None
+        if why:
+            raise PluginError(f"{self.provider}: {self.what} {name!r} ({cls.__module__}.{cls.__qualname__}) {why}")
         if name in self._entries:
             _, other = self._entries[name]
             raise PluginError(
