@@ -657,3 +657,23 @@ def test_gc_finds_a_temporary_file_whose_size_the_tier_will_not_tell(ckpt, capsy
     code, out = run(capsys, "gc", str(root), "--delete", "--json")
     assert code == EXIT_OK and not temp.exists()
     assert [(f["what"], f["bytes"]) for f in json.loads(out)["found"]] == [("temporary file", None)]
+
+
+def test_plugins_lists_a_plugin_that_only_observes_events(capsys, monkeypatch):
+    """A plugin author's trial: an entry point that only observes events (a logger) was nowhere in `plugins`,
+    so nothing told whether it was loaded."""
+    import types
+
+    import tiered_ckpt.plugins as plugins
+    from tiered_ckpt import hookimpl
+
+    @hookimpl
+    def tiered_ckpt_on_event(event):
+        pass
+
+    pm = plugins.PluginManager(load_entry_points=False, extra_plugins=(
+        types.SimpleNamespace(tiered_ckpt_on_event=tiered_ckpt_on_event),))
+    monkeypatch.setattr(plugins, "get_plugin_manager", lambda: pm)
+    code, out = run(capsys, "plugins", "--json")
+    rows = [r for r in json.loads(out) if r["type"] == "observer"]
+    assert code == EXIT_OK and len(rows) == 1 and rows[0]["class"] == "types.SimpleNamespace", rows

@@ -6,6 +6,7 @@ A tier whose directory does not exist is reported, never created, and lock files
 from __future__ import annotations
 
 import argparse
+import inspect
 import os
 import sys
 from typing import TYPE_CHECKING
@@ -38,11 +39,16 @@ if TYPE_CHECKING:
 def cmd_plugins(args: argparse.Namespace) -> int:
     from .plugins import get_plugin_manager
 
-    regs = get_plugin_manager().registries
+    pm = get_plugin_manager()
+    regs = pm.registries
     rows = []
     for what, reg in (("tier", regs.tiers), ("layout", regs.layouts), ("codec", regs.codecs)):
         for name, cls, provider in reg.items():
             rows.append({"type": what, "name": name, "provider": provider, "class": f"{cls.__module__}.{cls.__name__}"})
+    for name, plugin in pm.observers():  # a plugin that only observes events registers nothing: shown here alone
+        held = plugin if isinstance(plugin, type) or inspect.ismodule(plugin) else type(plugin)
+        where = held.__name__ if inspect.ismodule(held) else f"{held.__module__}.{held.__qualname__}"
+        rows.append({"type": "observer", "name": name, "provider": name, "class": where})
     if args.json:
         _print_json(rows)
     else:

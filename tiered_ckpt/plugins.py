@@ -330,6 +330,10 @@ class PluginManager:
     def plugin_names(self) -> list[str]:
         return list(self._hooks)
 
+    def observers(self) -> list[tuple[str, Any]]:
+        """(name, plugin) of every plugin that observes events (``tiered_ckpt_on_event``), in registration order."""
+        return [(name, h.plugin) for name, h in self._hooks.items() if hasattr(h, EVENT_HOOK)]
+
     # ----- events ------------------------------------------------------------------------------------------
     def emit(self, event: Event) -> None:
         """Deliver ``event`` to the observers registered on this manager (an engine adds its own: EngineEvents)."""
