@@ -364,7 +364,7 @@ def test_demo_at_its_fewest_steps_and_ranks_resumes_and_leaves_a_workdir_it_take
     assert workdir_problem(work) is None  # what the demo wrote is recognised as its own
 
 
-class _DemoStarted(Exception):
+class _DemoStarted(BaseException):  # passes the CLI's catch-all for unexpected errors
     pass
 
 
@@ -677,3 +677,25 @@ def test_plugins_lists_a_plugin_that_only_observes_events(capsys, monkeypatch):
     code, out = run(capsys, "plugins", "--json")
     rows = [r for r in json.loads(out) if r["type"] == "observer"]
     assert code == EXIT_OK and len(rows) == 1 and rows[0]["class"] == "types.SimpleNamespace", rows
+
+
+def test_an_exception_nobody_expected_is_exit_70_with_its_traceback_never_a_failed_check(ckpt, capsys,
+                                                                                       monkeypatch):
+    """A plugin author's trial: a plugin tier's own exception (sqlite3.DatabaseError) ended `verify` with a bare
+    traceback and exit 1, which reads as "a mismatch was found", and --json printed no JSON."""
+    import sqlite3
+
+    from tiered_ckpt.cli import EXIT_INTERNAL
+    from tiered_ckpt.tiers.local import LocalTier
+
+    def broken(self, prefix=""):
+        raise sqlite3.DatabaseError("file is not a database")
+
+    monkeypatch.setattr(LocalTier, "list", broken)
+    root, _ = ckpt
+    code, out = run(capsys, "verify", str(root), "--json")
+    assert code == EXIT_INTERNAL == 70
+    assert json.loads(out)["error"].startswith("internal error: DatabaseError: file is not a database")
+    assert main(["ls", str(root)]) == EXIT_INTERNAL
+    err = capsys.readouterr().err
+    assert "Traceback (most recent call last)" in err and "sqlite3.DatabaseError" in err

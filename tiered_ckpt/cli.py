@@ -19,6 +19,7 @@ import logging
 import os
 import signal
 import sys
+import traceback
 from typing import Any
 
 from .cli_common import (  # noqa: F401  (the names tests and scripts import from tiered_ckpt.cli)
@@ -27,6 +28,7 @@ from .cli_common import (  # noqa: F401  (the names tests and scripts import fro
     EPILOG,
     EXIT_BROKEN_PIPE,
     EXIT_FAILED,
+    EXIT_INTERNAL,
     EXIT_INTERRUPTED,
     EXIT_NOT_FOUND,
     EXIT_OK,
@@ -156,6 +158,13 @@ def _run(args: argparse.Namespace) -> int:
     except OSError as exc:
         where = f" {exc.filename}" if exc.filename else ""
         return _failure(args, f"could not read{where}: {exc.strerror or exc}", EXIT_UNREADABLE)
+    except Exception as exc:  # noqa: BLE001 - any other: a bug, or a plugin tier's own exception (not TierError)
+        # The traceback says where; the exit status must not read as "a check failed" (1, Python's default), and
+        # --json still gets its error object (a plugin author's trial: sqlite3.DatabaseError from a plugin tier).
+        traceback.print_exc(file=sys.stderr)
+        return _failure(args, f"internal error: {type(exc).__name__}: {exc} (a bug in tiered_ckpt or in a plugin "
+                              "the traceback above names; a plugin tier should raise TierError for its store's "
+                              "errors: docs/plugins.md)", EXIT_INTERNAL)
 
 
 def _import_torch_without_sigint() -> None:

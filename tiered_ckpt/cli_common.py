@@ -28,6 +28,7 @@ if TYPE_CHECKING:
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_NOT_FOUND, EXIT_UNREADABLE = 0, 1, 2, 3, 4
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, as a shell reports a command stopped by Ctrl-C
 EXIT_BROKEN_PIPE = 141  # 128 + SIGPIPE, as a shell reports a writer whose reader went away
+EXIT_INTERNAL = 70  # EX_SOFTWARE: an exception nobody expected (a bug here, or a plugin's own error): never 1
 
 DESCRIPTION = "List, inspect, verify, convert and clean up tiered_ckpt checkpoints on any tier."
 EPILOG = ("exit status: 0 success, 1 a check failed, 2 bad usage or configuration, 3 nothing found, 4 a tier "
