@@ -699,3 +699,16 @@ def test_an_exception_nobody_expected_is_exit_70_with_its_traceback_never_a_fail
     assert main(["ls", str(root)]) == EXIT_INTERNAL
     err = capsys.readouterr().err
     assert "Traceback (most recent call last)" in err and "sqlite3.DatabaseError" in err
+
+
+def test_ls_with_config_says_a_snapshot_is_owed_to_a_tier_that_holds_nothing_yet(ckpt, capsys, tmp_path):
+    """An S3 user's trial: after a crash while S3 was down, its prefix held nothing, and ls said nothing of the
+    snapshots never sent there (a tier with nothing stored was left out of the comparison)."""
+    _, cfg = ckpt
+    cfg = {**cfg, "tiers": [*cfg["tiers"], {"name": "later", "kind": "local", "path": str(tmp_path / "later")}]}
+    path = tmp_path / "tiers.json"
+    path.write_text(json.dumps(cfg))
+    code, out = run(capsys, "ls", "--config", str(path), "--json")
+    states = {(r["tier"], r["step"]): r["state"] for r in json.loads(out)}
+    assert code == EXIT_OK
+    assert "not on 'later'" in states[("shm", 2)], states

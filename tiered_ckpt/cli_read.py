@@ -75,6 +75,9 @@ def cmd_ls(args: argparse.Namespace) -> int:
         if unread:  # listed, yet not known to hold anything: exit 4, as for a tier (an S3 user's trial: exit 0)
             opened.unreadable.setdefault(name, f"the manifest of step {unread[0].step} could not be read"
                                          + (f" (and {len(unread) - 1} more)" if len(unread) > 1 else ""))
+    # A file tier with nothing there (a bucket prefix never written, a directory not made yet) holds none of the
+    # snapshots' steps: each is owed to it (an S3 user's trial: a snapshot never sent there was not said to be).
+    committed.update({name: set() for name in opened.absent if name in opened.cfgs and name not in committed})
     run_id = opened.config.run_id
     shm_bases: list[tuple[str, str]] = []
     for name, cfg in opened.cfgs.items():
