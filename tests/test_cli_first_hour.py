@@ -217,8 +217,8 @@ def test_the_exit_codes_agree_in_help_readme_and_the_docstring():
     from tiered_ckpt import cli
 
     codes = {cli.EXIT_OK, cli.EXIT_FAILED, cli.EXIT_USAGE, cli.EXIT_NOT_FOUND, cli.EXIT_UNREADABLE,
-             cli.EXIT_INTERRUPTED, cli.EXIT_BROKEN_PIPE}
-    assert codes == {0, 1, 2, 3, 4, 130, 141}
+             cli.EXIT_INTERNAL, cli.EXIT_INTERRUPTED, cli.EXIT_BROKEN_PIPE}
+    assert codes == {0, 1, 2, 3, 4, 70, 130, 141}
     epilog = " ".join(build_parser().format_help().split()).split("exit status: ")[1].split(". With --json")[0]
     docstring = " ".join(cli.__doc__.split()).split("Exit codes: ")[1].split(". With ``--json``")[0]
     table = (ROOT / "README.md").read_text().split("| exit status | meaning |")[1].split("\n\n")[0]

@@ -2,7 +2,8 @@
 
 Exit codes: 0 success; 1 a check failed (verify found a mismatch, a checkpoint cannot be converted); 2 bad usage
 or configuration; 3 nothing found (no such directory, bucket, step or checkpoint); 4 a tier could not be read
-(unreachable, permission denied, no credentials: nothing can be said about what it holds); 130 interrupted
+(unreachable, permission denied, no credentials: nothing can be said about what it holds); 70 an error nobody
+expected (a bug, or a plugin's own exception: the traceback is on stderr); 130 interrupted
 (Ctrl-C); 141 the reader of the output went away (``| head``). With ``--json`` a failure is a JSON object on
 stdout, ``{"error": ..., "exit_code": N}``, instead of a message on stderr.
 

@@ -32,8 +32,9 @@ EXIT_INTERNAL = 70  # EX_SOFTWARE: an exception nobody expected (a bug here, or 
 
 DESCRIPTION = "List, inspect, verify, convert and clean up tiered_ckpt checkpoints on any tier."
 EPILOG = ("exit status: 0 success, 1 a check failed, 2 bad usage or configuration, 3 nothing found, 4 a tier "
-          "could not be read, 130 interrupted (Ctrl-C), 141 the reader of the output went away (| head). With "
-          "--json, a failure prints {\"error\": ..., \"exit_code\": N} on stdout.")
+          "could not be read, 70 an error nobody expected (a bug, or a plugin's own exception), 130 interrupted "
+          "(Ctrl-C), 141 the reader of the output went away (| head). With --json, a failure prints "
+          "{\"error\": ..., \"exit_code\": N} on stdout.")
 # The shm tier's default path (tiers/shm.py ShmOptions.path), spelled here so that start-up stays stdlib-only;
 # tests/test_cli.py holds the two equal.
 DEFAULT_SHM_PATH = "/dev/shm/tiered_ckpt"
