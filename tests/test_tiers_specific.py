@@ -648,3 +648,16 @@ def test_an_fsspec_file_tier_made_under_a_missing_directory_says_so_at_its_first
         tier.write_blob("b", [b"y"])
     said = [r.getMessage() for r in caplog.records]
     assert len(said) == 1 and f"{tmp_path / 'mnt'} should be a mounted file system" in said[0], said
+
+
+def test_a_store_error_without_a_message_says_what_it_was():
+    """An S3 user's trial: a stalled upload ended in "TimeoutError: " and nothing after it."""
+    import asyncio
+
+    from tiered_ckpt.errors import TransientTierError
+
+    tier = FsspecTier("remote", FsspecOptions(url="memory://tc-exc/run"))
+    err = tier._tier_exception(asyncio.TimeoutError(), "k", "upload", "tc-exc/run/k")
+    assert isinstance(err, TransientTierError) and str(err).endswith("TimeoutError: no answer within the timeout")
+    err = tier._tier_exception(ConnectionResetError(), "k", "upload", "tc-exc/run/k")
+    assert str(err).endswith("ConnectionResetError: no detail given")

@@ -94,6 +94,13 @@ class Capabilities:
     zero_copy_read: bool = False
 
 
+def exception_text(exc: BaseException) -> str:
+    """``Type: message`` of a store's exception; one without a message (a timeout of asyncio's, of a socket's)
+    says so instead of ending in a bare colon (an S3 user's trial: "TimeoutError: ")."""
+    detail = str(exc) or ("no answer within the timeout" if isinstance(exc, TimeoutError) else "no detail given")
+    return f"{type(exc).__name__}: {detail}"
+
+
 def worker_source(caps: Sequence[Capabilities]) -> int | None:
     """Where a drain worker process (``drain.mode: process``) reads its snapshots, for tiers of these capabilities
     in pipeline order: the index of the first memory tier whose slots outlive the process. None when the drain

@@ -70,6 +70,7 @@ from .base import (
     check_key,
     check_prefix,
     check_range,
+    exception_text,
     file_in_path,
     first_missing_dir,
     not_a_directory,
@@ -287,7 +288,7 @@ class FsspecTier(Tier):
                 return BlobNotFoundError("no such blob", tier=self.name, key=key)
             return PermanentTierError(text(exc), tier=self.name, key=key)
         if isinstance(exc, (TimeoutError, ConnectionError)):
-            return TransientTierError(text(f"{type(exc).__name__}: {exc}"), tier=self.name, key=key)
+            return TransientTierError(text(exception_text(exc)), tier=self.name, key=key)
         if isinstance(exc, PermissionError):
             detail = str(exc).rstrip(".")
             return PermanentTierError(text(f"permission denied: {detail}") + self._permission_hint, tier=self.name,

@@ -85,6 +85,7 @@ from .base import (
     check_prefix,
     check_range,
     chunks_stable,
+    exception_text,
 )
 from .fsspec_tier import FsspecOptions, FsspecTier
 
@@ -217,10 +218,10 @@ class S3Tier(FsspecTier):
         network, credentials = library_errors()
         where = self._redact(f"{op} {path}")
         if isinstance(exc, network) and not isinstance(exc, (FileNotFoundError, PermissionError)):
-            return TransientTierError(f"{where}: {self._redact(f'{type(exc).__name__}: {exc}')}", tier=self.name,
+            return TransientTierError(f"{where}: {self._redact(exception_text(exc))}", tier=self.name,
                                       key=key)
         if credentials and isinstance(exc, credentials):
-            return PermanentTierError(f"{where}: {self._redact(f'{type(exc).__name__}: {exc}')} (give key/secret "
+            return PermanentTierError(f"{where}: {self._redact(exception_text(exc))} (give key/secret "
                                       "in the tier's options or set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY)",
                                       tier=self.name, key=key)
         if s3_error_code(exc) == "NoSuchBucket":  # "The specified bucket does not exist": which, and what to do
@@ -228,7 +229,7 @@ class S3Tier(FsspecTier):
                                       "correct the tier's url", tier=self.name, key=key)
         err = super()._tier_exception(exc, key, op, path, missing_ok)
         if err is None:  # the S3 stack's other errors: a redacted message; the retry policy reads the cause
-            err = TierError(f"{where}: {self._redact(f'{type(exc).__name__}: {exc}')}", tier=self.name, key=key)
+            err = TierError(f"{where}: {self._redact(exception_text(exc))}", tier=self.name, key=key)
         status = s3_http_status(exc)
         code = s3_error_code(exc)
         if isinstance(err, PermanentTierError) and code in (None, str(status)) and status in _RETRY_STATUSES:
