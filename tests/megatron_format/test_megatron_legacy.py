@@ -99,6 +99,20 @@ def test_other_formats_are_named(pp2: Path) -> None:
         legacy.detect(_tier(pp2), step=12)
 
 
+def test_a_checkpoint_of_ours_of_another_state_is_named(tmp_path: Path) -> None:
+    """An S3 user's trial: `convert` of a plain training loop's checkpoint said only "no mp_rank_* directories: not
+    a Megatron torch-format checkpoint"."""
+    from tiered_ckpt import CheckpointEngine
+
+    cfg = {"run_id": "plain", "drain": {"mode": "thread"},
+           "tiers": [{"name": "disk", "kind": "local", "path": str(tmp_path / "ck")}]}
+    with CheckpointEngine(cfg) as engine:
+        engine.save(3, {"model": {"w": torch.ones(4)}}).wait(timeout=60)
+    with pytest.raises(DecodeError, match="a tiered_ckpt checkpoint of a state that is not a Megatron model's.*"
+                                          "CheckpointEngine.load"):
+        convert(tmp_path / "ck", tmp_path / "out", to="megatron", progress=False)
+
+
 @pytest.mark.parametrize(("config", "dp"), [("dp2_tp1_pp2", None), ("dp4_tp1_pp1", None), *RELOADS])
 def test_load_rank_items_at_any_dp_gives_megatrons_shards(tmp_path: Path, config: str, dp: int | None) -> None:
     t = truth(config)

@@ -116,6 +116,11 @@ def detect(tier: Tier, *, step: Iteration | None = None, trust_pickles: bool = F
     has_distrib = any(f"{d}/{DISTRIB_OPTIM_FILENAME}" in names for d in mp_dirs)
     has_manifest = f"{META_DIR}/manifest.json" in names
     if not mp_dirs:
+        if has_manifest:  # ours, of a state that is not Megatron's (an S3 user's trial: the message said less)
+            raise DecodeError(f"{where}: a tiered_ckpt checkpoint of a state that is not a Megatron model's (no "
+                              "mp_rank_* directories: it was not saved through tiered_ckpt.megatron): convert and "
+                              "the Megatron loaders read Megatron checkpoints only; CheckpointEngine.load() reads "
+                              "this one")
         raise DecodeError(f"{where}: no mp_rank_* directories: not a Megatron torch-format checkpoint")
     if not has_manifest and any(n.startswith(f"{META_DIR}/") for n in names):
         raise NoCheckpointError(f"{where}: step {iteration} was saved by tiered_ckpt but never committed (files "
