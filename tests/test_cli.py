@@ -712,3 +712,16 @@ def test_ls_with_config_says_a_snapshot_is_owed_to_a_tier_that_holds_nothing_yet
     states = {(r["tier"], r["step"]): r["state"] for r in json.loads(out)}
     assert code == EXIT_OK
     assert "not on 'later'" in states[("shm", 2)], states
+
+
+def test_ls_of_a_directory_whose_checkpoints_are_one_level_down_names_them(ckpt, capsys, tmp_path):
+    """An S3 user's trial: `ls s3://bucket` whose runs live under prefixes said "no checkpoints" and no more."""
+    import shutil
+
+    root, _ = ckpt
+    top = tmp_path / "bucket"
+    shutil.copytree(root, top / "run-a")
+    code, out = run(capsys, "ls", str(top), "--json")
+    assert code == EXIT_NOT_FOUND
+    assert json.loads(out)["error"].endswith(f"it holds checkpoints one level down or more: {top}/run-a: give one "
+                                             "of those")

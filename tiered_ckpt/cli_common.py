@@ -259,6 +259,31 @@ def step_directory_hint(target: str) -> str:
             "iter_* directories")
 
 
+def nested_checkpoints_hint(opened: Opened) -> str:
+    """When the directory or bucket given holds no step directory of its own but checkpoints one or more levels
+    down (``s3://bucket`` whose runs are under prefixes), the advice to give one of those (an S3 user's trial:
+    "no checkpoints", exit 3, and no word of the runs there)."""
+    from .layouts.base import Layout
+
+    parse = Layout().parse_step_dir
+    found: list[str] = []
+    for store in opened.file_stores().values():
+        try:
+            keys = store.tier.list("")
+        except (TierError, OSError):
+            continue
+        for key in keys:
+            parts = key.split("/")
+            at = next((i for i, part in enumerate(parts[1:-1], 1) if parse(part) is not None), None)
+            if at is not None and (where := "/".join(parts[:at])) not in found:
+                found.append(where)
+    if not found or opened.target is None:
+        return ""
+    base = opened.target.rstrip("/")
+    shown = ", ".join(f"{base}/{d}" for d in found[:4]) + (f" (and {len(found) - 4} more)" if len(found) > 4 else "")
+    return f"; it holds checkpoints one level down or more: {shown}: give one of those"
+
+
 def _open(args: argparse.Namespace, *, memory: bool) -> Opened:
     """The selected tiers, opened for reading only: nothing is created. ``memory``: open memory tiers too."""
     from .inventory import Unreadable, absent_before_open, absent_location

@@ -27,6 +27,7 @@ from .cli_common import (
     _text,
     human_bytes,
     human_duration,
+    nested_checkpoints_hint,
     no_commit_message,
     step_directory_hint,
 )
@@ -88,7 +89,9 @@ def cmd_ls(args: argparse.Namespace) -> int:
             infos.extend(_snapshot_rows(memory_steps(slots), run_id, committed, opened))
     for name, base in shm_bases:
         infos.extend(_other_runs(name, base, run_id))
+    nested = "" if infos or not opened.target else nested_checkpoints_hint(opened)
     problem = opened.problem(bool(infos), f"no checkpoints in {opened.target}{step_directory_hint(opened.target)}"
+                             f"{nested}"
                              if opened.target else "no checkpoints on any tier")
     opened.notes(args)
 
