@@ -454,9 +454,11 @@ class FileStore(CommittedFiles):
                 raise self._another_job_error(step, old)
             if old is not None and save_id and old.extra.get(SAVE_KEY) == save_id:
                 return earlier
-            log.warning("tier %r: step %d is committed here and is being saved again: it is un-committed until "
+            by = (f" (it was committed by run {old.run_id!r}, this engine's run is {self.run_id!r}: another job "
+                  "saving into this directory?)" if old is not None and old.run_id != self.run_id else "")
+            log.warning("tier %r: step %d is committed here and is being saved again%s: it is un-committed until "
                         "the new save commits (a crash before then leaves the previous step the newest)",
-                        self.name, step)
+                        self.name, step, by)
             self._drop_commit(step, rank, old.files if old is not None else ())
             if self.read_tracker() == step:  # Megatron-LM reads the tracker alone: point it at a committed step
                 older = [s for s in self._retry(self.committed_steps, step, rank, "list the tier") if s != step]

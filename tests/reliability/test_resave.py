@@ -86,8 +86,15 @@ def test_saving_a_committed_step_again_replaces_it_and_says_so(tmp_path, caplog)
         engine.save(7, state(7.0)).wait()
         with caplog.at_level(logging.WARNING, logger="tiered_ckpt"):
             engine.save(7, state(70.0)).wait()  # the same process, the same step: un-committed, then committed
-        assert "step 7 is committed here and is being saved again" in caplog.text
+        assert "step 7 is committed here and is being saved again: it is un-committed" in caplog.text
         engine.save(7, state(700.0)).wait()
+    # Another run_id saving it again (two jobs started together, within the clock margin, are not refused): the
+    # warning names both runs (an S3 user's trial: it said nothing of the other job).
+    caplog.clear()
+    with CheckpointEngine({**cfg, "run_id": "another"}) as engine, caplog.at_level(logging.WARNING, "tiered_ckpt"):
+        engine.save(7, state(700.0)).wait()
+    assert f"committed by run {cfg['run_id']!r}, this engine's run is 'another'" in caplog.text
+    cfg = {**cfg, "run_id": "another"}
     with CheckpointEngine(cfg) as engine:
         got = engine.load()
         assert got.step == 7 and got.verified and torch.equal(got.items["model"]["w"], state(700.0)["model"]["w"])
