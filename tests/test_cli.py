@@ -110,6 +110,7 @@ def test_inspect_with_config_takes_the_newest_step_from_the_fastest_tier_holding
                             cfg["tiers"][1]]}
     path = tmp_path / "tiers.json"
     path.write_text(json.dumps(cfg))
+    (tmp_path / "new").mkdir()  # there, and empty (one that does not exist is left out before this)
     code, out = run(capsys, "inspect", "--config", str(path), "--json")
     assert code == EXIT_OK and (json.loads(out)["tier"], json.loads(out)["step"]) == ("disk", 2)
     code, out = run(capsys, "inspect", "--config", str(path), "--step", "1")
@@ -118,7 +119,6 @@ def test_inspect_with_config_takes_the_newest_step_from_the_fastest_tier_holding
     # a tier that could not be listed may hold a newer step: what was found is shown, and the exit status says so
     from tiered_ckpt.tiers.local import LocalTier
 
-    (tmp_path / "new").mkdir()
     real = LocalTier.list
 
     def failing(self, prefix=""):
@@ -129,6 +129,21 @@ def test_inspect_with_config_takes_the_newest_step_from_the_fastest_tier_holding
     monkeypatch.setattr(LocalTier, "list", failing)
     code, out = run(capsys, "inspect", "--config", str(path))
     assert code == EXIT_UNREADABLE and "step 2" in out, out
+    # the tier that holds the steps not even opened, the other empty: never "nothing found" (exit 3, a fresh
+    # start), as a review found
+    import tiered_ckpt.inventory as inventory
+
+    monkeypatch.setattr(LocalTier, "list", real)
+    real_open = inventory.absent_before_open
+
+    def unreadable_disk(cfg, *args, **kwargs):
+        if cfg.name == "disk":
+            raise inventory.Unreadable("permission denied")
+        return real_open(cfg, *args, **kwargs)
+
+    monkeypatch.setattr(inventory, "absent_before_open", unreadable_disk)
+    code, out = run(capsys, "inspect", "--config", str(path))
+    assert code == EXIT_UNREADABLE, out
 
 
 def test_verify_passes_then_fails_on_corruption(ckpt, capsys):
@@ -725,3 +740,18 @@ def test_ls_of_a_directory_whose_checkpoints_are_one_level_down_names_them(ckpt,
     assert code == EXIT_NOT_FOUND
     assert json.loads(out)["error"].endswith(f"it holds checkpoints one level down or more: {top}/run-a: give one "
                                              "of those")
+
+
+def test_a_demo_whose_job_fails_is_a_failed_check_not_an_internal_error(demo_launch, tmp_path, capsys,
+                                                                        monkeypatch):
+    """A review: with the CLI's catch-all for exceptions nobody expected (exit 70), a rank of the demo failing
+    read as a bug of tiered_ckpt's."""
+    def launch(world, spec, logs, **_):
+        if "config" not in spec:
+            return []  # the reference run
+        raise demo_launch.DemoFailed("rank 1 failed (exit 1):\nno space left on device")
+
+    monkeypatch.setattr(demo_launch, "launch", launch)
+    code = main(["demo", "--workdir", str(tmp_path / "demo"), "--world", "2", "--steps", "12"])
+    err = capsys.readouterr().err
+    assert code == EXIT_FAILED and "the demo failed: rank 1 failed" in err and "internal error" not in err, err

@@ -383,13 +383,15 @@ def test_the_streaming_copy_refuses_a_negative_count_a_null_or_an_impossible_add
     _streamcopy.copy(0, 0, 0)  # nothing to move: no address is touched
 
 
-@pytest.mark.parametrize("streaming", [True, False], ids=["streaming", "memmove"])
-def test_move_all_copies_every_span_exactly_and_nothing_else(monkeypatch, streaming):
-    """Many spans in one call of the C helper: small ones (memcpy), ones above STREAM_MIN (streamed), any
-    alignment, an empty one, and an overlapping one (memmove's result)."""
-    if streaming and not memcopy.STREAMING:
+@pytest.mark.parametrize("way", ["streaming", "c-memcpy", "python"])
+def test_move_all_copies_every_span_exactly_and_nothing_else(monkeypatch, way):
+    """Many spans in one call of the C helper: small ones (memcpy), ones above STREAM_MIN (streamed, or not when
+    streaming is off), any alignment, an empty one, and an overlapping one (memmove's result); and the same one
+    span at a time where the helper is not built."""
+    if way != "python" and memcopy._copy_many is None:
         pytest.skip("the C helper is not built here")
-    monkeypatch.setattr(memcopy, "STREAMING", streaming)
+    streaming = way != "python"
+    monkeypatch.setattr(memcopy, "STREAMING", way == "streaming")
     monkeypatch.setattr(memcopy, "STREAM_MIN", 4096)
     gen = torch.Generator().manual_seed(1)
     src = torch.randint(0, 256, (1 << 20,), dtype=torch.uint8, generator=gen)
@@ -402,10 +404,13 @@ def test_move_all_copies_every_span_exactly_and_nothing_else(monkeypatch, stream
         want[d:d + n] = src[s:s + n]
         at += n + 100
     real, calls = memcopy._copy_many, []
-    monkeypatch.setattr(memcopy, "_copy_many", lambda *a: (calls.append(a), real(*a))[1])
+    if streaming:
+        monkeypatch.setattr(memcopy, "_copy_many", lambda *a: (calls.append(a), real(*a))[1])
+    else:  # an install without the C helper: one move() per span
+        monkeypatch.setattr(memcopy, "_copy_many", None)
     memcopy.move_all(spans)
     assert torch.equal(dst, want)
-    assert len(calls) == 1  # one hand-off of the GIL for all of them
+    assert len(calls) == (1 if streaming else 0)  # one hand-off of the GIL for all of them
     buf = torch.arange(256, dtype=torch.uint8).repeat(4)
     expect = buf.clone()
     ctypes.memmove(expect.data_ptr() + 10, expect.data_ptr(), 600)

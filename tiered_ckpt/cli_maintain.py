@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 from .cli_common import (
     DEFAULT_SHM_PATH,
+    EXIT_FAILED,
     EXIT_NOT_FOUND,
     EXIT_OK,
     EXIT_UNREADABLE,
@@ -312,10 +313,12 @@ def _write_fsync(mb: Any, nbytes: int, directory: str, which: str) -> Any:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    from .demo.run import WorkdirError, run_demo
+    from .demo.run import DemoFailed, WorkdirError, run_demo
 
     try:
         return run_demo(args.workdir, world=args.world, steps=args.steps, remote=args.remote,
                         keep_files=not args.clean, as_json=args.json)
     except WorkdirError as exc:
         raise CommandError(str(exc), EXIT_USAGE) from None
+    except DemoFailed as exc:  # what the demo shows did not happen: a failed check, not a bug's exit 70
+        raise CommandError(f"the demo failed: {exc}", EXIT_FAILED) from None

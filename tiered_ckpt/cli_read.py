@@ -154,7 +154,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     opened = _open(args, memory=False)
     stores = _file_tiers(opened)
     opened.notes(args)
-    if len(stores) == 1:
+    if len(stores) == 1 and not opened.unreadable:  # (one not read may hold it: _holding_tier says so, exit 4)
         name, store = next(iter(stores.items()))
         if (plain := _inspect_dcp(store, args)) is not None:  # a DCP directory without our manifest (issue #14)
             return plain

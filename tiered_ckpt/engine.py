@@ -629,7 +629,9 @@ class CheckpointEngine:
         the newest the other tiers hold, ``result.unreachable`` names what was not seen (and a
         ``tier_unreachable`` event). Where nothing loadable is found, :class:`NoCheckpointError` means every
         tier of every rank was looked at and holds nothing; :class:`CheckpointUnreadableError` that steps are
-        there and none could be loaded; :class:`TierUnavailableError` that some tier could not be looked at.
+        there and none could be loaded, or that a file tier failed to read the newest one with its own errors (an
+        older step is taken in place of a damaged one, never of one a tier would not serve);
+        :class:`TierUnavailableError` that some tier could not be looked at.
         Neither of the last two is a NoCheckpointError: do not start from scratch on them.
 
         ``into``: item name → state shaped like the one saved (the very dict passed to ``save``, say); its tensors
@@ -711,7 +713,7 @@ class CheckpointEngine:
             if step is None:
                 unsure = result is None and "error" in damaged[tried_from:]
                 if not self.coordinator.all_succeeded(not unsure, "tier errors"):
-                    self._tier_errors(chosen, sorted(mine - rejected - {chosen}), unsure, fallbacks)
+                    self._tier_errors(chosen, sorted(s for s in mine - rejected if s < chosen), unsure, fallbacks)
             if result is not None:  # this rank read its part: say why it is not used
                 why = f"step {chosen}: another rank could not load its part of it (its log says why)"
                 fallbacks.append(why)

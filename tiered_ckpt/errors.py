@@ -146,7 +146,9 @@ class TierUnavailableError(TieredCkptError):
 
 class CheckpointUnreadableError(TieredCkptError):
     """``load()`` found checkpoints, and could load none of them: every copy of every step it tried failed
-    (checksums, a damaged manifest, a missing file). Deliberately *not* a :class:`NoCheckpointError`: a resume
+    (checksums, a damaged manifest, a missing file), or a file tier failed to read the newest step with its own
+    errors (throttled, unreachable, permission denied: no proof of damage, so no older step is taken in its place;
+    load again, or ask for an older step). Deliberately *not* a :class:`NoCheckpointError`: a resume
     script that starts from scratch on "nothing there" must stop here, or its new run's saves land beside
     damaged steps that still count as the newest. ``failures`` lists what each copy tried failed with."""
 

@@ -26,7 +26,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from .errors import RunLockedError, TieredCkptError, TierError
+from .errors import BlobNotFoundError, RunLockedError, TieredCkptError, TierError
 from .locking import LOCKS_DIR, RUN_LOCK, remove_if_unheld, shm_lock_path, tmp_lock_base
 from .tiers._files import remove_empty_dirs
 from .tiers.base import _user_name
@@ -101,11 +101,16 @@ def find_debris(store: FileStore, *, live: bool = False, min_age_s: float = TEMP
             continue  # only said, never removed: a size that cannot be had is no reason to fail the tier's gc
         why = None if debris else LEFT_NEWEST if newest else LEFT_YOUNG
         (out if debris else kept).append(Debris(store.name, "partial step", step_dir, nbytes, age_s=age, left=why))
-    for rel in store.tier.temp_files():  # the Tier interface (tiers/base.py): every kind answers, plugins too
+    temps = store.tier.temp_files()  # the Tier interface (tiers/base.py): every kind answers, plugins too
+    for rel in temps:
         age = _age(store, rel, now) if min_age_s > 0 else None
         try:
             size: int | None = store.tier.size(rel)
-        except (TierError, OSError):  # still found (a plugin's size() refusing temp keys hid them: a trial)
+        except BlobNotFoundError:
+            if rel not in store.tier.temp_files():
+                continue  # finished (renamed into place) or removed since the listing
+            size = None  # a plugin's size() that refuses temp keys: still found (they were skipped: a trial)
+        except (TierError, OSError):
             size = None
         debris = _is_old(age, min_age_s)
         (out if debris else kept).append(Debris(store.name, "temporary file", rel, size, age_s=age,

@@ -80,9 +80,10 @@ def absent_location(tier: Tier) -> str | None:
     except FileNotFoundError:
         info = None
     except Exception as exc:
-        # the tier's own reading of its store's error where it has one (a bare "Forbidden" gets its hint)
-        mapped = getattr(tier, "_tier_exception", None)
-        err = mapped(exc, None, "look at", root) if callable(mapped) else None
+        from .tiers.fsspec_tier import FsspecTier
+
+        # the fsspec tiers' own reading of their store's errors (a bare "Forbidden" gets its hint)
+        err = tier._tier_exception(exc, None, "look at", root) if isinstance(tier, FsspecTier) else None
         raise Unreadable(str(err) if err is not None else _redacted(tier, _why(exc))) from None
     if info is not None:
         if info.get("type") == "file":

@@ -404,8 +404,11 @@ def _uses_worker(manager: PluginManager, config: Config) -> bool:
     if config.drain.mode != "process":
         return False
     tiers = manager.registries.tiers
-    return worker_source([tiers.get(t.kind).capabilities_for(t.options) for t in config.tiers
-                          if t.enabled is not False and t.kind in tiers]) is not None
+    caps = [(t, tiers.get(t.kind).capabilities_for(t.options)) for t in config.tiers
+            if t.enabled is not False and t.kind in tiers]
+    # A tier left to `enabled: auto` may be off once built: one in process memory then no longer keeps the
+    # drain in threads, so it is counted out (the check is made whenever a worker may run).
+    return worker_source([c for t, c in caps if c.survives_process or t.enabled is True]) is not None
 
 
 class EngineEvents:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from .errors import CorruptionError, LayoutMismatchError, NoCheckpointError, TierError
+from .errors import BlobNotFoundError, CorruptionError, LayoutMismatchError, NoCheckpointError, TierError
 from .layouts.base import MODEL_ITEM, OPTIM_ITEM
 from .load_into import apply_into, tensors
 from .parallel import RankCoords, layout_changes
@@ -138,9 +138,14 @@ def _read_megatron(store: FileStore, step: int, coords: RankCoords, *, verify: b
 
     try:
         items = legacy.load_rank_items(store.tier, step, coords, trust_pickles=trust, verify=verify)
-    except (LayoutMismatchError, NoCheckpointError) as exc:
+    except NoCheckpointError as exc:
+        # No step there after all (its directory removed since the listing, by another process's retention, or
+        # files left by a save never committed): gone, as a missing file is, so load() moves on (not a tier's
+        # own error, after which it would stop: a review found that).
+        raise BlobNotFoundError(str(exc), tier=store.name) from None
+    except LayoutMismatchError as exc:
         err = TierError(str(exc), tier=store.name)  # another tier may hold this step in a form this job loads
-        err.layout_mismatch = isinstance(exc, LayoutMismatchError)  # type: ignore[attr-defined]
+        err.layout_mismatch = True  # type: ignore[attr-defined]
         raise err from None
     nbytes = sum(t.numel() * t.element_size() for t in tensors(items))
     return dict(items), bool(items.verified), nbytes

@@ -66,11 +66,12 @@ def open_drain(pipeline: Pipeline, on_tier_done: OnTierDone, on_slot_released: O
                                 pipeline.emit, on_tier_done, on_slot_released, stores=stores)
         return SplitDrain(pipeline, shared, on_tier_done, on_slot_released)
     if pipeline.config.drain.mode == "process":
-        volatile = [n for n in order if not stores[n].tier.capabilities.survives_process
-                    and stores[n].slots() is None]
+        caps = [stores[n].tier.capabilities for n in order]
+        volatile = [n for n, c in zip(order, caps, strict=True) if not c.survives_process and not c.memory]
+        shm = any(c.memory and c.survives_process for c in caps)
         log.info("%s: the drain runs as threads of this process", f"tier(s) {', '.join(map(repr, volatile))} keep "
-                 "their files in this process's memory, where a worker process could not write them" if volatile
-                 else "no shared-memory tier to hand the snapshot to a worker process")
+                 "their files in this process's memory, where a worker process could not write them"
+                 if shm and volatile else "no shared-memory tier to hand the snapshot to a worker process")
     return DrainRuntime(stores, order, pipeline.coords, pipeline.emit, on_tier_done, on_slot_released,
                         **pipeline.drain_options())
 

@@ -105,3 +105,31 @@ def test_a_step_retired_between_listing_and_read_moves_to_the_newer_one(shm_root
     finally:
         saver.close()
         loader.close()
+
+
+@pytest.mark.parametrize("gone", ["directory", "manifest"])
+def test_the_newest_step_removed_after_the_listing_moves_to_the_older_one(tmp_path, gone):
+    """A review: the newest step listed and then removed by another process (its whole directory, or its manifest
+    first, as retention un-commits) read as the tier's own error, and load() stopped, saying "the step is there"
+    (a tier's errors are not damage). A step that is gone is gone: the older one is loaded."""
+    import shutil
+
+    cfg = {"run_id": f"rg-{uuid.uuid4().hex[:8]}", "drain": {"mode": "thread"}, "tiers": [_local(tmp_path, None)]}
+    with CheckpointEngine(cfg) as engine:
+        for step in (1, 2):
+            engine.save(step, {"state": {"step": torch.tensor(step)}}).wait(timeout=60)
+    step_dir = tmp_path / "local" / "iter_0000002"
+    with CheckpointEngine(cfg) as engine:
+        listed = engine._checked_lists
+
+        def listing_then_removal(*args):
+            out = listed(*args)
+            if gone == "directory":
+                shutil.rmtree(step_dir)
+            else:
+                (step_dir / "tiered_ckpt" / "manifest.json").unlink()
+            return out
+
+        engine._checked_lists = listing_then_removal
+        res = engine.load()
+        assert res.step == 1 and int(res.items["state"]["step"]) == 1

@@ -32,6 +32,10 @@ _DEMO_TIERS = ["shm", "local", "remote"]
 SHM_PATH = ShmOptions.path  # the shm tier's default path, where /dev/shm exists (else the workdir's shm folder)
 
 
+class DemoFailed(RuntimeError):
+    """The demo's job did not do what it shows: a rank failed, or it did not finish in time (its logs say why)."""
+
+
 class WorkdirError(ValueError):
     """The demo's workdir cannot be used: it holds something the demo did not write (and would delete)."""
 
@@ -67,7 +71,7 @@ def launch(world: int, spec: dict, logs: Path, *, timeout: float = 300) -> list[
                     if p.poll() is None:
                         p.send_signal(signal.SIGKILL)  # the rest of the job goes down with the failed node
             if time.monotonic() > deadline:
-                raise TimeoutError("the demo job did not finish in time")
+                raise DemoFailed(f"the demo job did not finish within {timeout:g} s (its logs: {logs})")
             time.sleep(0.05)
     except BaseException:
         # Timed out, interrupted (Ctrl-C) or failed here: the job goes down with its conductor (and is reaped)
@@ -83,7 +87,7 @@ def launch(world: int, spec: dict, logs: Path, *, timeout: float = 300) -> list[
     for rank, (p, (out, err)) in enumerate(zip(procs, outputs, strict=True)):
         # After a rank's death the others fail in their next collective: expected, the job restarts.
         if p.returncode != 0 and not crashed:
-            raise RuntimeError(f"rank {rank} failed (exit {p.returncode}):\n{err.read_text()[-3000:]}")
+            raise DemoFailed(f"rank {rank} failed (exit {p.returncode}):\n{err.read_text()[-3000:]}")
         records += [json.loads(line) for line in out.read_text().splitlines() if line.startswith("{")]
     return records
 
