@@ -458,3 +458,29 @@ def test_the_only_tier_unreachable_is_not_advised_away(shm_root, tmp_path):
     with CheckpointEngine(both) as engine, pytest.raises(TierUnavailableError) as err:
         engine.load()
     assert "Nothing loadable on the other tiers" in str(err.value) and "enabled: false" in str(err.value)
+
+
+def test_close_says_as_an_error_what_failed_and_no_wait_reported(shm_root, tmp_path, caplog):
+    """A Megatron user's trial: every save failed on the disk tier, each a warning among many, and close() at the
+    job's end said nothing. Saves that failed since the last engine.wait() are said again, as an error; the steps
+    that reached no durable tier are kept for the caller to take (the Megatron drop-in raises on them)."""
+    import logging
+
+    broken = _faulty("broken", tmp_path / "broken", permanent_error=True, retry={"attempts": 1})
+    cfg = _config(shm_root, tmp_path, broken)
+    engine = CheckpointEngine({**cfg, "tiers": [cfg["tiers"][0], broken]})  # shm, and a tier that fails
+    engine.save(1, make_items(1))
+    engine.save(2, make_items(2))
+    engine._drain.wait_idle(60)
+    lost = engine.take_not_durable()
+    assert sorted(lost) == [1, 2] and set(lost[1]) == {"broken"} and engine.take_not_durable() == {}
+    with caplog.at_level(logging.ERROR, logger="tiered_ckpt"):
+        engine.close()
+    said = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
+    assert len(said) == 1 and said[0].startswith("close(): 2 save(s) failed on a tier since the last engine.wait()")
+    with CheckpointEngine({**cfg, "run_id": f"{cfg['run_id']}-2"}) as engine:  # the local tier took it: durable
+        engine.save(3, make_items(3))
+        engine._drain.wait_idle(60)
+        assert engine.take_not_durable() == {}
+        with pytest.raises(SaveError):
+            engine.wait()

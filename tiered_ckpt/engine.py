@@ -155,6 +155,7 @@ class CheckpointEngine:
         self._handles: dict[int, list[SaveHandle]] = {}  # per step, oldest first: a step may be saved twice
         self._failures: dict[int, dict[str, str]] = {}  # since the last engine.wait(): step → tier → why
         self._recovered_failures: set[tuple[int, str]] = set()  # those of _failures from start-up recovery
+        self._not_durable: dict[int, dict[str, str]] = {}  # saves no durable tier took (take_not_durable)
         self._fingerprints: tuple[str, ...] | None = None
         self._plan_memos: dict[str, PlanMemo] = {}  # what planning each item at the next save may reuse
         self._cond = threading.Condition()
@@ -232,6 +233,9 @@ class CheckpointEngine:
                     self._failures.pop(step, None)
             if handle is not None:
                 handle._resolve(tier, ok, error)
+                durable = [t for t in handle.due if self.pipeline.stores[t].durable]
+                if not ok and durable and handle.done() and all(t in handle._errors for t in durable):
+                    self._not_durable[step] = {t: handle._errors[t] for t in durable}
             self._drop_handles(step, SaveHandle.done)
 
     def _slot_released(self, tier: str, slot: int, step: int) -> None:
@@ -912,6 +916,14 @@ class CheckpointEngine:
         if failures:
             raise SavesFailedError(failures)
 
+    def take_not_durable(self) -> dict[int, dict[str, str]]:
+        """The steps saved since the last call whose every due durable tier failed (step → tier → why): they
+        are in memory only. For callers that never wait on their saves (Megatron-LM ignores what
+        ``save_checkpoint`` returns): the drop-in raises on them at the next save."""
+        with self._cond:
+            lost, self._not_durable = self._not_durable, {}
+        return lost
+
     def wait_committed(self, handle: SaveHandle, timeout: float | None = None) -> None:
         """``handle.wait(timeout=timeout)``, then, on a rank that does not commit a due file tier's steps, until
         the committing rank has committed this save there: what ``handle.wait()`` tells only on the committing
@@ -982,6 +994,13 @@ class CheckpointEngine:
                             timeout)
             else:
                 self._release_memory()
+            with self._cond:
+                unsaid = dict(self._failures)
+            if unsaid:  # failures no wait() reported: said once more, as an error (warnings scroll past)
+                said = "; ".join(f"step {s}: {', '.join(f'{t!r} ({why[:200]})' for t, why in f.items())}"
+                                 for s, f in list(sorted(unsaid.items()))[-4:])
+                log.error("close(): %d save(s) failed on a tier since the last engine.wait(): %s%s", len(unsaid), said,
+                          " (the older ones in the log)" if len(unsaid) > 4 else "")
         finally:
             if notice is not None:
                 notice.cancel()

@@ -631,3 +631,37 @@ def test_a_checkpoint_saved_without_optimizer_or_rng_says_so_on_load(tmp_path: P
         assert "--no-load-optim" in res["error"] and "--use-distributed-optimizer" not in res["error"], rank
         assert res["loaded"] == (SAVED_AT, FLOPS), (rank, res["loaded"])
         assert res["rng_warning"] and "--no-load-rng" in res["rng_warning"][0], (rank, res["rng_warning"])
+
+
+def rank_save_to_a_tier_that_fails(rank: int, world: int, spec: Spec, cfg: dict) -> dict[str, Any]:
+    """Two saves through the drop-in into shm + a tier whose every write fails; the first is waited for."""
+    job = spec.job()
+    train(job, SAVED_AT)
+    with CheckpointEngine(cfg, job.layout, rank=rank) as engine:
+        first = save(job, engine)
+        try:
+            first.wait(timeout=120)
+        except Exception as exc:  # noqa: BLE001 - expected: the tier refuses every write
+            first_error = type(exc).__name__
+        train(job, RESUMED_TO)
+        try:
+            save(job, engine)
+            second = None
+        except Exception as exc:  # noqa: BLE001 - reported to the test
+            second = f"{type(exc).__name__}: {exc}"
+        return {"first": first_error, "second": second, "held": engine.available_steps().get("shm", [])}
+
+
+def test_a_save_that_reached_no_durable_tier_stops_the_job_at_the_next_save(tmp_path: Path, shm_root: str) -> None:
+    """A Megatron user's trial: with the --save directory gone, every save failed on the disk tier (a warning
+    each) and the job trained to its end, exit 0, with no checkpoint on disk: Megatron ignores what
+    save_checkpoint returns. The next save takes its snapshot, then raises, naming the step and the tier."""
+    cfg = config(f"real-lost-{uuid.uuid4().hex[:8]}", shm=shm_root)
+    cfg["tiers"].append({"name": "disk", "kind": "faulty", "inner": {"kind": "local", "path": str(tmp_path / "d")},
+                         "permanent_error": True, "retry": {"attempts": 1}})
+    (res,) = launch(rank_save_to_a_tier_that_fails, 1, Spec(1, 1, "fp32"), cfg)
+    assert res["first"] == "SaveError", res
+    assert res["second"] is not None and res["second"].startswith(
+        f"SavesFailedError: step(s) {SAVED_AT} reached no durable tier (step {SAVED_AT}: 'disk': "), res
+    assert "Stopping rather than training on with no checkpoint on disk" in res["second"]
+    assert res["held"] == [SAVED_AT, RESUMED_TO]  # the second save's snapshot was taken before the error

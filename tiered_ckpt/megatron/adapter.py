@@ -313,7 +313,28 @@ def save_checkpoint(iteration: int, model: Any, optimizer: Any, opt_param_schedu
     handle = engine.save(iteration, items, persistent=not non_persistent_ckpt)
     # After the first save, the other slots are pre-faulted in the background (the first one already is).
     _prepare_in_background(engine, lambda: items)
+    _raise_if_not_durable(engine, iteration)
     return handle
+
+
+def _raise_if_not_durable(engine: Any, iteration: int) -> None:
+    """Megatron-LM ignores what ``save_checkpoint`` returns, and its own save stops the job on a failed write. A
+    Megatron user's trial: with the ``--save`` directory gone, every save failed on the disk (a warning each) and
+    the job trained to its end, exit 0, with no checkpoint on disk. A save that reached no durable tier stops the
+    job at the next save instead, once that save's snapshot is in memory (a restart resumes from it)."""
+    lost = engine.take_not_durable()
+    if not lost:
+        return
+    from ..handles import SavesFailedError
+
+    err = SavesFailedError(lost)
+    steps = ", ".join(map(str, sorted(lost)))
+    why = "; ".join(f"{t!r}: {w[:300]}" for t, w in lost[max(lost)].items())
+    err.args = (f"step(s) {steps} reached no durable tier (step {max(lost)}: {why}); iteration {iteration} may "
+                "be in memory only as well. Stopping rather than training on with no checkpoint on disk: fix the "
+                "tier and restart (the snapshots in shared memory are drained there at start-up, and the job "
+                "resumes from the newest)",)
+    raise err
 
 
 def _format(args: Any) -> str:
