@@ -710,6 +710,8 @@ class CheckpointEngine:
                 if unreachable:
                     log.warning("load: step %d from tier %r without seeing tier(s) %s: a newer step may be there",
                                 result.step, result.tier, ", ".join(repr(t) for t in unreachable))
+                if step is None and self.coords.rank == 0:
+                    self._warn_if_gone_back_past(result.step, available)
                 return result
             # Some rank could not read its part of this step anywhere: everyone moves to an older one together,
             # unless a file tier failed with its own errors (throttled, unreachable, permission denied): the step is
@@ -729,6 +731,28 @@ class CheckpointEngine:
                 self._nothing_loadable(unreachable, f"step {step} cannot be loaded by every rank "
                                                     f"({'; '.join(fallbacks)})", tried=[step], fallbacks=fallbacks,
                                        damaged=damaged)
+
+    def _warn_if_gone_back_past(self, step: int, available: dict[str, list[int]]) -> None:
+        """A Megatron user's trial: a run resumed with --ckpt-step 4 below steps 6 and 8, saved step 6 again, and a
+        plain restart then resumed from step 8, the abandoned run, without a word (Megatron-LM, which follows its
+        tracker, would take 6). load() still takes the newest step; it says so when a lower step was committed
+        after it, on the first file tier holding the step (from the manifests this load read already)."""
+        name = next((n for n in self.pipeline.order if self.pipeline.stores[n].durable
+                     and step in available.get(n, [])), None)
+        if name is None:
+            return
+        store = self.pipeline.stores[name]
+        try:
+            taken = store.read_manifest(step, cached=True).created
+            later = [s for s in available[name] if s < step and store.read_manifest(s, cached=True).created > taken]
+        except (TieredCkptError, OSError):
+            return  # a warning only: what could not be read was said by the load
+        if later:
+            log.warning("load: step %d is the newest step, but step(s) %s on tier %r were committed after it: a run "
+                        "went back below step %d (load(step=...), Megatron's --ckpt-step) and saved since. This "
+                        "resumes from step %d; to go on with the later run, load(step=%d) (--ckpt-step %d), or "
+                        "remove the steps above it", step, ", ".join(map(str, later)), name, step, step, max(later),
+                        max(later))
 
     def _await_recovery(self) -> None:
         """Wait (up to ``load.list_timeout_s``) for the start-up recovery to finish on each recovered step's first

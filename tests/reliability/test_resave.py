@@ -231,3 +231,28 @@ def test_a_step_saved_again_loads_its_new_files_in_the_process_that_loaded_it_be
         got = engine.load(step=1)
         assert got.tier == "local" and got.verified and not got.fallbacks
         assert torch.equal(got.items["model"]["w"], state(101.0)["model"]["w"])
+
+
+def test_a_restart_after_going_back_says_it_resumes_past_the_later_run(tmp_path, caplog):
+    """A Megatron user's trial: resumed at step 4 (--ckpt-step) below steps 6 and 8, the run saved step 6 again;
+    a plain restart resumed from step 8, the abandoned run, and nothing said so (Megatron-LM, following its
+    tracker, would take 6). load() still takes the newest step, and now says which steps came after it."""
+    cfg = config(tmp_path, keep=10)
+    with CheckpointEngine(cfg) as engine:
+        for step in (2, 4, 6, 8):
+            engine.save(step, state(float(step))).wait()
+    with CheckpointEngine(cfg) as engine:
+        assert engine.load(step=4).step == 4
+        engine.save(6, state(60.0)).wait()
+    with CheckpointEngine(cfg) as engine, caplog.at_level(logging.WARNING, logger="tiered_ckpt"):
+        assert engine.load().step == 8
+    said = [r.getMessage() for r in caplog.records if r.getMessage().startswith("load: step 8 is the newest")]
+    assert len(said) == 1 and "step(s) 6 on tier 'local' were committed after it" in said[0]
+    assert "load(step=6)" in said[0]
+    caplog.clear()
+    with CheckpointEngine(cfg) as engine, caplog.at_level(logging.WARNING, logger="tiered_ckpt"):
+        assert engine.load(step=6).step == 6  # asked for: nothing to say
+        engine.save(8, state(80.0)).wait()  # the later run goes on past the old one
+    with CheckpointEngine(cfg) as engine, caplog.at_level(logging.WARNING, logger="tiered_ckpt"):
+        assert engine.load().step == 8
+    assert "is the newest step, but" not in caplog.text
