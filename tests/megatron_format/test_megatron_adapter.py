@@ -269,7 +269,14 @@ def test_the_drop_in_called_before_torch_distributed_is_initialised_refuses(tmp_
     monkeypatch.setenv(adapter.CONFIG_ENV, str(tmp_path / "tiers.yaml"))
     monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.setattr(adapter, "_default_engine", None)
-    with pytest.raises(ConfigError, match=r"before torch.distributed.init_process_group \(WORLD_SIZE=2\)"):
+    with pytest.raises(ConfigError, match=r"before torch.distributed.init_process_group \(a world of 2 ranks"):
+        adapter.load_checkpoint(rank.model, rank.optimizer, rank.scheduler, checkpointing_context={},
+                                args=rank.args, rng_tracker=rank.rng_tracker)
+    assert adapter._default_engine is None
+    # a launcher that sets no WORLD_SIZE: Megatron's args say how many ranks (a second trial)
+    monkeypatch.delenv("WORLD_SIZE")
+    monkeypatch.setattr(rank.args, "world_size", 4, raising=False)
+    with pytest.raises(ConfigError, match=r"\(a world of 4 ranks: WORLD_SIZE, args.world_size\)"):
         adapter.load_checkpoint(rank.model, rank.optimizer, rank.scheduler, checkpointing_context={},
                                 args=rank.args, rng_tracker=rank.rng_tracker)
     assert adapter._default_engine is None

@@ -118,14 +118,16 @@ def engine_for(engine: Any, checkpointing_context: Any, args: Any) -> Any:
             if not path:
                 raise ConfigError(f"no engine: pass engine=..., or set {CONFIG_ENV} to a tiers.yaml (the drop-in "
                                   "builds its engine from it)")
-            world = int(os.environ.get("WORLD_SIZE", "1") or 1)
+            # The launcher's WORLD_SIZE, or Megatron's args where a launcher sets none (a user's trial: RANK=1 of a
+            # world_size=2 job, no WORLD_SIZE, built an engine of its own)
+            world = max(int(os.environ.get("WORLD_SIZE", "1") or 1), _int_arg(args, "world_size"))
             if world > 1 and not torch.distributed.is_initialized():
                 # The engine would be built (and kept for the process) without the job's process group: each rank
                 # would load, and commit, on its own (a user's trial: ranks resumed at different steps).
-                raise ConfigError(f"the drop-in was called before torch.distributed.init_process_group "
-                                  f"(WORLD_SIZE={world}): the ranks could not agree on a step to load or commit a "
-                                  "step together; call it after Megatron's initialize_megatron (or your own "
-                                  "init_process_group)")
+                raise ConfigError(f"the drop-in was called before torch.distributed.init_process_group (a world "
+                                  f"of {world} ranks: WORLD_SIZE, args.world_size): the ranks could not agree on a "
+                                  "step to load or commit a step together; call it after Megatron's "
+                                  "initialize_megatron (or your own init_process_group)")
             from ..engine import CheckpointEngine
 
             _default_engine = CheckpointEngine(path, layout_from_args(args))
@@ -135,6 +137,11 @@ def engine_for(engine: Any, checkpointing_context: Any, args: Any) -> Any:
     if isinstance(checkpointing_context, dict):
         checkpointing_context.setdefault(CONTEXT_KEY, engine)
     return engine
+
+
+def _int_arg(args: Any, name: str) -> int:
+    value = getattr(args, name, None)
+    return value if isinstance(value, int) and not isinstance(value, bool) else 1
 
 
 _LAYOUT_FIX = ("give the engine the job's ParallelLayout (the drop-in builds it from args: tensor_model_parallel_size, "
