@@ -395,3 +395,22 @@ def test_every_rank_resumes_from_memory_across_nodes(tmp_path: Path, shm_root: s
         assert r["same"] and r["result"] == [SyntheticJob(**spec["job"]).iteration, 3.0], (rank, r)
     sources = {rank: r["source"][0].rsplit("(model_optim_rng from ", 1)[1] for rank, r in resumed.items()}
     assert sources == {0: "shm)", 1: "shm)", 2: "rank 0 over gloo)", 3: "shm of rank 1)"}
+
+
+def test_a_checkpoint_of_another_model_is_named_with_its_step_tier_and_the_likely_cause(tmp_path: Path,
+                                                                                      shm_root: str) -> None:
+    """A Megatron user's trial: a run_id reused for a bigger model failed with "optimizer 0: the checkpoint's dense
+    buckets [...] differ from the job's [...]", naming neither the step, nor the tier, nor what to do."""
+    job = SyntheticJob(ModelSpec(num_layers=2), tp=1, pp=1, dp=1, seed=9)
+    rank = fake_rank(job, 0)
+    cfg = _config(f"t{uuid.uuid4().hex[:8]}", shm_root, tmp_path / "shared", "shm", "shared")
+    with CheckpointEngine(cfg, job.parallel) as engine:
+        adapter.save_checkpoint(job.iteration, rank.model, rank.optimizer, rank.scheduler, 1.0, engine=engine,
+                                args=rank.args, rng_tracker=rank.rng_tracker).wait(timeout=60)
+    bigger = fake_rank(SyntheticJob(ModelSpec(num_layers=2, hidden=128), tp=1, pp=1, dp=1, seed=9), 0)
+    with CheckpointEngine(cfg, job.parallel) as engine, pytest.raises(LayoutMismatchError) as err:
+        adapter.load_checkpoint(bigger.model, bigger.optimizer, bigger.scheduler, engine=engine,
+                                skip_load_to_model_and_opt=True,  # (the fake model refuses other shapes)
+                                args=bigger.args, rng_tracker=bigger.rng_tracker)
+    assert str(err.value).startswith(f"step {job.iteration} from tier 'shm': optimizer 0: the checkpoint's")
+    assert "give it a run_id of its own and an empty checkpoint directory" in str(err.value)

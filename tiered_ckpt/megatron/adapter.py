@@ -450,7 +450,7 @@ def load_checkpoint(ddp_model: Any, optimizer: Any, opt_param_scheduler: Any, lo
     log.info("rank %d: step %d from tier %r (model_optim_rng from %s)", engine.coords.rank, loaded.step,
              loaded.tier, source)
     result = restore(state, loaded.items, chunks, optimizer, opt_param_scheduler, strict, skip_load_to_model_and_opt,
-                    args, rng_tracker, engine.coords, where=f"step {loaded.step}")
+                    args, rng_tracker, engine.coords, where=f"step {loaded.step} from tier {loaded.tier!r}")
     _prepare_now(engine, lambda: _items(result[0], chunks, optimizer, opt_param_scheduler, result[1], args,
                                         rng_tracker, engine, False, template=True))
     return result

@@ -248,7 +248,13 @@ def restore(state: dict[str, Any], items: Mapping[str, Any], chunks: list[Any], 
             if "optimizer" in state and not skip:
                 optimizer.load_state_dict(state["optimizer"])
             if OPTIM_ITEM in items:
-                apply_distrib_optim(optimizer, items[OPTIM_ITEM], coords)
+                try:
+                    apply_distrib_optim(optimizer, items[OPTIM_ITEM], coords)
+                except LayoutMismatchError as exc:  # which step, from where, and the likely cause (a user's trial)
+                    raise LayoutMismatchError(
+                        f"{where}: {exc}. A checkpoint of another model: if this job is a new one, give it a "
+                        "run_id of its own and an empty checkpoint directory (an earlier run's snapshots with this "
+                        "run_id are drained into it at start-up: remove those steps)") from None
         if opt_param_scheduler is not None:
             sched = state.get("opt_param_scheduler", state.get("lr_scheduler"))
             if sched is not None:
