@@ -310,7 +310,9 @@ def test_training_py_calls_work_verbatim(tmp_path: Path, shm_root: str, monkeypa
             handle.wait(timeout=60)
         engine = checkpointing_context[adapter.CONTEXT_KEY]
         assert engine is adapter._default_engine
-        assert any("args.save=" in r.getMessage() and "elsewhere" in r.getMessage() for r in caplog.records)
+        said = [r.getMessage() for r in caplog.records if "args.save=" in r.getMessage()]
+        assert said and "elsewhere" in said[0]
+        assert str(tmp_path / "shared") in said[0] and shm_root not in said[0]  # shm is no file tier's directory
         assert engine.available_steps() == {"shm": [job.iteration, job.iteration + 1], "shared": [job.iteration]}
         scramble(rank)
         got = adapter.load_checkpoint(

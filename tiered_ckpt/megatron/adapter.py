@@ -155,6 +155,8 @@ def _warn_if_elsewhere(engine: Any, args: Any) -> None:
 
     dirs = set()
     for name in engine.tiers:
+        if engine.pipeline.stores[name].slots() is not None:  # a memory tier's slots are no checkpoint directory
+            continue
         opts = engine.tier_config(name).options
         where = getattr(opts, "path", None) or getattr(opts, "url", None)
         if isinstance(where, str) and where.startswith("file://"):
