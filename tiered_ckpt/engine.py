@@ -937,13 +937,15 @@ class CheckpointEngine:
         with self._cond:
             failures, self._failures = self._failures, {}
             self._recovered_failures.clear()
+            self._not_durable.clear()  # reported here, with the rest
         if failures:
             raise SavesFailedError(failures)
 
     def take_not_durable(self) -> dict[int, dict[str, str]]:
-        """The steps saved since the last call whose every due durable tier failed (step → tier → why): they
-        are in memory only. For callers that never wait on their saves (Megatron-LM ignores what
-        ``save_checkpoint`` returns): the drop-in raises on them at the next save."""
+        """The steps saved since the last call (or ``engine.wait()``, which raises them with the rest) whose
+        every due durable tier failed (step → tier → why): they are in memory only. For callers that never wait
+        on their saves (Megatron-LM ignores what ``save_checkpoint`` returns): the drop-in raises on them at the
+        next save."""
         with self._cond:
             lost, self._not_durable = self._not_durable, {}
         return lost
