@@ -755,3 +755,21 @@ def test_a_demo_whose_job_fails_is_a_failed_check_not_an_internal_error(demo_lau
     code = main(["demo", "--workdir", str(tmp_path / "demo"), "--world", "2", "--steps", "12"])
     err = capsys.readouterr().err
     assert code == EXIT_FAILED and "the demo failed: rank 1 failed" in err and "internal error" not in err, err
+
+
+def test_a_tier_that_could_not_be_read_is_named_once(ckpt, capsys, monkeypatch):
+    """A plugin author's trial: "could not read tier 'db': tier 'db': ..." said the tier twice."""
+    from tiered_ckpt.errors import PermanentTierError
+    from tiered_ckpt.tiers.local import LocalTier
+
+    _, cfg = ckpt
+    path = ckpt[0].parent / "tiers.json"
+    path.write_text(json.dumps(cfg))
+
+    def refused(self, prefix=""):
+        raise PermanentTierError("listing refused", tier=self.name, key=prefix or None)
+
+    monkeypatch.setattr(LocalTier, "list", refused)
+    code, out = run(capsys, "verify", "--config", str(path), "--json")
+    error = json.loads(out)["error"]
+    assert code == EXIT_UNREADABLE and "tier 'disk'" in error and error.count("tier 'disk'") == 1, error

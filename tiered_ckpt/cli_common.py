@@ -227,7 +227,7 @@ class Opened:
         if self.unreadable or self.unchanged:
             told = []
             if self.unreadable:
-                why = "; ".join(f"{self.label(n)}: {w}" for n, w in self.unreadable.items())
+                why = "; ".join(f"{self.label(n)}: {_unprefixed(w, n)}" for n, w in self.unreadable.items())
                 told.append(f"could not read {why} (nothing can be said about what it holds)")
             if self.unchanged:
                 told.append("; ".join(f"{self.label(n)}: {w}" for n, w in self.unchanged.items()))
@@ -245,6 +245,15 @@ class Opened:
         if self.target is None:
             for n, why in self.absent.items():
                 _note(args, f"{self.label(n)}: {why}")
+
+
+def _unprefixed(text: str, tier: str) -> str:
+    """``text`` (a tier error's) without the "tier 'x'" it starts with, which the label before it says already
+    ("could not read tier 'db': tier 'db': ..." read twice: a trial)."""
+    for head in (f"tier {tier!r}: ", f"tier {tier!r}, "):
+        if text.startswith(head):
+            return text[len(head):]
+    return text
 
 
 def step_directory_hint(target: str) -> str:
