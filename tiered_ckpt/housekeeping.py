@@ -101,13 +101,15 @@ def find_debris(store: FileStore, *, live: bool = False, min_age_s: float = TEMP
             continue  # only said, never removed: a size that cannot be had is no reason to fail the tier's gc
         why = None if debris else LEFT_NEWEST if newest else LEFT_YOUNG
         (out if debris else kept).append(Debris(store.name, "partial step", step_dir, nbytes, age_s=age, left=why))
-    temps = store.tier.temp_files()  # the Tier interface (tiers/base.py): every kind answers, plugins too
-    for rel in temps:
+    relisted: set[str] | None = None  # the temporary files listed again, once, after a size() said "no blob"
+    for rel in store.tier.temp_files():  # the Tier interface (tiers/base.py): every kind answers, plugins too
         age = _age(store, rel, now) if min_age_s > 0 else None
         try:
             size: int | None = store.tier.size(rel)
         except BlobNotFoundError:
-            if rel not in store.tier.temp_files():
+            if relisted is None:
+                relisted = set(store.tier.temp_files())
+            if rel not in relisted:
                 continue  # finished (renamed into place) or removed since the listing
             size = None  # a plugin's size() that refuses temp keys: still found (they were skipped: a trial)
         except (TierError, OSError):

@@ -59,14 +59,14 @@ def open_drain(pipeline: Pipeline, on_tier_done: OnTierDone, on_slot_released: O
     """The drain for ``pipeline``: the worker process (``drain.mode: process``) where a shared-memory tier can
     hand it the snapshot (behind threads for an in-process tier above it), threads of this process otherwise."""
     stores, order = pipeline.stores, pipeline.order
-    shared = worker_source([stores[n].tier.capabilities for n in order])
+    caps = [stores[n].tier.capabilities for n in order]
+    shared = worker_source(caps)
     if pipeline.config.drain.mode == "process" and shared is not None:
         if shared == 0:
             return ProcessDrain(pipeline.config, pipeline.coords, order, pipeline.local_rank, pipeline.node_ranks,
                                 pipeline.emit, on_tier_done, on_slot_released, stores=stores)
         return SplitDrain(pipeline, shared, on_tier_done, on_slot_released)
     if pipeline.config.drain.mode == "process":
-        caps = [stores[n].tier.capabilities for n in order]
         volatile = [n for n, c in zip(order, caps, strict=True) if not c.survives_process and not c.memory]
         shm = any(c.memory and c.survives_process for c in caps)
         log.info("%s: the drain runs as threads of this process", f"tier(s) {', '.join(map(repr, volatile))} keep "

@@ -81,15 +81,17 @@ CONTEXT_KEY = "tiered_ckpt_engine"
 _default_engine: Any = None
 
 
+def _arg_size(args: Any, name: str) -> int:
+    """A size among Megatron's args (a parallel size, ``world_size``): 1 where unset."""
+    return int(getattr(args, name, None) or 1)
+
+
 def layout_from_args(args: Any) -> Any:
     """The job's :class:`~tiered_ckpt.ParallelLayout` from Megatron's args (Megatron's rank order)."""
     from ..parallel import ParallelLayout
 
-    def size(name: str) -> int:
-        return int(getattr(args, name, None) or 1)
-
-    tp, pp = size("tensor_model_parallel_size"), size("pipeline_model_parallel_size")
-    ep, cp = size("expert_model_parallel_size"), size("context_parallel_size")
+    tp, pp = _arg_size(args, "tensor_model_parallel_size"), _arg_size(args, "pipeline_model_parallel_size")
+    ep, cp = _arg_size(args, "expert_model_parallel_size"), _arg_size(args, "context_parallel_size")
     dp = getattr(args, "data_parallel_size", None)
     if dp is None:
         world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
@@ -120,7 +122,7 @@ def engine_for(engine: Any, checkpointing_context: Any, args: Any) -> Any:
                                   "builds its engine from it)")
             # The launcher's WORLD_SIZE, or Megatron's args where a launcher sets none (a user's trial: RANK=1 of a
             # world_size=2 job, no WORLD_SIZE, built an engine of its own)
-            world = max(int(os.environ.get("WORLD_SIZE", "1") or 1), _int_arg(args, "world_size"))
+            world = max(int(os.environ.get("WORLD_SIZE", "1") or 1), _arg_size(args, "world_size"))
             if world > 1 and not torch.distributed.is_initialized():
                 # The engine would be built (and kept for the process) without the job's process group: each rank
                 # would load, and commit, on its own (a user's trial: ranks resumed at different steps).
@@ -137,11 +139,6 @@ def engine_for(engine: Any, checkpointing_context: Any, args: Any) -> Any:
     if isinstance(checkpointing_context, dict):
         checkpointing_context.setdefault(CONTEXT_KEY, engine)
     return engine
-
-
-def _int_arg(args: Any, name: str) -> int:
-    value = getattr(args, name, None)
-    return value if isinstance(value, int) and not isinstance(value, bool) else 1
 
 
 _LAYOUT_FIX = ("give the engine the job's ParallelLayout (the drop-in builds it from args: tensor_model_parallel_size, "
